@@ -1,0 +1,111 @@
+"""Token layouts: which global tokens each rank of the ring holds.
+
+Three layouts map the N tokens of a sequence onto P ranks:
+
+* ``contiguous``: rank r holds one block of consecutive tokens. Simple, but
+  under a causal mask the last rank does P times the work of the first.
+* ``zigzag``: the sequence is cut into 2P chunks; rank r holds chunks r and
+  2P-1-r, so every rank owns one "early" and one "late" chunk and the causal
+  work is balanced.
+* ``striped``: token t lives on rank t mod P; every rank sees the same mix of
+  early and late tokens.
+
+Any N >= 1 works with any P >= 1: chunk sizes differ by at most one token and
+a rank may hold no token at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["LAYOUTS", "positions", "counts", "split_sizes", "check_layout"]
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout: str) -> str:
+    """Return ``layout`` if it names a known layout, else raise ValueError."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+def split_sizes(n: int, parts: int) -> np.ndarray:
+    """Sizes of ``parts`` near-equal pieces of ``n`` items (the first ones one larger)."""
+    base, rem = divmod(n, parts)
+    sizes = np.full(parts, base, dtype=np.int64)
+    sizes[:rem] += 1
+    return sizes
+
+
+def _check_args(n: int, rank: int, size: int) -> None:
+    if int(n) != n or n < 0:
+        raise ValueError(f"sequence length must be a non-negative integer, got {n!r}")
+    if int(size) != size or size < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {size!r}")
+    if int(rank) != rank or not 0 <= rank < size:
+        raise ValueError(f"rank {rank!r} is outside 0..{size - 1}")
+
+
+def positions(n: int, rank: int, size: int, layout: str = "zigzag") -> np.ndarray:
+    """Global token indices held by ``rank``, in the order the rank stores them.
+
+    Parameters
+    ----------
+    n : int
+        Global sequence length (>= 0).
+    rank, size : int
+        This rank and the number of ranks in the ring.
+    layout : {"contiguous", "zigzag", "striped"}
+        Token layout.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 array of shape (count,), count >= 0.
+    """
+    _check_args(n, rank, size)
+    check_layout(layout)
+    n, rank, size = int(n), int(rank), int(size)
+    if layout == "striped":
+        return np.arange(rank, n, size, dtype=np.int64)
+    if layout == "contiguous":
+        sizes = split_sizes(n, size)
+        start = int(sizes[:rank].sum())
+        return np.arange(start, start + sizes[rank], dtype=np.int64)
+    sizes = split_sizes(n, 2 * size)
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    a, b = rank, 2 * size - 1 - rank
+    return np.concatenate(
+        (
+            np.arange(starts[a], starts[a + 1], dtype=np.int64),
+            np.arange(starts[b], starts[b + 1], dtype=np.int64),
+        )
+    )
+
+
+def counts(n: int, size: int, layout: str = "zigzag") -> np.ndarray:
+    """Number of tokens each rank holds: int64 array of shape (size,)."""
+    _check_args(n, 0, size)
+    check_layout(layout)
+    if layout == "striped":
+        return np.array([len(range(r, n, size)) for r in range(size)], dtype=np.int64)
+    if layout == "contiguous":
+        return split_sizes(n, size)
+    s = split_sizes(n, 2 * size)
+    return s[:size] + s[::-1][:size]
+
+
+def runs(pos: np.ndarray) -> list[tuple[int, int]]:
+    """Split a position array into maximal runs with a constant positive stride.
+
+    Returns a list of (start, stop) index pairs. Tiles cut inside one run have
+    tight [min, max] position bounds, which is what causal tile skipping needs.
+    """
+    n = len(pos)
+    if n <= 2:
+        return [(0, n)] if n else []
+    d = np.diff(pos)
+    cuts = np.flatnonzero(d != d[0]) + 1
+    bounds = [0, *cuts.tolist(), n]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
