@@ -1,0 +1,66 @@
+# ringmpi developer targets. Everything runs inside a virtual environment that
+# `make venv` creates (or reuses) under .venv.
+#   make test     lint + single-rank tests + multi-rank tests at P = 1..4
+#   make run      sample data -> mpiexec -n 4 ringmpi run -> verify -> summary
+#   make bench    CPU benchmark table (ringmpi bench)
+#   make stress   faults, hostile input and soak checks (full version)
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On a machine without a system MPI the PyPI build of MPICH gives mpiexec; set
+# EXTRAS=test on a cluster to use the system MPI that mpi4py was built against.
+EXTRAS ?= mpich,test
+NP ?= 4
+MPIEXEC ?= $(VENV)/bin/mpiexec
+# one BLAS/OpenMP thread per rank: ranks share the cores
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+TEST_TIMEOUT ?= 1200
+RANKS ?= 1 2 3 4
+
+.PHONY: venv install lint test test-serial test-mpi run bench stress gpu-check clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+venv install: $(VENV)/.installed
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check ringmpi tests data
+	$(VENV)/bin/ruff format --check ringmpi tests data
+
+test-serial: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Each rank runs pytest under `python -m mpi4py`, so an exception on one rank
+# aborts the whole job instead of leaving the others waiting; timeout bounds it.
+test-mpi: $(VENV)/.installed
+	for p in $(RANKS); do \
+	  echo "=== multi-rank tests, P=$$p ==="; \
+	  timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $$p $(PY) -m mpi4py -m pytest -q -p no:cacheprovider \
+	    --with-mpi -m mpi tests || exit $$?; \
+	done
+
+test: lint test-serial test-mpi
+
+run: $(VENV)/.installed
+	$(PY) -m ringmpi make-data data/sample/sample.h5
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m ringmpi run data/sample/sample.h5 -o data/sample/out.h5 --causal --verify
+
+bench: $(VENV)/.installed
+	$(PY) -m ringmpi bench
+
+stress: $(VENV)/.installed
+	$(PY) -m tests.stress
+
+gpu-check:
+	bash jobs/gpu_check.sh
+
+clean:
+	rm -rf build dist *.egg-info data/sample .pytest_cache .ruff_cache
