@@ -1,0 +1,617 @@
+/* Fused CPU attention tile: scores, causal mask, online softmax and P.V in one pass.
+ *
+ * Loaded by ringmpi/fused.py (compiled on first use, cached on disk). Same semantics as
+ * ringmpi.cpu.forward_tile, the numpy specification. Internal layout, head-major:
+ *
+ *   q    (B, H,   Sq, D)      k, v (B, Hkv, Sk, D)     query head h reads K/V head h / (H/Hkv)
+ *   qpos (Sq,), kpos (Sk,)    int64 global token positions
+ *   acc  (B, H, Sq, D), m (B, H, Sq), l (B, H, Sq)   online-softmax state, updated in place
+ *
+ * For one query row with scores s_j = scale * q.k_j over its visible keys (kpos_j <= qpos_i when
+ * causal) the state update over a block of keys is
+ *
+ *   m'  = max(m, max_j s_j)
+ *   acc = exp(m - m') acc + sum_j exp(s_j - m') v_j
+ *   l   = exp(m - m') l   + sum_j exp(s_j - m')
+ *
+ * Technique. For every K/V head the block of keys is packed once per call: K transposed into
+ * panels of KW keys ((D, KW) row-major, so one vector load gives KW/W consecutive keys of one
+ * feature) and V with rows padded to a whole number of vectors. Queries go in strips of R rows:
+ *   1. S (R x Bk) = Qs K^T with an R x KW register tile (R*KW/W accumulators, broadcast FMAs);
+ *   2. mask (diagonal blocks only), row max, exp by a vector polynomial, row sum;
+ *   3. O (R x D) = alpha O + P V with an R x (NV*W) register tile.
+ * The strip of scores stays in L1, the packed K/V block in L2: memory traffic per flop is that
+ * of a blocked matrix product and no (Sq x Sk) array exists.
+ *
+ * exp: 2^t with t = x log2(e) split as n + f, |f| <= 1/2; 2^f by a Taylor polynomial (degree 7 for
+ * float32, 12 for float64; truncation below 1e-8 resp. 3e-16 relative), 2^n by vscalef on
+ * AVX-512 or by building the exponent bits on AVX2. x = -inf gives exactly 0; NaN propagates.
+ * Compiled without -ffast-math, so inf and NaN keep their IEEE meaning everywhere.
+ *
+ * The file includes itself twice to instantiate float32 and float64 (RM_T selects the type).
+ */
+#ifndef RM_T
+/* ===================================================================== common part ==== */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef RM_R
+#define RM_R 6 /* query rows per register tile */
+#endif
+#define RM_ALIGN 64
+
+typedef struct {
+    int64_t a, b;     /* index range [a, b) */
+    int64_t lo, hi;   /* min and max position inside */
+    int inc;          /* positions strictly increasing: visible keys form a prefix */
+} rm_block;
+
+/* Cut [start, stop) into blocks of at most `size` rows that never cross a cut in `cuts`
+ * (the boundaries of runs of evenly spaced positions), with position bounds. */
+static int64_t rm_blocks(const int64_t *pos, int64_t start, int64_t stop, const int64_t *cuts,
+                         int64_t ncuts, int64_t size, rm_block *out) {
+    int64_t nb = 0, c = 0, a = start;
+    while (a < stop) {
+        while (c < ncuts && cuts[c] <= a) c++;
+        int64_t seg_end = (c < ncuts && cuts[c] < stop) ? cuts[c] : stop;
+        int64_t b = a + size < seg_end ? a + size : seg_end;
+        int64_t lo = pos[a], hi = pos[a];
+        int inc = 1;
+        for (int64_t i = a + 1; i < b; i++) {
+            lo = pos[i] < lo ? pos[i] : lo;
+            hi = pos[i] > hi ? pos[i] : hi;
+            inc &= pos[i] > pos[i - 1];
+        }
+        out[nb].inc = inc;
+        out[nb].a = a;
+        out[nb].b = b;
+        out[nb].lo = lo;
+        out[nb].hi = hi;
+        nb++;
+        a = b;
+    }
+    return nb;
+}
+
+static void *rm_alloc(size_t bytes) {
+    size_t n = (bytes + RM_ALIGN - 1) / RM_ALIGN * RM_ALIGN;
+    return aligned_alloc(RM_ALIGN, n ? n : RM_ALIGN);
+}
+
+int rm_simd_width_bytes(void) {
+#if defined(__AVX512F__)
+    return 64;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 32;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------ float32 vector layer --- */
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VF_W 16
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_zero _mm512_setzero_ps
+#define vf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_add _mm512_add_ps
+#define vf_mul _mm512_mul_ps
+#define vf_max _mm512_max_ps
+#define vf_hmax _mm512_reduce_max_ps
+#define vf_hsum _mm512_reduce_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+#define VF_W 8
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_zero _mm256_setzero_ps
+#define vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vf_add _mm256_add_ps
+#define vf_mul _mm256_mul_ps
+#define vf_max _mm256_max_ps
+static inline float vf_hmax(vf x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+static inline float vf_hsum(vf x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+#else
+typedef float vf;
+#define VF_W 1
+#define vf_load(p) (*(p))
+#define vf_store(p, x) (*(p) = (x))
+#define vf_set1(x) (x)
+#define vf_zero() 0.0f
+#define vf_fma(a, b, c) ((a) * (b) + (c))
+#define vf_add(a, b) ((a) + (b))
+#define vf_mul(a, b) ((a) * (b))
+#define vf_max(a, b) ((a) > (b) ? (a) : (b))
+#define vf_hmax(x) (x)
+#define vf_hsum(x) (x)
+#endif
+
+/* exp(x) for x <= 0 (x = -inf -> 0, NaN -> NaN). */
+static inline vf vf_exp(vf x) {
+#if VF_W == 1
+    return expf(x);
+#else
+    /* 2^f = sum_k (f ln2)^k / k!, Horner in f: c_k = ln2^k / k! */
+    const float c1 = 0.693147180559945f, c2 = 0.240226506959101f, c3 = 5.55041086648216e-2f,
+                c4 = 9.61812910762848e-3f, c5 = 1.33335581464284e-3f, c6 = 1.54035303933816e-4f,
+                c7 = 1.52527338040598e-5f;
+#if defined(__AVX512F__)
+    /* max(const, t) returns t when t is NaN (x86 returns the second operand) */
+    vf t = _mm512_max_ps(vf_set1(-160.0f), vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = _mm512_sub_ps(t, n);
+#else
+    vf t = _mm256_max_ps(vf_set1(-127.0f), vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = _mm256_sub_ps(t, n);
+#endif
+    vf p = vf_fma(vf_set1(c7), f, vf_set1(c6));
+    p = vf_fma(p, f, vf_set1(c5));
+    p = vf_fma(p, f, vf_set1(c4));
+    p = vf_fma(p, f, vf_set1(c3));
+    p = vf_fma(p, f, vf_set1(c2));
+    p = vf_fma(p, f, vf_set1(c1));
+    p = vf_fma(p, f, vf_set1(1.0f));
+#if defined(__AVX512F__)
+    return _mm512_scalef_ps(p, n);
+#else
+    /* n >= -127: biased exponent n + 127 >= 0; n = -127 gives the bit pattern of 0.0 */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                                  23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+#endif
+#endif
+}
+
+/* ------------------------------------------------------------ float64 vector layer --- */
+#if defined(__AVX512F__)
+typedef __m512d vd;
+#define VD_W 8
+#define vd_load _mm512_loadu_pd
+#define vd_store _mm512_storeu_pd
+#define vd_set1 _mm512_set1_pd
+#define vd_zero _mm512_setzero_pd
+#define vd_fma(a, b, c) _mm512_fmadd_pd(a, b, c)
+#define vd_add _mm512_add_pd
+#define vd_mul _mm512_mul_pd
+#define vd_max _mm512_max_pd
+#define vd_hmax _mm512_reduce_max_pd
+#define vd_hsum _mm512_reduce_add_pd
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256d vd;
+#define VD_W 4
+#define vd_load _mm256_loadu_pd
+#define vd_store _mm256_storeu_pd
+#define vd_set1 _mm256_set1_pd
+#define vd_zero _mm256_setzero_pd
+#define vd_fma(a, b, c) _mm256_fmadd_pd(a, b, c)
+#define vd_add _mm256_add_pd
+#define vd_mul _mm256_mul_pd
+#define vd_max _mm256_max_pd
+static inline double vd_hmax(vd x) {
+    __m128d h = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    h = _mm_max_sd(h, _mm_unpackhi_pd(h, h));
+    return _mm_cvtsd_f64(h);
+}
+static inline double vd_hsum(vd x) {
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    h = _mm_add_sd(h, _mm_unpackhi_pd(h, h));
+    return _mm_cvtsd_f64(h);
+}
+#else
+typedef double vd;
+#define VD_W 1
+#define vd_load(p) (*(p))
+#define vd_store(p, x) (*(p) = (x))
+#define vd_set1(x) (x)
+#define vd_zero() 0.0
+#define vd_fma(a, b, c) ((a) * (b) + (c))
+#define vd_add(a, b) ((a) + (b))
+#define vd_mul(a, b) ((a) * (b))
+#define vd_max(a, b) ((a) > (b) ? (a) : (b))
+#define vd_hmax(x) (x)
+#define vd_hsum(x) (x)
+#endif
+
+static inline vd vd_exp(vd x) {
+#if VD_W == 1
+    return exp(x);
+#else
+    /* Taylor coefficients ln2^k / k!, k = 0..12 */
+    static const double c[13] = {1.0,
+                                 0.6931471805599453,
+                                 0.2402265069591007,
+                                 5.550410866482158e-2,
+                                 9.618129107628477e-3,
+                                 1.3333558146428443e-3,
+                                 1.5403530393381608e-4,
+                                 1.5252733804059841e-5,
+                                 1.3215486790144307e-6,
+                                 1.0178086009239699e-7,
+                                 7.054911620801123e-9,
+                                 4.445538271870811e-10,
+                                 2.567843599348821e-11};
+#if defined(__AVX512F__)
+    vd t = _mm512_max_pd(vd_set1(-1100.0), vd_mul(x, vd_set1(1.4426950408889634)));
+    vd n = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vd f = _mm512_sub_pd(t, n);
+#else
+    vd t = _mm256_max_pd(vd_set1(-1023.0), vd_mul(x, vd_set1(1.4426950408889634)));
+    vd n = _mm256_round_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vd f = _mm256_sub_pd(t, n);
+#endif
+    vd p = vd_set1(c[12]);
+    for (int i = 11; i >= 0; i--) p = vd_fma(p, f, vd_set1(c[i]));
+#if defined(__AVX512F__)
+    return _mm512_scalef_pd(p, n);
+#else
+    /* n >= -1023: biased exponent >= 0; n = -1023 gives the bit pattern of 0.0 */
+    __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
+    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
+#endif
+#endif
+}
+
+/* ----------------------------------------------------------- instantiate both types --- */
+#define RM_T float
+#define RM_V vf
+#define RM_W VF_W
+#define RM_SFX f32
+#define RM_EXP1 expf
+#define V_LOAD vf_load
+#define V_STORE vf_store
+#define V_SET1 vf_set1
+#define V_ZERO vf_zero
+#define V_FMA vf_fma
+#define V_MUL vf_mul
+#define V_ADD vf_add
+#define V_MAX vf_max
+#define V_HMAX vf_hmax
+#define V_HSUM vf_hsum
+#define V_EXP vf_exp
+#include "cpu_tile.c" /* this file again, now with RM_T defined */
+#undef RM_T
+#undef RM_V
+#undef RM_W
+#undef RM_SFX
+#undef RM_EXP1
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET1
+#undef V_ZERO
+#undef V_FMA
+#undef V_MUL
+#undef V_ADD
+#undef V_MAX
+#undef V_HMAX
+#undef V_HSUM
+#undef V_EXP
+
+#define RM_T double
+#define RM_V vd
+#define RM_W VD_W
+#define RM_SFX f64
+#define RM_EXP1 exp
+#define V_LOAD vd_load
+#define V_STORE vd_store
+#define V_SET1 vd_set1
+#define V_ZERO vd_zero
+#define V_FMA vd_fma
+#define V_MUL vd_mul
+#define V_ADD vd_add
+#define V_MAX vd_max
+#define V_HMAX vd_hmax
+#define V_HSUM vd_hsum
+#define V_EXP vd_exp
+#include "cpu_tile.c" /* this file again, now with RM_T defined */
+
+#else
+/* ============================================================ type-generic part ==== */
+#define RM_CAT2(a, b) a##_##b
+#define RM_CAT(a, b) RM_CAT2(a, b)
+#define FN(name) RM_CAT(name, RM_SFX)
+
+/* keys per packed K^T panel (NK vectors) and D-columns per P.V register tile (NV vectors) */
+#ifndef RM_NK
+#define RM_NK 4
+#endif
+#ifndef RM_NV
+#define RM_NV 4
+#endif
+#define NK RM_NK
+#define KW (NK * RM_W)
+#define NV RM_NV
+
+/* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
+ * V rows vp (b - a, Dp), zero padded past D. */
+static void FN(rm_pack)(const RM_T *k, const RM_T *v, int64_t a, int64_t b, int64_t D,
+                        int64_t Dp, RM_T *kt, RM_T *vp) {
+    int64_t nk = b - a;
+    int64_t np = (nk + KW - 1) / KW;
+    for (int64_t p = 0; p < np; p++) {
+        RM_T *dst = kt + p * D * KW;
+        for (int64_t c = 0; c < KW; c++) {
+            int64_t j = p * KW + c;
+            if (j < nk) {
+                const RM_T *src = k + (a + j) * D;
+                for (int64_t d = 0; d < D; d++) dst[d * KW + c] = src[d];
+            } else {
+                for (int64_t d = 0; d < D; d++) dst[d * KW + c] = 0;
+            }
+        }
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        memcpy(vp + j * Dp, v + (a + j) * D, (size_t)D * sizeof(RM_T));
+        for (int64_t d = D; d < Dp; d++) vp[j * Dp + d] = 0;
+    }
+}
+
+/* S (RM_R x ldS) = Qs (RM_R x D) K^T for all panels of one block. */
+static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, int64_t np,
+                             int64_t D, RM_T *restrict s, int64_t lds) {
+    for (int64_t p = 0; p < np; p++) {
+        const RM_T *kp = kt + p * D * KW;
+        RM_V acc[RM_R][NK];
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < NK; c++) acc[r][c] = V_ZERO();
+        for (int64_t d = 0; d < D; d++) {
+            RM_V kv[NK];
+#pragma GCC unroll 4
+            for (int c = 0; c < NK; c++) kv[c] = V_LOAD(kp + d * KW + c * RM_W);
+#pragma GCC unroll 16
+            for (int r = 0; r < RM_R; r++) {
+                RM_V qb = V_SET1(qs[r * D + d]);
+#pragma GCC unroll 4
+                for (int c = 0; c < NK; c++) acc[r][c] = V_FMA(qb, kv[c], acc[r][c]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < NK; c++) V_STORE(s + r * lds + p * KW + c * RM_W, acc[r][c]);
+    }
+}
+
+/* O (RM_R x Dp) += P (RM_R x nk) V (nk x Dp). */
+static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *restrict vp,
+                             int64_t nk, int64_t Dp, RM_T *restrict o) {
+    int64_t d0 = 0;
+    for (; d0 + NV * RM_W <= Dp; d0 += NV * RM_W) {
+        RM_V acc[RM_R][NV];
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < NV; c++) acc[r][c] = V_LOAD(o + r * Dp + d0 + c * RM_W);
+        for (int64_t j = 0; j < nk; j++) {
+            RM_V vv[NV];
+#pragma GCC unroll 4
+            for (int c = 0; c < NV; c++) vv[c] = V_LOAD(vp + j * Dp + d0 + c * RM_W);
+#pragma GCC unroll 16
+            for (int r = 0; r < RM_R; r++) {
+                RM_V pb = V_SET1(pm[r * ldp + j]);
+#pragma GCC unroll 4
+                for (int c = 0; c < NV; c++) acc[r][c] = V_FMA(pb, vv[c], acc[r][c]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < NV; c++) V_STORE(o + r * Dp + d0 + c * RM_W, acc[r][c]);
+    }
+    for (; d0 < Dp; d0 += RM_W) { /* tail: one vector of columns */
+        RM_V acc[RM_R];
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++) acc[r] = V_LOAD(o + r * Dp + d0);
+        for (int64_t j = 0; j < nk; j++) {
+            RM_V vv = V_LOAD(vp + j * Dp + d0);
+#pragma GCC unroll 16
+            for (int r = 0; r < RM_R; r++) acc[r] = V_FMA(V_SET1(pm[r * ldp + j]), vv, acc[r]);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++) V_STORE(o + r * Dp + d0, acc[r]);
+    }
+}
+
+/* Online softmax over one strip: s (RM_R x ncol, ncol a multiple of RM_W, -inf past the
+ * valid keys) becomes P in place; m, l, and the rows of o (RM_R x Dp) are rescaled. */
+static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, RM_T *restrict m,
+                                  RM_T *restrict l, RM_T *restrict o, int64_t Dp) {
+    for (int r = 0; r < RM_R; r++) {
+        RM_T *row = s + r * lds;
+        RM_V vm = V_LOAD(row);
+        for (int64_t j = RM_W; j < ncol; j += RM_W) vm = V_MAX(vm, V_LOAD(row + j));
+        RM_T mx = V_HMAX(vm);
+        RM_T m_old = m[r];
+        RM_T m_new = m_old > mx ? m_old : mx;
+        if (mx != mx) m_new = mx; /* NaN score: poison the row like the spec */
+        RM_T alpha;
+        if (m_new == -INFINITY) {
+            /* nothing visible yet: spec uses m_safe = 0, so alpha = exp(-inf) = 0, p = 0 */
+            alpha = 0;
+            for (int64_t j = 0; j < ncol; j++) row[j] = 0;
+            l[r] = l[r] * alpha;
+        } else {
+            alpha = RM_EXP1(m_old - m_new);
+            RM_V neg = V_SET1(-m_new);
+            RM_V sum = V_ZERO();
+            for (int64_t j = 0; j < ncol; j += RM_W) {
+                RM_V p = V_EXP(V_ADD(V_LOAD(row + j), neg));
+                V_STORE(row + j, p);
+                sum = V_ADD(sum, p);
+            }
+            l[r] = l[r] * alpha + V_HSUM(sum);
+        }
+        m[r] = m_new;
+        if (alpha != 1) {
+            RM_V va = V_SET1(alpha);
+            RM_T *orow = o + r * Dp;
+            for (int64_t d = 0; d < Dp; d += RM_W) V_STORE(orow + d, V_MUL(V_LOAD(orow + d), va));
+        }
+    }
+}
+
+/* Public entry point: fold K/V into the state for query rows [q0, q1) of every (b, h).
+ * qcuts/kcuts: ascending indices where runs of evenly spaced positions start (may be empty).
+ * bq, bk: block sizes (rows of queries, keys), bk a multiple of the panel width.
+ * Returns the flops of the computed blocks (4 nq nk D per block and head), or -1 when out
+ * of memory. */
+int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const int64_t *qpos,
+                            const int64_t *kpos, RM_T *acc, RM_T *m, RM_T *l, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, int64_t q0, int64_t q1,
+                            const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
+                            int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk) {
+    if (q1 <= q0 || Sk == 0) return 0;
+    const int64_t G = H / Hkv;
+    const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
+    bk = (bk + KW - 1) / KW * KW;
+    bq = (bq + RM_R - 1) / RM_R * RM_R;
+    rm_block *qb = malloc(sizeof(rm_block) * (size_t)(q1 - q0 + 1));
+    rm_block *kb = malloc(sizeof(rm_block) * (size_t)(Sk + 1));
+    int64_t nqb = rm_blocks(qpos, q0, q1, qcuts, nqcuts, bq, qb);
+    int64_t nkb = rm_blocks(kpos, 0, Sk, kcuts, nkcuts, bk, kb);
+    /* packed offsets: block t uses whole panels */
+    int64_t *koff = malloc(sizeof(int64_t) * (size_t)(nkb + 1));
+    koff[0] = 0;
+    for (int64_t t = 0; t < nkb; t++)
+        koff[t + 1] = koff[t] + (kb[t].b - kb[t].a + KW - 1) / KW * KW;
+    RM_T *kt = rm_alloc(sizeof(RM_T) * (size_t)(koff[nkb] * D));
+    RM_T *vp = rm_alloc(sizeof(RM_T) * (size_t)(koff[nkb] * Dp));
+    RM_T *qs = rm_alloc(sizeof(RM_T) * (size_t)(bq * D));
+    RM_T *ob = rm_alloc(sizeof(RM_T) * (size_t)(bq * Dp));
+    RM_T *mb = rm_alloc(sizeof(RM_T) * (size_t)bq);
+    RM_T *lb = rm_alloc(sizeof(RM_T) * (size_t)bq);
+    RM_T *sb = rm_alloc(sizeof(RM_T) * (size_t)(RM_R * bk));
+    int64_t flops = 0;
+    if (!qb || !kb || !koff || !kt || !vp || !qs || !ob || !mb || !lb || !sb) {
+        flops = -1;
+        goto done;
+    }
+    const RM_T sc = (RM_T)scale;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            const RM_T *kh = k + (b * Hkv + hk) * Sk * D;
+            const RM_T *vh = v + (b * Hkv + hk) * Sk * D;
+            for (int64_t t = 0; t < nkb; t++)
+                FN(rm_pack)(kh, vh, kb[t].a, kb[t].b, D, Dp, kt + koff[t] * D, vp + koff[t] * Dp);
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t h = hk * G + g;
+                const RM_T *qh = q + (b * H + h) * Sq * D;
+                RM_T *ah = acc + (b * H + h) * Sq * D;
+                RM_T *mh = m + (b * H + h) * Sq;
+                RM_T *lh = l + (b * H + h) * Sq;
+                for (int64_t iq = 0; iq < nqb; iq++) {
+                    const int64_t qa = qb[iq].a, nq = qb[iq].b - qb[iq].a;
+                    const int64_t nqp = (nq + RM_R - 1) / RM_R * RM_R;
+                    /* load the state and the scaled queries; padded rows stay harmless */
+                    for (int64_t i = 0; i < nqp; i++) {
+                        if (i < nq) {
+                            for (int64_t d = 0; d < D; d++) qs[i * D + d] = qh[(qa + i) * D + d] * sc;
+                            memcpy(ob + i * Dp, ah + (qa + i) * D, (size_t)D * sizeof(RM_T));
+                            for (int64_t d = D; d < Dp; d++) ob[i * Dp + d] = 0;
+                            mb[i] = mh[qa + i];
+                            lb[i] = lh[qa + i];
+                        } else {
+                            for (int64_t d = 0; d < D; d++) qs[i * D + d] = 0;
+                            for (int64_t d = 0; d < Dp; d++) ob[i * Dp + d] = 0;
+                            mb[i] = -INFINITY;
+                            lb[i] = 0;
+                        }
+                    }
+                    for (int64_t t = 0; t < nkb; t++) {
+                        if (causal && qb[iq].hi < kb[t].lo) continue; /* all keys in the future */
+                        const int masked = causal && qb[iq].lo < kb[t].hi;
+                        const int64_t ka = kb[t].a, nk = kb[t].b - kb[t].a;
+                                                const RM_T *ktb = kt + koff[t] * D, *vpb = vp + koff[t] * Dp;
+                        const int64_t *kp = kpos + ka;
+                        for (int64_t r0 = 0; r0 < nqp; r0 += RM_R) {
+                            /* visible keys of each row: a prefix of length cnt[r] when the
+                             * block's positions increase, else an explicit per-key test */
+                            int64_t cnt[RM_R], use = nk;
+                            if (masked && kb[t].inc) {
+                                use = 0;
+                                for (int r = 0; r < RM_R; r++) {
+                                    int64_t c = nk;
+                                    if (r0 + r < nq) { /* upper bound of qpos in kp */
+                                        const int64_t qp = qpos[qa + r0 + r];
+                                        int64_t lo_ = 0, hi_ = nk;
+                                        while (lo_ < hi_) {
+                                            int64_t mid = (lo_ + hi_) / 2;
+                                            if (kp[mid] <= qp) lo_ = mid + 1;
+                                            else hi_ = mid;
+                                        }
+                                        c = lo_;
+                                        use = c > use ? c : use;
+                                    }
+                                    cnt[r] = c;
+                                }
+                                if (use == 0) continue; /* no row of the strip sees a key */
+                            }
+                            const int64_t up = (use + KW - 1) / KW, ucol = up * KW;
+                            FN(rm_qk)(qs + r0 * D, ktb, up, D, sb, bk);
+                            for (int r = 0; r < RM_R; r++) {
+                                RM_T *row = sb + r * bk;
+                                int64_t c = use;
+                                if (masked && kb[t].inc) {
+                                    c = cnt[r] < use ? cnt[r] : use;
+                                } else if (masked && r0 + r < nq) {
+                                    const int64_t qp = qpos[qa + r0 + r];
+                                    for (int64_t j = 0; j < use; j++)
+                                        row[j] = kp[j] <= qp ? row[j] : -INFINITY;
+                                }
+                                for (int64_t j = c; j < ucol; j++) row[j] = -INFINITY;
+                            }
+                            FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, ob + r0 * Dp, Dp);
+                            FN(rm_pv)(sb, bk, vpb, use, Dp, ob + r0 * Dp);
+                        }
+                        flops += 4 * nq * nk * D;
+                    }
+                    for (int64_t i = 0; i < nq; i++) {
+                        memcpy(ah + (qa + i) * D, ob + i * Dp, (size_t)D * sizeof(RM_T));
+                        mh[qa + i] = mb[i];
+                        lh[qa + i] = lb[i];
+                    }
+                }
+            }
+        }
+    }
+done:
+    free(qb);
+    free(kb);
+    free(koff);
+    free(kt);
+    free(vp);
+    free(qs);
+    free(ob);
+    free(mb);
+    free(lb);
+    free(sb);
+    return flops;
+}
+
+#undef FN
+#undef NK
+#undef KW
+#undef NV
+#endif

@@ -1,0 +1,277 @@
+"""Fused CPU tile: a C kernel compiled on first use, same semantics as ``ringmpi.cpu``.
+
+The kernel (``kernels/cpu_tile.c``) computes scores, the causal mask, the online
+softmax and the P.V product in one pass over cache-sized blocks, so no (Sq, Sk)
+array is ever formed and exp runs as a vector polynomial. It is built with the
+system C compiler (``$CC``, else ``cc``/``gcc``) with ``-O3 -march=native`` (no
+``-ffast-math``: inf and NaN keep their IEEE meaning) and cached on disk under
+``$RINGMPI_CACHE_DIR`` (default ``~/.cache/ringmpi``). The cache key hashes the
+source, the compiler's identity, the flags and the host CPU's feature flags, so a
+shared home directory on a heterogeneous cluster gets one build per CPU type.
+Concurrent builds by several MPI ranks are safe: each compiles to a private
+temporary name and renames it into place atomically.
+
+If no compiler works, :func:`available` returns False and callers use the numpy
+tile (:func:`ringmpi.cpu.forward_tile`); :func:`unavailable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import cpu
+from .partition import runs
+
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "forward_tile",
+    "library_path",
+    "simd_width",
+    "BLOCK_Q",
+    "BLOCK_K",
+    "CHUNK_Q",
+]
+
+#: query rows per block inside the kernel (state of one block stays in L1/L2)
+BLOCK_Q = 64
+#: keys per block, by feature size: the packed K and V blocks stay in L2
+BLOCK_K = 256
+#: query rows per kernel call when a progress callback must run between calls
+CHUNK_Q = 512
+
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast"]
+# extra flags for experiments (e.g. "-DRM_R=6"); part of the cache key
+FLAGS += os.environ.get("RINGMPI_CFLAGS", "").split()
+_SOURCE_NAME = "cpu_tile.c"
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[Path] = None
+_error: Optional[str] = None
+_tried = False
+
+
+def _source_path() -> Path:
+    """Find kernels/cpu_tile.c: $RINGMPI_KERNEL_DIR, the source tree, or the package."""
+    here = Path(__file__).resolve().parent
+    candidates = []
+    if os.environ.get("RINGMPI_KERNEL_DIR"):
+        candidates.append(Path(os.environ["RINGMPI_KERNEL_DIR"]) / _SOURCE_NAME)
+    candidates += [here.parent / "kernels" / _SOURCE_NAME, here / "kernels" / _SOURCE_NAME]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"{_SOURCE_NAME} not found in " + ", ".join(map(str, candidates)))
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name.split()[0]):
+            return name
+    raise FileNotFoundError("no C compiler found (set $CC)")
+
+
+def _cpu_flags() -> str:
+    """Host CPU identity for the cache key: -march=native depends on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    d = os.environ.get("RINGMPI_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "ringmpi"
+
+
+def _build() -> Path:
+    src = _source_path()
+    cc = _compiler()
+    version = subprocess.run(
+        [*cc.split(), "--version"], capture_output=True, text=True, timeout=60
+    ).stdout
+    key = hashlib.sha256()
+    for part in (src.read_bytes(), cc.encode(), version.encode(), " ".join(FLAGS).encode()):
+        key.update(part)
+        key.update(b"\0")
+    key.update(_cpu_flags().encode())
+    key.update(platform.machine().encode())
+    out_dir = _cache_dir()
+    target = out_dir / f"cpu_tile-{key.hexdigest()[:24]}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_tile-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [*cc.split(), *FLAGS, "-o", tmp, str(src), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {src} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, target)  # atomic: concurrent ranks see a complete file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _lib_path, _error, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        try:
+            path = _build()
+            lib = ctypes.CDLL(str(path))
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            for sfx in ("f32", "f64"):
+                fn = getattr(lib, f"rm_forward_tile_{sfx}")
+                fn.restype = i64
+                fn.argtypes = [p] * 8 + [i64] * 8 + [p, i64, p, i64, ctypes.c_double]
+                fn.argtypes += [ctypes.c_int, i64, i64]
+            lib.rm_simd_width_bytes.restype = ctypes.c_int
+            _lib, _lib_path = lib, path
+        except Exception as exc:  # no compiler, no write access, ...: numpy fallback
+            _error = f"{type(exc).__name__}: {exc}"
+        return _lib
+
+
+def available() -> bool:
+    """True when the fused kernel is (or can be) compiled and loaded on this host."""
+    return _load() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True)."""
+    _load()
+    return _error
+
+
+def library_path() -> Optional[Path]:
+    """Path of the loaded shared library, or None."""
+    _load()
+    return _lib_path
+
+
+def simd_width() -> int:
+    """Vector width the kernel was built for, in bytes (64 AVX-512, 32 AVX2, 0 scalar)."""
+    lib = _load()
+    return int(lib.rm_simd_width_bytes()) if lib is not None else 0
+
+
+def _cuts(pos: np.ndarray) -> np.ndarray:
+    """Starts of the runs of evenly spaced positions, when there are few of them.
+
+    Blocks never cross a cut, so causal skipping has tight bounds. Many tiny runs
+    (arbitrary positions) would make tiny blocks: then blocks ignore runs and rely
+    on the explicit per-element mask, which is correct for any positions.
+    """
+    r = runs(pos)
+    if len(r) > max(4, len(pos) // 64):
+        return np.zeros(0, dtype=np.int64)
+    return np.array([a for a, _ in r[1:]], dtype=np.int64)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def forward_tile(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    acc: np.ndarray,
+    m: np.ndarray,
+    l: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    progress: Optional[Callable[[], None]] = None,
+) -> int:
+    """Fold one K/V block into the online-softmax state, in place (fused C kernel).
+
+    Same contract as :func:`ringmpi.cpu.forward_tile`; falls back to it for
+    dtypes other than float32/float64 or when the kernel is unavailable.
+
+    Parameters
+    ----------
+    q : (B, H, Sq, D) ; k, v : (B, Hkv, Sk, D) ; q_pos : (Sq,) ; k_pos : (Sk,)
+    acc : (B, H, Sq, D) ; m, l : (B, H, Sq)
+        State in the dtype of q, C-contiguous, updated in place.
+    scale : float
+    causal : bool
+    progress : callable, optional
+        Called between kernel calls (every ``CHUNK_Q`` query rows).
+
+    Returns
+    -------
+    int
+        Flops of the two matrix products over the blocks the kernel computed
+        (4 * nq * nk * D per block and head; skipped blocks count 0).
+    """
+    dt = q.dtype
+    lib = _load()
+    ok = (
+        lib is not None
+        and dt in (np.float32, np.float64)
+        and k.dtype == dt
+        and v.dtype == dt
+        and all(a.dtype == dt and a.flags.c_contiguous for a in (acc, m, l))
+    )
+    if not ok:
+        return cpu.forward_tile(
+            q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress
+        )
+    bsz, h, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if h % hkv:
+        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
+    if sq == 0 or sk == 0:
+        return 0
+    q = np.ascontiguousarray(q)
+    k = np.ascontiguousarray(k)
+    v = np.ascontiguousarray(v)
+    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+    k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
+    qc, kc = _cuts(q_pos), _cuts(k_pos)
+    fn = lib.rm_forward_tile_f32 if dt == np.float32 else lib.rm_forward_tile_f64
+    # keys per block: packed K and V blocks (2 * bk * D elements) within ~half of L2
+    bk = int(min(512, max(64, (BLOCK_K * 64) // max(d, 1))))
+    step = sq if progress is None else CHUNK_Q
+    flops = 0
+    for q0 in range(0, sq, step):
+        q1 = min(sq, q0 + step)
+        f = fn(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(q_pos), _ptr(k_pos), _ptr(acc), _ptr(m), _ptr(l),
+            bsz, h, hkv, sq, sk, d, q0, q1,
+            _ptr(qc), len(qc), _ptr(kc), len(kc), float(scale), int(bool(causal)), BLOCK_Q, bk,
+        )  # fmt: skip
+        if f < 0:
+            raise MemoryError("fused tile: out of memory for its work buffers")
+        flops += int(f)
+        if progress is not None:
+            progress()
+    return flops
