@@ -1,0 +1,304 @@
+"""HDF5 output: per-rank part files, completion markers, and one virtual-dataset file.
+
+For ``-o OUT.h5`` the run writes, next to it, a directory ``OUT.h5.parts/``:
+
+    manifest.json           what the run is (inputs, layout, ranks, ...), for --resume
+    s000003.r00002.h5       rank 2's tokens of sequence 3: out (n, H, D), lse (H, n), pos (n,)
+    s000003.done            JSON marker: sequence 3 complete on every rank (sizes, CRC32)
+
+and, once every sequence is complete, ``OUT.h5`` itself: virtual datasets that
+stitch the parts into global token order (``out`` (S, H, D) and ``lse`` (H, S),
+with a leading batch axis or one group per sequence when the input had them).
+No sequence is ever gathered on one rank; rank 0 writes only the mapping.
+
+Every file is written under a temporary name, fsync'ed and renamed: a file under
+a final name is always complete. A sequence counts as done only when its marker
+exists; ``--resume`` checks each rank's part against the marker (size and CRC32)
+and recomputes anything missing or damaged. The computation is deterministic for
+fixed inputs, layout and ranks, so a resumed run gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from typing import Optional
+
+import numpy as np
+
+from .io import InputError, Plan, collective, local_runs
+from .partition import positions
+
+__all__ = ["OutputStore", "part_name", "fingerprint", "fsync_path"]
+
+FORMAT = 1
+_OURS = re.compile(r"^(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json)(\.tmp)?$")
+
+
+def part_name(seq_index: int, rank: int) -> str:
+    """File name of one rank's part of one sequence."""
+    return f"s{seq_index:06d}.r{rank:05d}.h5"
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file or directory to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while True:
+            b = fh.read(1 << 22)
+            if not b:
+                return crc
+            crc = zlib.crc32(b, crc)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(path) or ".")
+
+
+def fingerprint(plan: Plan, layout: str, causal: bool, scale: Optional[float], nranks: int) -> dict:
+    """What must match for --resume to reuse finished sequences."""
+
+    def stamp(p):
+        st = os.stat(p)
+        return [os.path.abspath(p), st.st_size, st.st_mtime_ns]
+
+    return {
+        "format": FORMAT,
+        "inputs": [stamp(p) for p in plan.files],
+        "weights": stamp(plan.weights) if plan.weights else None,
+        "layout": layout,
+        "causal": bool(causal),
+        "scale": scale,
+        "nranks": nranks,
+        "dtype": plan.dtype,
+        "geometry": [plan.heads, plan.kv_heads, plan.head_dim],
+        "sequences": [[s.name, s.length] for s in plan.sequences],
+    }
+
+
+class OutputStore:
+    """Collective writer of one run's output (every method is called on all ranks).
+
+    Parameters
+    ----------
+    path : str
+        Final output file (the virtual-dataset file).
+    comm : mpi4py communicator or None
+    plan : Plan
+    meta : dict
+        Run description from :func:`fingerprint`; stored in the manifest and as
+        attributes of the output file.
+    """
+
+    def __init__(self, path: str, comm, plan: Plan, meta: dict):
+        self.path = os.path.abspath(path)
+        self.parts = self.path + ".parts"
+        self.comm, self.plan, self.meta = comm, plan, meta
+        self.rank = 0 if comm is None else comm.Get_rank()
+        self.size = 1 if comm is None else comm.Get_size()
+        self.layout = meta["layout"]
+
+    # -- start -------------------------------------------------------------
+    def _prepare_root(self, resume: bool) -> dict:
+        d = os.path.dirname(self.path)
+        if not os.path.isdir(d):
+            raise InputError(f"{self.path}: output directory {d} does not exist")
+        for p in self.plan.files + ([self.plan.weights] if self.plan.weights else []):
+            if os.path.exists(self.path) and os.path.samefile(p, self.path):
+                raise InputError(f"{self.path}: output would overwrite input {p}")
+        try:
+            manifest = os.path.join(self.parts, "manifest.json")
+            if resume and os.path.exists(manifest):
+                try:
+                    with open(manifest) as fh:
+                        old = json.load(fh)
+                except (OSError, ValueError) as e:
+                    raise InputError(f"{manifest}: unreadable ({e}); rerun without --resume") from e
+                diff = [
+                    k for k in sorted(set(old) | set(self.meta)) if old.get(k) != self.meta.get(k)
+                ]
+                if diff:
+                    raise InputError(
+                        f"{manifest}: made by a different run (differs in {', '.join(diff)}); "
+                        "rerun without --resume"
+                    )
+                done = {}
+                for name in sorted(os.listdir(self.parts)):
+                    m = re.fullmatch(r"s(\d{6})\.done", name)
+                    if m:
+                        try:
+                            with open(os.path.join(self.parts, name)) as fh:
+                                done[int(m.group(1))] = json.load(fh)
+                        except (OSError, ValueError):
+                            pass  # an unreadable marker means: redo that sequence
+                return done
+            # fresh start: nothing stale may survive under a final name
+            if os.path.lexists(self.path):
+                os.remove(self.path)
+            if os.path.isdir(self.parts):
+                for name in os.listdir(self.parts):
+                    if _OURS.match(name):
+                        os.remove(os.path.join(self.parts, name))
+            os.makedirs(self.parts, exist_ok=True)
+            probe = os.path.join(self.parts, "manifest.json.tmp")
+            with open(probe, "w") as fh:
+                fh.write("")
+            _write_json(manifest, self.meta)
+            return {}
+        except OSError as e:
+            raise InputError(f"{self.path}: cannot write output ({e.strerror or e})") from e
+
+    def open(self, resume: bool = False) -> set:
+        """Create (or, with ``resume``, reopen) the output; return the indices already done."""
+        comm = self.comm
+        if self.rank == 0:
+            done = collective(comm, self._prepare_root, resume)
+        else:
+            done = collective(comm, lambda: None)
+        if comm is not None:
+            done = comm.bcast(done, root=0)
+
+        def visible():
+            if not os.path.isfile(os.path.join(self.parts, "manifest.json")):
+                raise InputError(
+                    f"{self.parts}: not visible on rank {self.rank} "
+                    "(the output must be on a file system shared by all ranks)"
+                )
+            ok = []
+            for i, marker in sorted(done.items()):
+                p = os.path.join(self.parts, part_name(i, self.rank))
+                size, crc = marker["parts"][self.rank]
+                ok.append(os.path.exists(p) and os.path.getsize(p) == size and _crc32(p) == crc)
+            return ok
+
+        ok = np.array(collective(comm, visible), dtype=np.int32)
+        if comm is not None and len(ok):
+            from mpi4py import MPI
+
+            comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+        return {i for i, good in zip(sorted(done), ok.tolist()) if good}
+
+    # -- one sequence --------------------------------------------------------
+    def _write_part(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> list:
+        import h5py
+
+        final = os.path.join(self.parts, part_name(i, self.rank))
+        tmp = final + ".tmp"
+        try:
+            with h5py.File(tmp, "w") as f:
+                f.create_dataset("out", data=out)
+                f.create_dataset("lse", data=lse)
+                f.create_dataset("pos", data=pos)
+                f.attrs["sequence"] = self.plan.sequences[i].name
+                f.attrs["rank"] = self.rank
+                f.attrs["nranks"] = self.size
+                f.attrs["layout"] = self.layout
+            fsync_path(tmp)
+            os.replace(tmp, final)
+            fsync_path(self.parts)
+            return [os.path.getsize(final), _crc32(final)]
+        except (OSError, RuntimeError, ValueError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise InputError(
+                f"{final}: cannot write output part on rank {self.rank} ({msg})"
+            ) from e
+
+    def write(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
+        """Write this rank's part of sequence ``i``, then mark it done (collective).
+
+        Parameters
+        ----------
+        pos : int64 array (n,)
+            Global positions of this rank's tokens.
+        out : array (n, H, D)
+        lse : array (H, n)
+        """
+        info = collective(self.comm, self._write_part, i, pos, out, lse)
+        infos = [info] if self.comm is None else self.comm.gather(info, root=0)
+        if self.rank == 0:
+            marker = {"sequence": self.plan.sequences[i].name, "parts": infos}
+            path = os.path.join(self.parts, f"s{i:06d}.done")
+            collective(self.comm, _write_json, path, marker)
+        else:
+            collective(self.comm, lambda: None)
+
+    # -- end -------------------------------------------------------------------
+    def _sources(self, i: int):
+        """Yield (relative part file, runs) for each rank of sequence ``i``."""
+        seq = self.plan.sequences[i]
+        rel = os.path.basename(self.parts)
+        for r in range(self.size):
+            pos = positions(seq.length, r, self.size, self.layout)
+            yield f"{rel}/{part_name(i, r)}", len(pos), local_runs(pos)
+
+    def _write_vds(self) -> None:
+        import h5py
+
+        plan = self.plan
+        h, d = plan.heads, plan.head_dim
+        dt = np.dtype(plan.dtype)
+        lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
+        tmp = self.path + ".tmp"
+        with h5py.File(tmp, "w") as f:
+            for key, val in self.meta.items():
+                f.attrs[key] = json.dumps(val)
+            f.attrs["structure"] = plan.structure
+            if plan.structure == "batch":
+                b, s = len(plan.sequences), plan.sequences[0].length
+                lays = [(h5py.VirtualLayout((b, s, h, d), dt), h5py.VirtualLayout((b, h, s), lt))]
+            else:
+                lays = []
+                for seq in plan.sequences:
+                    s = seq.length
+                    lays.append((h5py.VirtualLayout((s, h, d), dt), h5py.VirtualLayout((h, s), lt)))
+            for i in range(len(plan.sequences)):
+                lo, ll = lays[0] if plan.structure == "batch" else lays[i]
+                bi = (i,) if plan.structure == "batch" else ()
+                for fname, n, rns in self._sources(i):
+                    so = h5py.VirtualSource(fname, "out", shape=(n, h, d), dtype=dt)
+                    sl = h5py.VirtualSource(fname, "lse", shape=(h, n), dtype=lt)
+                    for g0, cnt, step, o in rns:
+                        sel = slice(g0, g0 + step * (cnt - 1) + 1, step)
+                        lo[bi + (sel,)] = so[o : o + cnt]
+                        ll[bi + (slice(None), sel)] = sl[:, o : o + cnt]
+                if plan.structure != "batch":
+                    g = plan.sequences[i].group
+                    node = f.require_group(g) if g else f
+                    node.create_virtual_dataset("out", lo)
+                    node.create_virtual_dataset("lse", ll)
+            if plan.structure == "batch":
+                f.create_virtual_dataset("out", lays[0][0])
+                f.create_virtual_dataset("lse", lays[0][1])
+        fsync_path(tmp)
+        os.replace(tmp, self.path)
+        fsync_path(os.path.dirname(self.path))
+
+    def finish(self) -> None:
+        """Rank 0 writes the virtual-dataset file and renames it into place (collective)."""
+        if self.rank == 0:
+
+            def vds():
+                try:
+                    self._write_vds()
+                except (OSError, RuntimeError, ValueError) as e:
+                    raise InputError(f"{self.path}: cannot write output ({e})") from e
+
+            collective(self.comm, vds)
+        else:
+            collective(self.comm, lambda: None)

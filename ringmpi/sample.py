@@ -1,0 +1,126 @@
+"""Deterministic sample inputs in the ringmpi HDF5 schema (``ringmpi make-data``).
+
+Values depend only on (seed, sequence, token block), never on the number of
+shard files or the compression, so the same sequence split three ways or stored
+compressed holds exactly the same numbers. Data are generated block by block:
+any size can be written without holding a sequence in memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from .partition import split_sizes
+
+__all__ = ["make_data", "shard_paths", "BLOCK"]
+
+BLOCK = 4096  # tokens per generated block
+
+
+def shard_paths(path: str, shards: int) -> list:
+    """File names of ``shards`` shard files for ``path``: a.h5 -> a.part000.h5, ..."""
+    if shards == 1:
+        return [path]
+    stem, ext = os.path.splitext(path)
+    return [f"{stem}.part{j:03d}{ext or '.h5'}" for j in range(shards)]
+
+
+def _block(seed: int, seq: int, blk: int, n: int, widths: dict, dtype) -> dict:
+    rng = np.random.default_rng([seed, seq, blk])
+    return {k: rng.standard_normal((n, *w)).astype(dtype) for k, w in widths.items()}
+
+
+def make_data(
+    path: str,
+    seq_len: int = 4096,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    sequences: int = 1,
+    batch_axis: bool = False,
+    shards: int = 1,
+    compression: Optional[str] = None,
+    dtype: str = "float32",
+    features: int = 0,
+    weights: Optional[str] = None,
+    seed: int = 0,
+) -> list:
+    """Write sample input file(s) and return their paths (weights file last, if any).
+
+    Parameters
+    ----------
+    path : str
+        Output file; with ``shards > 1`` it becomes ``stem.partNNN.h5``.
+    seq_len, heads, kv_heads, head_dim : int
+        S, H, Hkv, D: q is (S, H, D), k and v (S, Hkv, D).
+    sequences : int
+        Number of sequences: one group per sequence (``seq000``, ...) unless
+        ``batch_axis`` gives a leading axis (B, S, ...). One sequence is stored
+        at the root.
+    shards : int
+        Split the sequence axis over this many files (near-equal sizes).
+    compression : {None, "gzip"}
+        gzip level 4 with the shuffle filter and fletcher32 checksums, chunked.
+    features : int
+        If > 0, write raw features x (S, F) instead of q/k/v, and a weights file
+        (``weights`` or ``stem-weights.h5``) with wq (F, H*D), wk, wv (F, Hkv*D).
+    """
+    import h5py
+
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    if seq_len < shards:
+        raise ValueError(f"seq_len={seq_len} is smaller than shards={shards}")
+    dt = np.dtype(dtype)
+    if features:
+        widths = {"x": (features,)}
+    else:
+        widths = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, head_dim)}
+    paths = shard_paths(path, shards)
+    sizes = split_sizes(seq_len, shards)
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    groups = [""] if sequences == 1 and not batch_axis else None
+    if groups is None:
+        groups = [""] if batch_axis else [f"seq{i:03d}" for i in range(sequences)]
+    for j, p in enumerate(paths):
+        n = int(sizes[j])
+        tmp = p + ".tmp"
+        with h5py.File(tmp, "w") as f:
+            for gi, g in enumerate(groups):
+                node = f.require_group(g) if g else f
+                lead = (sequences,) if batch_axis else ()
+                dsets = {}
+                for name, w in widths.items():
+                    kw = {}
+                    if compression == "gzip":
+                        chunk = (1,) * len(lead) + (max(1, min(n, 1024)), *w)
+                        kw = dict(chunks=chunk, compression="gzip", compression_opts=4)
+                        kw.update(shuffle=True, fletcher32=True)
+                    dsets[name] = node.create_dataset(name, shape=(*lead, n, *w), dtype=dt, **kw)
+                for b in range(sequences if batch_axis else 1):
+                    seq = b if batch_axis else gi
+                    # global blocks overlapping this shard's token range
+                    lo, hi = int(starts[j]), int(starts[j + 1])
+                    for blk in range(lo // BLOCK, (hi - 1) // BLOCK + 1):
+                        a, e = blk * BLOCK, min((blk + 1) * BLOCK, seq_len)
+                        vals = _block(seed, seq, blk, e - a, widths, dt)
+                        s0, s1 = max(a, lo), min(e, hi)
+                        for name, arr in vals.items():
+                            sel = (b,) if batch_axis else ()
+                            dsets[name][sel + (slice(s0 - lo, s1 - lo),)] = arr[s0 - a : s1 - a]
+        os.replace(tmp, p)
+    if features:
+        wpath = weights or os.path.splitext(path)[0] + "-weights.h5"
+        rng = np.random.default_rng([seed, 1 << 20])
+        with h5py.File(wpath + ".tmp", "w") as f:
+            f.attrs["num_heads"] = heads
+            f.attrs["num_kv_heads"] = kv_heads
+            for name, h in (("wq", heads), ("wk", kv_heads), ("wv", kv_heads)):
+                w = rng.standard_normal((features, h * head_dim)) / np.sqrt(features)
+                f.create_dataset(name, data=w.astype(dt))
+        os.replace(wpath + ".tmp", wpath)
+        paths.append(wpath)
+    return paths
