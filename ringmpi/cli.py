@@ -1,0 +1,372 @@
+"""The ``ringmpi`` command: run, make-data, verify, info, bench.
+
+Multi-rank subcommands (``run``, ``verify``) are started under MPI, e.g.
+
+    mpiexec -n 4 python -m mpi4py -m ringmpi run data/sample/sample.h5 -o out.h5 --causal
+
+A problem with the input or output (the same on every rank, found collectively)
+prints one line on rank 0 and every rank exits with status 2. Any other error
+prints one line naming the rank and aborts the whole MPI job with status 1, so
+a batch job never hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+from .io import InputError, parse_size
+
+__all__ = ["main", "build_parser"]
+
+EXIT_INPUT = 2
+EXIT_VERIFY = 3
+
+RUN_EXAMPLES = """examples:
+  mpiexec -n 4 python -m mpi4py -m ringmpi run data/sample/sample.h5 -o out.h5 --causal --verify
+  mpiexec -n 8 ringmpi run 'shards/seq.part*.h5' -o out.h5 --layout striped --summary-json s.json
+  mpiexec -n 4 ringmpi run feats.h5 --weights feats-weights.h5 -o out.h5
+  mpiexec -n 4 ringmpi run in.h5 -o out.h5 --causal --resume     # after an interrupted job
+"""
+MAKE_EXAMPLES = """examples:
+  ringmpi make-data data/sample/sample.h5
+  ringmpi make-data big.h5 --seq-len 262144 --heads 16 --kv-heads 4 --shards 8
+  ringmpi make-data multi.h5 --sequences 4 --batch-axis --compression gzip
+  ringmpi make-data feats.h5 --features 256      # also writes feats-weights.h5
+"""
+VERIFY_EXAMPLES = """examples:
+  ringmpi verify out.h5 data/sample/sample.h5
+  mpiexec -n 4 python -m mpi4py -m ringmpi verify out.h5 'shards/seq.part*.h5'
+"""
+INFO_EXAMPLES = """examples:
+  ringmpi info
+  mpiexec -n 2 python -m mpi4py -m ringmpi info
+"""
+
+
+def _env_rank() -> int:
+    """This process's rank from the launcher's environment (0 when not launched by MPI)."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that prints usage errors on rank 0 only (every rank still exits 2)."""
+
+    def error(self, message):
+        if _env_rank() == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(EXIT_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``ringmpi`` command."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = _Parser(
+        prog="ringmpi",
+        description="Exact ring attention over MPI for sequences too long for one device.",
+        epilog="run 'ringmpi COMMAND --help' for the options and examples of each command",
+        formatter_class=fmt,
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    r = sub.add_parser(
+        "run",
+        help="attention over HDF5 inputs, output to HDF5 (under mpiexec)",
+        description="Compute exact attention for every sequence of the input(s), one after "
+        "another; each rank reads and writes only its own tokens.",
+        epilog=RUN_EXAMPLES,
+        formatter_class=fmt,
+    )
+    r.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="input file(s) or quoted glob(s), in sequence order",
+    )
+    r.add_argument(
+        "-o", "--output", required=True, help="output HDF5 file (parts go to OUTPUT.parts/)"
+    )
+    r.add_argument(
+        "--causal", action="store_true", help="causal mask (key j visible to query i iff j <= i)"
+    )
+    r.add_argument(
+        "--layout",
+        choices=("zigzag", "striped", "contiguous"),
+        default="zigzag",
+        help="token layout over the ranks (default: zigzag)",
+    )
+    r.add_argument(
+        "--device",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="auto: GPU when CuPy sees one on every rank (default: auto)",
+    )
+    r.add_argument("--scale", type=float, default=None, help="score scale (default 1/sqrt(D))")
+    r.add_argument("--weights", help="projection weights file for raw-feature inputs 'x'")
+    r.add_argument("--resume", action="store_true", help="keep sequences an earlier run completed")
+    r.add_argument(
+        "--verify", action="store_true", help="compare with the dense reference afterwards"
+    )
+    r.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    r.add_argument("--summary-json", metavar="FILE", help="write the summary as JSON (rank 0)")
+    r.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        type=parse_size,
+        help="per-rank memory budget, e.g. 8G (default: 80%% of free memory per rank)",
+    )
+    r.add_argument(
+        "--strided-read",
+        choices=("hyperslab", "blocks"),
+        default="hyperslab",
+        help="striped layout: strided selection or subsampled blocks",
+    )
+    r.add_argument("--no-prefetch", action="store_true", help="do not read the next sequence ahead")
+
+    m = sub.add_parser(
+        "make-data",
+        help="write deterministic sample inputs",
+        description="Write sample inputs in the ringmpi schema (see data/README.md). The values "
+        "depend only on the seed, never on shards or compression.",
+        epilog=MAKE_EXAMPLES,
+        formatter_class=fmt,
+    )
+    m.add_argument("output", help="file to write (stem.partNNN.h5 with --shards > 1)")
+    m.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence S (default 4096)")
+    m.add_argument("--heads", type=int, default=8, help="query heads H (default 8)")
+    m.add_argument("--kv-heads", type=int, default=2, help="key/value heads Hkv (default 2)")
+    m.add_argument("--head-dim", type=int, default=64, help="head dimension D (default 64)")
+    m.add_argument("--sequences", type=int, default=1, help="number of sequences (default 1)")
+    m.add_argument("--batch-axis", action="store_true", help="leading batch axis instead of groups")
+    m.add_argument("--shards", type=int, default=1, help="split the sequence axis over N files")
+    m.add_argument(
+        "--compression",
+        choices=("none", "gzip"),
+        default="none",
+        help="gzip: chunked, gzip + shuffle + fletcher32",
+    )
+    m.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
+    m.add_argument("--features", type=int, default=0, help="write raw features x (S, F) + weights")
+    m.add_argument("--weights", help="weights file name (default STEM-weights.h5)")
+    m.add_argument("--seed", type=int, default=0)
+
+    v = sub.add_parser(
+        "verify",
+        help="compare an output with dense attention",
+        description="Compare OUTPUT with dense float64 attention of the inputs. Passes when "
+        "max|ring-ref64| <= 2*max|dense_lowprec-ref64| + eps for out and lse.",
+        epilog=VERIFY_EXAMPLES,
+        formatter_class=fmt,
+    )
+    v.add_argument("output", help="output file written by 'ringmpi run'")
+    v.add_argument("inputs", nargs="+", metavar="INPUT", help="the inputs of that run")
+    v.add_argument("--weights", help="projection weights file for raw-feature inputs")
+    v.add_argument("--max-tokens", type=int, default=65536, help="skip longer sequences")
+
+    sub.add_parser(
+        "info",
+        help="versions, MPI library, CUDA-awareness, GPU",
+        description="Print the versions of ringmpi and its stack, the MPI library and whether "
+        "it is CUDA-aware, and the GPU if there is one.",
+        epilog=INFO_EXAMPLES,
+        formatter_class=fmt,
+    )
+    sub.add_parser(
+        "bench",
+        help="benchmarks (see 'ringmpi bench --help')",
+        add_help=False,
+        description="Benchmarks; all arguments are passed to ringmpi.bench.",
+    )
+    return p
+
+
+def _comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _guard(fn, args, program: bool) -> int:
+    """Run a collective command; InputError: one line on rank 0; anything else: abort the job.
+
+    Every rank raises the same InputError, so all of them can leave cleanly:
+    as a program they finalize MPI first, which keeps ``python -m mpi4py`` from
+    turning the non-zero exit into an MPI_Abort with its extra noise.
+    """
+    comm = _comm()
+    try:
+        return fn(args, comm)
+    except InputError as e:
+        if comm.Get_rank() == 0:
+            sys.stderr.write(f"ringmpi: error: {e}\n")
+            sys.stderr.flush()
+        if program:
+            from mpi4py import MPI
+
+            comm.Barrier()
+            MPI.Finalize()
+        return EXIT_INPUT
+    except Exception as e:  # noqa: BLE001 - one clear line, then never hang
+        msg = str(e).splitlines()[0] if str(e) else ""
+        sys.stderr.write(f"ringmpi: error on rank {comm.Get_rank()}: {type(e).__name__}: {msg}\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+        return 1  # pragma: no cover
+
+
+def _cmd_run(args, comm) -> int:
+    from .job import format_summary, run, write_json
+
+    summary = run(
+        args.inputs,
+        args.output,
+        comm=comm,
+        causal=args.causal,
+        layout=args.layout,
+        device=args.device,
+        scale=args.scale,
+        weights=args.weights,
+        resume=args.resume,
+        quiet=args.quiet,
+        max_memory=args.max_memory,
+        strided=args.strided_read,
+        prefetch=not args.no_prefetch,
+    )
+    rc = 0
+    rank = comm.Get_rank()
+    if args.verify:
+        from .verify import format_verify, verify
+
+        res = verify(args.output, args.inputs, args.weights, comm)
+        summary["verify"] = res
+        rc = 0 if res["ok"] else EXIT_VERIFY
+    if rank == 0:
+        if not args.quiet:
+            print(format_summary(summary))
+            if args.verify:
+                print(format_verify(summary["verify"]))
+        elif args.verify and not summary["verify"]["ok"]:
+            print(format_verify(summary["verify"]), file=sys.stderr)
+        if args.summary_json:
+            write_json(args.summary_json, summary)
+        sys.stdout.flush()
+    return rc
+
+
+def _cmd_verify(args, comm) -> int:
+    from .verify import format_verify, verify
+
+    res = verify(args.output, args.inputs, args.weights, comm, max_tokens=args.max_tokens)
+    if comm.Get_rank() == 0:
+        print(format_verify(res))
+    return 0 if res["ok"] else EXIT_VERIFY
+
+
+def _cmd_make_data(args) -> int:
+    from .sample import make_data
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    comm = mpi.COMM_WORLD if mpi is not None and mpi.Is_initialized() else None
+    if comm is None or comm.Get_rank() == 0:
+        d = os.path.dirname(os.path.abspath(args.output))
+        os.makedirs(d, exist_ok=True)
+        paths = make_data(
+            args.output,
+            seq_len=args.seq_len,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            sequences=args.sequences,
+            batch_axis=args.batch_axis,
+            shards=args.shards,
+            compression=None if args.compression == "none" else args.compression,
+            dtype=args.dtype,
+            features=args.features,
+            weights=args.weights,
+            seed=args.seed,
+        )
+        print("wrote " + " ".join(paths))
+    if comm is not None:
+        comm.Barrier()
+    return 0
+
+
+def _cmd_info() -> int:
+    import h5py
+    import numpy as np
+
+    from . import __version__
+
+    lines = [
+        f"ringmpi   {__version__}",
+        f"python    {platform.python_version()} ({sys.executable})",
+        f"numpy     {np.__version__}",
+        f"h5py      {h5py.version.version} (HDF5 {h5py.version.hdf5_version})",
+    ]
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        lib = MPI.Get_library_version().strip().splitlines()[0]
+        levels = {
+            MPI.THREAD_SINGLE: "single",
+            MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_MULTIPLE: "multiple",
+        }
+        lines += [
+            f"mpi4py    {mpi4py.__version__}",
+            f"MPI       {lib} (standard {'.'.join(map(str, MPI.Get_version()))})",
+            f"ranks     {comm.Get_size()} (thread level {levels.get(MPI.Query_thread(), '?')})",
+        ]
+        rank = comm.Get_rank()
+    except ImportError as e:
+        lines.append(f"mpi4py    not available ({e})")
+        rank = 0
+    try:
+        from . import gpu
+
+        info = gpu.info()
+        if isinstance(info, dict):
+            lines += [f"gpu       {k}: {v}" for k, v in info.items()]
+        else:
+            lines.append(f"gpu       {info}")
+        lines.append(f"cuda-aware MPI: {gpu.cuda_aware()}")
+    except ImportError as e:
+        lines.append(f"gpu       ringmpi.gpu not available ({e}); CPU backend only")
+    except Exception as e:  # noqa: BLE001 - a broken driver must not break `info`
+        lines.append(f"gpu       unavailable ({type(e).__name__}: {e})")
+    lines.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}")
+    if rank == 0:
+        print("\n".join(lines))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``ringmpi`` console script and of ``python -m ringmpi``."""
+    program = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        rc = _guard(_cmd_run, args, program)
+    elif args.command == "verify":
+        rc = _guard(_cmd_verify, args, program)
+    elif args.command == "make-data":
+        rc = _cmd_make_data(args)
+    else:
+        rc = _cmd_info()
+    return rc
