@@ -1,0 +1,221 @@
+"""Compile CUDA sources with NVRTC directly: no device, no CuPy, no CUDA toolkit.
+
+Used by the CI compile check (tests/test_gpu_compile.py) and by ``python -m
+ringmpi.nvrtc`` to report register and spill counts. ``libnvrtc`` is looked up,
+in order: ``$RINGMPI_NVRTC`` (a file), the NVIDIA pip wheels
+(``nvidia-cuda-nvrtc-cu12`` -> ``nvidia/cuda_nvrtc/lib``, ``nvidia-cuda-nvrtc``
+-> ``nvidia/cu13/lib``), ``$CUDA_PATH``/``$CUDA_HOME``, ``/usr/local/cuda*``,
+then the system loader. The kernels include no header, so no include path is
+needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .cuda_loader import OPTIONS, source
+
+__all__ = ["NvrtcError", "CompileResult", "find_library", "version", "compile_source", "check"]
+
+ARCHS = ("sm_80", "sm_90")
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC could not be loaded or a call into it failed."""
+
+
+@dataclass
+class CompileResult:
+    """Outcome of one NVRTC compile: ok flag, log, lowered names, ptxas resources."""
+
+    arch: str
+    ok: bool
+    log: str
+    lowered: dict = field(default_factory=dict)  # name expression -> mangled name
+    binary_size: int = 0
+    resources: dict = field(default_factory=dict)  # mangled name -> {registers, spill_*, ...}
+
+
+def _wheel_dirs() -> list:
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return list(spec.submodule_search_locations)
+
+
+def _candidates() -> list:
+    names = ("libnvrtc.so*", "nvrtc64_*.dll")
+    found = []
+    env = os.environ.get("RINGMPI_NVRTC")
+    if env:
+        found.append(env)
+    for base in _wheel_dirs():
+        for sub in ("cuda_nvrtc/lib", "cu13/lib", "cu12/lib", "cuda_nvrtc/bin", "cu13/bin"):
+            for pat in names:
+                found += sorted(glob.glob(os.path.join(base, sub, pat)), reverse=True)
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")]
+    roots += sorted(glob.glob("/usr/local/cuda*"), reverse=True)
+    for root in filter(None, roots):
+        for sub in ("lib64", "lib", "bin"):
+            for pat in names:
+                found += sorted(glob.glob(os.path.join(root, sub, pat)), reverse=True)
+    lib = ctypes.util.find_library("nvrtc")
+    if lib:
+        found.append(lib)
+    # the builtins and "alt" variants are not the API library
+    return [f for f in found if "builtins" not in f and ".alt." not in f]
+
+
+def find_library() -> str:
+    """Path of a loadable libnvrtc; raises NvrtcError naming every place tried."""
+    tried = _candidates()
+    for path in tried:
+        try:
+            ctypes.CDLL(path)
+        except OSError:
+            continue
+        return path
+    raise NvrtcError(
+        "libnvrtc not found (install the 'test' extra, e.g. pip install nvidia-cuda-nvrtc-cu12, "
+        f"or set RINGMPI_NVRTC); tried: {tried or 'nothing found'}"
+    )
+
+
+_LIB = None
+
+
+def _lib():
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(find_library(), mode=getattr(os, "RTLD_GLOBAL", 0))
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        _LIB = lib
+    return _LIB
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        msg = _lib().nvrtcGetErrorString(rc).decode()
+        raise NvrtcError(f"{what} failed: {msg} ({rc})")
+
+
+def version() -> tuple:
+    """(major, minor) of the loaded NVRTC."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(_lib().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+_RE_FUNC = re.compile(r"Compiling entry function '([^']+)'")
+_RE_SPILL = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_RE_REGS = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas(log: str) -> dict:
+    """Per-function resources from a ``ptxas -v`` log: registers, stack, spills."""
+    out, cur = {}, None
+    for line in log.splitlines():
+        m = _RE_FUNC.search(line)
+        if m:
+            cur = out.setdefault(m.group(1), {})
+            continue
+        if cur is None:
+            continue
+        m = _RE_SPILL.search(line)
+        if m:
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)))
+            cur["spill_loads"] = int(m.group(3))
+        m = _RE_REGS.search(line)
+        if m:
+            cur["registers"] = int(m.group(1))
+    return out
+
+
+def compile_source(
+    code: str,
+    name_expressions: Sequence[str],
+    arch: str = "sm_90",
+    options: Sequence[str] = OPTIONS,
+    filename: str = "kernel.cu",
+    verbose_ptxas: bool = True,
+) -> CompileResult:
+    """Compile ``code`` for ``arch`` (e.g. "sm_90") to a cubin through NVRTC.
+
+    Every name expression is registered, so each template instantiation is
+    compiled; ``lowered`` maps the expressions NVRTC resolved to mangled names.
+    ``ok`` is False on any compile error (the log says why).
+    """
+    lib = _lib()
+    prog = ctypes.c_void_p()
+    _check(
+        lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), filename.encode(), 0, None, None),
+        "nvrtcCreateProgram",
+    )
+    try:
+        for expr in name_expressions:
+            _check(lib.nvrtcAddNameExpression(prog, expr.encode()), "nvrtcAddNameExpression")
+        opts = [*options, f"--gpu-architecture={arch}"]
+        if verbose_ptxas:
+            opts.append("--ptxas-options=-v")
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        _check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
+        buf = ctypes.create_string_buffer(size.value)
+        _check(lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        log = buf.value.decode(errors="replace")
+        if rc != 0:
+            return CompileResult(arch, False, log)
+        lowered = {}
+        for expr in name_expressions:
+            ptr = ctypes.c_char_p()
+            if lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(ptr)) == 0 and ptr.value:
+                lowered[expr] = ptr.value.decode()
+        _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        return CompileResult(arch, True, log, lowered, size.value, parse_ptxas(log))
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def check(archs: Sequence[str] = ARCHS, names: Optional[Sequence[str]] = None) -> dict:
+    """Compile every attention kernel instantiation for each arch; {arch: CompileResult}."""
+    from .gpu import KERNEL_FILE, kernel_names
+
+    names = kernel_names() if names is None else tuple(names)
+    code = source(KERNEL_FILE)
+    return {a: compile_source(code, names, a, filename=KERNEL_FILE) for a in archs}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print NVRTC's verdict and per-kernel registers/spills; exit 1 on a compile error."""
+    archs = tuple(argv) if argv else ARCHS
+    print(f"libnvrtc: {find_library()} (version {'.'.join(map(str, version()))})")
+    status = 0
+    for arch, res in check(archs).items():
+        print(f"{arch}: {'ok' if res.ok else 'FAILED'}, {len(res.lowered)} kernels")
+        if not res.ok:
+            print(res.log)
+            status = 1
+        for expr, mangled in res.lowered.items():
+            r = res.resources.get(mangled, {})
+            print(
+                f"  {expr:45s} regs {r.get('registers', '?'):>3}  "
+                f"spill st/ld {r.get('spill_stores', '?')}/{r.get('spill_loads', '?')} B  "
+                f"stack {r.get('stack', '?')} B"
+            )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
