@@ -1,0 +1,205 @@
+"""The fused C tile against the numpy tile (the specification) and the dense reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringmpi import cpu, fused
+from ringmpi.partition import positions
+from ringmpi.reference import attention
+from ringmpi.softmax import finalize, init_state
+
+pytestmark = pytest.mark.skipif(
+    not fused.available(), reason=f"fused kernel unavailable: {fused.unavailable_reason()}"
+)
+
+# float32: exp polynomial ~1e-7 relative, sums of a few thousand terms; float64: ~1e-15
+TOL = {np.float32: dict(rtol=2e-5, atol=2e-6), np.float64: dict(rtol=1e-12, atol=1e-13)}
+
+
+def _inputs(rng, b, h, hkv, sq, sk, d, dtype, scale_inputs=1.0):
+    q = (rng.standard_normal((b, h, sq, d)) * scale_inputs).astype(dtype)
+    k = (rng.standard_normal((b, hkv, sk, d)) * scale_inputs).astype(dtype)
+    v = rng.standard_normal((b, hkv, sk, d)).astype(dtype)
+    return q, k, v
+
+
+def _both(q, k, v, qp, kp, *, causal, scale=None, state=None):
+    """Run both tiles from the same (possibly non-empty) state; return both states."""
+    d = q.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    st = init_state(q.shape, q.dtype) if state is None else state
+    s_ref = tuple(a.copy() for a in st)
+    s_fus = tuple(a.copy() for a in st)
+    f_ref = cpu.forward_tile(q, k, v, qp, kp, *s_ref, scale=scale, causal=causal)
+    f_fus = fused.forward_tile(q, k, v, qp, kp, *s_fus, scale=scale, causal=causal)
+    return s_ref, s_fus, f_ref, f_fus
+
+
+def _assert_states_close(s_ref, s_fus, dtype, tol=None):
+    tol = TOL[dtype] if tol is None else tol
+    o_ref, lse_ref = finalize(*s_ref)
+    o_fus, lse_fus = finalize(*s_fus)
+    assert o_fus.dtype == dtype and lse_fus.dtype == dtype
+    assert not np.isnan(o_fus).any() and not np.isnan(lse_fus).any()
+    np.testing.assert_allclose(o_fus, o_ref, **tol)
+    # lse: -inf exactly where the spec has -inf, close elsewhere
+    np.testing.assert_array_equal(np.isneginf(lse_fus), np.isneginf(lse_ref))
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse_fus[fin], lse_ref[fin], **tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [16, 64, 80, 128, 256])
+def test_dense_matches_numpy_tile(dtype, d):
+    rng = np.random.default_rng(d)
+    # odd sizes: partial row strips, partial key panels and blocks
+    b, h, hkv, sq, sk = 2, 4, 2, 77, 301
+    q, k, v = _inputs(rng, b, h, hkv, sq, sk, d, dtype)
+    qp, kp = np.arange(sq, dtype=np.int64), np.arange(sk, dtype=np.int64)
+    s_ref, s_fus, f_ref, f_fus = _both(q, k, v, qp, kp, causal=False)
+    _assert_states_close(s_ref, s_fus, dtype)
+    assert f_fus == f_ref == 4 * b * h * sq * sk * d
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("n,size", [(1000, 3), (1537, 2)])
+def test_causal_layouts_full_ring(dtype, layout, n, size):
+    """Every (query rank, key rank) pair of a ring, folded in turn, equals dense attention."""
+    rng = np.random.default_rng(n + size)
+    h, hkv, d = 4, 1, 64
+    q, k, v = _inputs(rng, 1, h, hkv, n, n, d, dtype)
+    pos = [positions(n, r, size, layout) for r in range(size)]
+    ref_out, ref_lse = attention(
+        np.moveaxis(q[0], 0, 1),
+        np.moveaxis(k[0], 0, 1),
+        np.moveaxis(v[0], 0, 1),
+        causal=True,
+        scale=d**-0.5,
+    )  # (n, h, d), (h, n)
+    for r in range(size):
+        qp = pos[r]
+        ql = np.ascontiguousarray(q[:, :, qp])
+        st_ref = init_state(ql.shape, dtype)
+        st_fus = init_state(ql.shape, dtype)
+        for step in range(size):
+            src = (r - step) % size
+            kp = pos[src]
+            kl, vl = np.ascontiguousarray(k[:, :, kp]), np.ascontiguousarray(v[:, :, kp])
+            cpu.forward_tile(ql, kl, vl, qp, kp, *st_ref, scale=d**-0.5, causal=True)
+            f = fused.forward_tile(ql, kl, vl, qp, kp, *st_fus, scale=d**-0.5, causal=True)
+            visible = int((kp[None, :] <= qp[:, None]).sum())
+            assert 4 * h * d * visible <= f <= 4 * h * d * len(qp) * len(kp)
+        _assert_states_close(st_ref, st_fus, dtype)
+        out, lse = finalize(*st_fus)
+        tol = TOL[dtype]
+        np.testing.assert_allclose(np.moveaxis(out[0], 0, 1), ref_out[qp], **tol)
+        np.testing.assert_allclose(lse[0], ref_lse[:, qp], **tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_without_visible_key(dtype):
+    """Queries before every key: out 0, lse -inf, no NaN; then a later block fills them in."""
+    rng = np.random.default_rng(7)
+    q, k, v = _inputs(rng, 1, 2, 2, 40, 70, 16, dtype)
+    qp = np.arange(40, dtype=np.int64) * 3  # 0..117
+    kp = np.arange(70, dtype=np.int64) + 60  # 60..129: rows with qp < 60 see nothing
+    s_ref, s_fus, _, _ = _both(q, k, v, qp, kp, causal=True)
+    _assert_states_close(s_ref, s_fus, dtype)
+    o, lse = finalize(*s_fus)
+    assert np.all(o[:, :, :20] == 0) and np.all(np.isneginf(lse[:, :, :20]))
+    assert np.all(np.isfinite(lse[:, :, 20:]))
+    # fully future block: skipped, zero flops, state untouched
+    st = tuple(a.copy() for a in s_fus)
+    f = fused.forward_tile(q, k, v, qp, kp + 1000, *st, scale=0.25, causal=True)
+    assert f == 0
+    for a, b in zip(st, s_fus):
+        np.testing.assert_array_equal(a, b)
+    # a second block with earlier keys, merged into the existing state
+    kp2 = np.arange(70, dtype=np.int64) - 10
+    s_ref2, s_fus2, _, _ = _both(q, k, v, qp, kp2, causal=True, state=s_ref)
+    _assert_states_close(s_ref2, s_fus2, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_large_logits_and_nonmonotonic_positions(dtype):
+    """Scores of size ~1e3 (exp would overflow without the running max), shuffled positions."""
+    rng = np.random.default_rng(11)
+    q, k, v = _inputs(rng, 1, 3, 1, 50, 90, 80, dtype, scale_inputs=6.0)
+    qp = rng.permutation(140)[:50].astype(np.int64)
+    kp = rng.permutation(140)[:90].astype(np.int64)
+    for causal in (False, True):
+        s_ref, s_fus, _, _ = _both(q, k, v, qp, kp, causal=causal, scale=1.0)
+        smax = np.abs(s_ref[1][np.isfinite(s_ref[1])]).max()
+        assert smax > 300
+        # a score of size |s| carries a rounding error ~ eps |s| sqrt(D) in either kernel,
+        # and exp turns it into the same relative error of the weights
+        eps = np.finfo(dtype).eps
+        tol = dict(rtol=20 * eps * smax, atol=20 * eps * smax)
+        _assert_states_close(s_ref, s_fus, dtype, tol)
+
+
+def test_random_shapes_float32():
+    rng = np.random.default_rng(2024)
+    for _ in range(12):
+        hkv = int(rng.integers(1, 3))
+        h = hkv * int(rng.integers(1, 4))
+        b = int(rng.integers(1, 3))
+        sq, sk = int(rng.integers(1, 200)), int(rng.integers(1, 400))
+        d = int(rng.choice([1, 3, 16, 33, 64, 100, 256]))
+        q, k, v = _inputs(rng, b, h, hkv, sq, sk, d, np.float32)
+        qp = np.sort(rng.choice(600, sq, replace=False)).astype(np.int64)
+        kp = np.sort(rng.choice(600, sk, replace=False)).astype(np.int64)
+        causal = bool(rng.integers(0, 2))
+        s_ref, s_fus, _, _ = _both(q, k, v, qp, kp, causal=causal)
+        _assert_states_close(s_ref, s_fus, np.float32)
+
+
+def test_progress_called_and_chunked_result_equal():
+    rng = np.random.default_rng(3)
+    sq = fused.CHUNK_Q * 2 + 5
+    q, k, v = _inputs(rng, 1, 2, 1, sq, 300, 64, np.float32)
+    qp, kp = np.arange(sq, dtype=np.int64), np.arange(300, dtype=np.int64) * 4
+    calls = []
+    st1, st2 = init_state(q.shape, np.float32), init_state(q.shape, np.float32)
+    fused.forward_tile(q, k, v, qp, kp, *st1, scale=0.125, causal=True)
+    fused.forward_tile(
+        q, k, v, qp, kp, *st2, scale=0.125, causal=True, progress=lambda: calls.append(1)
+    )
+    assert len(calls) == 3
+    for a, b in zip(st1, st2):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nan_input_poisons_the_state_like_the_spec():
+    q, k, v = _inputs(np.random.default_rng(5), 1, 1, 1, 8, 40, 16, np.float32)
+    k[0, 0, 3, 5] = np.nan
+    qp, kp = np.arange(8, dtype=np.int64), np.arange(40, dtype=np.int64)
+    s_ref, s_fus, _, _ = _both(q, k, v, qp, kp, causal=False)
+    assert np.isnan(s_ref[2]).all() and np.isnan(s_fus[2]).all()  # l
+    assert np.isnan(s_ref[0]).all() and np.isnan(s_fus[0]).all()  # acc
+
+
+def test_other_dtype_falls_back_to_numpy():
+    q, k, v = _inputs(np.random.default_rng(9), 1, 1, 1, 10, 12, 8, np.float16)
+    qp, kp = np.arange(10, dtype=np.int64), np.arange(12, dtype=np.int64)
+    s_ref, s_fus, f_ref, f_fus = _both(
+        q, k, v, qp, kp, causal=True, state=init_state(q.shape, np.float32)
+    )
+    assert f_fus == f_ref
+    for a, b in zip(s_ref, s_fus):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cache_reuses_library(tmp_path, monkeypatch):
+    """A second build with the same key returns the cached file without compiling."""
+    path = fused.library_path()
+    assert path is not None and path.is_file()
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(path.parent))
+    assert fused._build() == path
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path))
+    built = fused._build()
+    assert built.parent == tmp_path and built.name == path.name
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
