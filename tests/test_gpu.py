@@ -1,0 +1,214 @@
+"""CUDA tile kernels against the numpy tile (the spec), and ring_attention on CuPy arrays.
+
+Skipped, with the reason, when CuPy or a CUDA device is missing. Run on a GPU:
+``pytest tests/test_gpu.py`` (one process) and
+``mpiexec -n 2 python -m mpi4py -m pytest --with-mpi -m mpi tests/test_gpu.py``.
+
+Tolerances for the tile: the numpy tile runs in float32 (float64) on the same
+rounded inputs. Besides summation order, the fp16/bf16 tensor-core kernel
+rounds the probabilities to 16 bits before P V: that moves each output by at
+most u * max|v| (u = 2**-11 for fp16, 2**-8 for bf16), which the bound adds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_all, dense, random_qkv
+
+import ringmpi
+from ringmpi import cpu, gpu, softmax
+from ringmpi.partition import positions
+from ringmpi.reference import attention
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
+try:
+    _NDEV = cupy.cuda.runtime.getDeviceCount()
+    _WHY = "no CUDA device visible"
+except Exception as exc:  # no driver
+    _NDEV, _WHY = 0, f"CUDA unavailable ({type(exc).__name__}: {exc})"
+if _NDEV == 0:
+    pytest.skip(f"{_WHY}: GPU tests skipped", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 0.0, "float64": 0.0}
+
+
+def to_tile(x: np.ndarray, dtype: str):
+    """(numpy array rounded to dtype in its compute precision, CuPy tile array)."""
+    if dtype == "bfloat16":
+        bits = gpu.to_bf16_bits(x.astype(np.float32))
+        return gpu.from_bf16_bits(bits), cupy.asarray(bits)
+    if dtype == "float16":
+        h = x.astype(np.float16)
+        return h.astype(np.float32), cupy.asarray(h)
+    r = x.astype(dtype)
+    return r, cupy.asarray(r)
+
+
+def kernel_for(dtype: str, d: int):
+    """The kernel configuration the backend picks for this dtype and head dim."""
+    return gpu._select(gpu._storage(np.dtype("uint16" if dtype == "bfloat16" else dtype)), d)
+
+
+def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
+    """Carry a state through one K/V block on the CPU, then fold a second block on both."""
+    sq, sk, sk0 = len(q_pos), len(k_pos), len(k_pos0)
+    acc_t = np.float64 if dtype == "float64" else np.float32
+    qn, qg = to_tile(rng.standard_normal((b, h, sq, d)), dtype)
+    kn, kg = to_tile(rng.standard_normal((b, hkv, sk, d)), dtype)
+    vn, vg = to_tile(rng.standard_normal((b, hkv, sk, d)), dtype)
+    k0, _ = to_tile(rng.standard_normal((b, hkv, sk0, d)), dtype)
+    v0, _ = to_tile(rng.standard_normal((b, hkv, sk0, d)), dtype)
+    scale = 1.0 / np.sqrt(d)
+    acc, m, l = softmax.init_state(qn.shape, acc_t)
+    if sk0:
+        cpu.forward_tile(qn, k0, v0, q_pos, k_pos0, acc, m, l, scale=scale, causal=causal)
+    ga, gm, gl = (cupy.asarray(x) for x in (acc, m, l))
+    cpu.forward_tile(qn, kn, vn, q_pos, k_pos, acc, m, l, scale=scale, causal=causal)
+    calls = []
+    flops = gpu.forward_tile(
+        qg, kg, vg, q_pos, k_pos, ga, gm, gl, scale=scale, causal=causal,
+        progress=lambda: calls.append(1),
+    )  # fmt: skip
+    cupy.cuda.get_current_stream().synchronize()
+    return (acc, m, l), tuple(cupy.asnumpy(x) for x in (ga, gm, gl)), flops, calls, vn
+
+
+def check_state(cpu_state, gpu_state, dtype, vmax, what):
+    (a, m, l), (ga, gm, gl) = cpu_state, gpu_state
+    empty = l == 0
+    assert np.array_equal(gl == 0, empty), f"{what}: rows without keys differ"
+    assert np.all(np.isneginf(gm[empty])) and np.all(ga[empty] == 0), f"{what}: empty rows"
+    assert np.all(np.isfinite(gm[~empty])), f"{what}: non-finite m"
+    o, lse = softmax.finalize(a, m, l)
+    go, glse = softmax.finalize(ga, gm, gl)
+    eps = np.finfo(a.dtype).eps
+    tol_o = 64 * eps * vmax + 2 * UNIT[dtype] * vmax
+    tol_lse = 64 * eps * max(1.0, np.abs(lse[~empty]).max(initial=0.0))
+    err_o = np.abs(go - o).max(initial=0.0)
+    err_lse = np.abs(glse[~empty] - lse[~empty]).max(initial=0.0)
+    assert err_o <= tol_o, f"{what}: out err {err_o:.3g} > {tol_o:.3g}"
+    assert err_lse <= tol_lse, f"{what}: lse err {err_lse:.3g} > {tol_lse:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 40, 200, 256, 8])
+def test_tile_random_shapes(dtype, d):
+    rng = np.random.default_rng(d)
+    for trial in range(3):
+        b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+        h = hkv * int(rng.integers(1, 4))  # GQA groups of 1..3
+        sq, sk, sk0 = (int(x) for x in rng.integers(1, 300, 3))  # partial tiles
+        # queries start anywhere from before the first key (empty rows) to after the last
+        q_pos = np.arange(sq, dtype=np.int64) + int(rng.integers(-100, sk + 1))
+        k_pos, k_pos0 = np.arange(sk, dtype=np.int64), np.arange(sk0, dtype=np.int64)
+        kern = kernel_for(dtype, d)
+        for causal in (False, True):
+            c, g, flops, calls, vn = run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0,
+                                              causal)  # fmt: skip
+            what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
+            check_state(c, g, dtype, np.abs(vn).max(), what)
+            pairs = gpu.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, causal)
+            assert flops == 4 * pairs * d * b * h, what
+            assert calls, "progress was never called"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_tile_causal_offsets_every_layout(dtype, layout):
+    """Every (query rank, key rank) pair of a P=4 ring at awkward N, GQA, D=64 and 128."""
+    rng = np.random.default_rng(17)
+    for n, p, d in [(1000, 4, 64), (333, 4, 128), (130, 3, 64)]:
+        for rq in range(p):
+            for rk in range(p):
+                q_pos, k_pos = positions(n, rq, p, layout), positions(n, rk, p, layout)
+                k_pos0 = positions(n, (rk + 1) % p, p, layout)
+                if len(q_pos) == 0 or len(k_pos) == 0:
+                    continue
+                c, g, flops, _, vn = run_pair(rng, dtype, 1, 4, 2, d, q_pos, k_pos, k_pos0, True)
+                what = f"{dtype} {layout} n={n} P={p} q rank {rq} k rank {rk}"
+                check_state(c, g, dtype, np.abs(vn).max(), what)
+                visible = (k_pos[None, :] <= q_pos[:, None]).sum()
+                kern = kernel_for(dtype, d)
+                want = 4 * gpu.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, True) * d * 4
+                assert flops == want, what
+                assert (flops == 0) == (visible == 0), f"{what}: skipping is wrong"
+
+
+def test_fully_masked_tile_leaves_state():
+    rng = np.random.default_rng(3)
+    q_pos, k_pos = np.arange(100, dtype=np.int64), np.arange(100, 250, dtype=np.int64)
+    c, g, flops, _, _ = run_pair(rng, "float32", 1, 2, 1, 64, q_pos, k_pos, q_pos, True)
+    assert flops == 0
+    for x, y in zip(c, g):
+        assert np.array_equal(x, y)
+
+
+def test_bf16_bits_round_trip():
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-40], dtype=np.float32)
+    b = gpu.to_bf16_bits(cupy.asarray(x))
+    back = cupy.asnumpy(gpu.from_bf16_bits(b))
+    np.testing.assert_array_equal(back[:4], [1.0, 1.0, 1.015625, -2.5])
+    assert np.all(np.abs(back - x) <= 2.0**-8 * np.abs(x))
+
+
+# ---------------------------------------------------------------------------
+# ring_attention with CuPy inputs: one process (P = 1) and under mpiexec (P = 2)
+# ---------------------------------------------------------------------------
+def ring_case(comm, dtype, causal, layout, n=517, h=4, hkv=2, d=64, batch=None):
+    rng = np.random.default_rng(23)
+    q, k, v = comm.bcast(random_qkv(rng, n, h, hkv, d, batch) if comm.rank == 0 else None)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    ref, _ = attention(q, k, v, causal=causal)
+    loc = [cupy.asarray(ringmpi.shard(x, comm, layout)) for x in (q, k, v)]
+    stats = {}
+    out = ringmpi.ring_attention(*loc, comm, causal=causal, layout=layout, stats=stats)
+    assert isinstance(out, cupy.ndarray) and out.dtype == loc[0].dtype
+    full = ringmpi.gather(cupy.asnumpy(out).astype(np.float64), n, comm, layout)
+    d_out, _ = dense(q, k, v, causal)
+    tol = 2 * np.abs(d_out - ref).max() + 1e-6
+    if dtype == np.float16:  # output rounding + probability rounding (see module doc)
+        tol += UNIT["float16"] * (np.abs(ref).max() + np.abs(v.astype(np.float64)).max())
+    err = np.abs(full - ref).max()
+    assert_all(comm, err <= tol, f"{np.dtype(dtype).name} {layout} causal={causal}: "
+               f"err {err:.3g} > tol {tol:.3g}")  # fmt: skip
+    assert_all(comm, stats.get("backend") == "gpu", f"backend {stats.get('backend')}")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_single_process(dtype, causal):
+    from mpi4py import MPI
+
+    ring_case(MPI.COMM_SELF, dtype, causal, "zigzag", batch=2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_mpi(comm, layout, dtype, causal):
+    gpu.bind_device(comm)
+    ring_case(comm, dtype, causal, layout)
+
+
+@pytest.mark.mpi
+def test_gpu_ring_exchange_and_overlap(comm):
+    """GpuRing moves device buffers around the ring, staged and (if available) CUDA-aware."""
+    gpu.bind_device(comm)
+    for aware in {False, bool(gpu.cuda_aware())}:
+        ring = gpu.GpuRing(comm)
+        ring.cuda_aware = aware
+        send = cupy.full(1 << 16, comm.rank, dtype=cupy.float32)
+        recv = cupy.empty_like(send)
+        ring.start(send, recv)
+        ring.test()
+        ring.wait()
+        prev = (comm.rank - 1) % comm.size
+        ok = bool((recv == prev).all())
+        rep = ring.overlap_report()
+        ring.free()
+        assert_all(comm, ok, f"cuda_aware={aware}: wrong data received")
+        assert_all(comm, rep["steps"] == 1 and rep["exchange_s"] >= 0, f"report {rep}")
