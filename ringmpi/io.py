@@ -200,7 +200,8 @@ def _scan_file(path: str, structure_hint: Optional[str]) -> dict:
             if not groups:
                 _fail(path, "no dataset 'q' (or features 'x') at the root or in any group")
         if structure_hint and structure != structure_hint:
-            _fail(path, f"holds {structure} data but the first input holds {structure_hint} data")
+            problem = f"{structure} structure, first input is {structure_hint}"
+            _fail(path, f"shards do not line up: {problem}")
         mode = "qkv" if "q" in (f[groups[0]] if groups[0] else f) else "features"
         extra = 1 if structure == "batch" else 0
         seqs = []
@@ -304,7 +305,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     geom = dtype = batch = None
     for p, meta in zip(files, metas):
         if meta["mode"] != mode:
-            _fail(p, f"holds {meta['mode']} data but {files[0]} holds {mode} data")
+            _fail(p, f"shards do not line up: {meta['mode']} data, {files[0]} holds {mode}")
         got = [g for g, _ in meta["seqs"]]
         if got != names:
             missing = sorted(set(names) ^ set(got))

@@ -67,6 +67,21 @@ def _ring_attention():
     return ring_attention
 
 
+def _test_raise(rank: int) -> None:
+    """Test hook: RINGMPI_TEST_RAISE_ON_RANK=r raises on rank r just before the ring starts."""
+    if os.environ.get("RINGMPI_TEST_RAISE_ON_RANK") == str(rank):
+        raise RuntimeError("injected test fault")
+
+
+def _test_kill(rank: int, completed: int) -> None:
+    """Test hook: RINGMPI_TEST_KILL_AFTER=n SIGKILLs rank 0 after n sequences of this run."""
+    n = os.environ.get("RINGMPI_TEST_KILL_AFTER")
+    if rank == 0 and n is not None and completed >= int(n):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _peak_rss() -> int:
     """Peak resident memory of this process in bytes (Linux reports KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -140,6 +155,7 @@ def run(
                 import cupy
 
                 q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
+            _test_raise(rank)
             stats: dict = {}
             out, lse = ring_attention(
                 q, k, v, comm, causal=causal, layout=layout, scale=scale,
@@ -154,6 +170,7 @@ def run(
             write_s += time.perf_counter() - t0
             tokens += seq.length
             bar.finish_seq(time.perf_counter() - t_seq)
+            _test_kill(rank, j + 1)
         store.finish()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -51,6 +51,21 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def _virtual_dataset(node, name: str, layout) -> None:
+    """Create a virtual dataset without a modification time, so reruns give identical bytes."""
+    from h5py import h5d, h5s, h5t
+
+    try:
+        dcpl = layout._get_dcpl(node.file.filename)
+    except AttributeError:  # another h5py: fall back to the public call (timestamped)
+        node.create_virtual_dataset(name, layout)
+        return
+    dcpl.set_obj_track_times(False)
+    space = h5s.create_simple(layout.shape)
+    tid = h5t.py_create(np.dtype(layout.dtype), logical=1)
+    h5d.create(node.id, name=name.encode(), tid=tid, space=space, dcpl=dcpl)
+
+
 def _crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as fh:
@@ -280,11 +295,11 @@ class OutputStore:
                 if plan.structure != "batch":
                     g = plan.sequences[i].group
                     node = f.require_group(g) if g else f
-                    node.create_virtual_dataset("out", lo)
-                    node.create_virtual_dataset("lse", ll)
+                    _virtual_dataset(node, "out", lo)
+                    _virtual_dataset(node, "lse", ll)
             if plan.structure == "batch":
-                f.create_virtual_dataset("out", lays[0][0])
-                f.create_virtual_dataset("lse", lays[0][1])
+                _virtual_dataset(f, "out", lays[0][0])
+                _virtual_dataset(f, "lse", lays[0][1])
         fsync_path(tmp)
         os.replace(tmp, self.path)
         fsync_path(os.path.dirname(self.path))
