@@ -117,8 +117,10 @@ def _select(storage: str, d: int) -> _Kernel:
 def tile_dtype(dtype):
     """Dtype q/k/v are kept in for the kernels: the input dtype, float32 for others."""
     name = _dtype_name(dtype)
-    if name in ("float16", "bfloat16", "uint16", "float32", "float64"):
-        return dtype
+    if name in ("float16", "uint16", "float32", "float64"):
+        return np.dtype(name)
+    if name == "bfloat16":
+        return dtype  # CuPy's own bfloat16 type, where it has one
     return np.dtype(np.float32)
 
 
@@ -561,5 +563,5 @@ class GpuRing:
                          "overlap_s": ov, "blocked_s": x1 - r["t_wait"]})  # fmt: skip
         tot = {k: sum(r[k] for r in rows) for k in ("exchange_s", "compute_s", "overlap_s")}
         tot["blocked_s"] = sum(r["blocked_s"] for r in rows)
-        tot["hidden_fraction"] = tot["overlap_s"] / tot["exchange_s"] if rows else 0.0
+        tot["hidden_fraction"] = tot["overlap_s"] / tot["exchange_s"] if tot["exchange_s"] else 0.0
         return {"cuda_aware": self.cuda_aware, "steps": len(rows), **tot, "per_step": rows}
