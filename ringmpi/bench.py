@@ -1,0 +1,365 @@
+"""``ringmpi bench``: CPU throughput, scaling and memory of ring attention.
+
+The driver sweeps sequence length N, head size D, causal masking and the number
+of ranks P. For each P it launches ``mpiexec -n P python -m mpi4py -m
+ringmpi.bench --worker`` (one thread per rank) unless it already runs under an
+MPI launcher, in which case it measures that world size only. It prints a table
+and writes JSON (and a PNG plot when matplotlib is importable) with:
+
+* GFLOP/s per rank, counting the model's flops 4 N^2 H D / P (half for causal);
+* the fraction of the float32 matrix-product rate measured on every rank in the
+  same worker, on the same cores, at the same time;
+* strong-scaling efficiency T1 / (P T_P) against the P = 1 run;
+* peak memory per rank: the tracemalloc peak of array allocations (inputs, ring
+  buffers, state, output) while a run executes, plus the growth of the resident
+  set sampled by a thread (a lower bound: freed heap is reused without growth);
+  the fused kernel's own work buffers (packed K/V of one head, ~2 S_k D elements)
+  are malloc'd in C and seen only by the resident set;
+* torch's scaled_dot_product_attention on the same shapes with P threads, when
+  torch is importable (a yardstick only, never a dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["main"]
+
+_LAUNCH_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ringmpi bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[8192, 16384], help="sequence lengths")
+    p.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head sizes")
+    p.add_argument("--heads", type=int, default=4, help="query heads H (default 4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts P")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--repeat", type=int, default=2, help="timed runs per case (best kept)")
+    p.add_argument("--out", default="bench.json", help="JSON output path")
+    p.add_argument("--plot", default=None, help="PNG path (default: JSON path with .png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch SDPA yardstick")
+    p.add_argument("--mpiexec", default=None, help="launcher (default: mpiexec beside python)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _cases(args) -> list[dict]:
+    causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    return [
+        dict(n=n, d=d, causal=c) for n in sorted(args.n) for d in sorted(args.d) for c in causal
+    ]
+
+
+def _model_flops(n: int, h: int, d: int, causal: bool) -> float:
+    return 4.0 * n * n * h * d / (2 if causal else 1)
+
+
+class _RssPeak:
+    """Sample this process's resident set in a thread; ``peak`` is the maximum seen."""
+
+    def __init__(self, period: float = 0.002):
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self.peak = self.rss()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def _matmul_rate(np, n: int = 2048, reps: int = 3) -> float:
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = a.T.copy()
+    a @ b
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best / 1e9
+
+
+def _worker(args) -> int:
+    """Measure every case at this world size; rank 0 writes the JSON."""
+    import gc
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from . import ring_attention
+    from .partition import counts
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dt = np.dtype(args.dtype)
+    h = args.heads
+    hkv = args.kv_heads or h
+    comm.Barrier()
+    mm = comm.gather(_matmul_rate(np), root=0)
+    # warm-up: compile/load the kernel, touch MPI paths
+    s = int(counts(256 * size, size, args.layout)[rank])
+    x = np.ones((s, h, 16), dtype=dt)
+    xk = np.ones((s, hkv, 16), dtype=dt)
+    ring_attention(x, xk, xk, comm, causal=True, layout=args.layout)
+    results = []
+    for case in _cases(args):
+        n, d, causal = case["n"], case["d"], case["causal"]
+        gc.collect()
+        best, best_stats, peak, tpeak = 1e30, {}, 0, 0
+        for _ in range(args.repeat):
+            gc.collect()
+            tracemalloc.start()  # numpy reports its buffers to tracemalloc
+            with _RssPeak() as mon:
+                base = mon.rss()
+                rng = np.random.default_rng(rank)
+                s = int(counts(n, size, args.layout)[rank])
+                q = rng.standard_normal((s, h, d), dtype=np.float64).astype(dt)
+                k = rng.standard_normal((s, hkv, d), dtype=np.float64).astype(dt)
+                v = rng.standard_normal((s, hkv, d), dtype=np.float64).astype(dt)
+                st: dict = {}
+                comm.Barrier()
+                t0 = time.perf_counter()
+                out = ring_attention(q, k, v, comm, causal=causal, layout=args.layout, stats=st)
+                t1 = time.perf_counter() - t0
+                del q, k, v, out
+            traced = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            t = comm.allreduce(t1, op=MPI.MAX)
+            peak = max(peak, mon.peak - base)
+            tpeak = max(tpeak, traced)
+            if t < best:
+                best, best_stats = t, st
+        peaks = comm.gather(peak, root=0)
+        tpeaks = comm.gather(tpeak, root=0)
+        stats_all = comm.gather(best_stats, root=0)
+        if rank == 0:
+            flops = _model_flops(n, h, d, causal)
+            results.append(
+                dict(
+                    case,
+                    p=size,
+                    heads=h,
+                    kv_heads=hkv,
+                    time_s=best,
+                    gflops_per_rank=flops / size / best / 1e9,
+                    peak_mem_mib_per_rank=max(tpeaks) / 2**20,
+                    rss_growth_mib_per_rank=max(peaks) / 2**20,
+                    compute_s=max(x.get("compute_s", 0.0) for x in stats_all),
+                    wait_s=max(x.get("wait_s", 0.0) for x in stats_all),
+                    backend=stats_all[0].get("backend"),
+                )
+            )
+    if rank == 0:
+        doc = dict(p=size, matmul_gflops_per_rank=float(np.median(mm)), runs=results)
+        text = json.dumps(doc, indent=1)
+        if args.worker_json:
+            Path(args.worker_json).write_text(text)
+        else:
+            print(text)
+    return 0
+
+
+def _torch_sdpa(cases, args, threads: int) -> list[dict]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dt = getattr(torch, args.dtype)
+    out = []
+    try:
+        for c in cases:
+            h = args.heads
+            q = torch.randn(1, h, c["n"], c["d"], dtype=dt)
+            k = torch.randn(1, h, c["n"], c["d"], dtype=dt)
+            v = torch.randn(1, h, c["n"], c["d"], dtype=dt)
+            f = torch.nn.functional.scaled_dot_product_attention
+            best = 1e30
+            for _ in range(args.repeat):
+                t = time.perf_counter()
+                f(q, k, v, is_causal=c["causal"])
+                best = min(best, time.perf_counter() - t)
+            rate = _model_flops(c["n"], h, c["d"], c["causal"]) / best / 1e9
+            out.append(dict(c, threads=threads, time_s=best, gflops_per_thread=rate / threads))
+    finally:
+        torch.set_num_threads(old)
+    return out
+
+
+def _mpiexec(args) -> str:
+    if args.mpiexec:
+        return args.mpiexec
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def _launch(args, p: int, argv: list[str]) -> dict:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = "1"  # one rank per core
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "w.json")
+        cmd = [_mpiexec(args), "-n", str(p), sys.executable, "-m", "mpi4py", "-m"]
+        cmd += ["ringmpi.bench", *argv, "--worker", "--worker-json", path]
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(Path(path).read_text())
+
+
+def _summarize(doc: dict) -> None:
+    """Add fractions of matmul, scaling efficiency and torch ratios; print the table."""
+    mm = {w["p"]: w["matmul_gflops_per_rank"] for w in doc["workers"]}
+    key = lambda r: (r["n"], r["d"], r["causal"])  # noqa: E731
+    t1 = {key(r): r["time_s"] for r in doc["runs"] if r["p"] == 1}
+    torch = {(key(t), t["threads"]): t["gflops_per_thread"] for t in doc["torch"]}
+    for r in doc["runs"]:
+        r["frac_matmul"] = r["gflops_per_rank"] / mm[r["p"]]
+        r["scaling_eff"] = t1[key(r)] / (r["p"] * r["time_s"]) if key(r) in t1 else None
+        tv = torch.get((key(r), r["p"]))
+        r["torch_gflops_per_thread"] = tv
+        r["vs_torch"] = r["gflops_per_rank"] / tv if tv else None
+    hdr = (
+        f"{'P':>2} {'N':>6} {'D':>4} {'causal':>6} {'time s':>8} {'GF/s/rank':>9} "
+        f"{'xmatmul':>7} {'eff':>5} {'torch':>7} {'xtorch':>6} {'wait s':>7} {'MiB/rank':>8}"
+    )
+    print(f"float32 matmul GFLOP/s per rank: {mm}   backend: {doc['runs'][0].get('backend')}")
+    print(hdr)
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    for r in doc["runs"]:
+        print(
+            f"{r['p']:>2} {r['n']:>6} {r['d']:>4} {str(r['causal']):>6} {r['time_s']:>8.3f} "
+            f"{r['gflops_per_rank']:>9.1f} {r['frac_matmul']:>7.2f} "
+            f"{fmt(r['scaling_eff'], '>5.2f')} {fmt(r['torch_gflops_per_thread'], '>7.1f')} "
+            f"{fmt(r['vs_torch'], '>6.2f')} {r['wait_s']:>7.3f} {r['peak_mem_mib_per_rank']:>8.1f}"
+        )
+
+
+def _plot(doc: dict, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = sorted({(r["n"], r["d"], r["causal"]) for r in doc["runs"]})
+    ps = sorted({r["p"] for r in doc["runs"]})
+    width = 0.8 / (len(ps) + 1)
+    for i, p in enumerate(ps):
+        vals = {(r["n"], r["d"], r["causal"]): r["gflops_per_rank"] for r in doc["runs"]}
+        vals = {k: v for k, v in vals.items()}
+        ys = [
+            next((r["gflops_per_rank"] for r in doc["runs"] if r["p"] == p and
+                  (r["n"], r["d"], r["causal"]) == lab), 0.0)
+            for lab in labels
+        ]  # fmt: skip
+        ax.bar([j + i * width for j in range(len(labels))], ys, width, label=f"ringmpi P={p}")
+    ty = [
+        next((t["gflops_per_thread"] for t in doc["torch"] if t["threads"] == 1 and
+              (t["n"], t["d"], t["causal"]) == lab), 0.0)
+        for lab in labels
+    ]  # fmt: skip
+    if any(ty):
+        ax.bar([j + len(ps) * width for j in range(len(labels))], ty, width, label="torch SDPA 1t")
+    for w in doc["workers"]:
+        ax.axhline(w["matmul_gflops_per_rank"], ls="--", lw=0.8, color="gray")
+    ax.set_xticks([j + width * len(ps) / 2 for j in range(len(labels))])
+    ax.set_xticklabels([f"N={n}\nD={d}{' c' if c else ''}" for n, d, c in labels], fontsize=7)
+    ax.set_ylabel("GFLOP/s per rank (dashed: fp32 matmul)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``ringmpi bench``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    cases = _cases(args)
+    under_mpi = any(os.environ.get(v) for v in _LAUNCH_ENV)
+    if under_mpi:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            # already launched: measure this world size only
+            args.worker_json = None if MPI.COMM_WORLD.Get_rank() else args.out + ".worker"
+            _worker(args)
+            if MPI.COMM_WORLD.Get_rank():
+                return 0
+            workers = [json.loads(Path(args.out + ".worker").read_text())]
+            os.unlink(args.out + ".worker")
+        else:
+            under_mpi = False
+    if not under_mpi:
+        workers = [_launch(args, p, argv) for p in sorted(set(args.np))]
+    torch_runs: list[dict] = []
+    if not args.no_torch:
+        for p in sorted({w["p"] for w in workers}):
+            torch_runs += _torch_sdpa(cases, args, p)
+    doc = dict(
+        meta=dict(
+            dtype=args.dtype,
+            heads=args.heads,
+            kv_heads=args.kv_heads or args.heads,
+            layout=args.layout,
+            repeat=args.repeat,
+            python=sys.version.split()[0],
+            cpu_count=os.cpu_count(),
+            env={k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")},
+        ),
+        workers=workers,
+        runs=[r for w in workers for r in w["runs"]],
+        torch=torch_runs,
+    )
+    _summarize(doc)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, out)  # complete file or none
+    print(f"wrote {out}")
+    if not args.no_plot:
+        png = _plot(doc, args.plot or str(out.with_suffix(".png")))
+        print(f"wrote {png}" if png else "matplotlib not importable: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
