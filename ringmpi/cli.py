@@ -126,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--strided-read",
-        choices=("hyperslab", "blocks"),
-        default="hyperslab",
-        help="striped layout: strided selection or subsampled blocks",
+        choices=("auto", "hyperslab", "blocks"),
+        default="auto",
+        help="striped layout: strided selection, subsampled blocks, or auto (by storage)",
     )
     r.add_argument("--no-prefetch", action="store_true", help="do not read the next sequence ahead")
 

@@ -100,7 +100,7 @@ def run(
     resume: bool = False,
     quiet: bool = False,
     max_memory: Optional[int] = None,
-    strided: str = "hyperslab",
+    strided: str = "auto",
     prefetch: bool = True,
 ) -> dict:
     """Run exact attention over every sequence of ``inputs`` and write ``output`` (collective).

@@ -83,7 +83,7 @@ def test_scan_structures(tmp_path, kind):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("strided", ["hyperslab", "blocks"])
+@pytest.mark.parametrize("strided", ["hyperslab", "blocks", "auto"])
 def test_reader_reads_exactly_each_ranks_tokens(tmp_path, layout, strided):
     paths = make_data(
         str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D, shards=3,
