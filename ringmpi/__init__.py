@@ -1,6 +1,22 @@
-"""ringmpi: exact ring attention over MPI for very long sequences."""
+"""ringmpi: exact ring attention over MPI for very long sequences.
 
-from .partition import positions
+The sequence is split over the ranks of an MPI communicator; K/V blocks travel
+around a ring while each rank folds them into the attention of its own queries.
+numpy arrays run on the CPU, CuPy arrays on the GPU.
+"""
+
+from . import reference
+from .attention import ring_attention
+from .partition import LAYOUTS, positions
+from .sharding import gather, shard
 
 __version__ = "0.1.0"
-__all__ = ["positions", "__version__"]
+__all__ = [
+    "LAYOUTS",
+    "gather",
+    "positions",
+    "reference",
+    "ring_attention",
+    "shard",
+    "__version__",
+]

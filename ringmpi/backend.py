@@ -1,0 +1,90 @@
+"""Choosing the tile backend from the array type.
+
+numpy arrays run on the CPU: the fused C tile when it can be built and loaded,
+the numpy tile otherwise (``RINGMPI_CPU_KERNEL=numpy|fused|auto`` forces one).
+CuPy arrays run the CUDA tiles. There is no global switch inside the library.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from . import cpu
+from .ring import Ring
+
+__all__ = ["Backend", "select", "is_cupy"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the ring loop needs from a tile backend."""
+
+    name: str
+    xp: Any  # array module: numpy or cupy
+    forward_tile: Callable[..., int]
+    tile_dtype: Callable[[Any], Any]  # dtype q/k/v are converted to for the tile
+    acc_dtype: Callable[[Any], Any]  # dtype of the online-softmax state
+    ring: Callable[..., Any]  # factory: comm -> Ring-like exchanger
+    dtypes: tuple  # input dtype names accepted
+
+
+def is_cupy(x) -> bool:
+    """True for a CuPy array (checked without importing CuPy)."""
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+_CPU_DTYPES = ("float16", "float32", "float64")
+
+
+def _numpy_backend() -> Backend:
+    return Backend(
+        "numpy", np, cpu.forward_tile, cpu.compute_dtype, cpu.compute_dtype, Ring, _CPU_DTYPES
+    )
+
+
+def _fused_backend():
+    try:
+        from . import fused
+    except ImportError:
+        return None
+    if not fused.available():
+        return None
+    return Backend(
+        "fused", np, fused.forward_tile, cpu.compute_dtype, cpu.compute_dtype, Ring, _CPU_DTYPES
+    )
+
+
+def _gpu_backend() -> Backend:
+    import cupy
+
+    from . import gpu
+
+    return Backend(
+        "gpu",
+        cupy,
+        gpu.forward_tile,
+        gpu.tile_dtype,
+        gpu.acc_dtype,
+        gpu.GpuRing,
+        ("float16", "bfloat16", "float32", "float64"),
+    )
+
+
+def select(x) -> Backend:
+    """Backend for array ``x``: GPU for CuPy arrays, otherwise a CPU tile."""
+    if is_cupy(x):
+        return _gpu_backend()
+    choice = os.environ.get("RINGMPI_CPU_KERNEL", "auto").lower()
+    if choice not in ("auto", "fused", "numpy"):
+        raise ValueError(f"RINGMPI_CPU_KERNEL must be auto, fused or numpy, not {choice!r}")
+    if choice != "numpy":
+        fused = _fused_backend()
+        if fused is not None:
+            return fused
+        if choice == "fused":
+            raise RuntimeError("RINGMPI_CPU_KERNEL=fused but the fused CPU tile is unavailable")
+    return _numpy_backend()

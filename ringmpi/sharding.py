@@ -1,0 +1,69 @@
+"""Moving whole arrays to and from the per-rank token layouts."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .partition import positions
+
+__all__ = ["shard", "gather"]
+
+
+def shard(x, comm: Optional[MPI.Comm] = None, layout: str = "zigzag", axis: int = -3):
+    """This rank's tokens of a global array that every rank holds.
+
+    Parameters
+    ----------
+    x : array (..., N, ...)
+        The whole sequence; ``axis`` is the token axis (default -3: (S, H, D)).
+    comm : mpi4py.MPI.Comm, optional
+        Default MPI.COMM_WORLD.
+    layout : {"zigzag", "striped", "contiguous"}
+
+    Returns
+    -------
+    array with ``len(positions(N, rank, size, layout))`` tokens on ``axis``,
+    in the order the rank stores them.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    n = x.shape[axis]
+    idx = positions(n, comm.Get_rank(), comm.Get_size(), layout)
+    return x.take(idx, axis=axis)
+
+
+def gather(
+    x_local, n: int, comm: Optional[MPI.Comm] = None, layout: str = "zigzag", axis: int = -3
+):
+    """The global array in token order, on every rank (inverse of ``shard``).
+
+    Parameters
+    ----------
+    x_local : numpy array with this rank's tokens on ``axis``
+    n : int
+        Global sequence length.
+
+    Returns
+    -------
+    numpy array with ``n`` tokens on ``axis``. Holds the whole sequence: meant
+    for tests and small problems, not for the long-sequence path.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    x_local = np.asarray(x_local.get() if hasattr(x_local, "get") else x_local)
+    size = comm.Get_size()
+    parts = comm.allgather(x_local)
+    ax = axis % x_local.ndim
+    shape = list(x_local.shape)
+    shape[ax] = n
+    out = np.empty(shape, dtype=x_local.dtype)
+    for r, part in enumerate(parts):
+        idx = positions(n, r, size, layout)
+        if part.shape[ax] != len(idx):
+            raise ValueError(
+                f"gather: rank {r} holds {part.shape[ax]} tokens, layout {layout!r} "
+                f"gives it {len(idx)} of n={n}"
+            )
+        np.moveaxis(out, ax, 0)[idx] = np.moveaxis(part, ax, 0)
+    return out

@@ -1,0 +1,57 @@
+import numpy as np
+import pytest
+
+import ringmpi
+from ringmpi.partition import counts, runs
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_every_token_exactly_once(layout):
+    for size in range(1, 10):
+        for n in [0, 1, 2, 3, size - 1, size, 2 * size - 1, 2 * size + 1, 97, 1000, 1001]:
+            if n < 0:
+                continue
+            parts = [ringmpi.positions(n, r, size, layout) for r in range(size)]
+            allpos = np.concatenate(parts)
+            assert allpos.dtype == np.int64
+            assert np.array_equal(np.sort(allpos), np.arange(n)), (n, size, layout)
+            assert [len(p) for p in parts] == list(counts(n, size, layout))
+            # counts differ by at most 2 tokens (zigzag: two chunks) and at most 1 otherwise
+            spread = max(len(p) for p in parts) - min(len(p) for p in parts)
+            assert spread <= (2 if layout == "zigzag" else 1)
+
+
+def test_layout_shapes():
+    assert ringmpi.positions(8, 1, 2, "contiguous").tolist() == [4, 5, 6, 7]
+    assert ringmpi.positions(8, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
+    assert ringmpi.positions(8, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
+    assert ringmpi.positions(8, 1, 3, "striped").tolist() == [1, 4, 7]
+    assert ringmpi.positions(2, 2, 3, "contiguous").tolist() == []
+
+
+@pytest.mark.parametrize("bad", [dict(layout="diagonal"), dict(rank=3), dict(size=0), dict(n=-1)])
+def test_bad_arguments(bad):
+    args = dict(n=10, rank=0, size=3, layout="zigzag") | bad
+    with pytest.raises(ValueError):
+        ringmpi.positions(**args)
+
+
+def causal_work(n, size, layout):
+    """Visible (query, key) pairs per rank under a causal mask."""
+    return np.array([(ringmpi.positions(n, r, size, layout) + 1).sum() for r in range(size)])
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_causal_balance(size):
+    n = 4096
+    for layout, limit in (("zigzag", 1.01), ("striped", 1.01)):
+        w = causal_work(n, size, layout)
+        assert w.max() / w.mean() < limit, (layout, w)
+    w = causal_work(n, size, "contiguous")
+    assert w.max() / w.mean() > 1.4  # the unbalanced baseline: (2P-1)/P
+
+
+def test_runs():
+    assert runs(ringmpi.positions(20, 1, 4, "zigzag")) == [(0, 3), (3, 5)]
+    assert runs(ringmpi.positions(20, 1, 4, "striped")) == [(0, 5)]
+    assert runs(np.array([], dtype=np.int64)) == []
