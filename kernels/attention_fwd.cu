@@ -1,0 +1,531 @@
+// Forward attention tiles for the ring loop: fold one visiting K/V block into
+// the online-softmax state carried between ring steps (same math as
+// ringmpi/cpu.py forward_tile, which is the specification).
+//
+// Layouts (row-major, contiguous, one CTA per (q block, head, batch)):
+//   q      : (B, H,   Sq, ld)  storage type T; columns >= D are zero
+//   k, v   : (B, Hkv, Sk, ld)  query head h reads K/V head h / (H / Hkv)
+//   acc    : (B, H, Sq, D)     accumulation type A (float, or double)
+//   m, l   : (B, H, Sq)        running max and softmax denominator, type A
+//   q_pos  : (Sq,)             int64 global token positions
+//   k_pos  : (Sk,)             int64 global token positions
+//   bounds : (2*nqb + 2*nkb,)  int64 [qlo(nqb), qhi(nqb), klo(nkb), khi(nkb)]:
+//            min/max position of each q block (BM rows) and k block (BN rows)
+//
+// For one query row with scaled scores s_j over the visible keys:
+//   m'  = max(m, max_j s_j);  m_safe = (m' == -inf) ? 0 : m'
+//   acc = exp(m - m_safe) acc + sum_j exp(s_j - m_safe) v_j
+//   l   = exp(m - m_safe) l   + sum_j exp(s_j - m_safe)
+// Causal: key j is visible to query i iff k_pos[j] <= q_pos[i]. A key block
+// with min(k_pos) > max(q_pos of the CTA) is skipped; one with
+// max(k_pos) <= min(q_pos) needs no per-element mask.
+//
+// The file needs no header: fp16 and bf16 are 16-bit storage structs and all
+// conversions, tensor-core MMAs and async copies are inline PTX (sm_80+).
+
+typedef unsigned short u16;
+struct half_t { u16 x; };  // IEEE binary16 bits
+struct bf16_t { u16 x; };  // bfloat16 bits (upper half of a float32)
+
+#define RING_LOG2E 1.4426950408889634f
+#define RING_POS_MAX 0x7fffffffffffffffLL
+
+// ----------------------------------------------------------------------------
+// scalar helpers
+// ----------------------------------------------------------------------------
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+  return __longlong_as_double(0xfff0000000000000LL);
+}
+
+template <typename A> __device__ __forceinline__ A to_acc(float x);
+template <typename A> __device__ __forceinline__ A to_acc(double x);
+template <> __device__ __forceinline__ float to_acc<float>(float x) { return x; }
+template <> __device__ __forceinline__ double to_acc<double>(double x) { return x; }
+template <typename A> __device__ __forceinline__ A to_acc(half_t x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.x));
+  return (A)f;
+}
+template <typename A> __device__ __forceinline__ A to_acc(bf16_t x) {
+  return (A)__int_as_float(((unsigned)x.x) << 16);
+}
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+
+template <typename A> __device__ __forceinline__ A maxa(A a, A b) { return a > b ? a : b; }
+
+// 2^x with the MUFU unit; 2^-inf = +0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ----------------------------------------------------------------------------
+// tensor-core helpers (sm_80+): m16n8k16 MMA, ldmatrix, cp.async
+// ----------------------------------------------------------------------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return (unsigned)a;
+}
+
+// 16-byte async copy global -> shared; bytes = 0 fills the 16 bytes with zeros.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Four 8x8 b16 matrices, transposed on the way: thread (g = lane/4, t = lane%4)
+// gets elements [2t][g] and [2t+1][g] of each matrix (low half = row 2t).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2,
+                                                  unsigned& r3, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(smem_addr(p)));
+}
+
+template <typename T> struct Mma;
+
+template <> struct Mma<half_t> {
+  // c (16x8, f32) += a (16x16, row) * b (16x8, col)
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0,
+                                             unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // two floats -> packed pair, lo in the low 16 bits (PTX puts operand a high)
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+template <> struct Mma<bf16_t> {
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0,
+                                             unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+// First key block at or after kb that is not fully masked for this q block.
+__device__ __forceinline__ int next_kblock(int kb, int nkb, int causal, const long long* klo,
+                                           long long qhi) {
+  if (causal)
+    while (kb < nkb && klo[kb] > qhi) ++kb;
+  return kb;
+}
+
+// ----------------------------------------------------------------------------
+// fp16 / bf16 tensor-core kernel, flash-attention-2 style.
+// CTA = 4 warps = 64 query rows (16 per warp); key blocks of 64 rows are
+// double-buffered in shared memory with cp.async. S = Q K^T and O += P V run
+// on m16n8k16 MMAs with fp32 accumulation; the online softmax stays in
+// registers. HD = head dim padded to a multiple of 32 (D <= HD); ld is a
+// multiple of 8 (16-byte rows) and the global pointers are 16-byte aligned.
+// Dynamic shared memory: (BM + 4 BN) * (HD + 8) * sizeof(T) bytes.
+// ----------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void __launch_bounds__(128)
+    attn_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 float* __restrict__ acc, float* __restrict__ m_state,
+                 float* __restrict__ l_state, const long long* __restrict__ q_pos,
+                 const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
+                 int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal) {
+  constexpr int BM = 64, BN = 64, NTHREADS = 128;
+  constexpr int LDS = HD + 8;    // smem row stride (elements): conflict-free fragment loads
+  constexpr int KD = HD / 16;    // k-steps of S = Q K^T over the head dim
+  constexpr int NTS = BN / 8;    // n-tiles of S (keys)
+  constexpr int NTO = HD / 8;    // n-tiles of O (head dim)
+  constexpr int CH = HD / 8;     // 16-byte chunks per smem row
+  static_assert(HD % 32 == 0 && HD <= 128, "HD must be 32, 64, 96 or 128");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
+  T* Ks = Qs + BM * LDS;                   // [2][BN][LDS]
+  T* Vs = Ks + 2 * BN * LDS;               // [2][BN][LDS]
+
+  const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
+  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
+  const long long* klo = bounds + 2 * nqb;
+  const long long* khi = klo + nkb;
+
+  int kb = next_kblock(0, nkb, causal, klo, qhi);
+  if (kb >= nkb) return;  // every key is in the future: state unchanged
+
+  const int hk = h / (H / Hkv);
+  const long long qrow0 = ((long long)b * H + h) * Sq;     // first row of (b, h) in q/acc/m/l
+  const long long krow0 = ((long long)b * Hkv + hk) * Sk;  // first row of (b, hk) in k/v
+  const T* qg = q + qrow0 * ld;
+  const T* kg = k + krow0 * ld;
+  const T* vg = v + krow0 * ld;
+  const int q0 = qb * BM;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gr = lane >> 2, tg = lane & 3;  // MMA fragment coordinates
+
+  // rows [r0, r0 + rows) of a (nrows, ld) matrix -> smem [rows][LDS], zero-filled
+  auto load_tile = [&](T* dst, const T* src, int r0, int nrows, int rows) {
+    for (int i = tid; i < rows * CH; i += NTHREADS) {
+      const int r = i / CH, c = (i % CH) * 8;
+      const bool ok = (r0 + r < nrows) && (c < ld);
+      const T* s = ok ? src + (long long)(r0 + r) * ld + c : src;
+      cp_async16(dst + r * LDS + c, s, ok ? 16 : 0);
+    }
+  };
+
+  load_tile(Qs, qg, q0, Sq, BM);
+  cp_commit();
+  int stage = 0;
+  load_tile(Ks, kg, kb * BN, Sk, BN);
+  load_tile(Vs, vg, kb * BN, Sk, BN);
+  cp_commit();
+  cp_wait<1>();  // Q has landed (the first K/V block may still be in flight)
+  __syncthreads();
+
+  // A fragments of this warp's 16 query rows, kept for the whole loop:
+  // a0 (row g, k 2t..2t+1), a1 (row g+8, k 2t), a2 (row g, k 2t+8), a3 (row g+8, k 2t+8)
+  const int rl = warp * 16 + gr;  // local row of c0/c1; rl + 8 holds c2/c3
+  unsigned qf[KD][4];
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) {
+    const T* p = Qs + rl * LDS + kk * 16 + tg * 2;
+    qf[kk][0] = *reinterpret_cast<const unsigned*>(p);
+    qf[kk][1] = *reinterpret_cast<const unsigned*>(p + 8 * LDS);
+    qf[kk][2] = *reinterpret_cast<const unsigned*>(p + 8);
+    qf[kk][3] = *reinterpret_cast<const unsigned*>(p + 8 * LDS + 8);
+  }
+
+  // carried state of rows rl and rl + 8; l is summed over the 4 lanes of a
+  // row group at the end, so only lane tg == 0 starts from the stored value
+  float o[NTO][4];
+  float mrow[2], lrow[2];
+  long long qp[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = q0 + rl + 8 * r;
+    const bool valid = row < Sq;
+    mrow[r] = valid ? m_state[qrow0 + row] : neg_inf<float>();
+    lrow[r] = (valid && tg == 0) ? l_state[qrow0 + row] : 0.f;
+    qp[r] = valid ? q_pos[row] : RING_POS_MAX;
+#pragma unroll
+    for (int nt = 0; nt < NTO; ++nt) {
+      const int col = nt * 8 + tg * 2;
+      const float* a = acc + (qrow0 + row) * D + col;
+      o[nt][2 * r] = (valid && col < D) ? a[0] : 0.f;
+      o[nt][2 * r + 1] = (valid && col + 1 < D) ? a[1] : 0.f;
+    }
+  }
+
+  while (true) {
+    const int nxt = next_kblock(kb + 1, nkb, causal, klo, qhi);
+    if (nxt < nkb) {  // prefetch the next visible block into the other stage
+      load_tile(Ks + (stage ^ 1) * BN * LDS, kg, nxt * BN, Sk, BN);
+      load_tile(Vs + (stage ^ 1) * BN * LDS, vg, nxt * BN, Sk, BN);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const T* Kt = Ks + stage * BN * LDS;
+    const T* Vt = Vs + stage * BN * LDS;
+
+    // S = Q K^T: b0 = K[key g][d 2t..2t+1], b1 = K[key g][d 2t+8..]
+    float s[NTS][4];
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        const T* p = Kt + (nt * 8 + gr) * LDS + kk * 16 + tg * 2;
+        Mma<T>::run(s[nt], qf[kk], *reinterpret_cast<const unsigned*>(p),
+                    *reinterpret_cast<const unsigned*>(p + 8));
+      }
+    }
+
+    // scale, then mask keys past Sk and (near the diagonal) future keys
+    const int k0 = kb * BN;
+    const bool need_mask = causal && qlo < khi[kb];
+    const bool partial = k0 + BN > Sk;
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[nt][e] * scale;
+        if (partial || need_mask) {
+          const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
+          const bool vis = kj < Sk && (!need_mask || k_pos[kj] <= qp[e >> 1]);
+          if (!vis) x = neg_inf<float>();
+        }
+        s[nt][e] = x;
+      }
+    }
+
+    // online softmax per row (c0/c1 -> row rl, c2/c3 -> row rl + 8)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = neg_inf<float>();
+#pragma unroll
+      for (int nt = 0; nt < NTS; ++nt) mx = maxa(mx, maxa(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = maxa(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = maxa(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = maxa(mrow[r], mx);
+      const float m_safe = (m_new == neg_inf<float>()) ? 0.f : m_new;
+      const float ms = m_safe * RING_LOG2E;
+      const float alpha = fast_exp2(mrow[r] * RING_LOG2E - ms);
+      float rsum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NTS; ++nt) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const float p = fast_exp2(s[nt][e] * RING_LOG2E - ms);
+          s[nt][e] = p;
+          rsum += p;
+        }
+      }
+      lrow[r] = lrow[r] * alpha + rsum;
+      mrow[r] = m_new;
+#pragma unroll
+      for (int nt = 0; nt < NTO; ++nt) {
+        o[nt][2 * r] *= alpha;
+        o[nt][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V. The S accumulators of key tiles 2kk, 2kk+1 are exactly the A
+    // fragment of keys [16kk, 16kk+16); V fragments come from ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      unsigned a[4];
+      a[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int np = 0; np < HD / 16; ++np) {
+        unsigned b0, b1, b2, b3;
+        ldmatrix_x4_trans(b0, b1, b2, b3, Vt + (kk * 16 + (lane & 15)) * LDS + np * 16 + (lane >> 4) * 8);
+        Mma<T>::run(o[2 * np], a, b0, b1);
+        Mma<T>::run(o[2 * np + 1], a, b2, b3);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    if (nxt >= nkb) break;
+    kb = nxt;
+    stage ^= 1;
+  }
+
+  // write the state back
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = lrow[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = q0 + rl + 8 * r;
+    if (row < Sq) {
+      if (tg == 0) {
+        m_state[qrow0 + row] = mrow[r];
+        l_state[qrow0 + row] = l;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTO; ++nt) {
+        const int col = nt * 8 + tg * 2;
+        float* a = acc + (qrow0 + row) * D + col;
+        if (col < D) a[0] = o[nt][2 * r];
+        if (col + 1 < D) a[1] = o[nt][2 * r + 1];
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// General kernel on the CUDA cores: fp32 and fp64 (any D <= DMAX), and
+// fp16/bf16 heads wider than 128. 256 threads as a 16 x 16 grid (ty, tx);
+// thread (ty, tx) owns query rows ty + 16 i and, for S, keys tx + 16 j and,
+// for O, head-dim columns tx + 16 j. Q, K, V and P live in shared memory in
+// the accumulation type. Dynamic shared memory:
+// ((BM + 2 BN) (DMAX + 1) + BM (BN + 1)) * sizeof(A) bytes.
+// ----------------------------------------------------------------------------
+template <typename T, typename A, int DMAX, int BM, int BN>
+__global__ void __launch_bounds__(256)
+    attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  A* __restrict__ acc, A* __restrict__ m_state, A* __restrict__ l_state,
+                  const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
+                  const long long* __restrict__ bounds, int H, int Hkv, int Sq, int Sk, int D,
+                  int ld, A scale, int causal) {
+  constexpr int NTHREADS = 256;
+  constexpr int LD = DMAX + 1;  // odd stride: rows fall in different banks
+  constexpr int LP = BN + 1;
+  constexpr int RM = BM / 16, RN = BN / 16, RD = DMAX / 16;
+  static_assert(BM % 16 == 0 && BN % 16 == 0 && DMAX % 16 == 0, "tile sizes");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* Qs = reinterpret_cast<A*>(smem_raw);  // [BM][LD]
+  A* Ks = Qs + BM * LD;                    // [BN][LD]
+  A* Vs = Ks + BN * LD;                    // [BN][LD]
+  A* Ps = Vs + BN * LD;                    // [BM][LP]
+
+  const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
+  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
+  const long long* klo = bounds + 2 * nqb;
+  const long long* khi = klo + nkb;
+
+  int kb = next_kblock(0, nkb, causal, klo, qhi);
+  if (kb >= nkb) return;
+
+  const int hk = h / (H / Hkv);
+  const long long qrow0 = ((long long)b * H + h) * Sq;
+  const long long krow0 = ((long long)b * Hkv + hk) * Sk;
+  const T* qg = q + qrow0 * ld;
+  const T* kg = k + krow0 * ld;
+  const T* vg = v + krow0 * ld;
+  const int q0 = qb * BM;
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const A zero = 0;
+
+  for (int i = tid; i < BM * DMAX; i += NTHREADS) {
+    const int r = i / DMAX, c = i % DMAX;
+    Qs[r * LD + c] = (q0 + r < Sq && c < D) ? to_acc<A>(qg[(long long)(q0 + r) * ld + c]) : zero;
+  }
+
+  A o[RM][RD], mrow[RM], lrow[RM];
+  long long qp[RM];
+#pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    const int row = q0 + ty + 16 * i;
+    const bool valid = row < Sq;
+    mrow[i] = valid ? m_state[qrow0 + row] : neg_inf<A>();
+    lrow[i] = (valid && tx == 0) ? l_state[qrow0 + row] : zero;
+    qp[i] = valid ? q_pos[row] : RING_POS_MAX;
+#pragma unroll
+    for (int j = 0; j < RD; ++j) {
+      const int c = tx + 16 * j;
+      o[i][j] = (valid && c < D) ? acc[(qrow0 + row) * D + c] : zero;
+    }
+  }
+
+  for (; kb < nkb; kb = next_kblock(kb + 1, nkb, causal, klo, qhi)) {
+    const int k0 = kb * BN;
+    __syncthreads();  // previous block's readers are done (and Q is stored)
+    for (int i = tid; i < BN * DMAX; i += NTHREADS) {
+      const int r = i / DMAX, c = i % DMAX;
+      const bool ok = k0 + r < Sk && c < D;
+      const long long gi = (long long)(k0 + r) * ld + c;
+      Ks[r * LD + c] = ok ? to_acc<A>(kg[gi]) : zero;
+      Vs[r * LD + c] = ok ? to_acc<A>(vg[gi]) : zero;
+    }
+    __syncthreads();
+
+    // S = Q K^T for rows ty + 16 i and keys tx + 16 j
+    A s[RM][RN];
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < RN; ++j) s[i][j] = zero;
+#pragma unroll 4
+    for (int d = 0; d < D; ++d) {
+      A qa[RM], kb_[RN];
+#pragma unroll
+      for (int i = 0; i < RM; ++i) qa[i] = Qs[(ty + 16 * i) * LD + d];
+#pragma unroll
+      for (int j = 0; j < RN; ++j) kb_[j] = Ks[(tx + 16 * j) * LD + d];
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < RN; ++j) s[i][j] += qa[i] * kb_[j];
+    }
+
+    const bool need_mask = causal && qlo < khi[kb];
+    const bool partial = k0 + BN > Sk;
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+      A mx = neg_inf<A>();
+#pragma unroll
+      for (int j = 0; j < RN; ++j) {
+        A x = s[i][j] * scale;
+        if (partial || need_mask) {
+          const int kj = k0 + tx + 16 * j;
+          const bool vis = kj < Sk && (!need_mask || k_pos[kj] <= qp[i]);
+          if (!vis) x = neg_inf<A>();
+        }
+        s[i][j] = x;
+        mx = maxa(mx, x);
+      }
+      // the 16 lanes tx = 0..15 of one row are one half-warp
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) mx = maxa(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const A m_new = maxa(mrow[i], mx);
+      const A m_safe = (m_new == neg_inf<A>()) ? zero : m_new;
+      const A alpha = exp_acc(mrow[i] - m_safe);
+      A rsum = zero;
+#pragma unroll
+      for (int j = 0; j < RN; ++j) {
+        const A p = exp_acc(s[i][j] - m_safe);
+        rsum += p;
+        Ps[(ty + 16 * i) * LP + tx + 16 * j] = p;
+      }
+      lrow[i] = lrow[i] * alpha + rsum;
+      mrow[i] = m_new;
+#pragma unroll
+      for (int j = 0; j < RD; ++j) o[i][j] *= alpha;
+    }
+    __syncthreads();
+
+    // O += P V over the valid keys of the block
+    const int nk = (Sk - k0 < BN) ? Sk - k0 : BN;
+#pragma unroll 4
+    for (int kk = 0; kk < nk; ++kk) {
+      A pa[RM], va[RD];
+#pragma unroll
+      for (int i = 0; i < RM; ++i) pa[i] = Ps[(ty + 16 * i) * LP + kk];
+#pragma unroll
+      for (int j = 0; j < RD; ++j) va[j] = Vs[kk * LD + tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < RD; ++j) o[i][j] += pa[i] * va[j];
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    A l = lrow[i];
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    const int row = q0 + ty + 16 * i;
+    if (row < Sq) {
+      if (tx == 0) {
+        m_state[qrow0 + row] = mrow[i];
+        l_state[qrow0 + row] = l;
+      }
+#pragma unroll
+      for (int j = 0; j < RD; ++j) {
+        const int c = tx + 16 * j;
+        if (c < D) acc[(qrow0 + row) * D + c] = o[i][j];
+      }
+    }
+  }
+}
