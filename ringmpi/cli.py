@@ -338,7 +338,7 @@ def _cmd_info() -> int:
 
         info = gpu.info()
         if isinstance(info, dict):
-            lines += [f"gpu       {k}: {v}" for k, v in info.items()]
+            lines += [f"gpu       {k}: {v}" for k, v in info.items() if v is not None]
         else:
             lines.append(f"gpu       {info}")
         lines.append(f"cuda-aware MPI: {gpu.cuda_aware()}")

@@ -266,6 +266,17 @@ def _read_weights(path: str) -> dict:
         f.close()
 
 
+def _guarded(path: str, fn, *args):
+    """Call ``fn``; any unexpected failure on a damaged file becomes an InputError naming it."""
+    try:
+        return fn(*args)
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - corrupt metadata raises all kinds of errors
+        msg = str(e).splitlines()[0] if str(e) else ""
+        _fail(path, f"unreadable HDF5 metadata ({type(e).__name__}: {msg})")
+
+
 def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     """Read the metadata of every input file and check that they form valid sequences.
 
@@ -288,7 +299,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     files = [str(p) for p in files]
     metas, structure = [], None
     for p in files:
-        metas.append(_scan_file(p, structure))
+        metas.append(_guarded(p, _scan_file, p, structure))
         structure = metas[0]["structure"]
     first = metas[0]
     mode = first["mode"]
@@ -298,7 +309,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     if mode == "features":
         if weights is None:
             _fail(files[0], "holds raw features 'x'; give the projection weights with --weights")
-        w = _read_weights(weights)
+        w = _guarded(weights, _read_weights, weights)
     elif weights is not None:
         _fail(weights, f"weights given but {files[0]} holds q, k, v (weights need features 'x')")
     per_seq: dict = {g: [] for g in names}

@@ -1,7 +1,9 @@
 """A small progress bar for rank 0 on stderr: sequences, and ring steps within one.
 
-On a terminal the bar redraws in place (at most ~10 times a second); in a log
-file (stderr not a TTY) it prints one line per finished sequence instead.
+On a terminal the bar redraws in place (at most ~10 times a second). In a log
+file (stderr not a TTY, which is also the case under mpiexec) it prints one line
+per finished sequence, plus a ring-step line at most every LOG_EVERY seconds
+within a long sequence.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import sys
 import time
 from typing import Optional, TextIO
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "LOG_EVERY"]
+
+LOG_EVERY = 10.0  # seconds between ring-step lines when stderr is not a terminal
 
 
 class Progress:
@@ -48,13 +52,25 @@ class Progress:
         """A sequence (0-based ``index`` among those to do) begins."""
         if self.enabled:
             self.index, self.name, self.tokens, self._step = index, name, tokens, (0, 0)
+            self._last = time.perf_counter() if not self.tty else self._last
             self._draw(force=True)
 
     def step(self, step: int, nsteps: int) -> None:
         """Ring step ``step`` of ``nsteps`` finished (the ``on_step`` callback)."""
-        if self.enabled:
-            self._step = (step, nsteps)
+        if not self.enabled:
+            return
+        self._step = (step, nsteps)
+        if self.tty:
             self._draw()
+            return
+        now = time.perf_counter()
+        if now - self._last >= LOG_EVERY and step < nsteps:  # long sequence in a log file
+            self._last = now
+            self.stream.write(
+                f"ringmpi: sequence {self.index + 1}/{self.total} {self.name}: "
+                f"ring step {step}/{nsteps}, {now - self.t0:.0f} s\n"
+            )
+            self.stream.flush()
 
     def finish_seq(self, seconds: float) -> None:
         """The current sequence is written."""

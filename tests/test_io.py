@@ -296,3 +296,24 @@ def test_dense_head_matches_reference(causal):
     o, lse = dense_head(q[:, 0], k[:, 0], v[:, 0], causal, 0.25, np.dtype(np.float64))
     np.testing.assert_allclose(o, ref_o[:, 0], rtol=0, atol=1e-12)
     np.testing.assert_allclose(lse, ref_l[0], rtol=0, atol=1e-12)
+
+
+def test_progress_lines_in_a_log(monkeypatch):
+    import io as _io
+
+    from ringmpi import progress
+
+    buf = _io.StringIO()
+    monkeypatch.setattr(progress, "LOG_EVERY", 0.0)
+    bar = progress.Progress(2, stream=buf)
+    bar.start(0, "seq000", 100)
+    bar.step(1, 4)
+    bar.finish_seq(0.5)
+    bar.close()
+    quiet = progress.Progress(2, enabled=False, stream=buf)
+    quiet.start(1, "x", 1)
+    quiet.step(1, 2)
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "ringmpi: sequence 1/2 seq000: ring step 1/4, 0 s"
+    assert lines[1].startswith("ringmpi: sequence 1/2 seq000: 100 tokens in 0.50 s")
+    assert len(lines) == 2
