@@ -10,7 +10,8 @@ Two such partial results over disjoint key sets combine exactly:
 The tile kernels keep the equivalent unnormalised state ``(acc, m, l)`` with
 ``acc = sum_j exp(s_j - m) v_j`` and ``l = sum_j exp(s_j - m)``; ``finalize``
 turns it into ``(o, lse)``. A row that saw no key has ``l = 0``: its output is
-0 and its lse is -inf, never NaN.
+0 and its lse is -inf, never NaN. A NaN that reached the state (NaN input)
+stays NaN in the rows it touched.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def finalize(acc, m, l, xp=np):
 
     Rows with ``l == 0`` (no visible key) give out 0 and lse -inf.
     """
-    seen = l > 0
+    seen = l != 0  # a NaN row stays NaN: NaN inputs are never silently zeroed
     safe_l = xp.where(seen, l, 1)
     out = acc / safe_l[..., None]
     out = xp.where(seen[..., None], out, 0)
