@@ -216,7 +216,7 @@ class OutputStore:
         final = os.path.join(self.parts, part_name(i, self.rank))
         tmp = final + ".tmp"
         try:
-            with h5py.File(tmp, "w") as f:
+            with h5py.File(tmp, "w", locking="best-effort") as f:
                 f.create_dataset("out", data=out)
                 f.create_dataset("lse", data=lse)
                 f.create_dataset("pos", data=pos)
@@ -270,7 +270,7 @@ class OutputStore:
         dt = np.dtype(plan.dtype)
         lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
         tmp = self.path + ".tmp"
-        with h5py.File(tmp, "w") as f:
+        with h5py.File(tmp, "w", locking="best-effort") as f:
             for key, val in self.meta.items():
                 f.attrs[key] = json.dumps(val)
             f.attrs["structure"] = plan.structure
