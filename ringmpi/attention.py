@@ -167,7 +167,7 @@ def ring_attention(
     finally:
         ring.free()
     out, lse = softmax.finalize(acc, m, l, xp)
-    out = xp.moveaxis(out, -3, -2).astype(args.in_dtype)
+    out = be.cast_out(xp.moveaxis(out, -3, -2), args.in_dtype)
     if not args.batched:
         out, lse = out[0], lse[0]
     if stats is not None:

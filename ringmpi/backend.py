@@ -30,6 +30,7 @@ class Backend:
     acc_dtype: Callable[[Any], Any]  # dtype of the online-softmax state
     ring: Callable[..., Any]  # factory: comm -> Ring-like exchanger
     dtypes: tuple  # input dtype names accepted
+    cast_out: Callable[[Any, Any], Any] = lambda out, dtype: out.astype(dtype)
 
 
 def is_cupy(x) -> bool:
@@ -70,8 +71,18 @@ def _gpu_backend() -> Backend:
         gpu.tile_dtype,
         gpu.acc_dtype,
         gpu.GpuRing,
-        ("float16", "bfloat16", "float32", "float64"),
+        # uint16 arrays are bfloat16 bit patterns (gpu.to_bf16_bits), for CuPy without bfloat16
+        ("float16", "bfloat16", "uint16", "float32", "float64"),
+        _gpu_cast_out,
     )
+
+
+def _gpu_cast_out(out, dtype):
+    from . import gpu
+
+    if np.dtype(dtype) == np.uint16:  # bfloat16 bits in, bfloat16 bits out
+        return gpu.to_bf16_bits(out)
+    return out.astype(dtype)
 
 
 def select(x) -> Backend:
