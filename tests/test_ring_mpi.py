@@ -31,10 +31,12 @@ def run_case(comm, rng, n, h, hkv, d, batch, dtype, causal, layout):
     return q, k, v, ref, ref_lse, loc, out, lse
 
 
+@pytest.mark.parametrize("kernel", ["auto", "numpy"])
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_matches_reference(comm, layout, causal, dtype):
+def test_matches_reference(comm, layout, causal, dtype, kernel, monkeypatch):
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", kernel)  # auto: the fused tile where it builds
     rng = np.random.default_rng(7)
     for n, h, hkv, d, batch in shapes(comm.size):
         case = f"n={n} H={h} Hkv={hkv} D={d} B={batch}"
