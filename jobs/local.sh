@@ -31,7 +31,7 @@ export MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
 
 if [[ $# -eq 0 ]]; then
     if [[ ! -f data/sample/sample.h5 ]]; then
-        "$PYTHON" -m ringmpi make-data data/sample/sample.h5 --seq-len 8192 --sequences 2
+        "$PYTHON" -m ringmpi make-data data/sample/sample.h5 --sequences 3
     fi
     set -- data/sample/sample.h5 -o data/sample/out.h5 --causal --verify
 fi
