@@ -7,6 +7,7 @@ numpy arrays run on the CPU, CuPy arrays on the GPU.
 
 from . import reference
 from .attention import ring_attention
+from .backward import ring_attention_backward
 from .partition import LAYOUTS, positions
 from .sharding import gather, shard
 
@@ -17,6 +18,7 @@ __all__ = [
     "positions",
     "reference",
     "ring_attention",
+    "ring_attention_backward",
     "shard",
     "__version__",
 ]
