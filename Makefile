@@ -32,8 +32,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 venv install: $(VENV)/.installed
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check ringmpi tests data
-	$(VENV)/bin/ruff format --check ringmpi tests data
+	$(VENV)/bin/ruff check ringmpi tests data jobs
+	$(VENV)/bin/ruff format --check ringmpi tests data jobs
+	$(VENV)/bin/shellcheck jobs/*.sh jobs/slurm.sbatch .ci/run
 
 test-serial: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -50,7 +51,7 @@ test-mpi: $(VENV)/.installed
 test: lint test-serial test-mpi
 
 run: $(VENV)/.installed
-	$(PY) -m ringmpi make-data data/sample/sample.h5
+	$(PY) -m ringmpi make-data data/sample/sample.h5 --sequences 3
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m ringmpi run data/sample/sample.h5 -o data/sample/out.h5 --causal --verify
 
 bench: $(VENV)/.installed
