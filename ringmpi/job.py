@@ -33,7 +33,12 @@ __all__ = ["run", "format_summary", "pick_device"]
 
 
 def pick_device(device: str, comm) -> str:
-    """Resolve ``auto`` to ``gpu`` when CuPy sees a GPU and ringmpi.gpu imports, else ``cpu``."""
+    """Resolve ``auto`` to ``gpu`` when CuPy sees a GPU on every rank, else ``cpu``.
+
+    Every rank first reports whether it has a usable GPU; only when all do are
+    the ranks bound to devices (a collective step), so a node without CuPy
+    cannot leave the others waiting.
+    """
     if device == "cpu":
         return "cpu"
     ok = False
@@ -42,20 +47,17 @@ def pick_device(device: str, comm) -> str:
 
         from . import gpu  # noqa: F401
 
-        ndev = cupy.cuda.runtime.getDeviceCount()
-        ok = ndev > 0
-        if ok and comm is not None:
-            from mpi4py import MPI
-
-            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-            cupy.cuda.Device(node.Get_rank() % ndev).use()
-            node.Free()
+        ok = cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001 - no CuPy, no driver, no GPU: all mean "no GPU"
         ok = False
     flags = [ok] if comm is None else comm.allgather(ok)
     if device == "gpu" and not all(flags):
         bad = [r for r, f in enumerate(flags) if not f]
         raise InputError(f"--device gpu: no usable GPU (CuPy + ringmpi.gpu) on rank(s) {bad}")
+    if all(flags) and comm is not None:
+        from . import gpu
+
+        gpu.bind_device(comm)
     return "gpu" if all(flags) else "cpu"
 
 
