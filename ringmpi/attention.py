@@ -23,7 +23,7 @@ from . import softmax, validate
 from .backend import Backend, select
 from .partition import positions
 
-__all__ = ["ring_attention", "prepare", "pack_kv", "kv_view"]
+__all__ = ["ring_attention", "prepare", "pack_kv", "kv_view", "advance"]
 
 # Test-only fault injection: "RANK:STEP" raises on that rank before that step.
 _FAULT_ENV = "RINGMPI_TEST_FAULT"
@@ -78,6 +78,23 @@ def pack_kv(xp, ki, vi, smax: int):
     view[0] = ki
     view[1] = vi
     return bufs
+
+
+def advance(ring, bufs, step: int, rank: int, size: int, kv_shape: tuple, cnt: list):
+    """Post the exchange that brings step+1's block, return (owner, K/V view) for ``step``.
+
+    At step s rank r holds the block rank (r - s) mod P started with, in
+    ``bufs[s % 2]``; the block for s + 1 arrives in the other buffer. Sizes are
+    exact: blocks of different owners may differ by a token or two.
+    """
+    src = (rank - step) % size
+    cur, nxt = bufs[step % 2], bufs[(step + 1) % 2]
+    if step + 1 < size:
+        nxt_src = (src - 1) % size
+        send = cur[: kv_view(cur, kv_shape, cnt[src]).size]
+        recv = nxt[: kv_view(nxt, kv_shape, cnt[nxt_src]).size]
+        ring.start(send, recv)
+    return src, kv_view(cur, kv_shape, cnt[src])
 
 
 def ring_attention(
@@ -146,15 +163,7 @@ def ring_attention(
     try:
         for step in range(size):
             _maybe_fault(rank, step)
-            src = (rank - step) % size  # owner of the block we hold now
-            cur, nxt = bufs[step % 2], bufs[(step + 1) % 2]
-            if step + 1 < size:
-                nxt_src = (src - 1) % size
-                # exact sizes: blocks of different owners may differ by a token
-                send = cur[: kv_view(cur, kv_shape, cnt[src]).size]
-                recv = nxt[: kv_view(nxt, kv_shape, cnt[nxt_src]).size]
-                ring.start(send, recv)
-            kv = kv_view(cur, kv_shape, cnt[src])
+            src, kv = advance(ring, bufs, step, rank, size, kv_shape, cnt)
             t0 = time.perf_counter()
             flops += be.forward_tile(
                 qi, kv[0], kv[1], q_pos, positions(n, src, size, layout), acc, m, l,

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import numpy as np
 from mpi4py import MPI
 
-from .attention import _maybe_fault, kv_view, pack_kv, prepare
+from .attention import _maybe_fault, advance, kv_view, pack_kv, prepare
 from .backend import is_cupy
 from .cpu import BLOCK_K, BLOCK_Q, blocks
 from .partition import positions
@@ -272,14 +272,7 @@ def ring_attention_backward(
     try:
         for step in range(size):
             _maybe_fault(rank, step)
-            src = (rank - step) % size  # owner of the K/V block we hold now
-            cur, nxt = kv_bufs[step % 2], kv_bufs[(step + 1) % 2]
-            if step + 1 < size:
-                nxt_src = (src - 1) % size
-                send = cur[: kv_view(cur, kv_shape, cnt[src]).size]
-                recv = nxt[: kv_view(nxt, kv_shape, cnt[nxt_src]).size]
-                ring_kv.start(send, recv)
-            kv = kv_view(cur, kv_shape, cnt[src])
+            src, kv = advance(ring_kv, kv_bufs, step, rank, size, kv_shape, cnt)
             # step 0 starts the accumulator of our own block; later steps write
             # into scratch while the block's accumulator is still arriving
             here = d_bufs[step % 2]
