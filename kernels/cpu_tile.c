@@ -343,21 +343,19 @@ static inline vd vd_exp(vd x) {
 #define NV RM_NV
 
 /* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
- * V rows vp (b - a, Dp), zero padded past D. */
+ * V rows vp (b - a, Dp), zero padded past D. The panel is written in order (unit-stride
+ * stores); its KW source rows are read column by column and stay in L1. */
 static void FN(rm_pack)(const RM_T *k, const RM_T *v, int64_t a, int64_t b, int64_t D,
                         int64_t Dp, RM_T *kt, RM_T *vp) {
     int64_t nk = b - a;
     int64_t np = (nk + KW - 1) / KW;
     for (int64_t p = 0; p < np; p++) {
         RM_T *dst = kt + p * D * KW;
-        for (int64_t c = 0; c < KW; c++) {
-            int64_t j = p * KW + c;
-            if (j < nk) {
-                const RM_T *src = k + (a + j) * D;
-                for (int64_t d = 0; d < D; d++) dst[d * KW + c] = src[d];
-            } else {
-                for (int64_t d = 0; d < D; d++) dst[d * KW + c] = 0;
-            }
+        const RM_T *src = k + (a + p * KW) * D;
+        const int64_t nc = nk - p * KW < KW ? nk - p * KW : KW;
+        for (int64_t d = 0; d < D; d++) {
+            for (int64_t c = 0; c < nc; c++) dst[d * KW + c] = src[c * D + d];
+            for (int64_t c = nc; c < KW; c++) dst[d * KW + c] = 0;
         }
     }
     for (int64_t j = 0; j < nk; j++) {
@@ -473,6 +471,9 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
 }
 
 /* Public entry point: fold K/V into the state for query rows [q0, q1) of every (b, h).
+ * The K/V of one head are packed once and serve all its query heads (GQA) and rows; when
+ * `progress` is given it is called ceil(B H (q1 - q0) / chunk) - 1 times, evenly spread over
+ * the query rows of all heads; a nonzero return aborts the call (result -2).
  * qcuts/kcuts: ascending indices where runs of evenly spaced positions start (may be empty).
  * bq, bk: block sizes (rows of queries, keys), bk a multiple of the panel width.
  * Returns the flops of the computed blocks (4 nq nk D per block and head), or -1 when out
@@ -481,7 +482,8 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
                             const int64_t *kpos, RM_T *acc, RM_T *m, RM_T *l, int64_t B, int64_t H,
                             int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, int64_t q0, int64_t q1,
                             const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
-                            int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk) {
+                            int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
+                            int (*progress)(void), int64_t chunk) {
     if (q1 <= q0 || Sk == 0) return 0;
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
@@ -509,6 +511,9 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
         goto done;
     }
     const RM_T sc = (RM_T)scale;
+    const int64_t total = B * H * (q1 - q0); /* query rows of single heads */
+    const int64_t ntarget = chunk > 0 ? (total + chunk - 1) / chunk - 1 : 0;
+    int64_t rows_done = 0, ncalls = 0;
     for (int64_t b = 0; b < B; b++) {
         for (int64_t hk = 0; hk < Hkv; hk++) {
             const RM_T *kh = k + (b * Hkv + hk) * Sk * D;
@@ -543,7 +548,7 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
                         if (causal && qb[iq].hi < kb[t].lo) continue; /* all keys in the future */
                         const int masked = causal && qb[iq].lo < kb[t].hi;
                         const int64_t ka = kb[t].a, nk = kb[t].b - kb[t].a;
-                                                const RM_T *ktb = kt + koff[t] * D, *vpb = vp + koff[t] * Dp;
+                        const RM_T *ktb = kt + koff[t] * D, *vpb = vp + koff[t] * Dp;
                         const int64_t *kp = kpos + ka;
                         for (int64_t r0 = 0; r0 < nqp; r0 += RM_R) {
                             /* visible keys of each row: a prefix of length cnt[r] when the
@@ -591,6 +596,16 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
                         memcpy(ah + (qa + i) * D, ob + i * Dp, (size_t)D * sizeof(RM_T));
                         mh[qa + i] = mb[i];
                         lh[qa + i] = lb[i];
+                    }
+                    /* progress: ceil(total / chunk) - 1 calls spread evenly over the work */
+                    rows_done += nq;
+                    while (progress && ncalls < ntarget &&
+                           rows_done * (ntarget + 1) >= (ncalls + 1) * total) {
+                        ncalls++;
+                        if (progress()) {
+                            flops = -2;
+                            goto done;
+                        }
                     }
                 }
             }

@@ -56,6 +56,9 @@ FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-ffp-co
 FLAGS += os.environ.get("RINGMPI_CFLAGS", "").split()
 _SOURCE_NAME = "cpu_tile.c"
 
+# int progress(void): nonzero aborts the kernel call
+_PROGRESS = ctypes.CFUNCTYPE(ctypes.c_int)
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _lib_path: Optional[Path] = None
@@ -149,7 +152,7 @@ def _load() -> Optional[ctypes.CDLL]:
                 fn = getattr(lib, f"rm_forward_tile_{sfx}")
                 fn.restype = i64
                 fn.argtypes = [p] * 8 + [i64] * 8 + [p, i64, p, i64, ctypes.c_double]
-                fn.argtypes += [ctypes.c_int, i64, i64]
+                fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
             lib.rm_simd_width_bytes.restype = ctypes.c_int
             _lib, _lib_path = lib, path
         except Exception as exc:  # no compiler, no write access, ...: numpy fallback
@@ -224,7 +227,8 @@ def forward_tile(
     scale : float
     causal : bool
     progress : callable, optional
-        Called between kernel calls (every ``CHUNK_Q`` query rows).
+        Called from inside the kernel after every ``CHUNK_Q`` query rows of all heads
+        (``CHUNK_Q * B * H`` rows of single heads), and once at the end.
 
     Returns
     -------
@@ -260,18 +264,30 @@ def forward_tile(
     fn = lib.rm_forward_tile_f32 if dt == np.float32 else lib.rm_forward_tile_f64
     # keys per block: packed K and V blocks (2 * bk * D elements) within ~half of L2
     bk = int(min(512, max(64, (BLOCK_K * 64) // max(d, 1))))
-    step = sq if progress is None else CHUNK_Q
-    flops = 0
-    for q0 in range(0, sq, step):
-        q1 = min(sq, q0 + step)
-        f = fn(
-            _ptr(q), _ptr(k), _ptr(v), _ptr(q_pos), _ptr(k_pos), _ptr(acc), _ptr(m), _ptr(l),
-            bsz, h, hkv, sq, sk, d, q0, q1,
-            _ptr(qc), len(qc), _ptr(kc), len(kc), float(scale), int(bool(causal)), BLOCK_Q, bk,
-        )  # fmt: skip
-        if f < 0:
-            raise MemoryError("fused tile: out of memory for its work buffers")
-        flops += int(f)
-        if progress is not None:
+    # The kernel packs each K/V head once and calls back every CHUNK_Q query rows of all
+    # heads (the same amount of work as CHUNK_Q rows of every head); an exception raised by
+    # progress stops the kernel and is re-raised here.
+    errors: list[BaseException] = []
+
+    def _cb() -> int:
+        try:
             progress()
-    return flops
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the kernel returns
+            errors.append(exc)
+            return 1
+        return 0
+
+    cb = _PROGRESS(_cb) if progress is not None else _PROGRESS()
+    f = fn(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(q_pos), _ptr(k_pos), _ptr(acc), _ptr(m), _ptr(l),
+        bsz, h, hkv, sq, sk, d, 0, sq,
+        _ptr(qc), len(qc), _ptr(kc), len(kc), float(scale), int(bool(causal)), BLOCK_Q, bk,
+        cb, CHUNK_Q * bsz * h,
+    )  # fmt: skip
+    if errors:
+        raise errors[0]
+    if f < 0:
+        raise MemoryError("fused tile: out of memory for its work buffers")
+    if progress is not None:
+        progress()
+    return int(f)

@@ -203,3 +203,20 @@ def test_cache_reuses_library(tmp_path, monkeypatch):
     built = fused._build()
     assert built.parent == tmp_path and built.name == path.name
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+
+
+def test_progress_exception_stops_the_kernel_and_propagates():
+    rng = np.random.default_rng(4)
+    sq = fused.CHUNK_Q * 3
+    q, k, v = _inputs(rng, 1, 2, 2, sq, 200, 32, np.float32)
+    qp, kp = np.arange(sq, dtype=np.int64), np.arange(200, dtype=np.int64)
+    calls = []
+
+    def boom():
+        calls.append(1)
+        raise RuntimeError("progress failed")
+
+    st = init_state(q.shape, np.float32)
+    with pytest.raises(RuntimeError, match="progress failed"):
+        fused.forward_tile(q, k, v, qp, kp, *st, scale=0.2, causal=False, progress=boom)
+    assert len(calls) == 1  # the kernel stopped at the first failing call
