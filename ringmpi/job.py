@@ -84,6 +84,24 @@ def _test_kill(rank: int, completed: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _check_output(path: str, seq, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
+    """Refuse to write a non-finite result (the inputs were checked finite when read).
+
+    Finite inputs can still overflow the accumulation dtype: float32 logits beyond
+    ~3e38 turn into inf and then NaN. Such a sequence must fail with a clear error,
+    not be written and marked complete. A row with no visible key has lse = -inf
+    by design, so only NaN and +inf count there.
+    """
+    bad = ~np.isfinite(out)
+    if bad.any() or np.isnan(lse).any() or np.isposinf(lse).any():
+        rows = np.flatnonzero(bad.reshape(len(out), -1).any(axis=1))
+        t = int(pos[rows[0]]) if len(rows) else int(pos[np.argwhere(~(lse > -np.inf))[0][-1]])
+        raise InputError(
+            f"{path}: sequence {seq.name}: attention output is not finite (token {t}): the "
+            f"scores overflow {out.dtype} arithmetic; rescale the input or use float64"
+        )
+
+
 def _peak_rss() -> int:
     """Peak resident memory of this process in bytes (Linux reports KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -167,8 +185,11 @@ def run(
                 out, lse = out.get(), lse.get()
             for key in acc:
                 acc[key] += float(stats.get(key, 0.0))
+            out, lse = np.asarray(out), np.asarray(lse)
+            pos = reader.positions(seq)
+            collective(comm, _check_output, plan.files[0], seq, pos, out, lse)
             t0 = time.perf_counter()
-            store.write(i, reader.positions(seq), np.asarray(out), np.asarray(lse))
+            store.write(i, pos, out, lse)
             write_s += time.perf_counter() - t0
             tokens += seq.length
             bar.finish_seq(time.perf_counter() - t_seq)
