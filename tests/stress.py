@@ -145,7 +145,7 @@ def check_kill(tmp: Path, quick: bool):
         yield _line(
             ok,
             f"kill {name} to {whom} at {done_at_kill}/{nseq} sequences: job gone in "
-            f"{down_s:.1f} s (exit {killed.rc}), nothing under the final name in "
+            f"{down_s:.2f} s (exit {killed.rc}), nothing under the final name in "
             f"{w1.polls} polls (20 ms), {detail}; --resume redid {nseq - nmark}"
             f"{'' if skipped else ' (NOT SKIPPED)'}: SHA-256 of out.h5 + {len(got) - 1} "
             f"files of parts/ "
@@ -187,7 +187,7 @@ def _disk_verdict(label: str, res: F.Result, out: Path, words: tuple, nseq: int)
         ok,
         f"{label}: {rc} in {res.secs:.1f} s after {nmark}/{nseq} sequences, "
         f"nothing under the final name{'' if not os.path.lexists(out) else ' - FILE EXISTS'}, "
-        f"{detail}; message: {err[:300]}",
+        f"{detail}; message: {err}",
     )
 
 
@@ -206,8 +206,7 @@ def check_disk(tmp: Path, quick: bool):
         yield _disk_verdict(f"disk-full ({how})", res, out, words, 8)
     # unwritable: remount the tmpfs read-only (or, without mount rights, put a plain file
     # where the parts directory was: root ignores permission bits) after two sequences
-    inp, nseq = _kill_input(tmp, quick=True) if not (tmp / "kill.h5").exists() else (
-        [str(tmp / "kill.h5")], 6 if quick else 8)  # fmt: skip
+    inp, nseq = _kill_input(tmp, quick)
     mnt = tmp / "ro"
     with F.limited_dir(str(mnt), 256 << 20) as mounted:
         out = mnt / "out.h5"
@@ -338,7 +337,8 @@ def check_soak(tmp: Path, quick: bool):
         f"{r['unfreed_comms']} unfreed Cartesian comms of {r['rings_made']} made "
         f"({'past' if r['calls'] > 2046 else 'below'} the 2046 context ids a leak would "
         f"exhaust), {r['alive_rings']} Ring objects alive; RSS {r['rss0_mb']:.1f} -> "
-        f"{r['rss1_mb']:.1f} MiB ({100 * r['rss_growth']:+.2f}%, limit 1%); results "
+        f"{r['rss1_mb']:.1f} MiB ({100 * r['rss_growth']:+.2f}%, limit 1%; "
+        f"{100 * r['rss_trimmed_growth']:+.2f}% after malloc_trim); results "
         f"{'bitwise identical' if r['identical'] else 'DIFFER'} every call",
     )
 
