@@ -364,9 +364,13 @@ static void FN(rm_pack)(const RM_T *k, const RM_T *v, int64_t a, int64_t b, int6
     }
 }
 
-/* S (RM_R x ldS) = Qs (RM_R x D) K^T for all panels of one block. */
+/* S (RM_R x ldS) = Qs (RM_R x D) K^T for all panels of one block; rmax (RM_R x RM_W) gets
+ * each row's running maximum as a vector (lane-wise over the panels), taken from the
+ * registers before they are stored, so the softmax needs no separate pass for it. */
 static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, int64_t np,
-                             int64_t D, RM_T *restrict s, int64_t lds) {
+                             int64_t D, RM_T *restrict s, int64_t lds, RM_T *restrict rmax) {
+#pragma GCC unroll 16
+    for (int r = 0; r < RM_R; r++) V_STORE(rmax + r * RM_W, V_SET1(-INFINITY));
     for (int64_t p = 0; p < np; p++) {
         const RM_T *kp = kt + p * D * KW;
         RM_V acc[RM_R][NK];
@@ -386,9 +390,15 @@ static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, i
             }
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++)
+        for (int r = 0; r < RM_R; r++) {
+            RM_V mx = V_LOAD(rmax + r * RM_W);
 #pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) V_STORE(s + r * lds + p * KW + c * RM_W, acc[r][c]);
+            for (int c = 0; c < NK; c++) {
+                V_STORE(s + r * lds + p * KW + c * RM_W, acc[r][c]);
+                mx = V_MAX(mx, acc[r][c]);
+            }
+            V_STORE(rmax + r * RM_W, mx);
+        }
     }
 }
 
@@ -433,37 +443,54 @@ static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *r
 }
 
 /* Online softmax over one strip: s (RM_R x ncol, ncol a multiple of RM_W, -inf past the
- * valid keys) becomes P in place; m, l, and the rows of o (RM_R x Dp) are rescaled. */
+ * valid keys) becomes P in place; m, l, and the rows of o (RM_R x Dp) are rescaled.
+ * rmax (RM_R x RM_W): lane-wise row maxima of s from rm_qk when have_max, else scratch.
+ * The per-row statistics go through one vector exp, and the exp pass runs over the RM_R
+ * rows at once (independent chains, one running sum per row). */
 static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, RM_T *restrict m,
-                                  RM_T *restrict l, RM_T *restrict o, int64_t Dp) {
+                                  RM_T *restrict l, RM_T *restrict o, int64_t Dp,
+                                  RM_T *restrict rmax, int have_max) {
+    enum { NR = (RM_R + RM_W - 1) / RM_W * RM_W }; /* rows padded to whole vectors */
+    RM_T arg[NR], alpha[NR], neg[RM_R];
     for (int r = 0; r < RM_R; r++) {
-        RM_T *row = s + r * lds;
-        RM_V vm = V_LOAD(row);
-        for (int64_t j = RM_W; j < ncol; j += RM_W) vm = V_MAX(vm, V_LOAD(row + j));
+        RM_V vm;
+        if (have_max) {
+            vm = V_LOAD(rmax + r * RM_W);
+        } else {
+            const RM_T *row = s + r * lds;
+            vm = V_LOAD(row);
+            for (int64_t j = RM_W; j < ncol; j += RM_W) vm = V_MAX(vm, V_LOAD(row + j));
+        }
         RM_T mx = V_HMAX(vm);
         RM_T m_old = m[r];
         RM_T m_new = m_old > mx ? m_old : mx;
         if (mx != mx) m_new = mx; /* NaN score: poison the row like the spec */
-        RM_T alpha;
-        if (m_new == -INFINITY) {
-            /* nothing visible yet: spec uses m_safe = 0, so alpha = exp(-inf) = 0, p = 0 */
-            alpha = 0;
-            for (int64_t j = 0; j < ncol; j++) row[j] = 0;
-            l[r] = l[r] * alpha;
-        } else {
-            alpha = RM_EXP1(m_old - m_new);
-            RM_V neg = V_SET1(-m_new);
-            RM_V sum = V_ZERO();
-            for (int64_t j = 0; j < ncol; j += RM_W) {
-                RM_V p = V_EXP(V_ADD(V_LOAD(row + j), neg));
-                V_STORE(row + j, p);
-                sum = V_ADD(sum, p);
-            }
-            l[r] = l[r] * alpha + V_HSUM(sum);
-        }
+        /* nothing visible yet (m_new = -inf): the spec uses m_safe = 0, so alpha = 0, p = 0 */
+        const int empty = m_new == -INFINITY;
+        arg[r] = empty ? -INFINITY : m_old - m_new;
+        neg[r] = empty ? 0 : -m_new;
         m[r] = m_new;
-        if (alpha != 1) {
-            RM_V va = V_SET1(alpha);
+    }
+    for (int r = RM_R; r < NR; r++) arg[r] = 0;
+    for (int r = 0; r < NR; r += RM_W) V_STORE(alpha + r, V_EXP(V_LOAD(arg + r)));
+    RM_V vneg[RM_R], sum[RM_R];
+#pragma GCC unroll 16
+    for (int r = 0; r < RM_R; r++) {
+        vneg[r] = V_SET1(neg[r]);
+        sum[r] = V_ZERO();
+    }
+    for (int64_t j = 0; j < ncol; j += RM_W) {
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++) {
+            RM_V p = V_EXP(V_ADD(V_LOAD(s + r * lds + j), vneg[r]));
+            V_STORE(s + r * lds + j, p);
+            sum[r] = V_ADD(sum[r], p);
+        }
+    }
+    for (int r = 0; r < RM_R; r++) {
+        l[r] = l[r] * alpha[r] + V_HSUM(sum[r]);
+        if (alpha[r] != 1) {
+            RM_V va = V_SET1(alpha[r]);
             RM_T *orow = o + r * Dp;
             for (int64_t d = 0; d < Dp; d += RM_W) V_STORE(orow + d, V_MUL(V_LOAD(orow + d), va));
         }
@@ -511,6 +538,7 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
         goto done;
     }
     const RM_T sc = (RM_T)scale;
+    RM_T rmax[RM_R * RM_W]; /* lane-wise row maxima of the current strip */
     const int64_t total = B * H * (q1 - q0); /* query rows of single heads */
     const int64_t ntarget = chunk > 0 ? (total + chunk - 1) / chunk - 1 : 0;
     int64_t rows_done = 0, ncalls = 0;
@@ -574,7 +602,7 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
                                 if (use == 0) continue; /* no row of the strip sees a key */
                             }
                             const int64_t up = (use + KW - 1) / KW, ucol = up * KW;
-                            FN(rm_qk)(qs + r0 * D, ktb, up, D, sb, bk);
+                            FN(rm_qk)(qs + r0 * D, ktb, up, D, sb, bk, rmax);
                             for (int r = 0; r < RM_R; r++) {
                                 RM_T *row = sb + r * bk;
                                 int64_t c = use;
@@ -587,7 +615,10 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
                                 }
                                 for (int64_t j = c; j < ucol; j++) row[j] = -INFINITY;
                             }
-                            FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, ob + r0 * Dp, Dp);
+                            /* the maxima from rm_qk hold unless keys were masked or padded */
+                            const int have_max = !masked && ucol == use;
+                            FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, ob + r0 * Dp, Dp, rmax,
+                                           have_max);
                             FN(rm_pv)(sb, bk, vpb, use, Dp, ob + r0 * Dp);
                         }
                         flops += 4 * nq * nk * D;
