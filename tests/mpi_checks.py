@@ -6,6 +6,8 @@ tests/stress.py and tests/test_stress.py parse. Modes:
 
 call                one ring_attention call (the fault hook RINGMPI_TEST_FAULT
                     set by the launcher makes one rank raise mid-ring)
+tile-fault R S      one call where rank R's tile kernel raises at ring step S,
+                    after that step's exchange is posted (transfers in flight)
 numerics            large logits, all-equal keys, one visible key vs the reference
 finite              check_finite=True with a NaN on the last rank: every rank raises
 soak N              N consecutive calls: leaked requests, communicators, RSS, bytes
@@ -288,6 +290,33 @@ def oversub(comm: MPI.Comm, n: int) -> dict:
     return {"ok": comm.allreduce(ok, op=MPI.LAND), "worst_ratio": worst, "cases": 12, "n": n}
 
 
+def _tile_fault(comm: MPI.Comm, rank: int, step: int) -> None:
+    """Make rank ``rank``'s tile raise on its ``step``-th call (0-based), mid-exchange."""
+    import dataclasses
+
+    from ringmpi import attention
+
+    select = attention.select
+
+    def faulty(x):
+        be = select(x)
+        calls = [0]
+
+        def tile(*a, **kw):
+            calls[0] += 1
+            if comm.rank == rank and calls[0] == step + 1:
+                raise RuntimeError(f"tile fault on rank {rank} at ring step {step}")
+            return be.forward_tile(*a, **kw)
+
+        return dataclasses.replace(be, forward_tile=tile)
+
+    attention.select = faulty
+    # 2048 tokens x 64 x float64 per rank: 2 MiB K/V blocks, sent by rendezvous
+    q, k, v = _qkv(2048 * comm.size, h=1, hkv=1, d=64)
+    loc = [ringmpi.shard(x, comm) for x in (q, k, v)]
+    ringmpi.ring_attention(*loc, comm)
+
+
 def main(argv: list) -> None:
     comm = MPI.COMM_WORLD
     mode = argv[0]
@@ -296,6 +325,9 @@ def main(argv: list) -> None:
         q, k, v = _qkv(40 * comm.size)
         loc = [ringmpi.shard(x, comm) for x in (q, k, v)]
         ringmpi.ring_attention(*loc, comm, causal=True)
+        res = {"ok": True}
+    elif mode == "tile-fault":
+        _tile_fault(comm, int(argv[1]), int(argv[2]))
         res = {"ok": True}
     elif mode == "numerics":
         res = numerics(comm)

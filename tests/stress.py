@@ -9,8 +9,9 @@ with a timeout, prints ``PASS`` or ``FAIL`` with its figure, and the script exit
 1 if any check failed. Checks:
 
 faults    an exception on each rank mid-ring (P = 2 and 4) through RINGMPI_TEST_FAULT, from
-          the library under ``python -m mpi4py`` and from ``ringmpi run``: non-zero exit
-          within 10 s, message naming the rank and the cause
+          the library under ``python -m mpi4py`` and from ``ringmpi run``; and one raised by
+          the tile kernel while the step's transfers are in flight: non-zero exit within
+          10 s, message naming the rank and the cause
 kill      ``ringmpi run`` killed at half way by SIGTERM (to mpiexec) and by SIGKILL (to a
           rank), then ``--resume``: SHA-256 of the output and every part equal to an
           uninterrupted run; the final name polled every 20 ms never shows an incomplete file
@@ -84,6 +85,18 @@ def check_faults(tmp: Path, quick: bool):
                     f"{res.secs:.1f} s, message {'names' if named else 'DOES NOT name'} "
                     f"rank {r} and the cause",
                 )
+        # a failure inside the tile kernel, after the step's 2 MiB exchange was posted
+        r = p - 1
+        res = F.checks(p, "tile-fault", r, step, timeout=60)
+        named = f"tile fault on rank {r} at ring step {step}" in res.err
+        ok = not res.hang and res.rc != 0 and res.secs < FAULT_LIMIT_S and named
+        rc = "hang" if res.hang else f"exit {res.rc}"
+        yield _line(
+            ok,
+            f"fault-in-tile P={p} rank={r} step={step} (library, 2 MiB K/V transfers in "
+            f"flight): {rc} in {res.secs:.1f} s, message {'names' if named else 'DOES NOT name'}"
+            f" rank {r} and the cause",
+        )
 
 
 # -- 2. kill and resume --------------------------------------------------------------------
