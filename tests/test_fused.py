@@ -220,3 +220,19 @@ def test_progress_exception_stops_the_kernel_and_propagates():
     with pytest.raises(RuntimeError, match="progress failed"):
         fused.forward_tile(q, k, v, qp, kp, *st, scale=0.2, causal=False, progress=boom)
     assert len(calls) == 1  # the kernel stopped at the first failing call
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bq,bk", [(6, 64), (30, 128), (fused.BLOCK_Q, fused.BLOCK_K)])
+def test_block_sizes_agree(monkeypatch, dtype, bq, bk):
+    """Many small blocks or few large ones: same result (causal, zigzag positions, GQA)."""
+    monkeypatch.setattr(fused, "BLOCK_Q", bq)
+    monkeypatch.setattr(fused, "BLOCK_K", bk)
+    rng = np.random.default_rng(bq + bk)
+    n, size = 1400, 2
+    q, k, v = _inputs(rng, 1, 4, 2, n // size, n // size, 64, dtype)
+    qp = positions(n, 0, size, "zigzag")
+    kp = positions(n, 1, size, "zigzag")
+    for causal in (False, True):
+        s_ref, s_fus, f_ref, f_fus = _both(q, k, v, qp, kp, causal=causal)
+        _assert_states_close(s_ref, s_fus, dtype)
