@@ -58,7 +58,7 @@ bench: $(VENV)/.installed
 	$(PY) -m ringmpi bench
 
 stress: $(VENV)/.installed
-	$(PY) -m tests.stress
+	$(PY) tests/stress.py
 
 gpu-check:
 	bash jobs/gpu_check.sh

@@ -230,6 +230,9 @@ class OutputStore:
             return [os.path.getsize(final), _crc32(final)]
         except (OSError, RuntimeError, ValueError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            errno = getattr(e, "errno", None)
+            if errno:  # HDF5's text hides the cause after a newline: name it
+                msg = f"{os.strerror(errno)}: {msg}"
             raise InputError(
                 f"{final}: cannot write output part on rank {self.rank} ({msg})"
             ) from e
