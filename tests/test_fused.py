@@ -236,3 +236,27 @@ def test_block_sizes_agree(monkeypatch, dtype, bq, bk):
     for causal in (False, True):
         s_ref, s_fus, f_ref, f_fus = _both(q, k, v, qp, kp, causal=causal)
         _assert_states_close(s_ref, s_fus, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_accuracy(dtype):
+    """Scores exactly 0 and x per row (D=1, scale 1), values 0 and 1: acc = exp(x) exactly.
+
+    The kernel's exp rounds t = x log2(e) once (relative error eps/2, absolute eps |t|/2),
+    so the bound is a few ulp plus eps |x|.
+    """
+    x = -np.concatenate([np.linspace(0, 1, 500), np.linspace(1, 80, 1500)]).astype(dtype)
+    q = x.reshape(1, 1, -1, 1)
+    k = np.array([0.0, 1.0], dtype=dtype).reshape(1, 1, 2, 1)
+    v = np.array([0.0, 1.0], dtype=dtype).reshape(1, 1, 2, 1)
+    qp, kp = np.zeros(len(x), dtype=np.int64), np.zeros(2, dtype=np.int64)
+    acc, m, l = init_state(q.shape, dtype)
+    fused.forward_tile(q, k, v, qp, kp, acc, m, l, scale=1.0, causal=False)
+    ref = np.exp(x.astype(np.float64))
+    eps = float(np.finfo(dtype).eps)
+    err = np.abs(acc[0, 0, :, 0] - ref) / ref
+    assert np.all(m == 0)
+    assert np.all(err <= 3 * eps + eps * np.abs(x)), float(
+        np.max(err / (3 * eps + eps * np.abs(x)))
+    )
+    np.testing.assert_allclose(l[0, 0], 1 + ref, rtol=3 * eps)
