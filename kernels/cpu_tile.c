@@ -46,6 +46,13 @@
 #define RM_R 6 /* query rows per register tile */
 #endif
 #define RM_ALIGN 64
+/* Software prefetch into L1, RM_PF iterations ahead, of the K panel / V rows that the
+ * register tiles stream from L2 (+2-5% measured over the hardware prefetchers alone).
+ * A prefetch past the end of a buffer is harmless: it never faults. */
+#ifndef RM_PF
+#define RM_PF 16
+#endif
+#define RM_PREFETCH(p) __builtin_prefetch((p), 0, 3)
 
 typedef struct {
     int64_t a, b;     /* index range [a, b) */
@@ -388,6 +395,8 @@ static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, i
             RM_V kv[NK];
 #pragma GCC unroll 4
             for (int c = 0; c < NK; c++) kv[c] = V_LOAD(kp + d * KW + c * RM_W);
+#pragma GCC unroll 4
+            for (int c = 0; c < NK; c++) RM_PREFETCH(kp + (d + RM_PF) * KW + c * RM_W);
 #pragma GCC unroll 16
             for (int r = 0; r < RM_R; r++) {
                 RM_V qb = V_SET1(qs[r * D + d]);
@@ -422,6 +431,8 @@ static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *r
             RM_V vv[NV];
 #pragma GCC unroll 4
             for (int c = 0; c < NV; c++) vv[c] = V_LOAD(vp + j * Dp + d0 + c * RM_W);
+#pragma GCC unroll 4
+            for (int c = 0; c < NV; c++) RM_PREFETCH(vp + (j + RM_PF) * Dp + d0 + c * RM_W);
 #pragma GCC unroll 16
             for (int r = 0; r < RM_R; r++) {
                 RM_V pb = V_SET1(pm[r * ldp + j]);
