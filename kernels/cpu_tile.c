@@ -16,12 +16,17 @@
  *
  * Technique. For every K/V head the block of keys is packed once per call: K transposed into
  * panels of KW keys ((D, KW) row-major, so one vector load gives KW/W consecutive keys of one
- * feature) and V with rows padded to a whole number of vectors. Queries go in strips of R rows:
+ * feature) and V with rows padded to a whole number of vectors; the packed head serves all
+ * its query heads (GQA). Queries go in blocks of Bq rows (hundreds: the head's K/V stream
+ * through L2 once per query block), each block over key blocks of Bk keys, in strips of R rows:
  *   1. S (R x Bk) = Qs K^T with an R x KW register tile (R*KW/W accumulators, broadcast FMAs);
- *   2. mask (diagonal blocks only), row max, exp by a vector polynomial, row sum;
+ *      each row's maximum is taken from the registers before they are stored;
+ *   2. mask (diagonal blocks only), the R rows' rescale factors by one vector exp, then
+ *      P = exp(S - m) by a vector polynomial over the R rows at once, row sums;
  *   3. O (R x D) = alpha O + P V with an R x (NV*W) register tile.
- * The strip of scores stays in L1, the packed K/V block in L2: memory traffic per flop is that
- * of a blocked matrix product and no (Sq x Sk) array exists.
+ * The strip of scores stays in L1, the K/V block in L2 (prefetched into L1 a few iterations
+ * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
+ * matrix product and no (Sq x Sk) array exists.
  *
  * exp: 2^t with t = x log2(e). float32 on AVX-512: f = t - floor(t) in [0, 1) by vreduceps,
  * 2^f by a degree-6 minimax polynomial (4e-9 relative), times 2^floor(t) by vscalefps. Else
@@ -577,7 +582,8 @@ int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const i
                     /* load the state and the scaled queries; padded rows stay harmless */
                     for (int64_t i = 0; i < nqp; i++) {
                         if (i < nq) {
-                            for (int64_t d = 0; d < D; d++) qs[i * D + d] = qh[(qa + i) * D + d] * sc;
+                            const RM_T *qrow = qh + (qa + i) * D;
+                            for (int64_t d = 0; d < D; d++) qs[i * D + d] = qrow[d] * sc;
                             memcpy(ob + i * Dp, ah + (qa + i) * D, (size_t)D * sizeof(RM_T));
                             for (int64_t d = D; d < Dp; d++) ob[i * Dp + d] = 0;
                             mb[i] = mh[qa + i];
