@@ -118,6 +118,7 @@ typedef __m512 vf;
 #define vf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vf_add _mm512_add_ps
 #define vf_mul _mm512_mul_ps
+#define vf_div _mm512_div_ps
 #define vf_max _mm512_max_ps
 #define vf_hmax _mm512_reduce_max_ps
 #define vf_hsum _mm512_reduce_add_ps
@@ -131,6 +132,7 @@ typedef __m256 vf;
 #define vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vf_add _mm256_add_ps
 #define vf_mul _mm256_mul_ps
+#define vf_div _mm256_div_ps
 #define vf_max _mm256_max_ps
 static inline float vf_hmax(vf x) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -154,6 +156,7 @@ typedef float vf;
 #define vf_fma(a, b, c) ((a) * (b) + (c))
 #define vf_add(a, b) ((a) + (b))
 #define vf_mul(a, b) ((a) * (b))
+#define vf_div(a, b) ((a) / (b))
 #define vf_max(a, b) ((a) > (b) ? (a) : (b))
 #define vf_hmax(x) (x)
 #define vf_hsum(x) (x)
@@ -211,6 +214,7 @@ typedef __m512d vd;
 #define vd_fma(a, b, c) _mm512_fmadd_pd(a, b, c)
 #define vd_add _mm512_add_pd
 #define vd_mul _mm512_mul_pd
+#define vd_div _mm512_div_pd
 #define vd_max _mm512_max_pd
 #define vd_hmax _mm512_reduce_max_pd
 #define vd_hsum _mm512_reduce_add_pd
@@ -224,6 +228,7 @@ typedef __m256d vd;
 #define vd_fma(a, b, c) _mm256_fmadd_pd(a, b, c)
 #define vd_add _mm256_add_pd
 #define vd_mul _mm256_mul_pd
+#define vd_div _mm256_div_pd
 #define vd_max _mm256_max_pd
 static inline double vd_hmax(vd x) {
     __m128d h = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
@@ -245,6 +250,7 @@ typedef double vd;
 #define vd_fma(a, b, c) ((a) * (b) + (c))
 #define vd_add(a, b) ((a) + (b))
 #define vd_mul(a, b) ((a) * (b))
+#define vd_div(a, b) ((a) / (b))
 #define vd_max(a, b) ((a) > (b) ? (a) : (b))
 #define vd_hmax(x) (x)
 #define vd_hsum(x) (x)
@@ -295,7 +301,8 @@ static inline vd vd_exp(vd x) {
 #define RM_V vf
 #define RM_W VF_W
 #define RM_SFX f32
-#define RM_EXP1 expf
+#define RM_LOG1 logf
+#define V_DIV vf_div
 #define V_LOAD vf_load
 #define V_STORE vf_store
 #define V_SET1 vf_set1
@@ -313,6 +320,8 @@ static inline vd vd_exp(vd x) {
 #undef RM_W
 #undef RM_SFX
 #undef RM_EXP1
+#undef RM_LOG1
+#undef V_DIV
 #undef V_LOAD
 #undef V_STORE
 #undef V_SET1
@@ -329,7 +338,8 @@ static inline vd vd_exp(vd x) {
 #define RM_V vd
 #define RM_W VD_W
 #define RM_SFX f64
-#define RM_EXP1 exp
+#define RM_LOG1 log
+#define V_DIV vd_div
 #define V_LOAD vd_load
 #define V_STORE vd_store
 #define V_SET1 vd_set1
@@ -677,6 +687,32 @@ done:
     free(lb);
     free(sb);
     return flops;
+}
+
+/* Normalise the state in one pass: out = acc / l, lse = m + log(l); rows with l == 0 (no
+ * visible key) give out 0 and lse -inf; NaN stays NaN. Same as ringmpi.softmax.finalize
+ * (the division is IEEE division, as numpy's). out is (B, H, S, D), or (B, S, H, D) when
+ * seq_major (the user-facing layout, saving a transposing copy). */
+void FN(rm_finalize)(const RM_T *acc, const RM_T *m, const RM_T *l, int64_t B, int64_t H,
+                     int64_t S, int64_t D, RM_T *out, RM_T *lse, int seq_major) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < S; i++) {
+                const int64_t r = (b * H + h) * S + i;
+                const RM_T li = l[r];
+                const RM_T *a = acc + r * D;
+                RM_T *o = out + (seq_major ? ((b * S + i) * H + h) * D : r * D);
+                if (li != 0) { /* NaN included: it propagates */
+                    int64_t d = 0;
+                    const RM_V vl = V_SET1(li);
+                    for (; d + RM_W <= D; d += RM_W) V_STORE(o + d, V_DIV(V_LOAD(a + d), vl));
+                    for (; d < D; d++) o[d] = a[d] / li;
+                    lse[r] = m[r] + RM_LOG1(li);
+                } else {
+                    for (int64_t d = 0; d < D; d++) o[d] = 0;
+                    lse[r] = -INFINITY;
+                }
+            }
 }
 
 #undef FN

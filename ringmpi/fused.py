@@ -30,13 +30,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import cpu
+from . import cpu, softmax
 from .partition import runs
 
 __all__ = [
     "available",
     "unavailable_reason",
     "forward_tile",
+    "finalize",
     "library_path",
     "simd_width",
     "BLOCK_Q",
@@ -157,6 +158,9 @@ def _load() -> Optional[ctypes.CDLL]:
                 fn.restype = i64
                 fn.argtypes = [p] * 8 + [i64] * 8 + [p, i64, p, i64, ctypes.c_double]
                 fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
+                fin = getattr(lib, f"rm_finalize_{sfx}")
+                fin.restype = None
+                fin.argtypes = [p] * 3 + [i64] * 4 + [p, p, ctypes.c_int]
             lib.rm_simd_width_bytes.restype = ctypes.c_int
             _lib, _lib_path = lib, path
         except Exception as exc:  # no compiler, no write access, ...: numpy fallback
@@ -295,3 +299,39 @@ def forward_tile(
     if progress is not None:
         progress()
     return int(f)
+
+
+def finalize(
+    acc: np.ndarray, m: np.ndarray, l: np.ndarray, *, seq_major: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Normalise the state in one pass: ``out = acc / l``, ``lse = m + log(l)``.
+
+    Same result as :func:`ringmpi.softmax.finalize` (out bit for bit: IEEE division; lse to
+    the last ulp of log): rows with ``l == 0`` give out 0 and lse -inf, NaN stays NaN.
+    Falls back to it when the kernel is unavailable or the dtype is not float32/float64.
+
+    Parameters
+    ----------
+    acc : (B, H, S, D) ; m, l : (B, H, S)
+        State from :func:`forward_tile`, one dtype.
+    seq_major : bool
+        Write ``out`` as (B, S, H, D) C-contiguous (the layout of ``ring_attention``'s
+        inputs), saving the transposing copy of ``moveaxis`` + ``ascontiguousarray``.
+
+    Returns
+    -------
+    out : (B, H, S, D), or (B, S, H, D) with ``seq_major``
+    lse : (B, H, S)
+    """
+    lib = _load()
+    dt = acc.dtype
+    if lib is None or dt not in (np.float32, np.float64) or m.dtype != dt or l.dtype != dt:
+        out, lse = softmax.finalize(acc, m, l)
+        return (np.ascontiguousarray(np.moveaxis(out, -3, -2)) if seq_major else out), lse
+    acc, m, l = (np.ascontiguousarray(a) for a in (acc, m, l))
+    b, h, s, d = acc.shape
+    out = np.empty((b, s, h, d) if seq_major else (b, h, s, d), dtype=dt)
+    lse = np.empty((b, h, s), dtype=dt)
+    fn = lib.rm_finalize_f32 if dt == np.float32 else lib.rm_finalize_f64
+    fn(_ptr(acc), _ptr(m), _ptr(l), b, h, s, d, _ptr(out), _ptr(lse), int(bool(seq_major)))
+    return out, lse

@@ -260,3 +260,32 @@ def test_exp_accuracy(dtype):
         np.max(err / (3 * eps + eps * np.abs(x)))
     )
     np.testing.assert_allclose(l[0, 0], 1 + ref, rtol=3 * eps)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [1, 64, 100])
+def test_finalize_matches_softmax_finalize(dtype, d):
+    """One-pass finalize: out bit for bit, lse to rounding; empty rows 0/-inf; NaN kept."""
+    rng = np.random.default_rng(d)
+    b, h, s = 2, 3, 37
+    acc = rng.standard_normal((b, h, s, d)).astype(dtype)
+    m = rng.standard_normal((b, h, s)).astype(dtype) * 10
+    l = rng.uniform(0.5, 100, (b, h, s)).astype(dtype)
+    l[0, 1, 3] = 0  # no visible key
+    m[0, 1, 3] = -np.inf
+    acc[0, 1, 3] = 0
+    l[1, 2, 5] = np.nan  # NaN input reached the state
+    acc[1, 2, 5] = np.nan
+    o_ref, lse_ref = finalize(acc, m, l)
+    for seq_major in (False, True):
+        out, lse = fused.finalize(acc, m, l, seq_major=seq_major)
+        assert out.dtype == dtype and lse.dtype == dtype and out.flags.c_contiguous
+        if seq_major:
+            out = np.moveaxis(out, -3, -2)
+        np.testing.assert_array_equal(out, o_ref)  # NaN == NaN here
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+        np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_ref))
+        # lse = m + log(l): one ulp of log(l) and one rounding of the sum
+        fin = np.isfinite(lse_ref)
+        bound = 2 * np.finfo(dtype).eps * (np.abs(m) + np.abs(np.log(np.where(fin, l, 1))))
+        assert np.all(np.abs(lse[fin] - lse_ref[fin]) <= bound[fin])
