@@ -175,8 +175,8 @@ def ring_attention(
                 on_step(step + 1, size)
     finally:
         ring.free()
-    out, lse = softmax.finalize(acc, m, l, xp)
-    out = be.cast_out(xp.moveaxis(out, -3, -2), args.in_dtype)
+    out, lse = be.finish(acc, m, l)
+    out = be.cast_out(out, args.in_dtype)
     if not args.batched:
         out, lse = out[0], lse[0]
     if stats is not None:

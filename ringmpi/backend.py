@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import cpu
+from . import cpu, softmax
 from .ring import Ring
 
 __all__ = ["Backend", "select", "is_cupy"]
@@ -30,7 +30,17 @@ class Backend:
     acc_dtype: Callable[[Any], Any]  # dtype of the online-softmax state
     ring: Callable[..., Any]  # factory: comm -> Ring-like exchanger
     dtypes: tuple  # input dtype names accepted
-    cast_out: Callable[[Any, Any], Any] = lambda out, dtype: out.astype(dtype)
+    # output (B, S, H, D) in the accumulation dtype -> C-contiguous in the input dtype
+    cast_out: Callable[[Any, Any], Any] = lambda o, dt: o.astype(dt, order="C", copy=False)
+    # state (acc, m, l) -> (out (B, S, H, D), lse (B, H, S))
+    finalize: Callable[..., Any] = None  # type: ignore[assignment]
+
+    def finish(self, acc, m, l):
+        """Normalised output in sequence-major layout and the lse."""
+        if self.finalize is not None:
+            return self.finalize(acc, m, l)
+        out, lse = softmax.finalize(acc, m, l, self.xp)
+        return self.xp.moveaxis(out, -3, -2), lse
 
 
 def is_cupy(x) -> bool:
@@ -55,7 +65,14 @@ def _fused_backend():
     if not fused.available():
         return None
     return Backend(
-        "fused", np, fused.forward_tile, cpu.compute_dtype, cpu.compute_dtype, Ring, _CPU_DTYPES
+        "fused",
+        np,
+        fused.forward_tile,
+        cpu.compute_dtype,
+        cpu.compute_dtype,
+        Ring,
+        _CPU_DTYPES,
+        finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
     )
 
 
@@ -82,7 +99,7 @@ def _gpu_cast_out(out, dtype):
 
     if np.dtype(dtype) == np.uint16:  # bfloat16 bits in, bfloat16 bits out
         return gpu.to_bf16_bits(out)
-    return out.astype(dtype)
+    return out.astype(dtype, order="C", copy=False)
 
 
 def select(x) -> Backend:

@@ -43,7 +43,8 @@ def test_matches_reference(comm, layout, causal, dtype, kernel, monkeypatch):
         q, k, v, ref, ref_lse, loc, out, lse = run_case(
             comm, rng, n, h, hkv, d, batch, dtype, causal, layout
         )
-        assert_all(comm, out.dtype == dtype and out.shape == loc[0].shape, f"out {case}")
+        ok = out.dtype == dtype and out.shape == loc[0].shape and out.flags.c_contiguous
+        assert_all(comm, ok, f"out dtype/shape/layout {case}")
         want_lse = np.float64 if dtype == np.float64 else np.float32
         lse_shape = loc[0].shape[:-3] + (h, loc[0].shape[-3])
         assert_all(comm, lse.dtype == want_lse and lse.shape == lse_shape, f"lse {case}")
