@@ -16,6 +16,7 @@ import argparse
 import os
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from typing import Optional
 
@@ -219,6 +220,9 @@ def _guard(fn, args, program: bool) -> int:
         msg = str(e).splitlines()[0] if str(e) else ""
         sys.stderr.write(f"ringmpi: error on rank {comm.Get_rank()}: {type(e).__name__}: {msg}\n")
         sys.stderr.flush()
+        # give the launcher's output forwarding a moment to drain our pipe: an abort
+        # tears the job down and could otherwise drop the one line that says why
+        time.sleep(0.3)
         comm.Abort(1)
         return 1  # pragma: no cover
 
