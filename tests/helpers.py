@@ -38,3 +38,42 @@ def random_qkv(rng, n, h, hkv, d, batch=None, dtype=np.float64):
     k = rng.standard_normal((*lead, n, hkv, d))
     v = rng.standard_normal((*lead, n, hkv, d))
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def dense_backward(dout, q, k, v, causal, dtype=np.float32):
+    """Dense attention backward computed entirely in ``dtype``: the peer for float32 results."""
+    f = np.dtype(dtype).type
+    q, k, v, dout = (np.moveaxis(np.asarray(x, dtype=f), -3, -2) for x in (q, k, v, dout))
+    g = q.shape[-3] // k.shape[-3]
+    kh, vh = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    scale = f(q.shape[-1] ** -0.5)
+    s = (q * scale) @ np.swapaxes(kh, -1, -2)
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    delta = np.sum(dout * (p @ vh), axis=-1, keepdims=True)
+    ds = p * (dout @ np.swapaxes(vh, -1, -2) - delta)
+    dq = scale * (ds @ kh)
+    dk = scale * (np.swapaxes(ds, -1, -2) @ q)
+    dv = np.swapaxes(p, -1, -2) @ dout
+
+    def fold(x):  # (..., H, S, D) -> (..., S, Hkv, D), summed over each query group
+        x = x.reshape(*x.shape[:-3], x.shape[-3] // g, g, *x.shape[-2:]).sum(axis=-3)
+        return np.moveaxis(x, -3, -2)
+
+    return np.moveaxis(dq, -2, -3), fold(dk), fold(dv)
+
+
+def raises_everywhere(comm, fn, *words):
+    """Every rank must raise ValueError with one identical message containing ``words``."""
+    try:
+        fn()
+        msg = None
+    except ValueError as exc:
+        msg = str(exc)
+    msgs = comm.allgather(msg)
+    assert_all(comm, msg is not None, "no ValueError raised on this rank")
+    assert_all(comm, len(set(msgs)) == 1, f"ranks raised different messages: {msgs}")
+    for w in words:
+        assert_all(comm, w in msg, f"{w!r} missing from {msg!r}")

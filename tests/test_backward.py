@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from helpers import dense_backward
 from mpi4py import MPI
 
 import ringmpi
@@ -92,31 +93,6 @@ def simulated_ring(dout, q, k, v, size, layout, causal, dtype):
     return dq, dk, dv, flops
 
 
-def dense_backward32(dout, q, k, v, causal):
-    """Dense backward computed in float32 (the peer float32 results are judged against)."""
-    f = np.float32
-    q, k, v, dout = (np.moveaxis(x.astype(f), -3, -2) for x in (q, k, v, dout))
-    g = q.shape[-3] // k.shape[-3]
-    kh, vh = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
-    scale = f(q.shape[-1] ** -0.5)
-    s = (q * scale) @ np.swapaxes(kh, -1, -2)
-    if causal:
-        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    o = p @ vh
-    ds = p * (dout @ np.swapaxes(vh, -1, -2) - np.sum(dout * o, axis=-1, keepdims=True))
-    dq = scale * (ds @ kh)
-    dk = scale * (np.swapaxes(ds, -1, -2) @ q)
-    dv = np.swapaxes(p, -1, -2) @ dout
-
-    def fold(x):
-        x = x.reshape(*x.shape[:-4], x.shape[-3] // g, g, *x.shape[-2:]).sum(axis=-3)
-        return np.moveaxis(x, -3, -2)
-
-    return np.moveaxis(dq, -2, -3), fold(dk), fold(dv)
-
-
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_matches_reference_float64(rng, small_blocks, layout, causal):
@@ -140,7 +116,7 @@ def test_tile_float32_within_dense_float32_error(rng, small_blocks, layout):
     v = rng.standard_normal((1, n, 1, 32))
     dout = rng.standard_normal((1, n, 4, 32))
     ref = attention_backward(dout, q, k, v, causal=True)
-    peer = dense_backward32(dout, q, k, v, True)
+    peer = dense_backward(dout, q, k, v, True)
     got = simulated_ring(dout, q, k, v, 3, layout, True, np.float32)
     for name, a, b, c in zip("qkv", got, ref, peer):
         err, tol = np.abs(a - b).max(), 3 * np.abs(c - b).max() + 1e-6
@@ -201,7 +177,7 @@ def test_large_logits_stay_finite(rng):
     grads = ring_attention_backward(*loc, out, lse, comm, causal=True)
     assert all(np.isfinite(g).all() for g in grads)
     ref = attention_backward(dout, q, k, v, causal=True)
-    peer = dense_backward32(dout, q, k, v, True)
+    peer = dense_backward(dout, q, k, v, True)
     for a, b, c in zip(grads, ref, peer):
         assert np.abs(a - b).max() <= 3 * np.abs(c - b).max() + 1e-6
 

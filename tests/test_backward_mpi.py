@@ -4,7 +4,7 @@ import functools
 
 import numpy as np
 import pytest
-from helpers import assert_all, random_qkv
+from helpers import assert_all, dense_backward, raises_everywhere, random_qkv
 from mpi4py import MPI
 
 import ringmpi
@@ -12,31 +12,6 @@ from ringmpi.backward import ring_attention_backward
 from ringmpi.reference import attention_backward
 
 pytestmark = pytest.mark.mpi
-
-
-def dense_backward(dout, q, k, v, causal, dtype=np.float32):
-    """Dense attention backward computed entirely in ``dtype``: the peer for float32 results."""
-    f = np.dtype(dtype).type
-    q, k, v, dout = (np.moveaxis(np.asarray(x, dtype=f), -3, -2) for x in (q, k, v, dout))
-    g = q.shape[-3] // k.shape[-3]
-    kh, vh = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
-    scale = f(q.shape[-1] ** -0.5)
-    s = (q * scale) @ np.swapaxes(kh, -1, -2)
-    if causal:
-        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    delta = np.sum(dout * (p @ vh), axis=-1, keepdims=True)
-    ds = p * (dout @ np.swapaxes(vh, -1, -2) - delta)
-    dq = scale * (ds @ kh)
-    dk = scale * (np.swapaxes(ds, -1, -2) @ q)
-    dv = np.swapaxes(p, -1, -2) @ dout
-
-    def fold(x):  # (..., H, S, D) -> (..., S, Hkv, D), summed over each query group
-        x = x.reshape(*x.shape[:-3], x.shape[-3] // g, g, *x.shape[-2:]).sum(axis=-3)
-        return np.moveaxis(x, -3, -2)
-
-    return np.moveaxis(dq, -2, -3), fold(dk), fold(dv)
 
 
 def shapes(size):
@@ -128,20 +103,6 @@ def test_bitwise_repeatable(comm):
     b, _, _ = ring_grads(comm, q, k, v, dout, True, "zigzag")
     same = all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
     assert_all(comm, same, "two identical backward calls differ")
-
-
-def raises_everywhere(comm, fn, *words):
-    """Every rank must raise ValueError with one identical message containing ``words``."""
-    try:
-        fn()
-        msg = None
-    except ValueError as exc:
-        msg = str(exc)
-    msgs = comm.allgather(msg)
-    assert_all(comm, msg is not None, "no ValueError raised on this rank")
-    assert_all(comm, len(set(msgs)) == 1, f"ranks raised different messages: {msgs}")
-    for w in words:
-        assert_all(comm, w in msg, f"{w!r} missing from {msg!r}")
 
 
 def bad_cases(comm):

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from helpers import assert_all
+from helpers import raises_everywhere
 
 import ringmpi
 
@@ -15,21 +15,6 @@ def local_qkv(comm, n=64, h=4, hkv=2, d=16, dtype=np.float32, layout="zigzag"):
     q = rng.standard_normal((s, h, d)).astype(dtype)
     k = rng.standard_normal((s, hkv, d)).astype(dtype)
     return q, k, k.copy()
-
-
-def raises_everywhere(comm, fn, *words):
-    """Call fn on every rank; every rank must raise ValueError with one identical message."""
-    try:
-        fn()
-        msg = None
-    except ValueError as exc:
-        msg = str(exc)
-    msgs = comm.allgather(msg)
-    assert_all(comm, msg is not None, "no ValueError raised on this rank")
-    assert_all(comm, len(set(msgs)) == 1, f"ranks raised different messages: {msgs}")
-    for w in words:
-        assert_all(comm, w in msg, f"{w!r} missing from {msg!r}")
-    return msg
 
 
 def last(comm):
