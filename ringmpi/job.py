@@ -14,7 +14,6 @@ same :class:`ringmpi.io.InputError` on all ranks, so nobody waits forever.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import resource
@@ -25,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from .attention import ring_attention
 from .io import InputError, Reader, check_memory, collective, make_plan, memory_budget
 from .output import OutputStore, fingerprint
 from .progress import Progress
@@ -59,20 +59,6 @@ def pick_device(device: str, comm) -> str:
 
         gpu.bind_device(comm)
     return "gpu" if all(flags) else "cpu"
-
-
-def _ring_attention():
-    try:
-        from . import ring_attention
-    except ImportError as e:  # pragma: no cover - the library always ships it
-        raise RuntimeError("ringmpi.ring_attention is not available in this install") from e
-    return ring_attention
-
-
-def _test_raise(rank: int) -> None:
-    """Test hook: RINGMPI_TEST_RAISE_ON_RANK=r raises on rank r just before the ring starts."""
-    if os.environ.get("RINGMPI_TEST_RAISE_ON_RANK") == str(rank):
-        raise RuntimeError("injected test fault")
 
 
 def _test_kill(rank: int, completed: int) -> None:
@@ -145,11 +131,8 @@ def run(
     done = store.open(resume)
     todo = [i for i in range(len(plan.sequences)) if i not in done]
 
-    ring_attention = _ring_attention()
-    extra = {}
     bar = Progress(len(todo), enabled=(rank == 0 and not quiet))
-    if "on_step" in inspect.signature(ring_attention).parameters and rank == 0 and not quiet:
-        extra["on_step"] = bar.step
+    on_step = bar.step if (rank == 0 and not quiet) else None
     reader = Reader(plan, rank, size, layout, strided=strided)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringmpi-read")
     acc = {"compute_s": 0.0, "wait_s": 0.0, "total_s": 0.0, "flops": 0.0}
@@ -175,11 +158,10 @@ def run(
                 import cupy
 
                 q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
-            _test_raise(rank)
             stats: dict = {}
             out, lse = ring_attention(
                 q, k, v, comm, causal=causal, layout=layout, scale=scale,
-                return_lse=True, stats=stats, **extra,
+                return_lse=True, stats=stats, on_step=on_step,
             )  # fmt: skip
             if dev == "gpu":
                 out, lse = out.get(), lse.get()

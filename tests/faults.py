@@ -77,7 +77,7 @@ class Result:
 
 def _env(extra: Optional[dict]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    for k in ("RINGMPI_TEST_FAULT", "RINGMPI_TEST_KILL_AFTER", "RINGMPI_TEST_RAISE_ON_RANK"):
+    for k in ("RINGMPI_TEST_FAULT", "RINGMPI_TEST_KILL_AFTER"):
         env.pop(k, None)
     env.update(extra or {})
     return env

@@ -238,10 +238,10 @@ def test_bad_input_one_line_nonzero_exit_no_output(data, tmp_path, case):
 
 def test_error_on_one_rank_aborts_job(data, tmp_path):
     out = str(tmp_path / "out.h5")
-    env = {"RINGMPI_TEST_RAISE_ON_RANK": "1"}
+    env = {"RINGMPI_TEST_FAULT": "1:1"}
     rc, _, se, secs = launch(3, "run", *data["batch"], "-o", out, "--quiet", env=env, timeout=60)
     assert rc != 0 and secs < 30
-    assert "ringmpi: error on rank 1: RuntimeError: injected test fault" in se
+    assert "ringmpi: error on rank 1: RuntimeError: injected fault on rank 1 at ring step 1" in se
     assert not os.path.exists(out)
 
 
