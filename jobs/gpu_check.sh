@@ -31,7 +31,7 @@ PYEOF
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
 
 stage "NVRTC compile check (registers and spills)"
-timeout 120 "$PY" -m ringmpi.nvrtc sm_90 || echo "(no standalone libnvrtc here; CuPy compiles at run time)"
+timeout 120 "$PY" -m ringmpi.gpu.nvrtc sm_90 || echo "(no standalone libnvrtc here; CuPy compiles at run time)"
 
 stage "GPU tests, one process"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py || failed+=("tests P=1")
@@ -51,7 +51,7 @@ else
 fi
 
 stage "forward benchmark"
-timeout 180 "$PY" -m ringmpi.gpu_bench --json gpu_bench.json || failed+=("benchmark")
+timeout 180 "$PY" -m ringmpi.gpu.bench --json gpu_bench.json || failed+=("benchmark")
 
 echo
 if ((${#failed[@]})); then

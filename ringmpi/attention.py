@@ -12,89 +12,17 @@ whose fully masked tiles are skipped) and sends 2 * Sk * Hkv * D elements.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Optional
 
-import numpy as np
 from mpi4py import MPI
 
-from . import softmax, validate
-from .backend import Backend, select
+from . import softmax
+from .arguments import prepare, report
 from .partition import positions
+from .ring import KVRing
 
-__all__ = ["ring_attention", "prepare", "pack_kv", "kv_view", "advance"]
-
-# Test-only fault injection: "RANK:STEP" raises on that rank before that step.
-_FAULT_ENV = "RINGMPI_TEST_FAULT"
-
-
-def _maybe_fault(rank: int, step: int) -> None:
-    spec = os.environ.get(_FAULT_ENV)
-    if spec:
-        r, s = (int(t) for t in spec.split(":"))
-        if r == rank and s == step:
-            raise RuntimeError(f"injected fault on rank {rank} at ring step {step}")
-
-
-def prepare(q, k, v, comm, *, causal, layout, scale, check_finite, what, extra=None):
-    """Agree on the call across ranks and bring the arrays to the internal layout.
-
-    Returns (backend, args, qi, ki, vi) where qi is (B, H, S, D) and ki, vi are
-    (B, Hkv, S, D) in the backend's tile dtype, and args carries n, counts,
-    batched, scale, the input dtype and the accumulation dtype.
-    """
-    be: Backend = select(q)
-    meta = validate.describe(
-        q, k, v, causal=causal, layout=layout, scale=scale, backend=be,
-        check_finite=check_finite, extra=extra,
-    )  # fmt: skip
-    args = validate.agree(comm, meta, what)
-    xp = be.xp
-    args["batched"] = q.ndim == 4
-    args["scale"] = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
-    args["in_dtype"] = q.dtype
-    args["tile_dtype"] = be.tile_dtype(q.dtype)
-    args["acc_dtype"] = be.acc_dtype(q.dtype)
-
-    def internal(x):  # (B?, S, H, D) -> (B, H, S, D), tile dtype, contiguous
-        x = x if x.ndim == 4 else x[None]
-        return xp.ascontiguousarray(xp.moveaxis(x, -3, -2), dtype=args.tile_dtype)
-
-    return be, args, internal(q), internal(k), internal(v)
-
-
-def kv_view(buf, shape_kv: tuple, count: int):
-    """View the first ``count`` tokens' worth of a flat K/V buffer as (2, B, Hkv, count, D)."""
-    b, hkv, _, d = shape_kv
-    return buf[: 2 * b * hkv * count * d].reshape(2, b, hkv, count, d)
-
-
-def pack_kv(xp, ki, vi, smax: int):
-    """Two flat buffers sized for the largest block; the first holds this rank's K and V."""
-    b, hkv, s, d = ki.shape
-    bufs = [xp.empty(2 * b * hkv * smax * d, dtype=ki.dtype) for _ in range(2)]
-    view = kv_view(bufs[0], ki.shape, s)
-    view[0] = ki
-    view[1] = vi
-    return bufs
-
-
-def advance(ring, bufs, step: int, rank: int, size: int, kv_shape: tuple, cnt: list):
-    """Post the exchange that brings step+1's block, return (owner, K/V view) for ``step``.
-
-    At step s rank r holds the block rank (r - s) mod P started with, in
-    ``bufs[s % 2]``; the block for s + 1 arrives in the other buffer. Sizes are
-    exact: blocks of different owners may differ by a token or two.
-    """
-    src = (rank - step) % size
-    cur, nxt = bufs[step % 2], bufs[(step + 1) % 2]
-    if step + 1 < size:
-        nxt_src = (src - 1) % size
-        send = cur[: kv_view(cur, kv_shape, cnt[src]).size]
-        recv = nxt[: kv_view(nxt, kv_shape, cnt[nxt_src]).size]
-        ring.start(send, recv)
-    return src, kv_view(cur, kv_shape, cnt[src])
+__all__ = ["ring_attention"]
 
 
 def ring_attention(
@@ -150,42 +78,25 @@ def ring_attention(
         q, k, v, comm, causal=causal, layout=layout, scale=scale,
         check_finite=check_finite, what="ring_attention",
     )  # fmt: skip
-    xp = be.xp
     rank, size = comm.Get_rank(), comm.Get_size()
-    n, cnt = args.n, args.counts
-    q_pos = positions(n, rank, size, layout)
-    kv_shape = ki.shape
-    bufs = pack_kv(xp, ki, vi, max(cnt))
-    del ki, vi
-    acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, xp)
-    ring = be.ring(comm)
+    q_pos = positions(args.n, rank, size, layout)
+    acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
     flops, compute_s = 0, 0.0
-    try:
-        for step in range(size):
-            _maybe_fault(rank, step)
-            src, kv = advance(ring, bufs, step, rank, size, kv_shape, cnt)
+    with KVRing(comm, be, ki, vi, args.counts) as kv:
+        del ki, vi
+        for step, src, kb, vb in kv:
             t0 = time.perf_counter()
             flops += be.forward_tile(
-                qi, kv[0], kv[1], q_pos, positions(n, src, size, layout), acc, m, l,
-                scale=args.scale, causal=causal, progress=ring.test,
+                qi, kb, vb, q_pos, positions(args.n, src, size, layout), acc, m, l,
+                scale=args.scale, causal=causal, progress=kv.ring.test,
             )  # fmt: skip
             compute_s += time.perf_counter() - t0
-            ring.wait()
             if on_step is not None:
                 on_step(step + 1, size)
-    finally:
-        ring.free()
     out, lse = be.finish(acc, m, l)
     out = be.cast_out(out, args.in_dtype)
     if not args.batched:
         out, lse = out[0], lse[0]
-    if stats is not None:
-        stats.update(
-            compute_s=compute_s,
-            wait_s=ring.wait_s,
-            total_s=time.perf_counter() - t_start,
-            flops=flops,
-            steps=size,
-            backend=be.name,
-        )
+    report(stats, t_start, compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, steps=size,
+           backend=be.name)  # fmt: skip
     return (out, lse) if return_lse else out

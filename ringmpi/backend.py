@@ -3,29 +3,34 @@
 numpy arrays run on the CPU: the fused C tile when it can be built and loaded,
 the numpy tile otherwise (``RINGMPI_CPU_KERNEL=numpy|fused|auto`` forces one).
 CuPy arrays run the CUDA tiles. There is no global switch inside the library.
+A new kernel (a fused backward, a CUDA backward) is one more tile here and
+nothing else: both ring loops only talk to :class:`Backend`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import cpu, softmax
+from . import softmax
+from .cpu import numpy_tile
 from .ring import Ring
+from .tile import BackwardTile, ForwardTile
 
 __all__ = ["Backend", "select", "is_cupy"]
 
 
 @dataclass(frozen=True)
 class Backend:
-    """What the ring loop needs from a tile backend."""
+    """What the ring loops need from a tile backend."""
 
     name: str
     xp: Any  # array module: numpy or cupy
-    forward_tile: Callable[..., int]
+    forward_tile: ForwardTile
+    backward_tile: Optional[BackwardTile]  # None: this backend has no backward tile yet
     tile_dtype: Callable[[Any], Any]  # dtype q/k/v are converted to for the tile
     acc_dtype: Callable[[Any], Any]  # dtype of the online-softmax state
     ring: Callable[..., Any]  # factory: comm -> Ring-like exchanger
@@ -33,7 +38,7 @@ class Backend:
     # output (B, S, H, D) in the accumulation dtype -> C-contiguous in the input dtype
     cast_out: Callable[[Any, Any], Any] = lambda o, dt: o.astype(dt, order="C", copy=False)
     # state (acc, m, l) -> (out (B, S, H, D), lse (B, H, S))
-    finalize: Callable[..., Any] = None  # type: ignore[assignment]
+    finalize: Optional[Callable[..., Any]] = None
 
     def finish(self, acc, m, l):
         """Normalised output in sequence-major layout and the lse."""
@@ -52,24 +57,27 @@ _CPU_DTYPES = ("float16", "float32", "float64")
 
 
 def _numpy_backend() -> Backend:
+    cd = numpy_tile.compute_dtype
     return Backend(
-        "numpy", np, cpu.forward_tile, cpu.compute_dtype, cpu.compute_dtype, Ring, _CPU_DTYPES
+        "numpy", np, numpy_tile.forward_tile, numpy_tile.backward_tile, cd, cd, Ring, _CPU_DTYPES
     )
 
 
-def _fused_backend():
+def _fused_backend() -> Optional[Backend]:
     try:
-        from . import fused
+        from .cpu import fused
     except ImportError:
         return None
     if not fused.available():
         return None
+    cd = numpy_tile.compute_dtype
     return Backend(
         "fused",
         np,
         fused.forward_tile,
-        cpu.compute_dtype,
-        cpu.compute_dtype,
+        numpy_tile.backward_tile,
+        cd,
+        cd,
         Ring,
         _CPU_DTYPES,
         finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
@@ -85,6 +93,7 @@ def _gpu_backend() -> Backend:
         "gpu",
         cupy,
         gpu.forward_tile,
+        None,
         gpu.tile_dtype,
         gpu.acc_dtype,
         gpu.GpuRing,

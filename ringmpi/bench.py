@@ -34,6 +34,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Optional
 
+from .files import write_json
+
 __all__ = ["main"]
 
 _LAUNCH_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -351,9 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _summarize(doc)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out)  # complete file or none
+    write_json(out, doc)  # complete file or none
     print(f"wrote {out}")
     if not args.no_plot:
         png = _plot(doc, args.plot or str(out.with_suffix(".png")))

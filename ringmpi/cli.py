@@ -20,7 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
-from .io import InputError, parse_size
+from .collective import CollectiveError
+from .job.budget import parse_size
 
 __all__ = ["main", "build_parser"]
 
@@ -197,16 +198,16 @@ def _comm():
 
 
 def _guard(fn, args, program: bool) -> int:
-    """Run a collective command; InputError: one line on rank 0; anything else: abort the job.
+    """Run a collective command: a CollectiveError prints one line on rank 0, anything else aborts.
 
-    Every rank raises the same InputError, so all of them can leave cleanly:
+    Every rank raises the same CollectiveError, so all of them can leave cleanly:
     as a program they finalize MPI first, which keeps ``python -m mpi4py`` from
     turning the non-zero exit into an MPI_Abort with its extra noise.
     """
     comm = _comm()
     try:
         return fn(args, comm)
-    except InputError as e:
+    except CollectiveError as e:
         if comm.Get_rank() == 0:
             sys.stderr.write(f"ringmpi: error: {e}\n")
             sys.stderr.flush()
@@ -228,7 +229,8 @@ def _guard(fn, args, program: bool) -> int:
 
 
 def _cmd_run(args, comm) -> int:
-    from .job import format_summary, run, write_json
+    from .files import write_json
+    from .job.run import format_summary, run
 
     summary = run(
         args.inputs,
@@ -248,7 +250,7 @@ def _cmd_run(args, comm) -> int:
     rc = 0
     rank = comm.Get_rank()
     if args.verify:
-        from .verify import format_verify, verify
+        from .job.verify import format_verify, verify
 
         res = verify(args.output, args.inputs, args.weights, comm)
         summary["verify"] = res
@@ -267,7 +269,7 @@ def _cmd_run(args, comm) -> int:
 
 
 def _cmd_verify(args, comm) -> int:
-    from .verify import format_verify, verify
+    from .job.verify import format_verify, verify
 
     res = verify(args.output, args.inputs, args.weights, comm, max_tokens=args.max_tokens)
     if comm.Get_rank() == 0:
@@ -276,7 +278,7 @@ def _cmd_verify(args, comm) -> int:
 
 
 def _cmd_make_data(args) -> int:
-    from .sample import make_data
+    from .job.sample import make_data
 
     mpi = sys.modules.get("mpi4py.MPI")
     comm = mpi.COMM_WORLD if mpi is not None and mpi.Is_initialized() else None

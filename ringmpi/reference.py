@@ -1,6 +1,9 @@
-"""Dense attention in float64 over a whole sequence: the ground truth for tests.
+"""Dense attention over a whole sequence: the ground truth for tests and ``ringmpi verify``.
 
-Holds the full N x N score matrix, so use it only where that fits in memory.
+float64 by default (the reference); ``dtype=np.float32`` gives the dense
+low-precision peer that tolerances are measured against. Without ``block`` it
+holds the full N x N score matrix; with ``block=R`` only R query rows' scores
+at a time.
 Shapes follow the package convention: q (S, H, D) or (B, S, H, D); k and v
 (S, Hkv, D) or (B, S, Hkv, D) with H % Hkv == 0; lse (..., H, S).
 """
@@ -12,10 +15,10 @@ import numpy as np
 __all__ = ["attention", "attention_backward"]
 
 
-def _prepare(q, k, v, scale):
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
+def _prepare(q, k, v, scale, dtype=np.float64):
+    q = np.asarray(q, dtype=dtype)
+    k = np.asarray(k, dtype=dtype)
+    v = np.asarray(v, dtype=dtype)
     if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError("q, k, v must all be (S, H, D) or (B, S, H, D)")
     h, hkv = q.shape[-2], k.shape[-2]
@@ -29,23 +32,27 @@ def _prepare(q, k, v, scale):
     return qh, kh, vh, scale, h // hkv
 
 
-def _probs(qh, kh, scale, causal):
-    s = scale * (qh @ np.swapaxes(kh, -1, -2))
+def _probs(qh, kh, scale, causal, row0: int = 0):
+    """Probabilities and lse of query rows row0.. against all keys (causal: key j <= row)."""
+    s = qh.dtype.type(scale) * (qh @ np.swapaxes(kh, -1, -2))
     if causal:
         n_q, n_k = s.shape[-2:]
-        s = np.where(np.tril(np.ones((n_q, n_k), dtype=bool)), s, -np.inf)
+        rows = np.arange(row0, row0 + n_q)[:, None]
+        s = np.where(np.arange(n_k)[None, :] <= rows, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
     z = e.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(z > 0, e / z, 0.0)
+        p = np.where(z > 0, e / z, 0)
         lse = np.where(z[..., 0] > 0, m[..., 0] + np.log(z[..., 0]), -np.inf)
-    return p, lse
+    return p.astype(qh.dtype, copy=False), lse.astype(qh.dtype, copy=False)
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None):
-    """Dense softmax attention in float64.
+def attention(
+    q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64, block=None
+):
+    """Dense softmax attention, computed in ``dtype``.
 
     Parameters
     ----------
@@ -55,20 +62,33 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
         Mask key j for query i when j > i (global token order).
     scale : float, optional
         Score scale, default 1/sqrt(D).
+    dtype : numpy dtype
+        Arithmetic precision (default float64: the reference).
+    block : int, optional
+        Compute this many query rows at a time (memory O(block x S)).
 
     Returns
     -------
-    out : float64 array, shape of q
-    lse : float64 array (..., H, S)
+    out : array in ``dtype``, shape of q; a row with no visible key is 0
+    lse : array (..., H, S) in ``dtype``; -inf for a row with no visible key
     """
-    qh, kh, vh, scale, _ = _prepare(q, k, v, scale)
-    p, lse = _probs(qh, kh, scale, causal)
-    out = np.moveaxis(p @ vh, -2, -3)
-    return out, lse
+    qh, kh, vh, scale, _ = _prepare(q, k, v, scale, dtype)
+    s_len = qh.shape[-2]
+    step = s_len if not block else int(block)
+    outs, lses = [], []
+    for a in range(0, max(s_len, 1), max(step, 1)):
+        p, lse = _probs(qh[..., a : a + step, :], kh, scale, causal, row0=a)
+        outs.append(p @ vh)
+        lses.append(lse)
+    out = np.concatenate(outs, axis=-2) if len(outs) > 1 else outs[0]
+    lse = np.concatenate(lses, axis=-1) if len(lses) > 1 else lses[0]
+    return np.moveaxis(out, -2, -3), lse
 
 
-def attention_backward(dout, q, k, v, causal: bool = False, scale: float | None = None):
-    """Dense float64 gradients of ``attention(q, k, v)[0]`` against ``dout``.
+def attention_backward(
+    dout, q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64
+):
+    """Dense gradients of ``attention(q, k, v)[0]`` against ``dout``, computed in ``dtype``.
 
     With P = softmax(scale * Q K^T), O = P V and delta_i = sum_d dO_id O_id:
     dV = P^T dO, dS = P * (dO V^T - delta), dQ = scale * dS K, dK = scale * dS^T Q.
@@ -76,17 +96,18 @@ def attention_backward(dout, q, k, v, causal: bool = False, scale: float | None 
 
     Returns
     -------
-    dq, dk, dv : float64 arrays with the shapes of q, k, v.
+    dq, dk, dv : arrays in ``dtype`` with the shapes of q, k, v.
     """
-    qh, kh, vh, scale, group = _prepare(q, k, v, scale)
-    do = np.moveaxis(np.asarray(dout, dtype=np.float64), -3, -2)
+    qh, kh, vh, scale, group = _prepare(q, k, v, scale, dtype)
+    do = np.moveaxis(np.asarray(dout, dtype=dtype), -3, -2)
     p, _ = _probs(qh, kh, scale, causal)
     o = p @ vh
     delta = np.sum(do * o, axis=-1, keepdims=True)
     dv = np.swapaxes(p, -1, -2) @ do
     ds = p * (do @ np.swapaxes(vh, -1, -2) - delta)
-    dq = scale * (ds @ kh)
-    dk = scale * (np.swapaxes(ds, -1, -2) @ qh)
+    sc = qh.dtype.type(scale)
+    dq = sc * (ds @ kh)
+    dk = sc * (np.swapaxes(ds, -1, -2) @ qh)
 
     def fold(g):  # (..., H, S, D) -> (..., Hkv, S, D) summed over each group
         shp = g.shape

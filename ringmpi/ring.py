@@ -1,26 +1,37 @@
 """The ring exchange: one K/V block in flight to the next rank while we compute.
 
 Ranks form a periodic 1-D Cartesian communicator. At ring step s rank r holds
-the block that rank (r - s) mod P started with; ``start`` posts the receive
-of the next block from the previous rank and the send of the current one to
-the next rank, both non-blocking, so the transfer overlaps the tile compute.
+the block that rank (r - s) mod P started with. :class:`Ring` posts the receive
+of the next block from the previous rank and the send of the current one to the
+next rank, both non-blocking, so the transfer overlaps the tile compute.
+:class:`KVRing` is the scaffolding both ring loops share: K and V packed in one
+buffer, double-buffered, the next exchange posted before the compute of the
+current block, and the communicator freed on exit (a context manager).
 
 Progress: MPI libraries move a large (rendezvous) message only while some
 call into the library runs, unless they have an asynchronous progress thread.
 The tile loops therefore call ``test`` between blocks; ``RINGMPI_POLL=0``
 turns this off, which is how the benefit is measured (see README).
+
+Every wait on a neighbour runs under :mod:`ringmpi.watchdog`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["Ring", "TAG_KV"]
+from .watchdog import watch
+
+__all__ = ["Ring", "KVRing", "TAG_KV"]
 
 TAG_KV = 7301
+# Test-only fault injection: "RANK:STEP" raises on that rank before that step.
+_FAULT_ENV = "RINGMPI_TEST_FAULT"
 
 
 class Ring:
@@ -65,3 +76,75 @@ class Ring:
         self.wait()
         if self.cart != MPI.COMM_NULL:
             self.cart.Free()
+
+
+def _maybe_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(_FAULT_ENV)
+    if spec:
+        r, s = (int(t) for t in spec.split(":"))
+        if r == rank and s == step:
+            raise RuntimeError(f"injected fault on rank {rank} at ring step {step}")
+
+
+class KVRing:
+    """K/V blocks travelling the ring; iterate to get each step's block.
+
+    ``for step, src, k, v in kv:`` yields, at step s, the block rank
+    (rank - s) mod P started with, as (B, Hkv, count, D) views of one packed
+    buffer. Before yielding, the exchange that brings step s+1's block into the
+    other buffer is already posted; after the loop body, the exchange is waited
+    for. Sizes are exact: blocks of different owners may differ by a token or two.
+    Use as a context manager: the communicator is freed on exit, also on error.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm
+    backend : ringmpi.backend.Backend
+        Gives the array module and the exchanger (``backend.ring``).
+    k, v : (B, Hkv, S_local, D)
+        This rank's keys and values in the tile layout (copied into the buffer).
+    counts : list of int
+        Tokens held by every rank.
+    """
+
+    def __init__(self, comm, backend: Any, k, v, counts: list):
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.counts = counts
+        self.shape = k.shape
+        b, hkv, s, d = k.shape
+        size = 2 * b * hkv * max(counts) * d
+        self.bufs = [backend.xp.empty(size, dtype=k.dtype) for _ in range(2)]
+        first = self.view(self.bufs[0], s)
+        first[0] = k
+        first[1] = v
+        with watch("creating the ring communicator (Create_cart) with the other ranks"):
+            self.ring = backend.ring(comm)
+
+    def view(self, buf, count: int):
+        """The first ``count`` tokens' worth of a flat buffer as (2, B, Hkv, count, D)."""
+        b, hkv, _, d = self.shape
+        return buf[: 2 * b * hkv * count * d].reshape(2, b, hkv, count, d)
+
+    def owner(self, step: int) -> int:
+        """Rank whose block this rank holds at ``step``."""
+        return (self.rank - step) % self.size
+
+    def __iter__(self) -> Iterator[tuple]:
+        for step in range(self.size):
+            _maybe_fault(self.rank, step)
+            src = self.owner(step)
+            cur, nxt = self.bufs[step % 2], self.bufs[(step + 1) % 2]
+            if step + 1 < self.size:
+                send = cur[: self.view(cur, self.counts[src]).size]
+                recv = nxt[: self.view(nxt, self.counts[self.owner(step + 1)]).size]
+                self.ring.start(send, recv)
+            kv = self.view(cur, self.counts[src])
+            yield step, src, kv[0], kv[1]
+            with watch(f"ring step {step}: the K/V block from rank {self.ring.prev}"):
+                self.ring.wait()
+
+    def __enter__(self) -> KVRing:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ring.free()

@@ -276,7 +276,7 @@ FUZZ_LEN = 300
 
 def fuzz_bases(d: str) -> list:
     """Small valid inputs of every structure: (files to mutate, run arguments)."""
-    from ringmpi.sample import make_data
+    from ringmpi.job.sample import make_data
 
     g = FUZZ_GEOM
     groups = make_data(f"{d}/groups.h5", seq_len=FUZZ_LEN, sequences=2, **g)
@@ -366,7 +366,7 @@ def _absurd_case(rng, dst: str) -> tuple:
 
     kind = int(rng.integers(0, 4))
     if kind == 3:  # a real, small input run under a budget it does not fit
-        from ringmpi.sample import make_data
+        from ringmpi.job.sample import make_data
 
         make_data(dst, seq_len=FUZZ_LEN, **FUZZ_GEOM)
         return "real input, --max-memory 64K", ["--max-memory", "64K"]
@@ -453,11 +453,10 @@ def _verify_main(argv: list) -> int:
 
     import h5py
 
-    sys.path.insert(0, str(HERE))
-    from helpers import dense
-
     from ringmpi import reference
-    from ringmpi.io import Reader, scan
+    from ringmpi.job.reader import Reader
+    from ringmpi.job.schema import scan
+    from ringmpi.testing import dense
 
     ap = argparse.ArgumentParser()
     ap.add_argument("out")

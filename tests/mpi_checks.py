@@ -28,13 +28,10 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from helpers import dense  # noqa: E402
-
 import ringmpi  # noqa: E402
 from ringmpi import reference  # noqa: E402
 from ringmpi import ring as ring_mod  # noqa: E402
+from ringmpi.testing import dense  # noqa: E402
 
 __all__ = ["numerics_cases", "numerics_case", "soak", "oversub", "finite"]
 
@@ -294,9 +291,9 @@ def _tile_fault(comm: MPI.Comm, rank: int, step: int) -> None:
     """Make rank ``rank``'s tile raise on its ``step``-th call (0-based), mid-exchange."""
     import dataclasses
 
-    from ringmpi import attention
+    from ringmpi import arguments
 
-    select = attention.select
+    select = arguments.select
 
     def faulty(x):
         be = select(x)
@@ -310,7 +307,7 @@ def _tile_fault(comm: MPI.Comm, rank: int, step: int) -> None:
 
         return dataclasses.replace(be, forward_tile=tile)
 
-    attention.select = faulty
+    arguments.select = faulty
     # 2048 tokens x 64 x float64 per rank: 2 MiB K/V blocks, sent by rendezvous
     q, k, v = _qkv(2048 * comm.size, h=1, hkv=1, d=64)
     loc = [ringmpi.shard(x, comm) for x in (q, k, v)]

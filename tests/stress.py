@@ -37,11 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import faults as F  # noqa: E402
+import numpy as np
 
 FAULT_LIMIT_S = 10.0
 CHECKS = ("faults", "kill", "disk", "fuzz", "numerics", "soak", "oversub")
@@ -61,7 +58,7 @@ def _first_error(res: F.Result) -> str:
 
 def check_faults(tmp: Path, quick: bool):
     """Inject a RuntimeError on each rank at the middle ring step, library and CLI."""
-    from ringmpi.sample import make_data
+    from ringmpi.job.sample import make_data
 
     inp = make_data(str(tmp / "fault.h5"), seq_len=400, heads=2, kv_heads=1, head_dim=16)
     for p in (2, 4):
@@ -103,7 +100,7 @@ def check_faults(tmp: Path, quick: bool):
 
 
 def _kill_input(tmp: Path, quick: bool) -> tuple:
-    from ringmpi.sample import make_data
+    from ringmpi.job.sample import make_data
 
     nseq = 6 if quick else 8
     seq_len = 4096 if quick else 6144

@@ -2,12 +2,13 @@
 
 import numpy as np
 import pytest
-from helpers import dense_backward
 from mpi4py import MPI
 
 import ringmpi
-from ringmpi.backward import backward_tile, ring_attention_backward
+from ringmpi.backward import ring_attention_backward
+from ringmpi.cpu.numpy_tile import backward_tile
 from ringmpi.reference import attention, attention_backward
+from ringmpi.testing import dense_backward
 
 
 def internal(x, idx):
@@ -58,10 +59,10 @@ def test_reference_unbatched_matches_batched(rng):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 48 query and 80 key rows, so small sequences cross many block edges."""
-    import ringmpi.backward as bw
+    from ringmpi.cpu import numpy_tile
 
-    monkeypatch.setattr(bw, "BLOCK_Q", 48)
-    monkeypatch.setattr(bw, "BLOCK_K", 80)
+    monkeypatch.setattr(numpy_tile, "BLOCK_Q", 48)
+    monkeypatch.setattr(numpy_tile, "BLOCK_K", 80)
 
 
 def simulated_ring(dout, q, k, v, size, layout, causal, dtype):

@@ -4,12 +4,12 @@ import functools
 
 import numpy as np
 import pytest
-from helpers import assert_all, dense_backward, raises_everywhere, random_qkv
 from mpi4py import MPI
 
 import ringmpi
 from ringmpi.backward import ring_attention_backward
 from ringmpi.reference import attention_backward
+from ringmpi.testing import assert_all, dense_backward, raises_everywhere, random_qkv
 
 pytestmark = pytest.mark.mpi
 

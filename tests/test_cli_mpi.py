@@ -25,12 +25,12 @@ import time
 import h5py
 import numpy as np
 import pytest
-from helpers import assert_all
 
 from ringmpi import reference
 from ringmpi.cli import main
-from ringmpi.sample import make_data
-from ringmpi.verify import dense_head
+from ringmpi.job.sample import make_data
+from ringmpi.job.verify import dense_head
+from ringmpi.testing import assert_all
 
 S, H, HKV, D = 240, 4, 2, 16
 TIMEOUT = 120
@@ -276,8 +276,8 @@ def test_info_names_mpi_library(capsys):
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
 def test_job_run_in_process(comm, layout):
-    from ringmpi.io import InputError
-    from ringmpi.job import run
+    from ringmpi.collective import CollectiveError, run_everywhere
+    from ringmpi.job.run import run
 
     d = comm.bcast(tempfile.mkdtemp() if comm.rank == 0 else None)
     try:
@@ -298,10 +298,8 @@ def test_job_run_in_process(comm, layout):
                 ok, msg = False, str(e)
         assert_all(comm, ok, msg)
         # a problem seen by one rank only becomes the same error on every rank
-        with pytest.raises(InputError) as e:
-            from ringmpi.io import collective
-
-            collective(comm, lambda: 1 / (comm.rank != comm.size - 1))
+        with pytest.raises(CollectiveError) as e:
+            run_everywhere(comm, lambda: 1 / (comm.rank != comm.size - 1))
         agreed = comm.allgather(str(e.value))
         assert len(set(agreed)) == 1 and "ZeroDivisionError" in agreed[0]
     finally:

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import ringmpi
-from ringmpi import cpu, softmax
+from ringmpi import softmax
+from ringmpi.cpu import numpy_tile as cpu
 from ringmpi.reference import attention
 
 

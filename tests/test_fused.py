@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringmpi import cpu, fused
+from ringmpi.cpu import fused
+from ringmpi.cpu import numpy_tile as cpu
 from ringmpi.partition import positions
 from ringmpi.reference import attention
 from ringmpi.softmax import finalize, init_state

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_all, dense, random_qkv
 
 import ringmpi
-from ringmpi import cpu, gpu, softmax
+from ringmpi import gpu, softmax
+from ringmpi.cpu import numpy_tile as cpu
+from ringmpi.gpu import tile as gpu_tile
 from ringmpi.partition import positions
 from ringmpi.reference import attention
+from ringmpi.testing import assert_all, dense, random_qkv
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed: GPU tests skipped")
 try:
@@ -49,7 +51,8 @@ def to_tile(x: np.ndarray, dtype: str):
 
 def kernel_for(dtype: str, d: int):
     """The kernel configuration the backend picks for this dtype and head dim."""
-    return gpu._select(gpu._storage(np.dtype("uint16" if dtype == "bfloat16" else dtype)), d)
+    storage = gpu_tile._storage(np.dtype("uint16" if dtype == "bfloat16" else dtype))
+    return gpu_tile._select(storage, d)
 
 
 def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
@@ -110,7 +113,7 @@ def test_tile_random_shapes(dtype, d):
                                               causal)  # fmt: skip
             what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
             check_state(c, g, dtype, np.abs(vn).max(), what)
-            pairs = gpu.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, causal)
+            pairs = gpu_tile.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, causal)
             assert flops == 4 * pairs * d * b * h, what
             assert calls, "progress was never called"
 
@@ -132,7 +135,7 @@ def test_tile_causal_offsets_every_layout(dtype, layout):
                 check_state(c, g, dtype, np.abs(vn).max(), what)
                 visible = (k_pos[None, :] <= q_pos[:, None]).sum()
                 kern = kernel_for(dtype, d)
-                want = 4 * gpu.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, True) * d * 4
+                want = 4 * gpu_tile.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, True) * d * 4
                 assert flops == want, what
                 assert (flops == 0) == (visible == 0), f"{what}: skipping is wrong"
 

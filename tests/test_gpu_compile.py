@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from ringmpi import gpu, nvrtc
+from ringmpi.gpu import nvrtc
+from ringmpi.gpu import tile as gpu
 
 if os.environ.get("RINGMPI_SKIP_NVRTC") == "1":
     pytest.skip(

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 from ringmpi import reference
-from ringmpi.io import InputError, Reader, check_memory, collective, parse_size, scan
-from ringmpi.output import OutputStore, fingerprint, part_name
+from ringmpi.collective import CollectiveError
+from ringmpi.collective import run_everywhere as collective
+from ringmpi.job.budget import check_memory, parse_size
+from ringmpi.job.reader import Reader
+from ringmpi.job.sample import make_data
+from ringmpi.job.schema import InputError, scan
+from ringmpi.job.store import OutputStore, fingerprint, part_name
+from ringmpi.job.verify import dense_head
 from ringmpi.partition import LAYOUTS, counts, positions
-from ringmpi.sample import make_data
-from ringmpi.verify import dense_head
 
 S, H, HKV, D = 97, 4, 2, 8
 
@@ -216,7 +220,7 @@ def test_parse_size_and_collective_without_mpi():
     with pytest.raises(ValueError):
         parse_size("lots")
     assert collective(None, lambda: 7) == 7
-    with pytest.raises(InputError, match="ZeroDivisionError"):
+    with pytest.raises(CollectiveError, match="ZeroDivisionError"):
         collective(None, lambda: 1 / 0)
 
 
@@ -301,7 +305,7 @@ def test_dense_head_matches_reference(causal):
 def test_progress_lines_in_a_log(monkeypatch):
     import io as _io
 
-    from ringmpi import progress
+    from ringmpi.job import progress
 
     buf = _io.StringIO()
     monkeypatch.setattr(progress, "LOG_EVERY", 0.0)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_all
 from mpi_checks import numerics_case, numerics_cases
 
 import ringmpi
+from ringmpi.testing import assert_all
 
 pytestmark = pytest.mark.mpi
 

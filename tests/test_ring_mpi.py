@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from helpers import assert_all, dense, random_qkv
 
 import ringmpi
 from ringmpi.reference import attention
+from ringmpi.testing import assert_all, dense, random_qkv
 
 pytestmark = pytest.mark.mpi
 

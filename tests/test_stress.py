@@ -7,16 +7,10 @@ check passed. About a minute in all on 2 cores.
 
 from __future__ import annotations
 
-import os
-import sys
-
+import faults  # noqa: E402
 import h5py
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import faults  # noqa: E402
 import stress  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

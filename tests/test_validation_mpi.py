@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from helpers import raises_everywhere
 
 import ringmpi
+from ringmpi.testing import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from .partition import split_sizes
+from ..partition import split_sizes
 
 __all__ = ["make_data", "shard_paths", "BLOCK"]
 

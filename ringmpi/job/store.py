@@ -28,10 +28,13 @@ from typing import Optional
 
 import numpy as np
 
-from .io import InputError, Plan, collective, local_runs
-from .partition import positions
+from ..collective import run_everywhere, run_on_root
+from ..files import fsync_path, write_json
+from ..partition import positions
+from .reader import local_runs
+from .schema import InputError, Plan
 
-__all__ = ["OutputStore", "part_name", "fingerprint", "fsync_path"]
+__all__ = ["OutputStore", "part_name", "fingerprint"]
 
 FORMAT = 1
 _OURS = re.compile(r"^(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json)(\.tmp)?$")
@@ -40,15 +43,6 @@ _OURS = re.compile(r"^(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json)(\.tmp)?$")
 def part_name(seq_index: int, rank: int) -> str:
     """File name of one rank's part of one sequence."""
     return f"s{seq_index:06d}.r{rank:05d}.h5"
-
-
-def fsync_path(path: str) -> None:
-    """Flush a file or directory to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _virtual_dataset(node, name: str, layout) -> None:
@@ -74,16 +68,6 @@ def _crc32(path: str) -> int:
             if not b:
                 return crc
             crc = zlib.crc32(b, crc)
-
-
-def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(path) or ".")
 
 
 def fingerprint(plan: Plan, layout: str, causal: bool, scale: Optional[float], nranks: int) -> dict:
@@ -174,7 +158,7 @@ class OutputStore:
             probe = os.path.join(self.parts, "manifest.json.tmp")
             with open(probe, "w") as fh:
                 fh.write("")
-            _write_json(manifest, self.meta)
+            write_json(manifest, self.meta)
             return {}
         except OSError as e:
             raise InputError(f"{self.path}: cannot write output ({e.strerror or e})") from e
@@ -182,12 +166,7 @@ class OutputStore:
     def open(self, resume: bool = False) -> set:
         """Create (or, with ``resume``, reopen) the output; return the indices already done."""
         comm = self.comm
-        if self.rank == 0:
-            done = collective(comm, self._prepare_root, resume)
-        else:
-            done = collective(comm, lambda: None)
-        if comm is not None:
-            done = comm.bcast(done, root=0)
+        done = run_on_root(comm, self._prepare_root, resume)
 
         def visible():
             if not os.path.isfile(os.path.join(self.parts, "manifest.json")):
@@ -202,7 +181,7 @@ class OutputStore:
                 ok.append(os.path.exists(p) and os.path.getsize(p) == size and _crc32(p) == crc)
             return ok
 
-        ok = np.array(collective(comm, visible), dtype=np.int32)
+        ok = np.array(run_everywhere(comm, visible), dtype=np.int32)
         if comm is not None and len(ok):
             from mpi4py import MPI
 
@@ -247,14 +226,11 @@ class OutputStore:
         out : array (n, H, D)
         lse : array (H, n)
         """
-        info = collective(self.comm, self._write_part, i, pos, out, lse)
+        info = run_everywhere(self.comm, self._write_part, i, pos, out, lse)
         infos = [info] if self.comm is None else self.comm.gather(info, root=0)
-        if self.rank == 0:
-            marker = {"sequence": self.plan.sequences[i].name, "parts": infos}
-            path = os.path.join(self.parts, f"s{i:06d}.done")
-            collective(self.comm, _write_json, path, marker)
-        else:
-            collective(self.comm, lambda: None)
+        marker = {"sequence": self.plan.sequences[i].name, "parts": infos}
+        path = os.path.join(self.parts, f"s{i:06d}.done")
+        run_on_root(self.comm, write_json, path, marker)
 
     # -- end -------------------------------------------------------------------
     def _sources(self, i: int):
@@ -309,14 +285,11 @@ class OutputStore:
 
     def finish(self) -> None:
         """Rank 0 writes the virtual-dataset file and renames it into place (collective)."""
-        if self.rank == 0:
 
-            def vds():
-                try:
-                    self._write_vds()
-                except (OSError, RuntimeError, ValueError) as e:
-                    raise InputError(f"{self.path}: cannot write output ({e})") from e
+        def vds():
+            try:
+                self._write_vds()
+            except (OSError, RuntimeError, ValueError) as e:
+                raise InputError(f"{self.path}: cannot write output ({e})") from e
 
-            collective(self.comm, vds)
-        else:
-            collective(self.comm, lambda: None)
+        run_on_root(self.comm, vds)

@@ -1,4 +1,9 @@
-"""Collective argument checks: every rank raises the same error, before any message.
+"""The arguments of a ring call, agreed by every rank before the first message.
+
+:func:`prepare` is the entry of both ring loops: it checks the arguments on
+every rank together and converts q, k, v to the tiles' head-major layout;
+:func:`to_external` converts results back.
+
 
 Each rank describes its own arguments in a small dict and notes anything
 locally wrong; one ``allgather`` later every rank knows every rank's view and
@@ -9,19 +14,59 @@ that raised alone would leave the others waiting in the ring forever.
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 from mpi4py import MPI
 
+from .backend import Backend, select
+from .collective import first_error
 from .partition import LAYOUTS, counts
+from .watchdog import watch
 
-__all__ = ["describe", "agree", "RingArgs"]
+__all__ = [
+    "describe",
+    "agree",
+    "resolve",
+    "prepare",
+    "to_internal",
+    "to_external",
+    "report",
+    "RingArgs",
+]
 
 
-class RingArgs(dict):
-    """Agreed metadata: n (global tokens), counts (per rank), batched, shapes."""
+@dataclass(frozen=True)
+class RingArgs:
+    """What every rank agreed on for one ring call.
 
-    __getattr__ = dict.__getitem__
+    Attributes
+    ----------
+    n : int
+        Global number of tokens.
+    counts : list of int
+        Tokens held by each rank (what the layout gives for n).
+    layout : str
+    causal : bool
+    scale : float
+        The score scale in use (1/sqrt(D) unless given).
+    batched : bool
+        Whether the inputs have a leading batch axis.
+    in_dtype, tile_dtype, acc_dtype
+        Input dtype, dtype the tile computes in, dtype of the accumulated state.
+    """
+
+    n: int
+    counts: list
+    layout: str
+    causal: bool
+    scale: float
+    batched: bool
+    in_dtype: Any
+    tile_dtype: Any
+    acc_dtype: Any
 
 
 def _shape_errors(q, k, v, dtypes: tuple) -> Optional[str]:
@@ -108,14 +153,15 @@ _AGREE = (
 )
 
 
-def agree(comm: MPI.Comm, meta: dict, what: str = "ring_attention") -> RingArgs:
-    """Gather every rank's view; raise the same ValueError everywhere on any problem."""
+def agree(comm: MPI.Comm, meta: dict, what: str = "ring_attention") -> dict:
+    """Gather every rank's view; raise the same ValueError everywhere on any problem.
+
+    Returns the agreed view of rank 0 plus ``n`` and ``counts``.
+    """
     views = comm.allgather(meta)
-    bad = [(r, m["error"]) for r, m in enumerate(views) if m["error"]]
-    if bad:
-        r, msg = bad[0]
-        more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-        raise ValueError(f"{what}: rank {r}: {msg}{more}")
+    msg = first_error([m["error"] for m in views], what)
+    if msg is not None:
+        raise ValueError(msg)
     first = views[0]
     for key in _AGREE:
         for r, m in enumerate(views[1:], start=1):
@@ -135,4 +181,60 @@ def agree(comm: MPI.Comm, meta: dict, what: str = "ring_attention") -> RingArgs:
                 f"puts {int(expected[r])} of the n={n} tokens on it; "
                 "cut the sequence with ringmpi.shard(x, comm, layout=...)"
             )
-    return RingArgs(first, n=n, counts=[int(c) for c in expected], views=views)
+    return dict(first, n=n, counts=[int(c) for c in expected])
+
+
+def resolve(agreed: dict, q, backend) -> RingArgs:
+    """The typed call arguments from the agreed view and this rank's q."""
+    d = q.shape[-1]
+    scale = agreed["scale"]
+    return RingArgs(
+        n=agreed["n"],
+        counts=agreed["counts"],
+        layout=agreed["layout"],
+        causal=agreed["causal"],
+        scale=1.0 / float(np.sqrt(d)) if scale is None else float(scale),
+        batched=q.ndim == 4,
+        in_dtype=q.dtype,
+        tile_dtype=backend.tile_dtype(q.dtype),
+        acc_dtype=backend.acc_dtype(q.dtype),
+    )
+
+
+def prepare(q, k, v, comm, *, causal, layout, scale, check_finite, what, extra=None):
+    """Agree on the call across ranks and bring q, k, v to the tiles' layout.
+
+    Returns
+    -------
+    backend : Backend
+    args : ringmpi.arguments.RingArgs
+    qi : (B, H, S, D) ; ki, vi : (B, Hkv, S, D)
+        Contiguous, in the backend's tile dtype.
+    """
+    be: Backend = select(q)
+    meta = describe(
+        q, k, v, causal=causal, layout=layout, scale=scale, backend=be,
+        check_finite=check_finite, extra=extra,
+    )  # fmt: skip
+    with watch(f"{what}: the argument agreement (allgather) with the other ranks"):
+        agreed = agree(comm, meta, what)
+    args = resolve(agreed, q, be)
+    return be, args, *(to_internal(be.xp, x, args.tile_dtype) for x in (q, k, v))
+
+
+def to_internal(xp, x, dtype):
+    """(B?, S, H, D) -> (B, H, S, D), ``dtype``, C-contiguous."""
+    x = x if x.ndim == 4 else x[None]
+    return xp.ascontiguousarray(xp.moveaxis(x, -3, -2), dtype=dtype)
+
+
+def to_external(x, like):
+    """(B, H, S, D) -> the layout (B?, S, H, D) and dtype of ``like``."""
+    x = x.swapaxes(-2, -3).astype(like.dtype, order="C")
+    return x if like.ndim == 4 else x[0]
+
+
+def report(stats: Optional[dict], t_start: float, **fields) -> None:
+    """Fill the caller's ``stats`` dict (if any) with ``fields`` and total_s."""
+    if stats is not None:
+        stats.update(fields, total_s=time.perf_counter() - t_start)

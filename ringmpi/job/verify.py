@@ -20,49 +20,25 @@ from typing import Optional
 
 import numpy as np
 
-from .io import InputError, Plan, collective, make_plan
+from .. import reference
+from ..collective import run_everywhere
+from ..testing import EPS
+from .schema import InputError, Plan, make_plan
 
-__all__ = ["dense_head", "verify", "format_verify", "EPS"]
+__all__ = ["dense_head", "verify", "format_verify"]
 
-EPS = {"float16": 1e-4, "float32": 1e-6, "float64": 1e-12}
 ROWS = 512  # query rows per block of the dense computation
 
 
 def dense_head(q, k, v, causal: bool, scale: float, dtype) -> tuple:
-    """Dense softmax attention of one head, computed in ``dtype`` in blocks of query rows.
+    """Dense attention of one head, q, k, v (S, D), in ``dtype`` and blocks of query rows.
 
-    Parameters
-    ----------
-    q, k, v : arrays (S, D)
-    causal : bool
-        Key j is visible to query i iff j <= i.
-    scale : float
-    dtype : numpy dtype
-        Arithmetic precision.
-
-    Returns
-    -------
-    out : (S, D) and lse : (S,) in ``dtype``; a row with no visible key gives 0, -inf.
+    Returns out (S, D) and lse (S,); a row with no visible key gives 0, -inf.
     """
-    q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
-    s_len = q.shape[0]
-    out = np.zeros_like(q)
-    lse = np.full(s_len, -np.inf, dtype=dtype)
-    cols = np.arange(k.shape[0])
-    for a in range(0, s_len, ROWS):
-        b = min(a + ROWS, s_len)
-        s = (q[a:b] @ k.T) * dtype.type(scale)
-        if causal:
-            s[cols[None, :] > np.arange(a, b)[:, None]] = -np.inf
-        m = s.max(axis=1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0)
-        e = np.exp(s - m)
-        z = e.sum(axis=1, keepdims=True)
-        seen = z[:, 0] > 0
-        out[a:b] = np.where(seen[:, None], (e @ v) / np.where(seen, z[:, 0], 1)[:, None], 0)
-        with np.errstate(divide="ignore"):
-            lse[a:b] = np.where(seen, m[:, 0] + np.log(np.where(seen, z[:, 0], 1)), -np.inf)
-    return out, lse
+    out, lse = reference.attention(
+        q[:, None], k[:, None], v[:, None], causal, scale, dtype=dtype, block=ROWS
+    )
+    return out[:, 0], lse[0]
 
 
 def _read_head(plan: Plan, seq, head: int, kv: bool) -> tuple:
@@ -110,7 +86,7 @@ def verify(
         except (OSError, KeyError, ValueError) as e:
             raise InputError(f"{output}: not a ringmpi output file ({e})") from e
 
-    meta = collective(comm, attrs)
+    meta = run_everywhere(comm, attrs)
     causal = bool(meta["causal"])
     scale = meta["scale"] if meta["scale"] is not None else 1.0 / np.sqrt(plan.head_dim)
     dt = np.dtype(plan.dtype)
@@ -144,7 +120,7 @@ def verify(
                 e[4] += np.count_nonzero(np.isfinite(ring_l) != fin)
                 e[4] += np.count_nonzero(~np.isfinite(ring_o))
 
-    collective(comm, work)
+    run_everywhere(comm, work)
     if comm is not None:
         from mpi4py import MPI
 

@@ -1,20 +1,19 @@
 """The batch job behind ``ringmpi run``: read, ring attention, write, one sequence at a time.
 
-Per sequence every rank reads only its own tokens (:class:`ringmpi.io.Reader`),
+Per sequence every rank reads only its own tokens (:class:`ringmpi.job.reader.Reader`),
 calls :func:`ringmpi.ring_attention` and writes its part of the output
-(:class:`ringmpi.output.OutputStore`). While a sequence computes, a background
+(:class:`ringmpi.job.store.OutputStore`). While a sequence computes, a background
 thread reads this rank's tokens of the next one. Only the main thread calls MPI
 (so MPI_THREAD_FUNNELED suffices); the reader thread only calls h5py, which
 releases the GIL inside the HDF5 read, so the read overlaps the compute.
 
 Every step that can fail on a single rank (read, write) is followed by an
-agreement (:func:`ringmpi.io.collective`): a problem on any rank becomes the
-same :class:`ringmpi.io.InputError` on all ranks, so nobody waits forever.
+agreement (:func:`ringmpi.collective.run_everywhere`): a problem on any rank becomes
+the same error on all ranks, so nobody waits forever.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import time
@@ -24,10 +23,13 @@ from typing import Optional
 
 import numpy as np
 
-from .attention import ring_attention
-from .io import InputError, Reader, check_memory, collective, make_plan, memory_budget
-from .output import OutputStore, fingerprint
+from ..attention import ring_attention
+from ..collective import run_everywhere, run_on_root
+from .budget import check_memory, memory_budget
 from .progress import Progress
+from .reader import Reader
+from .schema import InputError, make_plan
+from .store import OutputStore, fingerprint
 
 __all__ = ["run", "format_summary", "pick_device"]
 
@@ -45,7 +47,7 @@ def pick_device(device: str, comm) -> str:
     try:
         import cupy
 
-        from . import gpu  # noqa: F401
+        from .. import gpu  # noqa: F401
 
         ok = cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001 - no CuPy, no driver, no GPU: all mean "no GPU"
@@ -55,7 +57,7 @@ def pick_device(device: str, comm) -> str:
         bad = [r for r, f in enumerate(flags) if not f]
         raise InputError(f"--device gpu: no usable GPU (CuPy + ringmpi.gpu) on rank(s) {bad}")
     if all(flags) and comm is not None:
-        from . import gpu
+        from .. import gpu
 
         gpu.bind_device(comm)
     return "gpu" if all(flags) else "cpu"
@@ -121,12 +123,11 @@ def run(
     t_start = time.perf_counter()
     plan = make_plan(comm, inputs, weights, size)
     budget = memory_budget(comm, max_memory)
-    collective(comm, lambda: [check_memory(plan, s, size, layout, budget) for s in plan.sequences])
+    run_everywhere(
+        comm, lambda: [check_memory(plan, s, size, layout, budget) for s in plan.sequences]
+    )
     dev = pick_device(device, comm)
-    meta = collective(comm, fingerprint, plan, layout, causal, scale, size) if rank == 0 else None
-    if rank != 0:
-        collective(comm, lambda: None)
-    meta = meta if comm is None else comm.bcast(meta, root=0)
+    meta = run_on_root(comm, fingerprint, plan, layout, causal, scale, size)
     store = OutputStore(output, comm, plan, meta)
     done = store.open(resume)
     todo = [i for i in range(len(plan.sequences)) if i not in done]
@@ -151,7 +152,7 @@ def run(
             bar.start(j, seq.name, seq.length)
             t0 = time.perf_counter()
             fut = nxt if prefetch else pool.submit(reader.read, seq)
-            q, k, v = collective(comm, fut.result)
+            q, k, v = run_everywhere(comm, fut.result)
             read_wait += time.perf_counter() - t0
             nxt = submit(j + 1) if (prefetch and j + 1 < len(todo)) else None
             if dev == "gpu":
@@ -169,7 +170,7 @@ def run(
                 acc[key] += float(stats.get(key, 0.0))
             out, lse = np.asarray(out), np.asarray(lse)
             pos = reader.positions(seq)
-            collective(comm, _check_output, plan.files[0], seq, pos, out, lse)
+            run_everywhere(comm, _check_output, plan.files[0], seq, pos, out, lse)
             t0 = time.perf_counter()
             store.write(i, pos, out, lse)
             write_s += time.perf_counter() - t0
@@ -232,12 +233,3 @@ def format_summary(s: dict) -> str:
         f"MPI wait {100 * s['mpi_wait_share']:.1f}% | I/O {100 * s['io_share']:.1f}%"
     )
     return head + "\n" + body
-
-
-def write_json(path: str, obj: dict) -> None:
-    """Write ``obj`` as JSON under a temporary name, then rename."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    os.replace(tmp, path)

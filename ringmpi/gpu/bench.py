@@ -1,7 +1,7 @@
 """Forward-attention benchmark of the CUDA tiles, beside torch's SDPA when torch imports.
 
 ``python -m ringmpi.gpu_bench`` prints one row per (dtype, D, N, causal):
-achieved TFLOP/s of :func:`ringmpi.gpu.forward_tile` on one GPU (one tile
+achieved TFLOP/s of :func:`ringmpi.gpu.tile.forward_tile` on one GPU (one tile
 covering the whole sequence, as a single-rank ring does), the same for
 ``torch.nn.functional.scaled_dot_product_attention`` on the same inputs, their
 ratio, and the largest difference of the two outputs. Useful flops only:
@@ -12,13 +12,14 @@ comparison only, never required.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Optional
 
 import numpy as np
 
-from . import gpu, softmax
+from .. import softmax
+from ..files import write_json
+from . import tile
 
 __all__ = ["bench_case", "main"]
 
@@ -29,7 +30,7 @@ def _inputs(dtype: str, b: int, h: int, n: int, d: int, seed: int):
     rs = cupy.random.RandomState(seed)
     xs = [rs.standard_normal((b, h, n, d), dtype=cupy.float32) for _ in range(3)]
     if dtype == "bfloat16":
-        return [gpu.to_bf16_bits(x) for x in xs]
+        return [tile.to_bf16_bits(x) for x in xs]
     return [x.astype(dtype) for x in xs]
 
 
@@ -62,7 +63,7 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
     import cupy
 
     q, k, v = _inputs(dtype, b, h, n, d, seed=n + d)
-    acc_t = gpu.acc_dtype(np.dtype("uint16") if dtype == "bfloat16" else np.dtype(dtype))
+    acc_t = tile.acc_dtype(np.dtype("uint16") if dtype == "bfloat16" else np.dtype(dtype))
     acc, m, l = softmax.init_state(q.shape, acc_t, cupy)
     pos = np.arange(n, dtype=np.int64)
     scale = 1.0 / np.sqrt(d)
@@ -71,7 +72,7 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
         acc.fill(0)
         m.fill(-np.inf)
         l.fill(0)
-        gpu.forward_tile(q, k, v, pos, pos, acc, m, l, scale=scale, causal=causal)
+        tile.forward_tile(q, k, v, pos, pos, acc, m, l, scale=scale, causal=causal)
 
     dev = cupy.cuda.Device()
     t_ours = _time(ours, dev.synchronize)
@@ -141,8 +142,7 @@ def main(argv: Optional[list] = None) -> int:
         print(_fmt(row), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "rows": rows}, f, indent=1)
+        write_json(args.json, {"device": name, "rows": rows})
     return 0
 
 

@@ -1,5 +1,7 @@
 """Load CUDA sources from ``kernels/`` into CuPy modules, memoized per (file, device).
 
+Sources are found by :func:`ringmpi.kernel_files.kernel_path` (``$RINGMPI_KERNEL_DIR`` first).
+
 The source is prefixed with ``#line 1 "<path>"`` so compiler errors point at
 the real file and line. Templates are instantiated through NVRTC name
 expressions, e.g. ``"attn_fwd_mma<half_t, 64>"``. CuPy is imported lazily.
@@ -8,21 +10,12 @@ expressions, e.g. ``"attn_fwd_mma<half_t, 64>"``. CuPy is imported lazily.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
-__all__ = ["OPTIONS", "kernel_path", "source", "get_function"]
+from ..kernel_files import kernel_path
+
+__all__ = ["OPTIONS", "source", "get_function"]
 
 OPTIONS = ("-std=c++17",)
-_HERE = Path(__file__).resolve().parent
-_DIRS = (_HERE / "kernels", _HERE.parent / "kernels")  # installed package data, source tree
-
-
-def kernel_path(name: str) -> Path:
-    """Path of CUDA source ``name``; raises FileNotFoundError if it is nowhere."""
-    for d in _DIRS:
-        if (d / name).is_file():
-            return d / name
-    raise FileNotFoundError(f"CUDA source {name} not found in {', '.join(map(str, _DIRS))}")
 
 
 def source(name: str) -> str:

@@ -1,7 +1,7 @@
 """Compile CUDA sources with NVRTC directly: no device, no CuPy, no CUDA toolkit.
 
 Used by the CI compile check (tests/test_gpu_compile.py) and by ``python -m
-ringmpi.nvrtc`` to report register and spill counts. ``libnvrtc`` is looked up,
+ringmpi.gpu.nvrtc`` to report register and spill counts. ``libnvrtc`` is looked up,
 in order: ``$RINGMPI_NVRTC`` (a file), the NVIDIA pip wheels
 (``nvidia-cuda-nvrtc-cu12`` -> ``nvidia/cuda_nvrtc/lib``, ``nvidia-cuda-nvrtc``
 -> ``nvidia/cu13/lib``), ``$CUDA_PATH``/``$CUDA_HOME``, ``/usr/local/cuda*``,
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cuda_loader import OPTIONS, source
+from .loader import OPTIONS, source
 
 __all__ = ["NvrtcError", "CompileResult", "find_library", "version", "compile_source", "check"]
 
@@ -190,7 +190,7 @@ def compile_source(
 
 def check(archs: Sequence[str] = ARCHS, names: Optional[Sequence[str]] = None) -> dict:
     """Compile every attention kernel instantiation for each arch; {arch: CompileResult}."""
-    from .gpu import KERNEL_FILE, kernel_names
+    from .tile import KERNEL_FILE, kernel_names
 
     names = kernel_names() if names is None else tuple(names)
     code = source(KERNEL_FILE)

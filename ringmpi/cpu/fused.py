@@ -1,4 +1,4 @@
-"""Fused CPU tile: a C kernel compiled on first use, same semantics as ``ringmpi.cpu``.
+"""Fused CPU tile: a C kernel compiled on first use, same semantics as ``ringmpi.cpu.numpy_tile``.
 
 The kernel (``kernels/cpu_tile.c``) computes scores, the causal mask, the online
 softmax and the P.V product in one pass over cache-sized blocks, so no (Sq, Sk)
@@ -12,7 +12,7 @@ Concurrent builds by several MPI ranks are safe: each compiles to a private
 temporary name and renames it into place atomically.
 
 If no compiler works, :func:`available` returns False and callers use the numpy
-tile (:func:`ringmpi.cpu.forward_tile`); :func:`unavailable_reason` says why.
+tile (:func:`ringmpi.cpu.numpy_tile.forward_tile`); :func:`unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import cpu, softmax
-from .partition import runs
+from .. import softmax
+from ..kernel_files import kernel_path
+from ..partition import runs
+from . import numpy_tile
 
 __all__ = [
     "available",
@@ -71,19 +73,6 @@ _error: Optional[str] = None
 _tried = False
 
 
-def _source_path() -> Path:
-    """Find kernels/cpu_tile.c: $RINGMPI_KERNEL_DIR, the source tree, or the package."""
-    here = Path(__file__).resolve().parent
-    candidates = []
-    if os.environ.get("RINGMPI_KERNEL_DIR"):
-        candidates.append(Path(os.environ["RINGMPI_KERNEL_DIR"]) / _SOURCE_NAME)
-    candidates += [here.parent / "kernels" / _SOURCE_NAME, here / "kernels" / _SOURCE_NAME]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise FileNotFoundError(f"{_SOURCE_NAME} not found in " + ", ".join(map(str, candidates)))
-
-
 def _compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name.split()[0]):
@@ -109,7 +98,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    src = _source_path()
+    src = kernel_path(_SOURCE_NAME)
     cc = _compiler()
     version = subprocess.run(
         [*cc.split(), "--version"], capture_output=True, text=True, timeout=60
@@ -224,7 +213,7 @@ def forward_tile(
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (fused C kernel).
 
-    Same contract as :func:`ringmpi.cpu.forward_tile`; falls back to it for
+    Same contract as :func:`ringmpi.cpu.numpy_tile.forward_tile`; falls back to it for
     dtypes other than float32/float64 or when the kernel is unavailable.
 
     Parameters
@@ -254,7 +243,7 @@ def forward_tile(
         and all(a.dtype == dt and a.flags.c_contiguous for a in (acc, m, l))
     )
     if not ok:
-        return cpu.forward_tile(
+        return numpy_tile.forward_tile(
             q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress
         )
     bsz, h, sq, d = q.shape

@@ -1,0 +1,95 @@
+"""Collective helpers: one error, raised the same way on every rank; root-only work.
+
+A rank that raised alone would leave the others waiting in MPI forever. So every
+step that can fail on some ranks is followed by an agreement: each rank reports
+its problem (or None), one ``allgather`` later every rank knows all of them and
+raises the first one, with the same message and type, naming the rank where
+that helps. ``comm=None`` means a single process (no MPI calls at all).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .watchdog import watch
+
+__all__ = ["CollectiveError", "first_error", "raise_first", "run_everywhere", "run_on_root"]
+
+
+class CollectiveError(ValueError):
+    """A problem raised with the identical one-line message on every rank."""
+
+
+def first_error(errors: list, what: Optional[str] = None) -> Optional[str]:
+    """The message of the first rank with an error, or None.
+
+    Parameters
+    ----------
+    errors : list of (str or None)
+        One entry per rank, in rank order.
+    what : str, optional
+        Prefix "WHAT: rank R: " (the rank that failed first); without it the
+        message is used as it is (it already names its file or rank).
+
+    Returns
+    -------
+    str or None
+        ``"... (and N more rank(s))"`` when several ranks failed.
+    """
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if not bad:
+        return None
+    r, msg = bad[0]
+    more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+    return (f"{what}: rank {r}: " if what else "") + f"{msg}{more}"
+
+
+def raise_first(comm, err: Optional[str], what: str, error: type = ValueError) -> None:
+    """Gather every rank's ``err``; raise ``error`` with the first one on every rank."""
+    with watch(f"{what}: the error agreement (allgather) with the other ranks"):
+        errors = [err] if comm is None else comm.allgather(err)
+    msg = first_error(errors, what)
+    if msg is not None:
+        raise error(msg)
+
+
+def run_everywhere(comm, fn: Callable, *args, **kwargs) -> Any:
+    """Call ``fn`` on every rank; if it fails anywhere, raise the same error everywhere.
+
+    A :class:`CollectiveError` (or subclass) raised by ``fn`` keeps its type and
+    message, which already name the file or the problem. Any other exception
+    becomes a CollectiveError "TypeName: message", prefixed with "rank r: "
+    when there is more than one rank. Only the calling (main) thread uses MPI.
+    """
+    err = None
+    try:
+        result = fn(*args, **kwargs)
+    except CollectiveError as e:
+        err, result = (type(e), str(e)), None
+    except Exception as e:  # noqa: BLE001 - any local failure becomes a collective error
+        text = f"{type(e).__name__}: {e}".splitlines()[0]
+        if comm is not None and comm.Get_size() > 1:
+            text = f"rank {comm.Get_rank()}: {text}"
+        err, result = (CollectiveError, text), None
+    with watch(f"the agreement after {getattr(fn, '__name__', 'a step')} with the other ranks"):
+        errs = [err] if comm is None else comm.allgather(err)
+    bad = [e for e in errs if e is not None]
+    if bad:
+        kind, text = bad[0]
+        more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+        raise kind(text + more)
+    return result
+
+
+def run_on_root(comm, fn: Callable, *args, **kwargs) -> Any:
+    """Rank 0 calls ``fn``, the others wait; every rank gets its result or the same error."""
+    rank = 0 if comm is None else comm.Get_rank()
+    result = run_everywhere(comm, fn if rank == 0 else _nothing, *args, **kwargs)
+    if comm is None:
+        return result
+    with watch(f"rank 0's result of {getattr(fn, '__name__', 'a step')}"):
+        return comm.bcast(result, root=0)
+
+
+def _nothing(*_args, **_kwargs) -> None:
+    return None

@@ -1,0 +1,34 @@
+"""The GPU path: CUDA tiles (CuPy RawKernels from kernels/*.cu) and the GPU ring.
+
+Modules: :mod:`.tile` (kernel choice, launch plan, the forward tile),
+:mod:`.ring` (device binding, CUDA-aware MPI detection, staged exchange),
+:mod:`.loader` (sources -> CuPy modules), :mod:`.nvrtc` (compile check without a
+GPU: ``python -m ringmpi.gpu.nvrtc``), :mod:`.bench` (TFLOP/s beside torch SDPA:
+``python -m ringmpi.gpu.bench``). Importing this package needs neither CuPy nor a GPU.
+"""
+
+from .ring import TAG_KV, GpuRing, bind_device, cuda_aware, info
+from .tile import (
+    KERNEL_FILE,
+    acc_dtype,
+    forward_tile,
+    from_bf16_bits,
+    kernel_names,
+    tile_dtype,
+    to_bf16_bits,
+)
+
+__all__ = [
+    "KERNEL_FILE",
+    "TAG_KV",
+    "GpuRing",
+    "acc_dtype",
+    "bind_device",
+    "cuda_aware",
+    "forward_tile",
+    "from_bf16_bits",
+    "info",
+    "kernel_names",
+    "tile_dtype",
+    "to_bf16_bits",
+]

@@ -1,0 +1,256 @@
+"""The GPU ring: device binding, CUDA-aware MPI detection, and the exchange of device buffers.
+
+With CUDA-aware MPI the device buffers go to MPI directly once the producing stream
+is synchronised; otherwise they are staged through pinned host buffers with
+asynchronous copies on a private stream. CuPy is imported lazily.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from typing import Optional
+
+import numpy as np
+
+from .tile import kernel_names
+
+__all__ = ["GpuRing", "bind_device", "cuda_aware", "info", "TAG_KV"]
+
+
+def bind_device(comm) -> int:
+    """Make GPU (node-local rank mod device count) current for this rank; return its id."""
+    import cupy
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    rank = local.Get_rank()
+    local.Free()
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 1:
+        raise RuntimeError("bind_device: no CUDA device visible")
+    dev = rank % count
+    cupy.cuda.Device(dev).use()
+    return dev
+
+
+def _mpi_libraries() -> list:
+    """ctypes handles that may hold the MPI symbols: the process, then libmpi* mapped in it."""
+    libs = [ctypes.CDLL(None)]
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "libmpi" in ln and ".so" in ln}
+    except OSError:  # not Linux
+        paths = set()
+    for p in sorted(paths):
+        try:
+            libs.append(ctypes.CDLL(p))
+        except OSError:
+            pass
+    return libs
+
+
+def cuda_aware() -> Optional[bool]:
+    """Whether MPI can read and write device buffers; None when the library cannot tell.
+
+    ``RINGMPI_CUDA_AWARE=0|1`` overrides. Otherwise mpi4py's own query is used
+    if it has one, then ``MPIX_Query_cuda_support`` (Open MPI, MPICH >= 4)
+    through ctypes on the loaded MPI library.
+    """
+    env = os.environ.get("RINGMPI_CUDA_AWARE", "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"RINGMPI_CUDA_AWARE must be 0 or 1, not {env!r}")
+        return env == "1"
+    from mpi4py import MPI
+
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is not None:
+        return bool(query())
+    for lib in _mpi_libraries():
+        fn = getattr(lib, "MPIX_Query_cuda_support", None)
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            return bool(fn())
+    return None
+
+
+def info() -> dict:
+    """Facts for ``ringmpi info``: CuPy version, device, CUDA runtime, CUDA-aware MPI."""
+    out: dict = {"cupy": None, "device": None, "device_id": None, "compute_capability": None}
+    out["cuda_runtime"] = None
+    try:
+        import cupy
+
+        out["cupy"] = cupy.__version__
+        out["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            dev = cupy.cuda.Device()
+            props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+            name = props["name"]
+            out["device"] = name.decode() if isinstance(name, bytes) else str(name)
+            out["device_id"] = dev.id
+            out["compute_capability"] = dev.compute_capability
+    except Exception as exc:  # no CuPy, no driver, no device: report, do not fail
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        out["cuda_aware"] = cuda_aware()
+    except Exception as exc:
+        out["cuda_aware"] = None
+        out.setdefault("error", f"{type(exc).__name__}: {exc}")
+    out["kernels"] = len(kernel_names())
+    return out
+
+
+TAG_KV = 7301
+_MAX_RECORDS = 4096
+
+
+class GpuRing:
+    """Non-blocking neighbour exchange of device buffers on a periodic ring.
+
+    Same methods as :class:`ringmpi.ring.Ring` (``start``, ``test``, ``wait``,
+    ``free``, ``wait_s``). With CUDA-aware MPI the device buffers go to MPI
+    directly after the producing stream is synchronized; otherwise they are
+    staged through pinned host buffers with async copies on a private stream.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm
+        A 1-D periodic Cartesian communicator (used as is) or any
+        intra-communicator (a ring in rank order is made from it).
+    """
+
+    def __init__(self, comm):
+        import cupy
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        if isinstance(comm, MPI.Cartcomm) and comm.Get_dim() == 1:
+            self.cart, self._own = comm, False
+        else:
+            self.cart = comm.Create_cart([comm.Get_size()], periods=[True], reorder=False)
+            self._own = True
+        self.prev, self.next = self.cart.Shift(0, 1)
+        self.cuda_aware = bool(cuda_aware())
+        self.requests: list = []
+        self.wait_s = 0.0
+        self.polls = 0
+        self.poll = os.environ.get("RINGMPI_POLL", "1") != "0"
+        self._copy = cupy.cuda.Stream(non_blocking=True)
+        self._pinned = (None, None)
+        self._pending = None  # (device recv buffer, pinned host buffer) to upload after wait
+        self._cur = None  # record of the exchange in flight
+        self.records: list = []
+        # common clock: an event that completed at host time _t0
+        self._ev0 = cupy.cuda.Event()
+        self._ev0.record()
+        self._ev0.synchronize()
+        self._t0 = time.perf_counter()
+
+    def _host_buffers(self, nbytes: int):
+        import cupy
+
+        hs, hr = self._pinned
+        if hs is None or hs.nbytes < nbytes:
+            mk = cupy.cuda.alloc_pinned_memory
+            hs = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
+            hr = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
+            self._pinned = (hs, hr)
+        return hs[:nbytes], hr[:nbytes]
+
+    def start(self, send_buf, recv_buf, tag: int = TAG_KV) -> None:
+        """Post receive of the next block from the previous rank and send of ``send_buf``."""
+        import cupy
+        from cupy.cuda import runtime
+
+        MPI = self._MPI
+        stream = cupy.cuda.get_current_stream()
+        ev_post = cupy.cuda.Event()
+        ev_post.record(stream)
+        t_post = time.perf_counter()
+        if self.cuda_aware:
+            # the producer of send_buf and the last reader of recv_buf run on this stream
+            stream.synchronize()
+            self.requests.append(self.cart.Irecv([recv_buf, MPI.BYTE], self.prev, tag))
+            self.requests.append(self.cart.Isend([send_buf, MPI.BYTE], self.next, tag))
+        else:
+            nbytes = max(send_buf.nbytes, recv_buf.nbytes)
+            hs, hr = self._host_buffers(nbytes)
+            self._copy.wait_event(ev_post)
+            d2h = runtime.memcpyDeviceToHost
+            runtime.memcpyAsync(hs.ctypes.data, send_buf.data.ptr, send_buf.nbytes, d2h,
+                                self._copy.ptr)  # fmt: skip
+            self._copy.synchronize()  # also completes the previous upload out of hr
+            self.requests.append(self.cart.Irecv([hr[: recv_buf.nbytes], MPI.BYTE], self.prev, tag))
+            self.requests.append(self.cart.Isend([hs[: send_buf.nbytes], MPI.BYTE], self.next, tag))
+            self._pending = (recv_buf, hr)
+        self._cur = {"t_post": t_post, "ev_post": ev_post, "bytes": int(send_buf.nbytes)}
+
+    def test(self) -> None:
+        """Give MPI a chance to progress pending transfers (cheap, non-blocking)."""
+        if self.poll and self.requests:
+            self.polls += 1
+            self._MPI.Request.Testall(self.requests)
+
+    def wait(self) -> None:
+        """Complete the exchange; recv_buf then holds the block (in current-stream order)."""
+        import cupy
+        from cupy.cuda import runtime
+
+        if not self.requests:
+            return
+        stream = cupy.cuda.get_current_stream()
+        ev_wait = cupy.cuda.Event()
+        ev_wait.record(stream)  # end of the compute enqueued while the exchange was in flight
+        t0 = time.perf_counter()
+        self._MPI.Request.Waitall(self.requests)
+        t_done = time.perf_counter()
+        self.wait_s += t_done - t0
+        self.requests = []
+        if self._pending is not None:
+            recv_buf, hr = self._pending
+            self._pending = None
+            runtime.memcpyAsync(recv_buf.data.ptr, hr.ctypes.data, recv_buf.nbytes,
+                                runtime.memcpyHostToDevice, self._copy.ptr)  # fmt: skip
+            uploaded = cupy.cuda.Event(disable_timing=True)
+            uploaded.record(self._copy)
+            stream.wait_event(uploaded)
+        if self._cur is not None:
+            self._cur.update(t_wait=t0, t_done=t_done, ev_wait=ev_wait)
+            self.records.append(self._cur)
+            del self.records[:-_MAX_RECORDS]
+            self._cur = None
+
+    def free(self) -> None:
+        """Complete pending transfers and release the communicator (if made here)."""
+        self.wait()
+        self._copy.synchronize()
+        if self._own and self.cart != self._MPI.COMM_NULL:
+            self.cart.Free()
+        self._pinned = (None, None)
+
+    def overlap_report(self) -> dict:
+        """How much of each exchange ran while the GPU computed.
+
+        For exchange i the transfer interval is [post, Waitall done] on the host
+        clock; the compute interval is [ev_post, ev_wait] on the stream (the
+        kernels enqueued between ``start`` and ``wait``), mapped to the host
+        clock through a reference event. Returns totals and per-step rows.
+        """
+        import cupy
+
+        rows = []
+        for r in self.records:
+            r["ev_wait"].synchronize()
+            c0 = self._t0 + cupy.cuda.get_elapsed_time(self._ev0, r["ev_post"]) / 1e3
+            c1 = self._t0 + cupy.cuda.get_elapsed_time(self._ev0, r["ev_wait"]) / 1e3
+            x0, x1 = r["t_post"], r["t_done"]
+            ov = max(0.0, min(c1, x1) - max(c0, x0))
+            rows.append({"bytes": r["bytes"], "exchange_s": x1 - x0, "compute_s": c1 - c0,
+                         "overlap_s": ov, "blocked_s": x1 - r["t_wait"]})  # fmt: skip
+        tot = {k: sum(r[k] for r in rows) for k in ("exchange_s", "compute_s", "overlap_s")}
+        tot["blocked_s"] = sum(r["blocked_s"] for r in rows)
+        tot["hidden_fraction"] = tot["overlap_s"] / tot["exchange_s"] if tot["exchange_s"] else 0.0
+        return {"cuda_aware": self.cuda_aware, "steps": len(rows), **tot, "per_step": rows}

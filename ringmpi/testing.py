@@ -1,0 +1,145 @@
+"""Test helpers for ring-parallel code: the dense oracle, the tolerance rule, cross-rank asserts.
+
+ringmpi's own pytest-mpi suites use these, and so can yours: check a layer built
+on :func:`ringmpi.ring_attention` the same way.
+
+Example (run with ``mpiexec -n 3 python -m mpi4py -m pytest --with-mpi test_mine.py``)::
+
+    import numpy as np
+    import pytest
+    from mpi4py import MPI
+    import ringmpi
+    from ringmpi.testing import assert_all, assert_close, random_qkv, reference_pair
+
+    @pytest.mark.mpi
+    def test_my_layer():
+        comm = MPI.COMM_WORLD
+        q, k, v = random_qkv(np.random.default_rng(0), n=301, h=4, hkv=2, d=32, dtype=np.float32)
+        shards = [ringmpi.shard(x, comm, layout="zigzag") for x in (q, k, v)]
+        out = ringmpi.ring_attention(*shards, comm, causal=True, layout="zigzag")
+        full = ringmpi.gather(out, len(q), comm, layout="zigzag")
+        ref, peer = reference_pair(q, k, v, causal=True)
+        assert_close(comm, full, ref, peer, "out")
+
+The rule: float64 results must be within 1e-12 (relative to max(1, |ref|)) of
+the dense float64 reference; lower precisions within ``factor`` times the error
+of a dense computation in that precision (the peer), plus ``eps``. A tolerance
+derived from the peer can fail: an error twice the peer's is a defect.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from . import reference
+
+__all__ = [
+    "dense",
+    "dense_backward",
+    "reference_pair",
+    "tolerance",
+    "assert_close",
+    "assert_all",
+    "raises_everywhere",
+    "random_qkv",
+]
+
+#: eps added to the peer-derived tolerance, by dtype
+EPS = {"float16": 1e-4, "float32": 1e-6, "float64": 1e-12}
+
+
+def dense(q, k, v, causal: bool = False, scale=None, dtype=np.float32):
+    """Dense attention computed entirely in ``dtype``: the peer a ring result is judged against."""
+    return reference.attention(q, k, v, causal, scale, dtype=dtype)
+
+
+def dense_backward(dout, q, k, v, causal: bool = False, scale=None, dtype=np.float32):
+    """Dense attention gradients computed entirely in ``dtype``: the peer for float32 results."""
+    return reference.attention_backward(dout, q, k, v, causal, scale, dtype=dtype)
+
+
+def reference_pair(q, k, v, causal: bool = False, scale=None, dtype=None):
+    """(float64 reference (out, lse), dense peer (out, lse) in ``dtype`` or q's precision).
+
+    For float64 inputs the peer is None (the rule is then relative to the reference).
+    """
+    dt = np.dtype(dtype or np.asarray(q).dtype)
+    ref = reference.attention(q, k, v, causal, scale)
+    if dt == np.float64:
+        return ref, None
+    return ref, dense(q, k, v, causal, scale, dtype=np.float32)  # float16 computes in float32
+
+
+def tolerance(ref, peer=None, *, dtype="float32", factor: float = 2.0, rel: float = 1e-12) -> float:
+    """Allowed max-abs error against ``ref``: ``factor * max|peer - ref| + eps`` or relative.
+
+    Parameters
+    ----------
+    ref : array
+        The float64 reference.
+    peer : array, optional
+        The same quantity computed densely in the working precision; None for
+        float64 results, which must be within ``rel * max(1, max|ref|)``.
+    dtype : str
+        Working precision (picks ``eps``).
+    factor : float
+        How many times the peer's error a ring result may have (2 forward, 3 backward).
+    """
+    ref = np.asarray(ref, dtype=np.float64)
+    fin = np.isfinite(ref)
+    if peer is None:
+        return rel * max(1.0, float(np.abs(ref[fin]).max(initial=0.0)))
+    diff = np.abs(np.asarray(peer, dtype=np.float64)[fin] - ref[fin])
+    return factor * float(diff.max(initial=0.0)) + EPS[str(np.dtype(dtype))]
+
+
+def assert_all(comm, ok: bool, msg: str) -> None:
+    """Fail on every rank together when any rank's condition is false (naming the ranks)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    ok_all = comm.allreduce(bool(ok), op=MPI.LAND)
+    bad = comm.allgather(None if ok else msg)
+    assert ok_all, "; ".join(f"rank {r}: {m}" for r, m in enumerate(bad) if m)
+
+
+def assert_close(comm, got, ref, peer=None, name: str = "result", *, factor=2.0) -> float:
+    """Assert on every rank that ``got`` is within :func:`tolerance` of ``ref``; return err/tol.
+
+    Infinite entries of ``ref`` (lse = -inf of an empty row) must match exactly.
+    """
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    dtype = "float64" if peer is None else "float32"
+    tol = tolerance(ref, peer, dtype=dtype, factor=factor)
+    fin = np.isfinite(ref)
+    err = float(np.abs(got[fin] - ref[fin]).max(initial=0.0))
+    same_inf = bool(np.array_equal(got[~fin], ref[~fin]))
+    assert_all(comm, err <= tol and same_inf, f"{name}: max err {err:.3g} > tol {tol:.3g}"
+               if same_inf else f"{name}: infinite entries differ")  # fmt: skip
+    return err / tol
+
+
+def raises_everywhere(comm, fn: Callable[[], object], *words: str) -> str:
+    """Every rank must raise ValueError with one identical message containing ``words``."""
+    try:
+        fn()
+        msg = None
+    except ValueError as exc:
+        msg = str(exc)
+    msgs = comm.allgather(msg)
+    assert_all(comm, msg is not None, "no ValueError raised on this rank")
+    assert_all(comm, len(set(msgs)) == 1, f"ranks raised different messages: {msgs}")
+    for w in words:
+        assert_all(comm, w in msg, f"{w!r} missing from {msg!r}")
+    return msg
+
+
+def random_qkv(rng, n: int, h: int, hkv: int, d: int, batch=None, dtype=np.float64):
+    """Global q (n, h, d), k and v (n, hkv, d), with a leading batch axis if given."""
+    lead = () if batch is None else (batch,)
+    q = rng.standard_normal((*lead, n, h, d))
+    k = rng.standard_normal((*lead, n, hkv, d))
+    v = rng.standard_normal((*lead, n, hkv, d))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)

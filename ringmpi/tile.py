@@ -1,0 +1,54 @@
+"""The tile contract: what every forward and backward tile (numpy, fused C, CUDA) implements.
+
+A *tile call* takes this rank's queries and one visiting K/V block. Arrays are in
+the internal head-major layout, all of one array module (numpy or CuPy):
+
+    q      (B, H,   Sq, D)   tile dtype
+    k, v   (B, Hkv, Sk, D)   same dtype; query head h reads K/V head h // (H // Hkv)
+    q_pos  (Sq,)             int64 global token positions (numpy, host)
+    k_pos  (Sk,)             int64 global token positions (numpy, host)
+
+Forward: fold the block into the online-softmax state, in place,
+
+    acc (B, H, Sq, D), m (B, H, Sq), l (B, H, Sq)    accumulation dtype
+
+Backward: add the block's contribution to the gradients, in place,
+
+    dout (B, H, Sq, D)  lse, delta (B, H, Sq)   (delta_i = dout_i . out_i)
+    dq   (B, H, Sq, D)  dk, dv (B, Hkv, Sk, D)  (dk, dv summed over each query group)
+
+Both take ``scale`` (score scale), ``causal`` (key j visible to query i iff
+k_pos[j] <= q_pos[i]; blocks with no visible pair are skipped, not computed)
+and ``progress`` (called between blocks so MPI can progress a pending
+exchange; an exception it raises stops the tile and propagates). Both return
+the flops of their matrix products over the blocks actually computed: 4 * pairs
+* D per head forward, 10 * pairs * D backward. Rows with no visible key keep
+l = 0 (forward) and get no gradient (backward, lse = -inf).
+
+:mod:`ringmpi.cpu.numpy_tile` is the specification; the other tiles are tested
+against it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol
+
+__all__ = ["ForwardTile", "BackwardTile"]
+
+
+class ForwardTile(Protocol):
+    """Fold one K/V block into (acc, m, l); return the flops spent."""
+
+    def __call__(
+        self, q, k, v, q_pos, k_pos, acc, m, l, *,
+        scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
+    ) -> int: ...  # fmt: skip
+
+
+class BackwardTile(Protocol):
+    """Add one K/V block's gradient contributions to (dq, dk, dv); return the flops spent."""
+
+    def __call__(
+        self, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, *,
+        scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
+    ) -> int: ...  # fmt: skip
