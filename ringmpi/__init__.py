@@ -8,13 +8,17 @@ numpy arrays run on the CPU, CuPy arrays on the GPU.
 from . import reference
 from .attention import ring_attention
 from .backward import ring_attention_backward
+from .decode import decode_attention
+from .grid import grid
 from .partition import LAYOUTS, positions
 from .sharding import gather, shard
 
 __version__ = "0.1.0"
 __all__ = [
     "LAYOUTS",
+    "decode_attention",
     "gather",
+    "grid",
     "positions",
     "reference",
     "ring_attention",

@@ -38,6 +38,7 @@ def ring_attention(
     check_finite: bool = False,
     stats: Optional[dict] = None,
     on_step: Optional[Callable[[int, int], None]] = None,
+    head_parallel: int = 1,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
 
@@ -65,6 +66,11 @@ def ring_attention(
         Filled with compute_s, wait_s, total_s, flops, steps, backend.
     on_step : callable, optional
         Called as on_step(step, nsteps) after each ring step.
+    head_parallel : int
+        U > 1 runs heads x ring on P = U x R ranks (:mod:`ringmpi.hybrid`): an
+        all-to-all inside each group of U consecutive ranks turns sequence shards
+        into head shards, the ring runs over the R groups. Cut the inputs with
+        ``shard(..., head_parallel=U)``. numpy arrays only.
 
     Returns
     -------
@@ -74,6 +80,13 @@ def ring_attention(
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
+    if head_parallel != 1:
+        from .hybrid import ring_attention_hp
+
+        return ring_attention_hp(
+            q, k, v, comm, head_parallel, layout=layout, causal=causal, scale=scale,
+            return_lse=return_lse, check_finite=check_finite, stats=stats, on_step=on_step,
+        )  # fmt: skip
     be, args, qi, ki, vi = prepare(
         q, k, v, comm, causal=causal, layout=layout, scale=scale,
         check_finite=check_finite, what="ring_attention",

@@ -75,6 +75,7 @@ def ring_attention_backward(
     scale: Optional[float] = None,
     check_finite: bool = False,
     stats: Optional[dict] = None,
+    head_parallel: int = 1,
 ):
     """Exact gradients of ring attention for this rank's shards.
 
@@ -92,7 +93,7 @@ def ring_attention_backward(
         The log-sum-exp ``ring_attention(..., return_lse=True)`` returned.
     comm : mpi4py.MPI.Comm, optional
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
-    causal, layout, scale
+    causal, layout, scale, head_parallel
         Exactly as given to the forward call.
     check_finite : bool
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
@@ -113,6 +114,13 @@ def ring_attention_backward(
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
+    if head_parallel != 1:
+        from .hybrid import ring_attention_backward_hp
+
+        return ring_attention_backward_hp(
+            dout, q, k, v, out, lse, comm, head_parallel, layout=layout, causal=causal,
+            scale=scale, check_finite=check_finite, stats=stats,
+        )  # fmt: skip
     # q, k, v and the options: one allgather, identical errors everywhere
     be, args, qi, ki, vi = prepare(
         q, k, v, comm, causal=causal, layout=layout, scale=scale,

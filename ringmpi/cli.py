@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     sub.add_parser(
+        "plan",
+        help="predict memory, time and overlap; recommend ring size (see 'ringmpi plan --help')",
+        add_help=False,
+        description="The planner; all arguments are passed to ringmpi.plan.",
+    )
+    sub.add_parser(
         "bench",
         help="benchmarks (see 'ringmpi bench --help')",
         add_help=False,
@@ -366,6 +372,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from .plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
         rc = _guard(_cmd_run, args, program)

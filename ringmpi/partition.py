@@ -47,7 +47,18 @@ def _check_args(n: int, rank: int, size: int) -> None:
         raise ValueError(f"rank {rank!r} is outside 0..{size - 1}")
 
 
-def positions(n: int, rank: int, size: int, layout: str = "zigzag") -> np.ndarray:
+def _head_parallel(size: int, head_parallel: int) -> int:
+    u = int(head_parallel)
+    if u != head_parallel or u < 1 or size % u:
+        raise ValueError(
+            f"head_parallel={head_parallel!r} must be a positive divisor of {size} ranks"
+        )
+    return u
+
+
+def positions(
+    n: int, rank: int, size: int, layout: str = "zigzag", head_parallel: int = 1
+) -> np.ndarray:
     """Global token indices held by ``rank``, in the order the rank stores them.
 
     Parameters
@@ -55,9 +66,15 @@ def positions(n: int, rank: int, size: int, layout: str = "zigzag") -> np.ndarra
     n : int
         Global sequence length (>= 0).
     rank, size : int
-        This rank and the number of ranks in the ring.
+        This rank and the number of ranks.
     layout : {"contiguous", "zigzag", "striped"}
         Token layout.
+    head_parallel : int
+        U > 1: ranks form size/U groups of U consecutive ranks (rank = r * U + u);
+        the layout spreads the tokens over the size/U ring positions r, and member u
+        of a group holds the u-th contiguous part of its group's tokens (the
+        sequence shards an all-to-all turns into head shards, see
+        :func:`ringmpi.ring_attention`'s ``head_parallel``).
 
     Returns
     -------
@@ -66,6 +83,12 @@ def positions(n: int, rank: int, size: int, layout: str = "zigzag") -> np.ndarra
     """
     _check_args(n, rank, size)
     check_layout(layout)
+    u = _head_parallel(size, head_parallel)
+    if u > 1:
+        group = positions(n, int(rank) // u, int(size) // u, layout)
+        sizes = split_sizes(len(group), u)
+        start = int(sizes[: int(rank) % u].sum())
+        return group[start : start + sizes[int(rank) % u]]
     n, rank, size = int(n), int(rank), int(size)
     if layout == "striped":
         return np.arange(rank, n, size, dtype=np.int64)
@@ -84,10 +107,13 @@ def positions(n: int, rank: int, size: int, layout: str = "zigzag") -> np.ndarra
     )
 
 
-def counts(n: int, size: int, layout: str = "zigzag") -> np.ndarray:
+def counts(n: int, size: int, layout: str = "zigzag", head_parallel: int = 1) -> np.ndarray:
     """Number of tokens each rank holds: int64 array of shape (size,)."""
     _check_args(n, 0, size)
     check_layout(layout)
+    u = _head_parallel(size, head_parallel)
+    if u > 1:
+        return np.concatenate([split_sizes(int(c), u) for c in counts(n, size // u, layout)])
     if layout == "striped":
         return np.array([len(range(r, n, size)) for r in range(size)], dtype=np.int64)
     if layout == "contiguous":

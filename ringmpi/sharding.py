@@ -12,7 +12,9 @@ from .partition import positions
 __all__ = ["shard", "gather"]
 
 
-def shard(x, comm: Optional[MPI.Comm] = None, layout: str = "zigzag", axis: int = -3):
+def shard(
+    x, comm: Optional[MPI.Comm] = None, layout: str = "zigzag", axis: int = -3, head_parallel=1
+):
     """This rank's tokens of a global array that every rank holds.
 
     Parameters
@@ -22,20 +24,27 @@ def shard(x, comm: Optional[MPI.Comm] = None, layout: str = "zigzag", axis: int 
     comm : mpi4py.MPI.Comm, optional
         Default MPI.COMM_WORLD.
     layout : {"zigzag", "striped", "contiguous"}
+    head_parallel : int
+        As in :func:`ringmpi.positions`.
 
     Returns
     -------
-    array with ``len(positions(N, rank, size, layout))`` tokens on ``axis``,
+    array with ``len(positions(N, rank, size, layout, head_parallel))`` tokens on ``axis``,
     in the order the rank stores them.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     n = x.shape[axis]
-    idx = positions(n, comm.Get_rank(), comm.Get_size(), layout)
+    idx = positions(n, comm.Get_rank(), comm.Get_size(), layout, head_parallel)
     return x.take(idx, axis=axis)
 
 
 def gather(
-    x_local, n: int, comm: Optional[MPI.Comm] = None, layout: str = "zigzag", axis: int = -3
+    x_local,
+    n: int,
+    comm: Optional[MPI.Comm] = None,
+    layout: str = "zigzag",
+    axis: int = -3,
+    head_parallel: int = 1,
 ):
     """The global array in token order, on every rank (inverse of ``shard``).
 
@@ -59,7 +68,7 @@ def gather(
     shape[ax] = n
     out = np.empty(shape, dtype=x_local.dtype)
     for r, part in enumerate(parts):
-        idx = positions(n, r, size, layout)
+        idx = positions(n, r, size, layout, head_parallel)
         if part.shape[ax] != len(idx):
             raise ValueError(
                 f"gather: rank {r} holds {part.shape[ax]} tokens, layout {layout!r} "

@@ -55,3 +55,20 @@ def test_runs():
     assert runs(ringmpi.positions(20, 1, 4, "zigzag")) == [(0, 3), (3, 5)]
     assert runs(ringmpi.positions(20, 1, 4, "striped")) == [(0, 5)]
     assert runs(np.array([], dtype=np.int64)) == []
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_head_parallel_positions_cover_each_token_once(layout):
+    for size in range(1, 9):
+        for u in [d for d in range(1, size + 1) if size % d == 0]:
+            for n in (0, 1, size - 1, size, 2 * size + 1, 97):
+                pos = [ringmpi.positions(n, r, size, layout, head_parallel=u) for r in range(size)]
+                assert np.array_equal(np.sort(np.concatenate(pos)), np.arange(n))
+                want = counts(n, size, layout, head_parallel=u)
+                assert [len(p) for p in pos] == want.tolist()
+                # a head group holds exactly the tokens of its ring position
+                for g in range(size // u):
+                    grp = np.concatenate(pos[g * u : (g + 1) * u])
+                    assert np.array_equal(grp, ringmpi.positions(n, g, size // u, layout))
+    with pytest.raises(ValueError, match="head_parallel"):
+        ringmpi.positions(10, 0, 4, layout, head_parallel=3)
