@@ -21,7 +21,6 @@ import numpy as np
 from mpi4py import MPI
 
 from . import softmax
-from .arguments import to_internal
 from .backend import is_cupy, select
 from .collective import first_error
 from .watchdog import watch
@@ -87,18 +86,12 @@ def decode_attention(
         raise ValueError(msg)
     d = q.shape[-1]
     sc = 1.0 / float(np.sqrt(d)) if scale is None else float(scale)
-    acc_dt, tile_dt = be.acc_dtype(q.dtype), be.tile_dtype(q.dtype)
-    qi, ki, vi = (to_internal(be.xp, x, tile_dt) for x in (q, k, v))
-    acc, m, l = softmax.init_state(qi.shape, acc_dt, be.xp)
-    sq, sk = qi.shape[2], ki.shape[2]
-    # no mask, so positions only shape the tile's blocks: one evenly spaced run each
-    q_pos, k_pos = np.arange(sq, dtype=np.int64), np.arange(sk, dtype=np.int64)
-    be.forward_tile(qi, ki, vi, q_pos, k_pos, acc, m, l, scale=sc, causal=False)
-    out, lse = softmax.finalize(acc, m, l, be.xp)  # (B, H, Sq, D), (B, H, Sq)
+    out, lse = _partial(be.xp, q, k, v, sc, be.acc_dtype(q.dtype))  # (B, H, Sq, D), (B, H, Sq)
     if is_cupy(out):
         out, lse = out.get(), lse.get()
+    sq = out.shape[2]
     b, h = out.shape[:2]
-    dt = np.dtype(acc_dt)
+    dt = out.dtype
     rows = np.empty((b * h * sq, d + 1), dtype=dt)
     rows[:, 0] = lse.reshape(-1)
     rows[:, 1:] = out.reshape(-1, d)
@@ -110,6 +103,36 @@ def decode_attention(
     if q.ndim == 3:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
+
+
+def _partial(xp, q, k, v, scale: float, acc_dtype):
+    """This rank's normalised attention of q against its cache shard, and the lse.
+
+    Computed straight from the (B?, S, H, D) layout: the cache is read once, in
+    place (strided matrix products), never transposed or packed; the scores are
+    only (B, H, Sq, Sk_local), small for a few queries.
+    """
+    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
+    b, sq, h, d = q4.shape
+    hkv, sk = k4.shape[2], k4.shape[1]
+    g = h // hkv
+    if sk == 0:
+        return xp.zeros((b, h, sq, d), acc_dtype), xp.full((b, h, sq), -xp.inf, acc_dtype)
+    qg = xp.ascontiguousarray(
+        (q4.astype(acc_dtype) * acc_dtype.type(scale))
+        .reshape(b, sq, hkv, g, d)
+        .transpose(0, 2, 3, 1, 4)
+    ).reshape(b, hkv, g * sq, d)
+    kt = k4.astype(acc_dtype, copy=False).transpose(0, 2, 3, 1)  # (B, Hkv, D, Sk), a view
+    vv = v4.astype(acc_dtype, copy=False).transpose(0, 2, 1, 3)  # (B, Hkv, Sk, D), a view
+    s = qg @ kt  # (B, Hkv, G*Sq, Sk)
+    m = s.max(axis=-1, keepdims=True)
+    s -= m
+    xp.exp(s, out=s)
+    lsum = s.sum(axis=-1, keepdims=True)
+    out = (s @ vv) / lsum
+    lse = (m + xp.log(lsum))[..., 0]
+    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
 
 
 def _merge(comm, rows: np.ndarray) -> np.ndarray:
