@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from .backend import Backend, select
 from .collective import first_error
+from .mask import Mask, check_window, make_mask
 from .partition import LAYOUTS, counts
 from .watchdog import watch
 
@@ -44,10 +45,11 @@ class RingArgs:
 
     Attributes
     ----------
-    n : int
-        Global number of tokens.
-    counts : list of int
-        Tokens held by each rank (what the layout gives for n).
+    n, nk : int
+        Global number of query tokens and of key/value tokens (equal unless
+        cross-attention).
+    counts, counts_k : list of int
+        Query / key tokens held by each rank (what the layout gives).
     layout : str
     causal : bool
     scale : float
@@ -56,6 +58,8 @@ class RingArgs:
         Whether the inputs have a leading batch axis.
     in_dtype, tile_dtype, acc_dtype
         Input dtype, dtype the tile computes in, dtype of the accumulated state.
+    mask : ringmpi.mask.Mask
+        Causal flag, window, packed-sequence offsets.
     """
 
     n: int
@@ -67,6 +71,9 @@ class RingArgs:
     in_dtype: Any
     tile_dtype: Any
     acc_dtype: Any
+    nk: int  # keys in all (n unless cross-attention)
+    counts_k: list
+    mask: Mask
 
 
 def _shape_errors(q, k, v, dtypes: tuple) -> Optional[str]:
@@ -92,8 +99,6 @@ def _shape_errors(q, k, v, dtypes: tuple) -> Optional[str]:
     h, hkv = q.shape[-2], k.shape[-2]
     if hkv < 1 or h % hkv:
         return f"H={h} query heads is not a multiple of Hkv={hkv} key/value heads"
-    if q.shape[-3] != k.shape[-3]:
-        return f"local lengths differ: q holds {q.shape[-3]} tokens, k/v hold {k.shape[-3]}"
     if q.ndim == 4 and q.shape[0] != k.shape[0]:
         return f"batch sizes differ: q has B={q.shape[0]}, k/v have B={k.shape[0]}"
     return None
@@ -106,10 +111,28 @@ def _nonfinite(xp, arrays: dict) -> Optional[str]:
     return None
 
 
-def describe(q, k, v, *, causal, layout, scale, backend, check_finite=False, extra=None) -> dict:
+def _cu(name: str, cu) -> tuple:
+    """Packed-sequence offsets as a tuple (compared across ranks); ValueError if malformed."""
+    if cu is None:
+        return None
+    a = np.asarray(cu.get() if hasattr(cu, "get") else cu)
+    if a.ndim != 1 or len(a) < 2 or a.dtype.kind not in "iu" or a[0] != 0 or (np.diff(a) < 0).any():
+        raise ValueError(f"{name} must be 1-D integer offsets [0, ..., N], never decreasing")
+    return tuple(int(x) for x in a)
+
+
+def describe(
+    q, k, v, *, causal, layout, scale, backend, check_finite=False, extra=None,
+    window=None, cu_seqlens=None, cu_seqlens_k=None,
+) -> dict:  # fmt: skip
     """This rank's view of the call, with a local error message or None."""
     meta: dict[str, Any] = {"error": None}
     err = _shape_errors(q, k, v, backend.dtypes)
+    try:
+        masks = (check_window(window), _cu("cu_seqlens", cu_seqlens),
+                 _cu("cu_seqlens_k", cu_seqlens_k))  # fmt: skip
+    except ValueError as e:
+        err, masks = err or str(e), (None, None, None)
     if err is None and layout not in LAYOUTS:
         err = f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}"
     if err is None and scale is not None:
@@ -128,6 +151,10 @@ def describe(q, k, v, *, causal, layout, scale, backend, check_finite=False, ext
         meta.update(
             ndim=q.ndim,
             s_local=int(q.shape[-3]),
+            s_local_k=int(k.shape[-3]),
+            window=masks[0],
+            cu_seqlens=masks[1],
+            cu_seqlens_k=masks[2],
             q_shape=tuple(q.shape[:-3]) + tuple(q.shape[-2:]),
             kv_shape=tuple(k.shape[:-3]) + tuple(k.shape[-2:]),
             dtype=str(q.dtype),
@@ -150,6 +177,9 @@ _AGREE = (
     "layout",
     "causal",
     "scale",
+    "window",
+    "cu_seqlens",
+    "cu_seqlens_k",
 )
 
 
@@ -170,18 +200,28 @@ def agree(comm: MPI.Comm, meta: dict, what: str = "ring_attention") -> dict:
                     f"{what}: ranks disagree on {key.replace('_', ' ')}: "
                     f"rank 0 has {first[key]!r}, rank {r} has {m[key]!r}"
                 )
-    size = comm.Get_size()
-    local = [m["s_local"] for m in views]
-    n = sum(local)
-    expected = counts(n, size, first["layout"])
-    for r in range(size):
-        if local[r] != expected[r]:
-            raise ValueError(
-                f"{what}: rank {r} holds {local[r]} tokens, but layout {first['layout']!r} "
-                f"puts {int(expected[r])} of the n={n} tokens on it; "
-                "cut the sequence with ringmpi.shard(x, comm, layout=...)"
-            )
-    return dict(first, n=n, counts=[int(c) for c in expected])
+    size, layout = comm.Get_size(), first["layout"]
+    n, nk = sum(m["s_local"] for m in views), sum(m["s_local_k"] for m in views)
+    try:
+        mask = make_mask(n, nk, first["causal"], first["window"], first["cu_seqlens"],
+                         first["cu_seqlens_k"])  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    got = {}
+    for key, name, total, cu in (
+        ("s_local", "q", n, mask.cu_q),
+        ("s_local_k", "k/v", nk, mask.cu_k),
+    ):
+        expected = counts(total, size, layout, cu_seqlens=cu)
+        for r in range(size):
+            if views[r][key] != expected[r]:
+                raise ValueError(
+                    f"{what}: rank {r} holds {views[r][key]} {name} tokens, but layout {layout!r} "
+                    f"puts {int(expected[r])} of the n={total} tokens on it; cut the sequence "
+                    "with ringmpi.shard(x, comm, layout=...) (and cu_seqlens=... if packed)"
+                )
+        got[key] = [int(c) for c in expected]
+    return dict(first, n=n, nk=nk, counts=got["s_local"], counts_k=got["s_local_k"], mask=mask)
 
 
 def resolve(agreed: dict, q, backend) -> RingArgs:
@@ -198,10 +238,16 @@ def resolve(agreed: dict, q, backend) -> RingArgs:
         in_dtype=q.dtype,
         tile_dtype=backend.tile_dtype(q.dtype),
         acc_dtype=backend.acc_dtype(q.dtype),
+        nk=agreed["nk"],
+        counts_k=agreed["counts_k"],
+        mask=agreed["mask"],
     )
 
 
-def prepare(q, k, v, comm, *, causal, layout, scale, check_finite, what, extra=None):
+def prepare(
+    q, k, v, comm, *, causal, layout, scale, check_finite, what, extra=None,
+    window=None, cu_seqlens=None, cu_seqlens_k=None,
+):  # fmt: skip
     """Agree on the call across ranks and bring q, k, v to the tiles' layout.
 
     Returns
@@ -214,11 +260,15 @@ def prepare(q, k, v, comm, *, causal, layout, scale, check_finite, what, extra=N
     be: Backend = select(q)
     meta = describe(
         q, k, v, causal=causal, layout=layout, scale=scale, backend=be,
-        check_finite=check_finite, extra=extra,
+        check_finite=check_finite, extra=extra, window=window, cu_seqlens=cu_seqlens,
+        cu_seqlens_k=cu_seqlens_k,
     )  # fmt: skip
     with watch(f"{what}: the argument agreement (allgather) with the other ranks"):
         agreed = agree(comm, meta, what)
     args = resolve(agreed, q, be)
+    if be.name == "gpu" and not args.mask.plain:  # the same decision on every rank
+        raise ValueError(f"{what}: windows, packed sequences and cross-attention run on the CPU "
+                         "tiles only for now; pass numpy arrays")  # fmt: skip
     return be, args, *(to_internal(be.xp, x, args.tile_dtype) for x in (q, k, v))
 
 

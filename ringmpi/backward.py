@@ -30,6 +30,7 @@ from mpi4py import MPI
 from .arguments import prepare, report, to_external, to_internal
 from .backend import is_cupy
 from .collective import raise_first
+from .mask import plan_steps
 from .partition import positions
 from .ring import KVRing
 from .watchdog import watch
@@ -76,6 +77,9 @@ def ring_attention_backward(
     check_finite: bool = False,
     stats: Optional[dict] = None,
     head_parallel: int = 1,
+    window: Optional[tuple] = None,
+    cu_seqlens=None,
+    cu_seqlens_k=None,
 ):
     """Exact gradients of ring attention for this rank's shards.
 
@@ -93,7 +97,7 @@ def ring_attention_backward(
         The log-sum-exp ``ring_attention(..., return_lse=True)`` returned.
     comm : mpi4py.MPI.Comm, optional
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
-    causal, layout, scale, head_parallel
+    causal, layout, scale, head_parallel, window, cu_seqlens, cu_seqlens_k
         Exactly as given to the forward call.
     check_finite : bool
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
@@ -115,6 +119,8 @@ def ring_attention_backward(
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
     if head_parallel != 1:
+        if window is not None or cu_seqlens is not None or cu_seqlens_k is not None:
+            raise ValueError("ring_attention_backward: head_parallel with masks: not yet")
         from .hybrid import ring_attention_backward_hp
 
         return ring_attention_backward_hp(
@@ -124,7 +130,8 @@ def ring_attention_backward(
     # q, k, v and the options: one allgather, identical errors everywhere
     be, args, qi, ki, vi = prepare(
         q, k, v, comm, causal=causal, layout=layout, scale=scale,
-        check_finite=check_finite, what="ring_attention_backward",
+        check_finite=check_finite, what="ring_attention_backward", window=window,
+        cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
     )  # fmt: skip
     # dout, out, lse: a second allgather, so a local problem raises everywhere
     err = None
@@ -138,8 +145,9 @@ def ring_attention_backward(
     xp = be.xp
     acc = args.acc_dtype
     rank, size = comm.Get_rank(), comm.Get_size()
-    n, cnt = args.n, args.counts
-    q_pos = positions(n, rank, size, layout)
+    cnt = args.counts_k
+    plan = plan_steps(args.mask, rank, size, layout)
+    masked = {} if plan.bounds is None else {"bounds": plan.bounds}
     qa = qi.astype(acc, copy=False)
     do = to_internal(xp, dout, acc)
     # delta_i = dO_i . O_i, from the output the forward pass delivered
@@ -151,10 +159,10 @@ def ring_attention_backward(
     # rank's contribution, each (2, B, Hkv, count, D) when viewed
     b, hkv, _, d = ki.shape
     dsize = 2 * b * hkv * max(cnt) * d
-    d_bufs = [xp.zeros(dsize, dtype=acc), xp.empty(dsize, dtype=acc)]
-    scratch = xp.empty(dsize, dtype=acc) if size > 1 else None
-    flops, compute_s = 0, 0.0
-    with KVRing(comm, be, ki, vi, cnt) as kv:
+    d_bufs = [xp.zeros(dsize, dtype=acc), xp.zeros(dsize, dtype=acc)]
+    scratch = xp.empty(dsize, dtype=acc) if plan.nsteps > 1 else None
+    flops, compute_s, computed = 0, 0.0, 0
+    with KVRing(comm, be, ki, vi, cnt, plan.nsteps) as kv:
         del ki, vi
         ring_d = be.ring(comm)
         try:
@@ -168,34 +176,39 @@ def ring_attention_backward(
                 # into scratch while the block's accumulator is still arriving
                 here = d_bufs[step % 2]
                 mine = kv.view(here if step == 0 else scratch, cnt[src])
-                if step > 0:
-                    mine[...] = 0
-                t0 = time.perf_counter()
-                flops += be.backward_tile(
-                    qa, kb, vb, do, lse_i, delta, q_pos,
-                    positions(n, src, size, layout), dq, mine[0], mine[1],
-                    scale=args.scale, causal=causal, progress=progress,
-                )  # fmt: skip
-                compute_s += time.perf_counter() - t0
-                if size > 1:
-                    with watch(f"ring step {step}: the dK/dV block from rank {ring_d.prev}"):
-                        ring_d.wait()  # the accumulator for src has arrived; our last send is done
+                if plan.compute[step]:
                     if step > 0:
-                        kv.view(here, cnt[src])[...] += mine
-                    # pass it on; the last hop (after step P-1) brings each block home
-                    nxt_d = d_bufs[(step + 1) % 2]
-                    nxt_owner = kv.owner(step + 1) if step + 1 < size else rank
-                    ring_d.start(
-                        here[: kv.view(here, cnt[src]).size],
-                        nxt_d[: kv.view(nxt_d, cnt[nxt_owner]).size],
-                        tag=TAG_DKV,
-                    )
-            with watch(f"the last dK/dV hop from rank {ring_d.prev}"):
+                        mine[...] = 0
+                    t0 = time.perf_counter()
+                    k_pos = positions(args.nk, src, size, layout, cu_seqlens=args.mask.cu_k)
+                    flops += be.backward_tile(
+                        qa, kb, vb, do, lse_i, delta, plan.q_pos, k_pos, dq, mine[0], mine[1],
+                        scale=args.scale, causal=causal, progress=progress, **masked,
+                    )  # fmt: skip
+                    compute_s += time.perf_counter() - t0
+                    computed += 1
+                if plan.nsteps == 1:
+                    continue  # our own block only: its accumulator is already home
+                with watch(f"ring step {step}: the dK/dV block from rank {ring_d.prev}"):
+                    ring_d.wait()  # the accumulator for src has arrived; our last send is done
+                if step > 0 and plan.compute[step]:
+                    kv.view(here, cnt[src])[...] += mine
+                nxt_d = d_bufs[(step + 1) % 2]
+                here_n = kv.view(here, cnt[src]).size
+                if step + 1 < plan.nsteps:  # pass it on to the next rank
+                    nxt_n = kv.view(nxt_d, cnt[kv.owner(step + 1)]).size
+                    ring_d.start(here[:here_n], nxt_d[:nxt_n], tag=TAG_DKV)
+                else:  # the last hop: every accumulator straight home (next rank after P steps)
+                    home = kv.view(nxt_d, cnt[rank]).size
+                    ring_d.start(here[:here_n], nxt_d[:home], tag=TAG_DKV, dest=src,
+                                 source=(rank + step) % size)  # fmt: skip
+            with watch(f"the last dK/dV hop to rank {rank}"):
                 ring_d.wait()
         finally:
             ring_d.free()
-    dkv = kv.view(d_bufs[size % 2] if size > 1 else d_bufs[0], cnt[rank])
+    dkv = kv.view(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
     grads = to_external(dq, q), to_external(dkv[0], k), to_external(dkv[1], v)
     report(stats, t_start, compute_s=compute_s, wait_s=kv.ring.wait_s + ring_d.wait_s,
-           flops=flops, steps=size, backend=be.name)  # fmt: skip
+           flops=flops, steps=plan.nsteps, steps_computed=computed,
+           steps_skipped=size - plan.nsteps, bytes_sent=kv.bytes_sent, backend=be.name)  # fmt: skip
     return grads

@@ -12,13 +12,24 @@ Three layouts map the N tokens of a sequence onto P ranks:
 
 Any N >= 1 works with any P >= 1: chunk sizes differ by at most one token and
 a rank may hold no token at all.
+
+Packed sequences (``cu_seqlens``, FlashAttention's varlen convention: global
+offsets [0, n1, n1+n2, ..., N]): the layout applies within each sequence, so
+every sequence's causal work is balanced over the ranks, whatever its length.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LAYOUTS", "positions", "counts", "split_sizes", "check_layout"]
+__all__ = [
+    "LAYOUTS",
+    "positions",
+    "counts",
+    "split_sizes",
+    "check_layout",
+    "check_cu_seqlens",
+]
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -36,6 +47,20 @@ def split_sizes(n: int, parts: int) -> np.ndarray:
     sizes = np.full(parts, base, dtype=np.int64)
     sizes[:rem] += 1
     return sizes
+
+
+def check_cu_seqlens(cu_seqlens, n: int) -> np.ndarray:
+    """``cu_seqlens`` as int64 offsets [0, ..., n], non-decreasing; ValueError otherwise."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or len(cu) < 2 or cu.dtype.kind not in "iu":
+        raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., N], got {cu!r}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or cu[-1] != n or (np.diff(cu) < 0).any():
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at N={n}: got {cu.tolist()[:8]}"
+            + (" ..." if len(cu) > 8 else "")
+        )
+    return cu
 
 
 def _check_args(n: int, rank: int, size: int) -> None:
@@ -57,7 +82,12 @@ def _head_parallel(size: int, head_parallel: int) -> int:
 
 
 def positions(
-    n: int, rank: int, size: int, layout: str = "zigzag", head_parallel: int = 1
+    n: int,
+    rank: int,
+    size: int,
+    layout: str = "zigzag",
+    head_parallel: int = 1,
+    cu_seqlens=None,
 ) -> np.ndarray:
     """Global token indices held by ``rank``, in the order the rank stores them.
 
@@ -75,6 +105,9 @@ def positions(
         of a group holds the u-th contiguous part of its group's tokens (the
         sequence shards an all-to-all turns into head shards, see
         :func:`ringmpi.ring_attention`'s ``head_parallel``).
+    cu_seqlens : int array, optional
+        Offsets [0, n1, n1+n2, ..., n] of packed sequences: the layout applies
+        within each sequence (positions are still global).
 
     Returns
     -------
@@ -85,10 +118,14 @@ def positions(
     check_layout(layout)
     u = _head_parallel(size, head_parallel)
     if u > 1:
-        group = positions(n, int(rank) // u, int(size) // u, layout)
+        group = positions(n, int(rank) // u, int(size) // u, layout, cu_seqlens=cu_seqlens)
         sizes = split_sizes(len(group), u)
         start = int(sizes[: int(rank) % u].sum())
         return group[start : start + sizes[int(rank) % u]]
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, n)
+        parts = [positions(int(b - a), rank, size, layout) + a for a, b in zip(cu[:-1], cu[1:])]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     n, rank, size = int(n), int(rank), int(size)
     if layout == "striped":
         return np.arange(rank, n, size, dtype=np.int64)
@@ -107,13 +144,22 @@ def positions(
     )
 
 
-def counts(n: int, size: int, layout: str = "zigzag", head_parallel: int = 1) -> np.ndarray:
+def counts(
+    n: int, size: int, layout: str = "zigzag", head_parallel: int = 1, cu_seqlens=None
+) -> np.ndarray:
     """Number of tokens each rank holds: int64 array of shape (size,)."""
     _check_args(n, 0, size)
     check_layout(layout)
     u = _head_parallel(size, head_parallel)
     if u > 1:
-        return np.concatenate([split_sizes(int(c), u) for c in counts(n, size // u, layout)])
+        per_group = counts(n, size // u, layout, cu_seqlens=cu_seqlens)
+        return np.concatenate([split_sizes(int(c), u) for c in per_group])
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, n)
+        total = np.zeros(size, dtype=np.int64)
+        for a, b in zip(cu[:-1], cu[1:]):
+            total += counts(int(b - a), size, layout)
+        return total
     if layout == "striped":
         return np.array([len(range(r, n, size)) for r in range(size)], dtype=np.int64)
     if layout == "contiguous":

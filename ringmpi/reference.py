@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .mask import make_mask
+
 __all__ = ["attention", "attention_backward"]
 
 
@@ -32,13 +34,14 @@ def _prepare(q, k, v, scale, dtype=np.float64):
     return qh, kh, vh, scale, h // hkv
 
 
-def _probs(qh, kh, scale, causal, row0: int = 0):
-    """Probabilities and lse of query rows row0.. against all keys (causal: key j <= row)."""
+def _probs(qh, kh, scale, mask, row0: int = 0):
+    """Probabilities and lse of query rows row0.. against all keys, masked by ``mask``."""
     s = qh.dtype.type(scale) * (qh @ np.swapaxes(kh, -1, -2))
-    if causal:
-        n_q, n_k = s.shape[-2:]
-        rows = np.arange(row0, row0 + n_q)[:, None]
-        s = np.where(np.arange(n_k)[None, :] <= rows, s, -np.inf)
+    n_q, n_k = s.shape[-2:]
+    if mask.causal or not mask.plain:
+        lo, hi = mask.bounds(np.arange(row0, row0 + n_q))
+        j = np.arange(n_k)[None, :]
+        s = np.where((lo[:, None] <= j) & (j <= hi[:, None]), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
@@ -50,9 +53,10 @@ def _probs(qh, kh, scale, causal, row0: int = 0):
 
 
 def attention(
-    q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64, block=None
-):
-    """Dense softmax attention, computed in ``dtype``.
+    q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64, block=None,
+    window=None, cu_seqlens=None, cu_seqlens_k=None,
+):  # fmt: skip
+    """Dense softmax attention, computed in ``dtype``, with the masks of ``ring_attention``.
 
     Parameters
     ----------
@@ -66,6 +70,10 @@ def attention(
         Arithmetic precision (default float64: the reference).
     block : int, optional
         Compute this many query rows at a time (memory O(block x S)).
+    window, cu_seqlens, cu_seqlens_k
+        As in :func:`ringmpi.ring_attention` (:mod:`ringmpi.mask`); q may hold a
+        different number of tokens than k and v (cross-attention, causal aligned
+        bottom-right).
 
     Returns
     -------
@@ -73,11 +81,12 @@ def attention(
     lse : array (..., H, S) in ``dtype``; -inf for a row with no visible key
     """
     qh, kh, vh, scale, _ = _prepare(q, k, v, scale, dtype)
+    mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     s_len = qh.shape[-2]
     step = s_len if not block else int(block)
     outs, lses = [], []
     for a in range(0, max(s_len, 1), max(step, 1)):
-        p, lse = _probs(qh[..., a : a + step, :], kh, scale, causal, row0=a)
+        p, lse = _probs(qh[..., a : a + step, :], kh, scale, mask, row0=a)
         outs.append(p @ vh)
         lses.append(lse)
     out = np.concatenate(outs, axis=-2) if len(outs) > 1 else outs[0]
@@ -86,8 +95,9 @@ def attention(
 
 
 def attention_backward(
-    dout, q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64
-):
+    dout, q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64,
+    window=None, cu_seqlens=None, cu_seqlens_k=None,
+):  # fmt: skip
     """Dense gradients of ``attention(q, k, v)[0]`` against ``dout``, computed in ``dtype``.
 
     With P = softmax(scale * Q K^T), O = P V and delta_i = sum_d dO_id O_id:
@@ -99,8 +109,9 @@ def attention_backward(
     dq, dk, dv : arrays in ``dtype`` with the shapes of q, k, v.
     """
     qh, kh, vh, scale, group = _prepare(q, k, v, scale, dtype)
+    mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     do = np.moveaxis(np.asarray(dout, dtype=dtype), -3, -2)
-    p, _ = _probs(qh, kh, scale, causal)
+    p, _ = _probs(qh, kh, scale, mask)
     o = p @ vh
     delta = np.sum(do * o, axis=-1, keepdims=True)
     dv = np.swapaxes(p, -1, -2) @ do

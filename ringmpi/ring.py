@@ -52,10 +52,16 @@ class Ring:
         self.polls = 0
         self.poll = os.environ.get("RINGMPI_POLL", "1") != "0"
 
-    def start(self, send_buf, recv_buf, tag: int = TAG_KV) -> None:
-        """Post receive of the next block and send of the current one."""
-        self.requests.append(self.cart.Irecv(recv_buf, source=self.prev, tag=tag))
-        self.requests.append(self.cart.Isend(send_buf, dest=self.next, tag=tag))
+    def start(self, send_buf, recv_buf, tag: int = TAG_KV, dest=None, source=None) -> None:
+        """Post receive of the next block and send of the current one.
+
+        By default from the previous rank and to the next; ``dest``/``source``
+        name other ranks (a block going straight home after an early stop).
+        """
+        src = self.prev if source is None else source
+        dst = self.next if dest is None else dest
+        self.requests.append(self.cart.Irecv(recv_buf, source=src, tag=tag))
+        self.requests.append(self.cart.Isend(send_buf, dest=dst, tag=tag))
 
     def test(self) -> None:
         """Give MPI a chance to progress pending transfers (cheap, non-blocking)."""
@@ -89,7 +95,7 @@ def _maybe_fault(rank: int, step: int) -> None:
 class KVRing:
     """K/V blocks travelling the ring; iterate to get each step's block.
 
-    ``for step, src, k, v in kv:`` yields, at step s, the block rank
+    ``for step, src, k, v in kv:`` yields, at step s < nsteps, the block rank
     (rank - s) mod P started with, as (B, Hkv, count, D) views of one packed
     buffer. Before yielding, the exchange that brings step s+1's block into the
     other buffer is already posted; after the loop body, the exchange is waited
@@ -105,11 +111,15 @@ class KVRing:
         This rank's keys and values in the tile layout (copied into the buffer).
     counts : list of int
         Tokens held by every rank.
+    nsteps : int, optional
+        Steps to run (default P); no block is sent for a step past the last.
     """
 
-    def __init__(self, comm, backend: Any, k, v, counts: list):
+    def __init__(self, comm, backend: Any, k, v, counts: list, nsteps=None):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.nsteps = self.size if nsteps is None else int(nsteps)
         self.counts = counts
+        self.bytes_sent = 0
         self.shape = k.shape
         b, hkv, s, d = k.shape
         size = 2 * b * hkv * max(counts) * d
@@ -130,14 +140,15 @@ class KVRing:
         return (self.rank - step) % self.size
 
     def __iter__(self) -> Iterator[tuple]:
-        for step in range(self.size):
+        for step in range(self.nsteps):
             _maybe_fault(self.rank, step)
             src = self.owner(step)
             cur, nxt = self.bufs[step % 2], self.bufs[(step + 1) % 2]
-            if step + 1 < self.size:
+            if step + 1 < self.nsteps:
                 send = cur[: self.view(cur, self.counts[src]).size]
                 recv = nxt[: self.view(nxt, self.counts[self.owner(step + 1)]).size]
                 self.ring.start(send, recv)
+                self.bytes_sent += send.nbytes
             kv = self.view(cur, self.counts[src])
             yield step, src, kv[0], kv[1]
             with watch(f"ring step {step}: the K/V block from rank {self.ring.prev}"):

@@ -13,7 +13,12 @@ __all__ = ["shard", "gather"]
 
 
 def shard(
-    x, comm: Optional[MPI.Comm] = None, layout: str = "zigzag", axis: int = -3, head_parallel=1
+    x,
+    comm: Optional[MPI.Comm] = None,
+    layout: str = "zigzag",
+    axis: int = -3,
+    head_parallel: int = 1,
+    cu_seqlens=None,
 ):
     """This rank's tokens of a global array that every rank holds.
 
@@ -26,6 +31,8 @@ def shard(
     layout : {"zigzag", "striped", "contiguous"}
     head_parallel : int
         As in :func:`ringmpi.positions`.
+    cu_seqlens : int array, optional
+        Packed sequences: the layout applies within each (as in :func:`ringmpi.positions`).
 
     Returns
     -------
@@ -34,7 +41,7 @@ def shard(
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     n = x.shape[axis]
-    idx = positions(n, comm.Get_rank(), comm.Get_size(), layout, head_parallel)
+    idx = positions(n, comm.Get_rank(), comm.Get_size(), layout, head_parallel, cu_seqlens)
     return x.take(idx, axis=axis)
 
 
@@ -45,6 +52,7 @@ def gather(
     layout: str = "zigzag",
     axis: int = -3,
     head_parallel: int = 1,
+    cu_seqlens=None,
 ):
     """The global array in token order, on every rank (inverse of ``shard``).
 
@@ -68,7 +76,7 @@ def gather(
     shape[ax] = n
     out = np.empty(shape, dtype=x_local.dtype)
     for r, part in enumerate(parts):
-        idx = positions(n, r, size, layout, head_parallel)
+        idx = positions(n, r, size, layout, head_parallel, cu_seqlens)
         if part.shape[ax] != len(idx):
             raise ValueError(
                 f"gather: rank {r} holds {part.shape[ax]} tokens, layout {layout!r} "

@@ -51,14 +51,17 @@ __all__ = [
 EPS = {"float16": 1e-4, "float32": 1e-6, "float64": 1e-12}
 
 
-def dense(q, k, v, causal: bool = False, scale=None, dtype=np.float32):
-    """Dense attention computed entirely in ``dtype``: the peer a ring result is judged against."""
-    return reference.attention(q, k, v, causal, scale, dtype=dtype)
+def dense(q, k, v, causal: bool = False, scale=None, dtype=np.float32, **mask):
+    """Dense attention computed entirely in ``dtype``: the peer a ring result is judged against.
+
+    ``mask``: window, cu_seqlens, cu_seqlens_k as in :func:`ringmpi.ring_attention`.
+    """
+    return reference.attention(q, k, v, causal, scale, dtype=dtype, **mask)
 
 
-def dense_backward(dout, q, k, v, causal: bool = False, scale=None, dtype=np.float32):
+def dense_backward(dout, q, k, v, causal: bool = False, scale=None, dtype=np.float32, **mask):
     """Dense attention gradients computed entirely in ``dtype``: the peer for float32 results."""
-    return reference.attention_backward(dout, q, k, v, causal, scale, dtype=dtype)
+    return reference.attention_backward(dout, q, k, v, causal, scale, dtype=dtype, **mask)
 
 
 def reference_pair(q, k, v, causal: bool = False, scale=None, dtype=None):

@@ -71,7 +71,8 @@ def bad_inputs(comm):
     )
     yield "int", (q.astype(np.int32) if odd else q, k, v), "dtype"
     yield "dtypes", (q, k.astype(np.float64) if odd else k, v), "dtype"
-    yield "lengths", (q, k[:-1] if odd and len(k) else k, v[:-1] if odd and len(v) else v), ""
+    # q and k/v may differ in length (cross-attention), k and v may not
+    yield "lengths", (q, k[:-1] if odd and len(k) else k, v), "shape"
     # the last rank holds `extra` more tokens than zigzag gives it: a count no layout cut
     base = list(ringmpi.partition.counts(64, comm.size, "zigzag"))
     extra = 1

@@ -210,6 +210,7 @@ def forward_tile(
     scale: float,
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (fused C kernel).
 
@@ -236,7 +237,8 @@ def forward_tile(
     dt = q.dtype
     lib = _load()
     ok = (
-        lib is not None
+        bounds is None  # windows / packed sequences / cross: the numpy tile for now
+        and lib is not None
         and dt in (np.float32, np.float64)
         and k.dtype == dt
         and v.dtype == dt
@@ -244,8 +246,9 @@ def forward_tile(
     )
     if not ok:
         return numpy_tile.forward_tile(
-            q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress
-        )
+            q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
+            bounds=bounds,
+        )  # fmt: skip
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if h % hkv:

@@ -53,6 +53,38 @@ def blocks(pos: np.ndarray, size: int):
             yield s, e, min(lo, hi), max(lo, hi)
 
 
+def _key_block(bounds) -> int:
+    """Keys per block: narrower under window / packed masks, so skipping is finer."""
+    return BLOCK_K if bounds is None else max(64, BLOCK_K // 4)
+
+
+class _Visibility:
+    """Which keys each query row sees: lo[i] <= k_pos[j] <= hi[i] (None: every key)."""
+
+    def __init__(self, q_pos, causal: bool, bounds: Optional[tuple]):
+        if bounds is None and causal:  # key j visible iff k_pos[j] <= q_pos[i]
+            bounds = (np.full(len(q_pos), np.iinfo(np.int64).min, dtype=np.int64), q_pos)
+        self.lo, self.hi = (None, None) if bounds is None else bounds
+
+    def rows(self, qa: int, qb: int) -> None:
+        """Select the query rows [qa, qb) for the block tests below."""
+        if self.lo is not None:
+            self.blo, self.bhi = self.lo[qa:qb], self.hi[qa:qb]
+            self.lo_min, self.lo_max = self.blo.min(), self.blo.max()
+            self.hi_min, self.hi_max = self.bhi.min(), self.bhi.max()
+
+    def skip(self, klo: int, khi: int) -> bool:
+        """No row of the block sees any key with position in [klo, khi]."""
+        return self.lo is not None and (self.hi_max < klo or self.lo_min > khi)
+
+    def bias(self, k_pos, klo: int, khi: int, dtype):
+        """(n, nk) 0 / -inf where some pair is hidden; None when every pair is visible."""
+        if self.lo is None or (self.lo_max <= klo and khi <= self.hi_min):
+            return None
+        vis = (self.blo[:, None] <= k_pos[None, :]) & (k_pos[None, :] <= self.bhi[:, None])
+        return np.where(vis, 0.0, -np.inf).astype(dtype)
+
+
 def forward_tile(
     q: np.ndarray,
     k: np.ndarray,
@@ -66,6 +98,7 @@ def forward_tile(
     scale: float,
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (see :mod:`ringmpi.tile`).
 
@@ -84,23 +117,25 @@ def forward_tile(
     m5 = m.reshape(bsz, hkv, g, sq)
     l5 = l.reshape(bsz, hkv, g, sq)
     kt = np.swapaxes(k, -1, -2)
-    kblocks = list(blocks(k_pos, BLOCK_K))
+    kblocks = list(blocks(k_pos, _key_block(bounds)))
+    vis = _Visibility(q_pos, causal, bounds)
     flops = 0
-    for qa, qb, qlo, qhi in blocks(q_pos, BLOCK_Q):
+    for qa, qb, _, _ in blocks(q_pos, BLOCK_Q):
         n = qb - qa
+        vis.rows(qa, qb)
         qs = q5[:, :, :, qa:qb] * q.dtype.type(scale)  # (B, Hkv, G, n, D), contiguous
         qs2 = qs.reshape(bsz, hkv, g * n, d)
         mo = m5[:, :, :, qa:qb]
         lo = l5[:, :, :, qa:qb]
         ao = acc5[:, :, :, qa:qb]
         for ka, kb, klo, khi in kblocks:
-            if causal and qhi < klo:
-                continue  # every key is in the future of every query
+            if vis.skip(klo, khi):
+                continue  # every key of this block is hidden from every query
             s = qs2 @ kt[:, :, :, ka:kb]  # (B, Hkv, G*n, nk)
             s5 = s.reshape(bsz, hkv, g, n, kb - ka)
-            if causal and qlo < khi:
-                bias = np.where(q_pos[qa:qb, None] >= k_pos[None, ka:kb], 0.0, -np.inf)
-                s5 += bias.astype(s.dtype)
+            bias = vis.bias(k_pos[ka:kb], klo, khi, s.dtype)
+            if bias is not None:
+                s5 += bias
             m_new = np.maximum(mo, s5.max(axis=-1))
             m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype)
             s5 -= m_safe[..., None]
@@ -133,6 +168,7 @@ def backward_tile(
     scale: float,
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
 ) -> int:
     """Add one K/V block's gradient contributions, in place (see :mod:`ringmpi.tile`).
 
@@ -153,24 +189,26 @@ def backward_tile(
     # p = exp(s - lse): a row with lse = -inf saw no key; +inf makes its p zero
     lse4 = np.where(np.isneginf(lse), np.inf, lse).astype(dt).reshape(bsz, hkv, g, sq)
     delta4 = delta.astype(dt, copy=False).reshape(bsz, hkv, g, sq)
-    kblocks = list(blocks(k_pos, BLOCK_K))
+    kblocks = list(blocks(k_pos, _key_block(bounds)))
+    vis = _Visibility(q_pos, causal, bounds)
     flops = 0
-    for qa, qb, qlo, qhi in blocks(q_pos, BLOCK_Q):
+    for qa, qb, _, _ in blocks(q_pos, BLOCK_Q):
         n = qb - qa
-        live = [kb for kb in kblocks if not (causal and qhi < kb[2])]
+        vis.rows(qa, qb)
+        live = [kb for kb in kblocks if not vis.skip(kb[2], kb[3])]
         if not live:
-            continue  # every key of this block is in the future of every query
+            continue  # every key is hidden from every query of this block
         qs = (q5[:, :, :, qa:qb] * dt(scale)).reshape(bsz, hkv, g * n, d)
         dob = np.ascontiguousarray(do5[:, :, :, qa:qb]).reshape(bsz, hkv, g * n, d)
         lse_b = np.ascontiguousarray(lse4[..., qa:qb]).reshape(bsz, hkv, g * n, 1)
         delta_b = np.ascontiguousarray(delta4[..., qa:qb]).reshape(bsz, hkv, g * n, 1)
         dq_b = np.zeros((bsz, hkv, g * n, d), dtype=dt)
-        for ka, kb, _klo, khi in live:
+        for ka, kb, klo, khi in live:
             kk, vv = k[:, :, ka:kb], v[:, :, ka:kb]
             p = qs @ np.swapaxes(kk, -1, -2)  # scores, (B, Hkv, G*n, nk)
-            if causal and qlo < khi:
-                bias = np.where(q_pos[qa:qb, None] >= k_pos[None, ka:kb], 0.0, -np.inf)
-                p.reshape(bsz, hkv, g, n, kb - ka)[...] += bias.astype(dt)
+            bias = vis.bias(k_pos[ka:kb], klo, khi, dt)
+            if bias is not None:
+                p.reshape(bsz, hkv, g, n, kb - ka)[...] += bias
             p -= lse_b
             np.exp(p, out=p)  # probabilities, masked entries exactly 0
             dv[:, :, ka:kb] += np.swapaxes(p, -1, -2) @ dob

@@ -1,0 +1,156 @@
+"""Masks beyond causal, as functions of global positions: windows, packed sequences, cross.
+
+Every mask ringmpi supports gives each query a contiguous range of visible keys,
+so a mask is fully described by two int64 arrays over the queries,
+
+    lo[i] <= key position j <= hi[i]   (global key positions; lo > hi: no visible key)
+
+which the tiles test per element and per block (a block pair outside every
+range is skipped, not computed). For query i of packed sequence s (offsets
+cu_q / cu_k; one sequence when not packed) with local index iq, lengths Lq and
+Lk, and the bottom-right diagonal iq + Lk - Lq (FlashAttention's alignment for
+cross-attention; iq itself when Lq = Lk):
+
+    keys of sequence s only:   cu_k[s] <= j < cu_k[s + 1]
+    causal:                    j - cu_k[s] <= iq + Lk - Lq
+    window (left, right):      iq + Lk - Lq - left <= j - cu_k[s] <= iq + Lk - Lq + right
+
+with -1 meaning unbounded on that side; under ``causal`` the right bound is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .partition import check_cu_seqlens, positions
+
+__all__ = ["Mask", "make_mask", "check_window", "StepPlan", "plan_steps"]
+
+
+def check_window(window) -> Optional[tuple]:
+    """``window`` as (left, right) ints >= -1, or None; ValueError otherwise."""
+    if window is None:
+        return None
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be None or (left, right), got {window!r}") from None
+    if left < -1 or right < -1 or (left, right) != tuple(window):
+        raise ValueError(f"window sizes must be integers >= -1 (-1: unbounded), got {window!r}")
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys each query sees; identical on every rank (built from agreed arguments)."""
+
+    nq: int
+    nk: int
+    causal: bool
+    window: Optional[tuple]
+    cu_q: Optional[np.ndarray]
+    cu_k: Optional[np.ndarray]
+
+    @property
+    def plain(self) -> bool:
+        """True when the tiles' own ``causal`` flag says it all (self-attention, one sequence)."""
+        return self.window is None and self.cu_q is None and self.nq == self.nk
+
+    def bounds(self, q_pos: np.ndarray) -> tuple:
+        """(lo, hi): int64 arrays of the first and last visible key position of each query."""
+        q_pos = np.asarray(q_pos, dtype=np.int64)
+        cu_q = self.cu_q if self.cu_q is not None else np.array([0, self.nq], dtype=np.int64)
+        cu_k = self.cu_k if self.cu_k is not None else np.array([0, self.nk], dtype=np.int64)
+        s = np.searchsorted(cu_q, q_pos, side="right") - 1
+        iq = q_pos - cu_q[s]
+        len_q = cu_q[s + 1] - cu_q[s]
+        k0, len_k = cu_k[s], cu_k[s + 1] - cu_k[s]
+        diag = iq + len_k - len_q
+        lo = np.zeros_like(q_pos)
+        hi = len_k - 1
+        if self.causal:
+            hi = np.minimum(hi, diag)
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                lo = np.maximum(lo, diag - left)
+            if right >= 0:
+                hi = np.minimum(hi, diag + right)
+        return k0 + lo, k0 + hi
+
+    @staticmethod
+    def visible(lo: np.ndarray, hi: np.ndarray, ks: np.ndarray) -> bool:
+        """Whether any query with bounds (lo, hi) sees any of the sorted key positions ``ks``."""
+        if len(lo) == 0 or len(ks) == 0:
+            return False
+        n_in = np.searchsorted(ks, hi, side="right") - np.searchsorted(ks, lo, side="left")
+        return bool((n_in > 0).any())
+
+
+def make_mask(nq: int, nk: int, causal: bool, window=None, cu_seqlens=None, cu_seqlens_k=None):
+    """Validate the mask arguments (ValueError) and build the :class:`Mask`."""
+    window = check_window(window)
+    cu_q = cu_k = None
+    if cu_seqlens is not None or cu_seqlens_k is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_k needs cu_seqlens (the query offsets)")
+        cu_q = check_cu_seqlens(cu_seqlens, nq)
+        cu_k = check_cu_seqlens(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, nk)
+        if len(cu_q) != len(cu_k):
+            raise ValueError(
+                f"cu_seqlens has {len(cu_q) - 1} sequences but cu_seqlens_k has {len(cu_k) - 1}"
+            )
+    return Mask(int(nq), int(nk), bool(causal), window, cu_q, cu_k)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The ring steps a masked call needs, the same on every rank.
+
+    Attributes
+    ----------
+    q_pos : int64 array
+        This rank's query positions.
+    bounds : (lo, hi) or None
+        Visible key range per query (None: the tiles' ``causal`` flag says it all).
+    nsteps : int
+        Ring steps to run: after the last step any rank needs, no block moves.
+    compute : list of bool
+        Per step, whether this rank's queries see any key of the block it holds.
+    """
+
+    q_pos: np.ndarray
+    bounds: Optional[tuple]
+    nsteps: int
+    compute: list
+
+
+def plan_steps(mask: Mask, rank: int, size: int, layout: str) -> StepPlan:
+    """Which ring steps are needed (any rank) and which this rank computes.
+
+    At step s rank r holds the K/V block of rank (r - s) mod P. A masked call
+    (window, packed sequences, cross-attention) checks every (rank, step) pair
+    against the key positions, so a block nobody sees costs no tile, and when
+    every later step is hidden from every rank (a window shorter than the
+    distance to the next ranks' blocks), the ring stops early: fewer steps and
+    fewer messages.
+    """
+    q_pos = positions(mask.nq, rank, size, layout, cu_seqlens=mask.cu_q)
+    if mask.plain:
+        return StepPlan(q_pos, None, size, [True] * size)
+    k_all = [
+        np.sort(positions(mask.nk, r, size, layout, cu_seqlens=mask.cu_k)) for r in range(size)
+    ]
+    last, mine = 0, []
+    for r in range(size):
+        pos = q_pos if r == rank else positions(mask.nq, r, size, layout, cu_seqlens=mask.cu_q)
+        lo, hi = mask.bounds(pos)
+        need = [mask.visible(lo, hi, k_all[(r - s) % size]) for s in range(size)]
+        if any(need):
+            last = max(last, max(s for s, x in enumerate(need) if x))
+        if r == rank:
+            mine, bounds = need, (lo, hi)
+    return StepPlan(q_pos, bounds, last + 1, mine[: last + 1])
