@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from mpi4py import MPI
 
-from . import softmax
+from . import interrupt, softmax
 from .arguments import prepare, report
 from .partition import positions
 from .ring import KVRing
@@ -38,6 +38,7 @@ def ring_attention(
     check_finite: bool = False,
     stats: Optional[dict] = None,
     on_step: Optional[Callable[[int, int], None]] = None,
+    on_tick: Optional[Callable[[int], None]] = None,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
 
@@ -65,12 +66,22 @@ def ring_attention(
         Filled with compute_s, wait_s, total_s, flops, steps, backend.
     on_step : callable, optional
         Called as on_step(step, nsteps) after each ring step.
+    on_tick : callable, optional
+        Called as on_tick(step) (0-based) from the tile's progress callback,
+        many times per ring step (the fused CPU tile: every 512 query rows of all
+        heads), e.g. for a progress display. Must be cheap and must not raise.
 
     Returns
     -------
     out : array, shape and dtype of q
     lse : array (..., H, S_local), float32 (float64 for float64 inputs); only
         with ``return_lse=True``.
+
+    Raises
+    ------
+    KeyboardInterrupt
+        On Ctrl-C, promptly (within one tile chunk), also from inside the C
+        kernel; the ring's pending transfers are cancelled (:mod:`ringmpi.interrupt`).
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -82,13 +93,20 @@ def ring_attention(
     q_pos = positions(args.n, rank, size, layout)
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
     flops, compute_s = 0, 0.0
-    with KVRing(comm, be, ki, vi, args.counts) as kv:
+    with interrupt.catching(), KVRing(comm, be, ki, vi, args.counts) as kv:
         del ki, vi
+        progress = kv.ring.test
         for step, src, kb, vb in kv:
+            if on_tick is not None:
+
+                def progress(step=step):
+                    kv.ring.test()
+                    on_tick(step)
+
             t0 = time.perf_counter()
             flops += be.forward_tile(
                 qi, kb, vb, q_pos, positions(args.n, src, size, layout), acc, m, l,
-                scale=args.scale, causal=causal, progress=kv.ring.test,
+                scale=args.scale, causal=causal, progress=progress,
             )  # fmt: skip
             compute_s += time.perf_counter() - t0
             if on_step is not None:
