@@ -270,7 +270,7 @@ def test_verify_command_passes_and_fails(data, tmp_path, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cmd", ["run", "make-data", "verify", "info"])
+@pytest.mark.parametrize("cmd", ["run", "make-data", "verify", "pack", "info"])
 def test_help_has_examples(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
