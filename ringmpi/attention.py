@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from mpi4py import MPI
 
-from . import softmax
+from . import interrupt, softmax
 from .arguments import prepare, report
 from .mask import plan_steps
 from .partition import positions
@@ -43,6 +43,7 @@ def ring_attention(
     window: Optional[tuple] = None,
     cu_seqlens=None,
     cu_seqlens_k=None,
+    on_tick: Optional[Callable[[int], None]] = None,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
 
@@ -71,6 +72,10 @@ def ring_attention(
         (by this rank), steps_skipped (P - steps), bytes_sent (K/V, this rank), backend.
     on_step : callable, optional
         Called as on_step(step, nsteps) after each ring step.
+    on_tick : callable, optional
+        Called as on_tick(step) (0-based) from the tile's progress callback,
+        many times per ring step (the fused CPU tile: every 512 query rows of all
+        heads), e.g. for a progress display. Must be cheap and must not raise.
     window : (left, right), optional
         Query at position i sees keys i - left <= j <= i + right (within its
         sequence, aligned bottom-right for cross-attention); -1 is unbounded.
@@ -94,6 +99,12 @@ def ring_attention(
     out : array, shape and dtype of q
     lse : array (..., H, S_local), float32 (float64 for float64 inputs); only
         with ``return_lse=True``.
+
+    Raises
+    ------
+    KeyboardInterrupt
+        On Ctrl-C, promptly (within one tile chunk), also from inside the C
+        kernel; the ring's pending transfers are cancelled (:mod:`ringmpi.interrupt`).
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -117,15 +128,22 @@ def ring_attention(
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
     flops, compute_s, computed = 0, 0.0, 0
-    with KVRing(comm, be, ki, vi, args.counts_k, plan.nsteps) as kv:
+    with interrupt.catching(), KVRing(comm, be, ki, vi, args.counts_k, plan.nsteps) as kv:
         del ki, vi
+        progress = kv.ring.test
         for step, src, kb, vb in kv:
+            if on_tick is not None:
+
+                def progress(step=step):
+                    kv.ring.test()
+                    on_tick(step)
+
             if plan.compute[step]:
                 t0 = time.perf_counter()
                 k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k)
                 flops += be.forward_tile(
                     qi, kb, vb, plan.q_pos, k_pos, acc, m, l,
-                    scale=args.scale, causal=causal, progress=kv.ring.test, **masked,
+                    scale=args.scale, causal=causal, progress=progress, **masked,
                 )  # fmt: skip
                 compute_s += time.perf_counter() - t0
                 computed += 1

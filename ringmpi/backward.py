@@ -27,6 +27,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
+from . import interrupt
 from .arguments import prepare, report, to_external, to_internal
 from .backend import is_cupy
 from .collective import raise_first
@@ -162,9 +163,10 @@ def ring_attention_backward(
     d_bufs = [xp.zeros(dsize, dtype=acc), xp.zeros(dsize, dtype=acc)]
     scratch = xp.empty(dsize, dtype=acc) if plan.nsteps > 1 else None
     flops, compute_s, computed = 0, 0.0, 0
-    with KVRing(comm, be, ki, vi, cnt, plan.nsteps) as kv:
+    with interrupt.catching(), KVRing(comm, be, ki, vi, cnt, plan.nsteps) as kv:
         del ki, vi
         ring_d = be.ring(comm)
+        stopped = True  # until the loop ends normally: then free waits, else it cancels
         try:
 
             def progress() -> None:
@@ -204,8 +206,9 @@ def ring_attention_backward(
                                  source=(rank + step) % size)  # fmt: skip
             with watch(f"the last dK/dV hop to rank {rank}"):
                 ring_d.wait()
+            stopped = False
         finally:
-            ring_d.free()
+            ring_d.free(abandon=stopped)
     dkv = kv.view(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
     grads = to_external(dq, q), to_external(dkv[0], k), to_external(dkv[1], v)
     report(stats, t_start, compute_s=compute_s, wait_s=kv.ring.wait_s + ring_d.wait_s,

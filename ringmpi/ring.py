@@ -14,6 +14,12 @@ The tile loops therefore call ``test`` between blocks; ``RINGMPI_POLL=0``
 turns this off, which is how the benefit is measured (see README).
 
 Every wait on a neighbour runs under :mod:`ringmpi.watchdog`.
+
+Interrupts: ``test`` (the tiles' progress callback) and ``wait`` call
+:func:`ringmpi.interrupt.check`, so a Ctrl-C recorded as a flag stops a ring
+within one tile chunk; ``free(abandon=True)`` (the exit of an interrupted or
+failed ring) cancels what is still in flight instead of waiting for a peer
+that may never answer.
 """
 
 from __future__ import annotations
@@ -25,13 +31,24 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import interrupt
 from .watchdog import watch
 
-__all__ = ["Ring", "KVRing", "TAG_KV"]
+__all__ = ["Ring", "KVRing", "TAG_KV", "abandoned"]
 
 TAG_KV = 7301
 # Test-only fault injection: "RANK:STEP" raises on that rank before that step.
 _FAULT_ENV = "RINGMPI_TEST_FAULT"
+# seconds an abandoned ring waits for its cancelled transfers to settle
+ABANDON_S = 2.0
+# transfers that neither completed nor cancelled in time: kept referenced (with their
+# buffers) so MPI never writes into freed memory; MPI_Finalize must not run with them
+_ABANDONED: list = []
+
+
+def abandoned() -> int:
+    """Number of transfers an interrupted ring left in flight (0: MPI may finalize)."""
+    return len(_ABANDONED)
 
 
 class Ring:
@@ -50,6 +67,7 @@ class Ring:
         self.requests: list = []
         self.wait_s = 0.0
         self.polls = 0
+        self.ticks = 0  # calls of test(): the tiles' progress callbacks
         self.poll = os.environ.get("RINGMPI_POLL", "1") != "0"
 
     def start(self, send_buf, recv_buf, tag: int = TAG_KV, dest=None, source=None) -> None:
@@ -64,21 +82,59 @@ class Ring:
         self.requests.append(self.cart.Isend(send_buf, dest=dst, tag=tag))
 
     def test(self) -> None:
-        """Give MPI a chance to progress pending transfers (cheap, non-blocking)."""
+        """Give MPI a chance to progress pending transfers (cheap, non-blocking).
+
+        Also the place where a recorded Ctrl-C/SIGTERM is raised (:mod:`ringmpi.interrupt`).
+        """
+        self.ticks += 1
         if self.poll and self.requests:
             self.polls += 1
             MPI.Request.Testall(self.requests)
+        interrupt.check()
 
     def wait(self) -> None:
-        """Block until every posted transfer has completed."""
+        """Block until every posted transfer has completed (interruptible while catching)."""
         if self.requests:
             t0 = time.perf_counter()
-            MPI.Request.Waitall(self.requests)
+            if interrupt.active():
+                # poll instead of Waitall, which no signal can leave
+                while not MPI.Request.Testall(self.requests):
+                    interrupt.check()
+            else:
+                MPI.Request.Waitall(self.requests)
             self.wait_s += time.perf_counter() - t0
             self.requests = []
 
-    def free(self) -> None:
-        """Release the Cartesian communicator (pending transfers are completed first)."""
+    def free(self, abandon: bool = False) -> None:
+        """Release the Cartesian communicator.
+
+        Normally pending transfers are completed first. With ``abandon`` (the
+        ring stops early: an error or an interrupt, perhaps on the peers too)
+        they get ``ABANDON_S`` seconds: three quarters to complete (a peer that
+        stopped in the same step finishes its side), then they are cancelled;
+        what is still in flight after that is kept referenced (see
+        :func:`abandoned`) rather than waited for.
+        """
+        if abandon and self.requests:
+            # first let matching transfers finish (a peer that stopped in the same step
+            # completes its side), then cancel what is left and let the cancels settle
+            end = time.monotonic() + ABANDON_S
+            done = MPI.Request.Testall(self.requests)
+            while not done and time.monotonic() < end - ABANDON_S / 4:
+                done = MPI.Request.Testall(self.requests)
+            if not done:
+                for r in self.requests:
+                    try:
+                        r.Cancel()
+                    except MPI.Exception:
+                        pass
+            while not done and time.monotonic() < end:
+                done = MPI.Request.Testall(self.requests)
+            if not done:
+                _ABANDONED.extend(self.requests)
+                self.requests = []
+                return  # the communicator stays: its transfers are not finished
+            self.requests = []
         self.wait()
         if self.cart != MPI.COMM_NULL:
             self.cart.Free()
@@ -141,6 +197,7 @@ class KVRing:
 
     def __iter__(self) -> Iterator[tuple]:
         for step in range(self.nsteps):
+            interrupt.check()
             _maybe_fault(self.rank, step)
             src = self.owner(step)
             cur, nxt = self.bufs[step % 2], self.bufs[(step + 1) % 2]
@@ -157,5 +214,8 @@ class KVRing:
     def __enter__(self) -> KVRing:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.ring.free()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and isinstance(self.ring, Ring):
+            self.ring.free(abandon=True)  # do not wait for a peer that may have stopped too
+        else:
+            self.ring.free()

@@ -132,7 +132,19 @@ def test_run_batch_axis_with_verify_and_summary(data, tmp_path):
         summary = json.load(fh)
     assert summary["sequences"] == 3 and summary["tokens"] == 3 * S
     assert summary["verify"]["ok"] and summary["peak_rss_bytes_max"] > 0
+    assert summary["verify"]["full"] == 3 and summary["verify"]["status"] == "passed"
     assert 0 <= summary["mpi_wait_share"] <= 1 and summary["gflops"] > 0
+    # per-sequence timings and the provenance of the output file, plus the run's time
+    assert [t["sequence"] for t in summary["timings"]] == ["b=0", "b=1", "b=2"]
+    assert all(t["seconds"] > 0 and t["compute_s"] > 0 for t in summary["timings"])
+    prov = summary["provenance"]
+    assert prov["causal"] is True and prov["ranks"] == 2 and prov["scale"] == D**-0.5
+    assert prov["kernel"] in ("fused", "numpy") and prov["hdf5_version"]
+    assert summary["started_utc"].endswith("Z") and len(summary["hosts"]) == 2
+    with h5py.File(out, "r") as f:
+        assert {k: f.attrs[k] for k in ("layout", "ranks", "kernel")} == {
+            "layout": "striped", "ranks": 2, "kernel": prov["kernel"],
+        }  # fmt: skip
     for b in range(3):
         q, k, v = _read_inputs(data["batch"], batch=b)
         check_against_reference(out, q, k, v, True, batch=b)
@@ -158,7 +170,7 @@ def test_resume_after_kill_is_bitwise_identical(data, tmp_path):
     rc, _, se, _ = launch(2, *args)
     assert rc == 0, se
     want = _digests(out)
-    rc, _, _, _ = launch(2, *args, env={"RINGMPI_TEST_KILL_AFTER": "1"})
+    rc, _, _, _ = launch(2, *args, "--overwrite", env={"RINGMPI_TEST_KILL_AFTER": "1"})
     assert rc != 0
     assert not os.path.exists(out)  # nothing under the final name after a kill
     assert len(glob.glob(out + ".parts/*.done")) == 1
@@ -258,7 +270,7 @@ def test_verify_command_passes_and_fails(data, tmp_path, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cmd", ["run", "make-data", "verify", "info"])
+@pytest.mark.parametrize("cmd", ["run", "make-data", "verify", "pack", "info"])
 def test_help_has_examples(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])

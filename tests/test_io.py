@@ -224,10 +224,10 @@ def test_parse_size_and_collective_without_mpi():
         collective(None, lambda: 1 / 0)
 
 
-def _store(tmp_path, paths, resume=False, layout="zigzag", size=1):
+def _store(tmp_path, paths, resume=False, layout="zigzag", size=1, overwrite=False):
     plan = scan(paths)
     meta = fingerprint(plan, layout, True, None, size)
-    st = OutputStore(str(tmp_path / "out.h5"), None, plan, meta)
+    st = OutputStore(str(tmp_path / "out.h5"), None, plan, meta, overwrite=overwrite)
     return plan, st, st.open(resume)
 
 
@@ -260,13 +260,16 @@ def test_output_store_writes_vds_resumes_and_redoes_damaged_parts(tmp_path):
         outs[i] = (o, lse)
     st3.finish()
     with h5py.File(st3.path, "r") as f:
-        assert json.loads(f.attrs["causal"]) is True
+        assert f.attrs["causal"].dtype == np.bool_ and bool(f.attrs["causal"]) is True
+        assert json.loads(f.attrs["geometry"]) == [H, HKV, D]  # non-scalars: JSON
         for i, g in enumerate(["seq000", "seq001", "seq002"]):
             np.testing.assert_array_equal(f[g]["out"][...], outs[i][0])
             np.testing.assert_array_equal(f[g]["lse"][...], outs[i][1])
     with pytest.raises(InputError, match="different run"):
         _store(tmp_path, paths, resume=True, layout="striped")
-    _, _, done = _store(tmp_path, paths)  # no --resume: start afresh
+    with pytest.raises(InputError, match="output exists; use --overwrite"):
+        _store(tmp_path, paths)  # an existing output is never replaced unasked
+    _, _, done = _store(tmp_path, paths, overwrite=True)  # start afresh
     assert done == set() and not os.path.exists(st3.path)
 
 
@@ -309,15 +312,23 @@ def test_progress_lines_in_a_log(monkeypatch):
 
     buf = _io.StringIO()
     monkeypatch.setattr(progress, "LOG_EVERY", 0.0)
-    bar = progress.Progress(2, stream=buf)
-    bar.start(0, "seq000", 100)
+    bar = progress.Progress([100, 100], stream=buf)
+    bar.header("2 sequence(s)")
+    bar.start(0, "seq000", 100, nsteps=4, ticks_per_step=10)
+    for _ in range(5):  # half of the first of four ring steps: 1/8 of the sequence
+        bar.tick(0)
     bar.step(1, 4)
     bar.finish_seq(0.5)
     bar.close()
-    quiet = progress.Progress(2, enabled=False, stream=buf)
+    quiet = progress.Progress([1, 1], enabled=False, stream=buf)
     quiet.start(1, "x", 1)
     quiet.step(1, 2)
     lines = buf.getvalue().splitlines()
-    assert lines[0] == "ringmpi: sequence 1/2 seq000: ring step 1/4, 0 s"
-    assert lines[1].startswith("ringmpi: sequence 1/2 seq000: 100 tokens in 0.50 s")
-    assert len(lines) == 2
+    assert lines[0] == "ringmpi: 2 sequence(s)"
+    assert lines[1].startswith("ringmpi:   1% sequence 1/2 seq000 ring step 1/4, ")
+    assert lines[5].startswith("ringmpi:   6% sequence 1/2 seq000 ring step 1/4, ")  # 5 ticks
+    assert "ETA" in lines[5]
+    assert lines[6].startswith("ringmpi:  12% sequence 1/2 seq000 ring step 2/4, ")
+    assert lines[7].startswith("ringmpi: sequence 1/2 seq000: 100 tokens in 0.50 s")
+    assert "50% done" in lines[7]
+    assert len(lines) == 8

@@ -1,96 +1,178 @@
-"""A small progress bar for rank 0 on stderr: sequences, and ring steps within one.
+"""Progress of the batch job on rank 0 (stderr): a start line, then percentage and ETA.
 
-On a terminal the bar redraws in place (at most ~10 times a second). In a log
-file (stderr not a TTY, which is also the case under mpiexec) it prints one line
-per finished sequence, plus a ring-step line at most every LOG_EVERY seconds
-within a long sequence.
+The fraction done counts work, not sequences: a sequence of S tokens weighs
+S^2. Within a sequence it follows the ring steps and, within a step, the tile
+kernels' progress callbacks ("ticks": the fused CPU tile calls back every
+``CHUNK_Q`` query rows of all heads, so a step of n local queries makes
+ceil(n / CHUNK_Q) ticks; otherwise the previous step's count is the estimate).
+The ETA is elapsed * (1 - done) / done.
+
+On a terminal the bar redraws in place (at most every ``TTY_EVERY`` seconds).
+In a log file (stderr not a TTY, which is also the case under mpiexec) it
+prints a line at most every ``LOG_EVERY`` seconds while work goes on, and one
+line per finished sequence.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from typing import Optional, TextIO
 
-__all__ = ["Progress", "LOG_EVERY"]
+__all__ = ["Progress", "LOG_EVERY", "TTY_EVERY", "duration"]
 
-LOG_EVERY = 10.0  # seconds between ring-step lines when stderr is not a terminal
+LOG_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
+TTY_EVERY = 0.2  # seconds between redraws of the terminal bar
+
+
+def duration(seconds: float) -> str:
+    """``3 h 05 min``, ``4 min 10 s``, ``12.3 s``."""
+    s = max(0.0, float(seconds))
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60):02d} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
 
 
 class Progress:
-    """Progress over ``total`` sequences; ``enabled=False`` makes every call a no-op."""
+    """Progress over the sequences to do; ``enabled=False`` makes every call a no-op.
 
-    def __init__(self, total: int, enabled: bool = True, stream: Optional[TextIO] = None):
-        self.total, self.enabled = total, enabled
+    Parameters
+    ----------
+    lengths : sequence of int
+        Tokens of each sequence to do, in order.
+    enabled : bool
+    stream : text stream, optional
+        Default ``sys.stderr``.
+    """
+
+    def __init__(
+        self, lengths: Sequence[int], enabled: bool = True, stream: Optional[TextIO] = None
+    ):
+        self.lengths = [int(n) for n in lengths]
+        self.total = len(self.lengths)
+        self.work = [float(n) ** 2 for n in self.lengths]
+        self.all_work = sum(self.work) or 1.0
+        self.enabled = enabled
         self.stream = stream or sys.stderr
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.perf_counter()
         self.index, self.name, self.tokens = 0, "", 0
-        self._last = 0.0
-        self._step = (0, 0)
+        self.done_work = 0.0
+        self.steps_done, self.nsteps = 0, 0
+        self.ticks, self.expected = 0, 0
+        self._last = self.t0
+        self._drawn = False
 
-    def _bar(self, frac: float, width: int = 24) -> str:
-        full = int(round(frac * width))
-        return "#" * full + "." * (width - full)
+    # -- what is known -----------------------------------------------------------
+    def seq_fraction(self) -> float:
+        """Fraction of the current sequence done (ring steps and ticks within the step)."""
+        if not self.nsteps:
+            return 0.0
+        within = min(0.99, self.ticks / self.expected) if self.expected else 0.0
+        return min(1.0, (self.steps_done + within) / self.nsteps)
 
-    def _draw(self, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.tty or (not force and now - self._last < 0.1):
-            return
-        self._last = now
-        step, nsteps = self._step
-        frac = (self.index + (step / nsteps if nsteps else 0)) / max(1, self.total)
-        ring = f" ring step {step}/{nsteps}" if nsteps else ""
-        line = (
-            f"\r[{self._bar(frac)}] seq {self.index + 1}/{self.total} {self.name}{ring}"
-            f"  {now - self.t0:6.1f}s"
-        )
-        self.stream.write(line.ljust(78))
+    def fraction(self) -> float:
+        """Fraction of the whole job done."""
+        cur = self.work[self.index] if self.index < self.total else 0.0
+        return min(1.0, (self.done_work + cur * self.seq_fraction()) / self.all_work)
+
+    def eta(self) -> Optional[float]:
+        """Seconds left, or None before anything is measurable."""
+        f = self.fraction()
+        if f <= 0:
+            return None
+        return (time.perf_counter() - self.t0) * (1 - f) / f
+
+    # -- output ----------------------------------------------------------------
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
         self.stream.flush()
 
-    def start(self, index: int, name: str, tokens: int) -> None:
-        """A sequence (0-based ``index`` among those to do) begins."""
-        if self.enabled:
-            self.index, self.name, self.tokens, self._step = index, name, tokens, (0, 0)
-            self._last = time.perf_counter() if not self.tty else self._last
-            self._draw(force=True)
+    def _status(self) -> str:
+        eta = self.eta()
+        where = f"sequence {self.index + 1}/{self.total} {self.name}"
+        if self.nsteps:
+            where += f" ring step {min(self.steps_done + 1, self.nsteps)}/{self.nsteps}"
+        left = f", ETA {duration(eta)}" if eta is not None else ""
+        spent = duration(time.perf_counter() - self.t0)
+        return f"{100 * self.fraction():3.0f}% {where}, {spent}{left}"
 
-    def step(self, step: int, nsteps: int) -> None:
-        """Ring step ``step`` of ``nsteps`` finished (the ``on_step`` callback)."""
+    def _update(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.tty:
+            if force or now - self._last >= TTY_EVERY:
+                self._last = now
+                full = int(round(self.fraction() * 24))
+                bar = "#" * full + "." * (24 - full)
+                self._write(f"\r[{bar}] {self._status()}".ljust(79))
+                self._drawn = True
+        elif force or now - self._last >= LOG_EVERY:
+            self._last = now
+            self._write(f"ringmpi: {self._status()}\n")
+
+    def header(self, text: str) -> None:
+        """The start line of the job."""
+        if self.enabled:
+            self._write(f"ringmpi: {text}\n")
+            self.t0 = self._last = time.perf_counter()
+
+    def start(
+        self, index: int, name: str, tokens: int, nsteps: int = 0, ticks_per_step: int = 0
+    ) -> None:
+        """A sequence (0-based ``index`` among those to do) begins.
+
+        ``nsteps``: ring steps (the number of ranks); ``ticks_per_step``: progress
+        callbacks one ring step makes on this rank (0: unknown).
+        """
+        if self.enabled:
+            self.index, self.name, self.tokens = index, name, tokens
+            self.steps_done, self.nsteps, self.ticks = 0, int(nsteps), 0
+            self.expected = int(ticks_per_step)
+            if self.tty:
+                self._update(force=True)
+
+    def tick(self, step: int) -> None:
+        """A tile's progress callback during ring step ``step`` (0-based): the ``on_tick`` hook."""
         if not self.enabled:
             return
-        self._step = (step, nsteps)
-        if self.tty:
-            self._draw()
+        if step != self.steps_done:  # a step ended without on_step (defensive)
+            self.steps_done = step
+            self.ticks = 0
+        self.ticks += 1
+        self._update()
+
+    def step(self, step: int, nsteps: int) -> None:
+        """Ring step ``step`` of ``nsteps`` finished: the ``on_step`` hook."""
+        if not self.enabled:
             return
-        now = time.perf_counter()
-        if now - self._last >= LOG_EVERY and step < nsteps:  # long sequence in a log file
-            self._last = now
-            self.stream.write(
-                f"ringmpi: sequence {self.index + 1}/{self.total} {self.name}: "
-                f"ring step {step}/{nsteps}, {now - self.t0:.0f} s\n"
-            )
-            self.stream.flush()
+        if self.ticks and (self.expected == 0 or self.ticks > self.expected):
+            self.expected = self.ticks  # no model (or an underestimate): learn from this step
+        self.steps_done, self.nsteps, self.ticks = step, nsteps, 0
+        self._update()
 
     def finish_seq(self, seconds: float) -> None:
         """The current sequence is written."""
         if not self.enabled:
             return
+        self.done_work += self.work[self.index]
+        self.steps_done, self.nsteps, self.ticks = 0, 0, 0
         if self.tty:
-            self._step = (0, 0)
-            self.index += 1
-            self._draw(force=True)
-            self.index -= 1
-        else:
-            rate = self.tokens / seconds if seconds > 0 else float("inf")
-            self.stream.write(
-                f"ringmpi: sequence {self.index + 1}/{self.total} {self.name}: {self.tokens} tokens"
-                f" in {seconds:.2f} s ({rate:,.0f} tokens/s)\n"
-            )
-            self.stream.flush()
+            self._update(force=True)
+            return
+        rate = self.tokens / seconds if seconds > 0 else float("inf")
+        eta = self.eta() if self.index + 1 < self.total else None
+        left = f", ETA {duration(eta)}" if eta is not None else ""
+        self._write(
+            f"ringmpi: sequence {self.index + 1}/{self.total} {self.name}: {self.tokens:,} tokens"
+            f" in {seconds:.2f} s ({rate:,.0f} tokens/s); {100 * self.fraction():.0f}% done{left}\n"
+        )
+        self._last = time.perf_counter()
 
     def close(self) -> None:
         """End the bar line."""
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.enabled and self.tty and self._drawn:
+            self._write("\n")
+            self._drawn = False

@@ -85,6 +85,7 @@ class Plan:
     sequences: list = field(default_factory=list)
     features: int = 0
     weights: Optional[str] = None
+    warnings: list = field(default_factory=list)  # one line each, printed by the job
 
     @property
     def batch_size(self) -> int:
@@ -182,7 +183,8 @@ def _scan_file(path: str, structure_hint: Optional[str]) -> dict:
             structure = "groups"
             groups = sorted(k for k in f if hasattr(f[k], "keys") and ("q" in f[k] or "x" in f[k]))
             if not groups:
-                fail(path, "no dataset 'q' (or features 'x') at the root or in any group")
+                where = "at the root or in any group"
+                fail(path, f"no dataset 'q' (or features 'x') {where}; {_found(f)}")
         if structure_hint and structure != structure_hint:
             problem = f"{structure} structure, first input is {structure_hint}"
             fail(path, f"shards do not line up: {problem}")
@@ -202,6 +204,27 @@ def _scan_file(path: str, structure_hint: Optional[str]) -> dict:
         return {"mode": mode, "structure": structure, "seqs": seqs}
     finally:
         f.close()
+
+
+def _found(f, limit: int = 8) -> str:
+    """'found: a (10, 4) float32, grp/b (3,) int64, ...' for an error message."""
+    import h5py
+
+    items = []
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            items.append(f"{name} {obj.shape} {obj.dtype}")
+        return None if len(items) <= limit else True
+
+    try:
+        f.visititems(visit)
+    except Exception:  # noqa: BLE001 - a damaged file: say what could be listed
+        pass
+    if not items:
+        return "the file holds no dataset"
+    more = f", ... ({len(items) - limit}+ more)" if len(items) > limit else ""
+    return "found: " + ", ".join(items[:limit]) + more
 
 
 def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
@@ -324,6 +347,18 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
             if b != batch:
                 fail(p, f"shards do not line up: batch size {b}, first input has {batch}")
             per_seq[g].append(int(n))
+    warnings = []
+    if mode == "qkv":
+        h = geom[0]
+        short = [g for g in names if sum(per_seq[g]) < h]
+        if short:
+            g = short[0]
+            where = f"group '{g}': " if g else ""
+            warnings.append(
+                f"{files[0]}: {where}q has S={sum(per_seq[g])} tokens but H={h} heads: the "
+                "schema is token-major, q (S, H, D); if the data is head-major (H, S, D), "
+                "transpose it (np.swapaxes(q, 0, 1)) or the heads are taken as tokens"
+            )
     if structure == "batch":
         seqs = [SeqInfo(f"b={i}", "", i, list(per_seq[""])) for i in range(batch)]
     else:
@@ -345,6 +380,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
         sequences=seqs,
         features=w["features"] if w else 0,
         weights=weights,
+        warnings=warnings,
     )
 
 

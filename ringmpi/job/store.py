@@ -10,6 +10,15 @@ and, once every sequence is complete, ``OUT.h5`` itself: virtual datasets that
 stitch the parts into global token order (``out`` (S, H, D) and ``lse`` (H, S),
 with a leading batch axis or one group per sequence when the input had them).
 No sequence is ever gathered on one rank; rank 0 writes only the mapping.
+The virtual datasets have NaN as fill value: ``OUT.h5`` copied without its parts
+reads NaN, never zeros (``ringmpi pack`` makes one self-contained file). Their
+axes carry dimension labels, the file typed attributes (see :func:`attributes`).
+
+``OUT.h5`` and the parts are a deterministic function of the inputs, the
+options, the number of ranks and the software: no time stamp is stored in
+them, so a resumed run writes the same bytes as an uninterrupted one (the time
+of a run is in the summary JSON). An existing output is only replaced with
+``overwrite`` (``--overwrite``) and only continued with ``--resume``.
 
 Every file is written under a temporary name, fsync'ed and renamed: a file under
 a final name is always complete. A sequence counts as done only when its marker
@@ -34,9 +43,10 @@ from ..partition import positions
 from .reader import local_runs
 from .schema import InputError, Plan
 
-__all__ = ["OutputStore", "part_name", "fingerprint"]
+__all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims"]
 
-FORMAT = 1
+FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
+COMPRESSION = ("gzip", "lzf")
 _OURS = re.compile(r"^(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json)(\.tmp)?$")
 
 
@@ -46,18 +56,29 @@ def part_name(seq_index: int, rank: int) -> str:
 
 
 def _virtual_dataset(node, name: str, layout) -> None:
-    """Create a virtual dataset without a modification time, so reruns give identical bytes."""
+    """Create a virtual dataset with NaN fill and no modification time (reruns: same bytes)."""
     from h5py import h5d, h5s, h5t
 
+    dt = np.dtype(layout.dtype)
     try:
         dcpl = layout._get_dcpl(node.file.filename)
     except AttributeError:  # another h5py: fall back to the public call (timestamped)
-        node.create_virtual_dataset(name, layout)
+        node.create_virtual_dataset(name, layout, fillvalue=dt.type(np.nan))
         return
     dcpl.set_obj_track_times(False)
+    dcpl.set_fill_value(np.array(np.nan, dtype=dt))
     space = h5s.create_simple(layout.shape)
-    tid = h5t.py_create(np.dtype(layout.dtype), logical=1)
+    tid = h5t.py_create(dt, logical=1)
     h5d.create(node.id, name=name.encode(), tid=tid, space=space, dcpl=dcpl)
+
+
+def label_dims(node, batch: bool) -> None:
+    """Name the axes of ``out`` (token, head, head_dim) and ``lse`` (head, token)."""
+    lead = ("sequence",) if batch else ()
+    for name, labels in (("out", ("token", "head", "head_dim")), ("lse", ("head", "token"))):
+        ds = node[name]
+        for axis, label in enumerate(lead + labels):
+            ds.dims[axis].label = label
 
 
 def _crc32(path: str) -> int:
@@ -91,6 +112,17 @@ def fingerprint(plan: Plan, layout: str, causal: bool, scale: Optional[float], n
     }
 
 
+def _plain_attrs(meta: dict) -> dict:
+    """Attributes from a fingerprint alone: scalars as they are, anything else as JSON."""
+    out = {"format": FORMAT}
+    for k, v in meta.items():
+        if k == "format":
+            continue
+        ok = isinstance(v, (str, bool, int, float)) and v is not None
+        out[k] = v if ok else json.dumps(v)
+    return out
+
+
 class OutputStore:
     """Collective writer of one run's output (every method is called on all ranks).
 
@@ -101,14 +133,34 @@ class OutputStore:
     comm : mpi4py communicator or None
     plan : Plan
     meta : dict
-        Run description from :func:`fingerprint`; stored in the manifest and as
-        attributes of the output file.
+        Run description from :func:`fingerprint`; stored in the manifest (what
+        ``--resume`` compares).
+    attrs : dict, optional
+        Typed attributes of the output file (str, bool, int, float or lists of
+        str): the run's options and provenance. Default: ``meta`` plus ``format``.
+    overwrite : bool
+        Replace an existing output (final file or parts of an unfinished run).
+    compress : {None, "gzip", "lzf"}
+        Compression of the part files (chunked, with the shuffle filter).
     """
 
-    def __init__(self, path: str, comm, plan: Plan, meta: dict):
+    def __init__(
+        self,
+        path: str,
+        comm,
+        plan: Plan,
+        meta: dict,
+        attrs: Optional[dict] = None,
+        overwrite: bool = False,
+        compress: Optional[str] = None,
+    ):
+        if compress not in (None,) + COMPRESSION:
+            raise InputError(f"compression must be one of {', '.join(COMPRESSION)}, not {compress}")
         self.path = os.path.abspath(path)
         self.parts = self.path + ".parts"
         self.comm, self.plan, self.meta = comm, plan, meta
+        self.attrs = attrs if attrs is not None else _plain_attrs(meta)
+        self.overwrite, self.compress = overwrite, compress
         self.rank = 0 if comm is None else comm.Get_rank()
         self.size = 1 if comm is None else comm.Get_size()
         self.layout = meta["layout"]
@@ -147,7 +199,17 @@ class OutputStore:
                         except (OSError, ValueError):
                             pass  # an unreadable marker means: redo that sequence
                 return done
-            # fresh start: nothing stale may survive under a final name
+            # fresh start: never replace an earlier result unasked
+            if not self.overwrite and os.path.lexists(self.path):
+                raise InputError(
+                    f"{self.path}: output exists; use --overwrite to replace it, or another -o"
+                )
+            if not self.overwrite and os.path.exists(manifest):
+                raise InputError(
+                    f"{self.parts}: holds an unfinished run; use --resume to continue it, "
+                    "--overwrite to start again, or another -o"
+                )
+            # nothing stale may survive under a final name
             if os.path.lexists(self.path):
                 os.remove(self.path)
             if os.path.isdir(self.parts):
@@ -196,9 +258,8 @@ class OutputStore:
         tmp = final + ".tmp"
         try:
             with h5py.File(tmp, "w", locking="best-effort") as f:
-                f.create_dataset("out", data=out)
-                f.create_dataset("lse", data=lse)
-                f.create_dataset("pos", data=pos)
+                for name, a in (("out", out), ("lse", lse), ("pos", pos)):
+                    f.create_dataset(name, data=a, **self._filters(a))
                 f.attrs["sequence"] = self.plan.sequences[i].name
                 f.attrs["rank"] = self.rank
                 f.attrs["nranks"] = self.size
@@ -215,6 +276,17 @@ class OutputStore:
             raise InputError(
                 f"{final}: cannot write output part on rank {self.rank} ({msg})"
             ) from e
+
+    def _filters(self, a: np.ndarray) -> dict:
+        """Dataset options for a part array: none, or chunks of ~1 MiB + shuffle + compression."""
+        if not self.compress or a.size == 0:
+            return {}
+        row = max(1, a[0].nbytes if a.ndim > 1 else a.itemsize)
+        axis = 1 if a.ndim == 2 else 0  # lse (H, n): chunk along tokens
+        n = a.shape[axis]
+        rows = int(max(1, min(n, (1 << 20) // (row if axis == 0 else a.itemsize * a.shape[0]))))
+        chunks = tuple(rows if d == axis else s for d, s in enumerate(a.shape))
+        return {"chunks": chunks, "shuffle": True, "compression": self.compress}
 
     def write(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
         """Write this rank's part of sequence ``i``, then mark it done (collective).
@@ -250,8 +322,8 @@ class OutputStore:
         lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
         tmp = self.path + ".tmp"
         with h5py.File(tmp, "w", locking="best-effort") as f:
-            for key, val in self.meta.items():
-                f.attrs[key] = json.dumps(val)
+            for key, val in self.attrs.items():
+                f.attrs[key] = val
             f.attrs["structure"] = plan.structure
             if plan.structure == "batch":
                 b, s = len(plan.sequences), plan.sequences[0].length
@@ -276,9 +348,11 @@ class OutputStore:
                     node = f.require_group(g) if g else f
                     _virtual_dataset(node, "out", lo)
                     _virtual_dataset(node, "lse", ll)
+                    label_dims(node, batch=False)
             if plan.structure == "batch":
                 _virtual_dataset(f, "out", lays[0][0])
                 _virtual_dataset(f, "lse", lays[0][1])
+                label_dims(f, batch=True)
         fsync_path(tmp)
         os.replace(tmp, self.path)
         fsync_path(os.path.dirname(self.path))

@@ -1,33 +1,57 @@
 """``ringmpi verify``: compare an output file with dense attention computed from the inputs.
 
-For each sequence and query head the dense float64 reference is computed over
-the whole sequence, and so is a dense computation in the low precision the ring
-used (float32 for float16/float32 inputs). The ring passes when
+Every sequence is checked one of three ways, and the verdict says which:
 
-    max |ring - ref64| <= 2 * max |dense_lowp - ref64| + eps
+* **full** (S <= ``max_tokens``): every query row of every head against the dense
+  float64 reference, in blocks of rows (memory O(rows x S), never S x S);
+* **sampled** (longer sequences, the default): ``sample_rows`` random query rows
+  per head (seeded, the same on every rank) against the float64 reference over
+  all S keys (O(rows x S) per head), plus two cheap checks of *every* row: out
+  and lse are finite where they must be (a missing part reads NaN), and each
+  output value lies within the range of the values of the keys it can see (an
+  attention output is a convex combination of value rows), up to rounding;
+* **skipped** (longer sequences with ``sample_rows=0``).
 
-for ``out`` and for the finite entries of ``lse`` (eps: 1e-4 float16, 1e-6
-float32, 1e-12 float64), and rows with lse = -inf agree exactly. The (sequence,
-head) pairs are shared round-robin over the ranks; each pair is computed in
-blocks of query rows, so memory is O(S * D + rows * S), never S x S.
+A checked row passes when ``|ring - ref64| <= 2 * max|dense_lowp - ref64| + eps``
+(out and finite lse; the dense low-precision peer is computed on the same rows in
+the precision the ring accumulated in; eps 1e-4 float16, 1e-6 float32, 1e-12
+float64) and rows with lse = -inf agree exactly. The result is PASSED only if
+something was checked and nothing failed; "nothing checked" is its own verdict.
+The (sequence, head) pairs are shared round-robin over the ranks.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, TextIO
 
 import numpy as np
 
-from .. import reference
+from .. import interrupt, reference
 from ..collective import run_everywhere
 from ..testing import EPS
+from .progress import LOG_EVERY, duration
 from .schema import InputError, Plan, make_plan
 
-__all__ = ["dense_head", "verify", "format_verify"]
+__all__ = [
+    "dense_head",
+    "rows_attention",
+    "sample_rows_of",
+    "verify",
+    "format_verify",
+    "MAX_TOKENS",
+    "SAMPLE_ROWS",
+]
 
-ROWS = 512  # query rows per block of the dense computation
+ROWS = 512  # query rows per block of the dense computation (full check of short sequences)
+MAX_TOKENS = 65536  # longest sequence checked in full by default
+SAMPLE_ROWS = 2048  # query rows per head checked in a longer sequence by default
+SCORES = 1 << 24  # score elements per block of rows (128 MiB in float64)
+# slack of the range check, relative to max|v|: rounding of the accumulation and output
+_RANGE_SLACK = {"float16": 4e-3, "float32": 1e-4, "float64": 1e-10}
 
 
 def dense_head(q, k, v, causal: bool, scale: float, dtype) -> tuple:
@@ -39,6 +63,57 @@ def dense_head(q, k, v, causal: bool, scale: float, dtype) -> tuple:
         q[:, None], k[:, None], v[:, None], causal, scale, dtype=dtype, block=ROWS
     )
     return out[:, 0], lse[0]
+
+
+def rows_attention(q, k, v, rows: np.ndarray, causal: bool, scale: float, dtype) -> tuple:
+    """Dense attention of the query rows ``rows`` of one head against all S keys, in ``dtype``.
+
+    Parameters
+    ----------
+    q, k, v : arrays (S, D)
+    rows : int array (R,)
+        Query rows (token positions) to compute.
+    causal : bool
+        Row i sees keys j <= i.
+    scale : float
+    dtype : numpy dtype
+        Arithmetic precision.
+
+    Returns
+    -------
+    out : (R, D) and lse : (R,) in ``dtype``; a row with no visible key gives 0, -inf.
+    """
+    dt = np.dtype(dtype)
+    kd, vd = np.asarray(k, dt), np.asarray(v, dt)
+    n = kd.shape[0]
+    block = max(1, SCORES // max(1, n))
+    outs, lses = [], []
+    for a in range(0, len(rows), block):
+        interrupt.check()
+        r = rows[a : a + block]
+        s = dt.type(scale) * (np.asarray(q[r], dt) @ kd.T)
+        if causal:
+            s = np.where(np.arange(n)[None, :] <= r[:, None], s, -np.inf)
+        m = s.max(axis=-1, keepdims=True) if n else np.zeros((len(r), 1), dt)
+        m = np.where(np.isfinite(m), m, 0).astype(dt)
+        e = np.exp(s - m)
+        z = e.sum(axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o = np.where(z[:, None] > 0, (e / z[:, None]) @ vd, 0)
+            lse = np.where(z > 0, m[:, 0] + np.log(z), -np.inf)
+        outs.append(o.astype(dt))
+        lses.append(lse.astype(dt))
+    if not outs:
+        return np.zeros((0, q.shape[1]), dt), np.zeros(0, dt)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def sample_rows_of(length: int, count: int, seed: int, seq_index: int, head: int) -> np.ndarray:
+    """The sorted query rows the sampled check uses for one (sequence, head): all if count >= S."""
+    if count >= length:
+        return np.arange(length, dtype=np.int64)
+    rng = np.random.default_rng([seed, seq_index, head])
+    return np.sort(rng.choice(length, size=count, replace=False)).astype(np.int64)
 
 
 def _read_head(plan: Plan, seq, head: int, kv: bool) -> tuple:
@@ -66,12 +141,84 @@ def _read_head(plan: Plan, seq, head: int, kv: bool) -> tuple:
     return tuple(np.concatenate(parts[n]).astype(dt) for n in names)
 
 
+def _attr(f, key: str):
+    """A root attribute: typed (format 2) or a JSON string (format 1)."""
+    val = f.attrs[key]
+    if isinstance(val, bytes):
+        val = val.decode()
+    if isinstance(val, str) and int(f.attrs.get("format", 1)) < 2:
+        return json.loads(val)
+    return val.item() if isinstance(val, np.generic) else val
+
+
+def _range_bad(v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool, slack: float):
+    """Rows whose output leaves the range of the visible value rows (or is not 0 when none is)."""
+    v64 = np.asarray(v, np.float64)
+    if causal:
+        lo = np.minimum.accumulate(v64, axis=0)
+        hi = np.maximum.accumulate(v64, axis=0)
+    else:
+        lo = np.broadcast_to(v64.min(axis=0, initial=np.inf), v64.shape)
+        hi = np.broadcast_to(v64.max(axis=0, initial=-np.inf), v64.shape)
+    with np.errstate(invalid="ignore"):
+        bad = ((out < lo - slack) | (out > hi + slack)).any(axis=1)
+    none = np.isneginf(lse)  # no visible key: out must be 0
+    bad = np.where(none, (out != 0).any(axis=1), bad)
+    return bad
+
+
+class _Reporter:
+    """Verify progress on rank 0: a line every LOG_EVERY seconds (cost: rows x S per task)."""
+
+    def __init__(self, costs: list, enabled: bool, stream: Optional[TextIO] = None):
+        self.total = float(sum(costs)) or 1.0
+        self.done = 0.0
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.t0 = self.last = time.perf_counter()
+
+    def advance(self, cost: float, what: str) -> None:
+        self.done += cost
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < LOG_EVERY or self.done >= self.total:
+            return
+        self.last = now
+        f = self.done / self.total
+        eta = (now - self.t0) * (1 - f) / f
+        self.stream.write(f"ringmpi verify: {100 * f:.0f}% ({what}), ETA {duration(eta)}\n")
+        self.stream.flush()
+
+
 def verify(
-    output: str, inputs: Sequence[str], weights: Optional[str] = None, comm=None, max_tokens=65536
+    output: str,
+    inputs: Sequence[str],
+    weights: Optional[str] = None,
+    comm=None,
+    max_tokens: int = MAX_TOKENS,
+    sample_rows: int = SAMPLE_ROWS,
+    seed: int = 0,
+    quiet: bool = False,
 ) -> dict:
     """Check ``output`` against dense attention of ``inputs`` (collective over ``comm``).
 
-    Returns {"ok": bool, "sequences": [per-sequence dict], "skipped": [...]}.
+    Parameters
+    ----------
+    max_tokens : int
+        Sequences up to this length are checked in full.
+    sample_rows : int
+        Query rows per head checked in a longer sequence (0: skip those).
+    seed : int
+        Seed of the row sample.
+    quiet : bool
+        No progress lines on rank 0.
+
+    Returns
+    -------
+    dict
+        ``ok`` (something checked, nothing failed), ``status`` ("passed",
+        "failed" or "nothing checked"), ``sequences`` (one dict per checked
+        sequence: mode, rows checked/total/failed, errors and tolerances),
+        ``skipped`` (names), counts ``full``, ``sampled``, ``failed``.
     """
     import h5py
 
@@ -82,25 +229,45 @@ def verify(
     def attrs():
         try:
             with h5py.File(output, "r") as f:
-                return {k: json.loads(f.attrs[k]) for k in ("causal", "scale", "layout")}
+                return {k: _attr(f, k) for k in ("causal", "scale", "layout")}
         except (OSError, KeyError, ValueError) as e:
             raise InputError(f"{output}: not a ringmpi output file ({e})") from e
 
     meta = run_everywhere(comm, attrs)
     causal = bool(meta["causal"])
-    scale = meta["scale"] if meta["scale"] is not None else 1.0 / np.sqrt(plan.head_dim)
+    scale = float(meta["scale"]) if meta["scale"] is not None else plan.head_dim**-0.5
     dt = np.dtype(plan.dtype)
     low = np.dtype(np.float64 if dt == np.float64 else np.float32)
     group = plan.heads // plan.kv_heads
-    seqs = [i for i, s in enumerate(plan.sequences) if s.length <= max_tokens]
-    skipped = [s.name for s in plan.sequences if s.length > max_tokens]
-    tasks = [(i, h) for i in seqs for h in range(plan.heads)]
-    # per sequence: ring err out, dense err out, ring err lse, dense err lse, -inf mismatches
-    errs = np.zeros((len(plan.sequences), 5), dtype=np.float64)
+    nseq = len(plan.sequences)
+    mode = []
+    for s in plan.sequences:
+        if s.length <= max_tokens:
+            mode.append("full")
+        elif sample_rows > 0:
+            mode.append("sampled")
+        else:
+            mode.append("skipped")
+    checked = [i for i in range(nseq) if mode[i] != "skipped"]
+    tasks = [(i, h) for i in checked for h in range(plan.heads)]
+    mine = tasks[rank::size]
+
+    def nrows(i):
+        n = plan.sequences[i].length
+        return n if mode[i] == "full" else min(n, sample_rows)
+
+    report = _Reporter(
+        [nrows(i) * plan.sequences[i].length for i, _ in mine], rank == 0 and not quiet
+    )
+    # per sequence: max ring err out, max dense err out, ring err lse, dense err lse
+    errs = np.zeros((nseq, 4), dtype=np.float64)
+    # per sequence: rows checked, -inf/non-finite mismatches, rows out of range
+    cnt = np.zeros((nseq, 3), dtype=np.float64)
+    row_errs = []  # (i, err_out per row, err_lse per row) of this rank's tasks
 
     def work():
         with h5py.File(output, "r") as f:
-            for i, h in tasks[rank::size]:
+            for i, h in mine:
                 seq = plan.sequences[i]
                 (q,) = _read_head(plan, seq, h, kv=False)
                 k, v = _read_head(plan, seq, h // group, kv=True)
@@ -108,17 +275,38 @@ def verify(
                 b = (seq.batch,) if seq.batch is not None else ()
                 ring_o = np.asarray(node["out"][b + (slice(None), h)], np.float64)
                 ring_l = np.asarray(node["lse"][b + (h,)], np.float64)
-                ref_o, ref_l = dense_head(q, k, v, causal, scale, np.dtype(np.float64))
-                lo_o, lo_l = dense_head(q, k, v, causal, scale, low)
+                rows = (
+                    np.arange(seq.length, dtype=np.int64)
+                    if mode[i] == "full"
+                    else sample_rows_of(seq.length, sample_rows, seed, i, h)
+                )
+                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64)
+                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low)
                 lo_o = lo_o.astype(dt).astype(np.float64)
+                ro, rl = ring_o[rows], ring_l[rows]
                 fin = np.isfinite(ref_l)
+                with np.errstate(invalid="ignore"):
+                    eo = np.abs(ro - ref_o).max(axis=1, initial=0.0)
+                    el = np.where(fin, np.abs(rl - ref_l), 0.0)
+                eo = np.where(np.isnan(eo), np.inf, eo)
+                el = np.where(np.isnan(el), np.inf, el)
                 e = errs[i]
-                e[0] = max(e[0], np.abs(ring_o - ref_o).max())
-                e[1] = max(e[1], np.abs(lo_o - ref_o).max())
-                e[2] = max(e[2], np.abs(ring_l[fin] - ref_l[fin]).max(initial=0.0))
+                e[0] = max(e[0], eo.max(initial=0.0))
+                e[1] = max(e[1], np.abs(lo_o - ref_o).max(initial=0.0))
+                e[2] = max(e[2], el.max(initial=0.0))
                 e[3] = max(e[3], np.abs(lo_l[fin] - ref_l[fin]).max(initial=0.0))
-                e[4] += np.count_nonzero(np.isfinite(ring_l) != fin)
-                e[4] += np.count_nonzero(~np.isfinite(ring_o))
+                # every row, sampled or not: finite where it must be, within the value range
+                whole_fin = np.isfinite(ring_o).all(axis=1) & ~np.isnan(ring_l)
+                whole_fin &= ~np.isposinf(ring_l)
+                mism = np.zeros(seq.length, bool)
+                mism[rows] = np.isfinite(rl) != fin
+                slack = _RANGE_SLACK[plan.dtype] * float(np.abs(v).max(initial=0.0)) + 1e-30
+                out_range = _range_bad(v, ring_o, ring_l, causal, slack) & whole_fin
+                cnt[i, 0] += len(rows)
+                cnt[i, 1] += np.count_nonzero(mism | ~whole_fin)
+                cnt[i, 2] += np.count_nonzero(out_range)
+                row_errs.append((i, rows, eo, el, mism | ~whole_fin | out_range))
+                report.advance(len(rows) * seq.length, f"sequence {seq.name}, head {h}, {mode[i]}")
 
     run_everywhere(comm, work)
     if comm is not None:
@@ -126,41 +314,98 @@ def verify(
 
         mx = np.empty_like(errs)
         comm.Allreduce(errs, mx, op=MPI.MAX)
-        sm = np.empty_like(errs[:, 4])
-        comm.Allreduce(np.ascontiguousarray(errs[:, 4]), sm, op=MPI.SUM)
-        mx[:, 4] = sm
         errs = mx
     eps = EPS[plan.dtype]
-    rows, ok = [], True
-    for i in seqs:
-        e = errs[i]
-        tol_o, tol_l = 2 * e[1] + eps, 2 * e[3] + eps
-        good = bool(e[0] <= tol_o and e[2] <= tol_l and e[4] == 0)
-        ok &= good
-        rows.append(
+    tol = np.stack([2 * errs[:, 1] + eps, 2 * errs[:, 3] + eps], axis=1)
+    # rows failing the comparison (counted once per row, also when several checks fail)
+    failed = np.zeros(nseq, dtype=np.float64)
+    for i, rows, eo, el, flagged in row_errs:
+        bad_rows = flagged.copy()
+        bad_rows[rows] |= (eo > tol[i, 0]) | (el > tol[i, 1])
+        failed[i] += np.count_nonzero(bad_rows)
+    if comm is not None:
+        from mpi4py import MPI
+
+        tot = np.empty_like(cnt)
+        comm.Allreduce(cnt, tot, op=MPI.SUM)
+        cnt = tot
+        tf = np.empty_like(failed)
+        comm.Allreduce(failed, tf, op=MPI.SUM)
+        failed = tf
+    rows_out = []
+    for i in checked:
+        s = plan.sequences[i]
+        good = bool(failed[i] == 0)
+        rows_out.append(
             {
-                "sequence": plan.sequences[i].name,
-                "tokens": plan.sequences[i].length,
-                "err_out": float(e[0]),
-                "tol_out": float(tol_o),
-                "err_lse": float(e[2]),
-                "tol_lse": float(tol_l),
-                "mismatched_rows": int(e[4]),
+                "sequence": s.name,
+                "tokens": s.length,
+                "mode": mode[i],
+                "rows_checked": int(cnt[i, 0]),
+                "rows_total": int(s.length * plan.heads),
+                "rows_failed": int(failed[i]),
+                "rows_not_finite": int(cnt[i, 1]),
+                "rows_out_of_range": int(cnt[i, 2]),
+                "err_out": float(errs[i, 0]),
+                "tol_out": float(tol[i, 0]),
+                "err_lse": float(errs[i, 2]),
+                "tol_lse": float(tol[i, 1]),
                 "ok": good,
             }
         )
-    return {"ok": ok, "sequences": rows, "skipped": skipped}
+    nfail = sum(not r["ok"] for r in rows_out)
+    status = "nothing checked" if not rows_out else ("failed" if nfail else "passed")
+    return {
+        "ok": status == "passed",
+        "status": status,
+        "sequences": rows_out,
+        "skipped": [plan.sequences[i].name for i in range(nseq) if mode[i] == "skipped"],
+        "full": mode.count("full"),
+        "sampled": mode.count("sampled"),
+        "failed": nfail,
+        "max_tokens": int(max_tokens),
+        "sample_rows": int(sample_rows),
+    }
 
 
 def format_verify(res: dict) -> str:
-    """One line per sequence plus a verdict."""
+    """One line per sequence plus a verdict that says what was and was not checked."""
     lines = []
     for r in res["sequences"]:
+        per_head = r["rows_checked"] // max(1, r["rows_total"] // max(1, r["tokens"]))
+        if r["mode"] == "full":
+            how = f"full ({r['rows_checked']:,} rows)"
+        else:
+            how = (
+                f"sampled ({per_head:,} of {r['tokens']:,} rows per head; all rows: finite, "
+                "in range)"
+            )
+        bad = ""
+        if r["rows_failed"]:
+            bad = f", {r['rows_failed']:,} row(s) FAILED"
+            if r["rows_not_finite"]:
+                bad += f" ({r['rows_not_finite']:,} not finite / -inf mismatch)"
+            if r["rows_out_of_range"]:
+                bad += f" ({r['rows_out_of_range']:,} outside the value range)"
         lines.append(
-            f"  verify {r['sequence']}: max|out-ref| {r['err_out']:.2e} <= {r['tol_out']:.2e}, "
-            f"max|lse-ref| {r['err_lse']:.2e} <= {r['tol_lse']:.2e}: {'OK' if r['ok'] else 'FAIL'}"
+            f"  verify {r['sequence']}: {how}: max|out-ref| {r['err_out']:.2e} <= "
+            f"{r['tol_out']:.2e}, max|lse-ref| {r['err_lse']:.2e} <= {r['tol_lse']:.2e}{bad}: "
+            f"{'OK' if r['ok'] else 'FAIL'}"
         )
     for name in res["skipped"]:
-        lines.append(f"  verify {name}: skipped (longer than --max-tokens)")
-    lines.append(f"ringmpi verify: {'PASSED' if res['ok'] else 'FAILED'}")
+        lines.append(
+            f"  verify {name}: skipped (longer than --max-tokens {res['max_tokens']:,}, "
+            "and --sample-rows 0)"
+        )
+    n_checked = len(res["sequences"])
+    what = f"{res['full']} full, {res['sampled']} sampled, {len(res['skipped'])} skipped"
+    if res["status"] == "nothing checked":
+        lines.append(
+            f"ringmpi verify: NOTHING CHECKED ({what}): not a pass; raise --max-tokens or "
+            "use --sample-rows > 0"
+        )
+    elif res["status"] == "failed":
+        lines.append(f"ringmpi verify: FAILED ({res['failed']} of {n_checked} checked; {what})")
+    else:
+        lines.append(f"ringmpi verify: PASSED ({what})")
     return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""Ctrl-C in the library: ring_attention stops promptly, from inside the kernels too.
+
+A timer thread sends SIGINT to this process while ring_attention runs. The call
+must raise KeyboardInterrupt within a second or so (the fused kernel calls its
+progress callback every 512 query rows), print no "Exception ignored" from
+ctypes, leave no transfer in flight, and the next call must work and be right.
+Multi-rank: every rank interrupts itself during the same long call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringmpi import interrupt, reference, ring, ring_attention, shard
+from ringmpi.testing import assert_all
+
+LONG = (6144, 8, 64)  # S, H, D: a few seconds of kernel time on one core
+
+
+def _qkv(s, h, d, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((s, h, d)).astype("f4") for _ in range(3)]
+
+
+def _interrupt_after(seconds: float, sig=signal.SIGINT) -> threading.Timer:
+    t = threading.Timer(seconds, os.kill, (os.getpid(), sig))
+    t.start()
+    return t
+
+
+def _interrupted_call(comm, capfd=None):
+    """Run a long ring_attention, SIGINT after 0.4 s; return seconds from signal to raise."""
+    s, h, d = LONG
+    q, k, v = (shard(x, comm) for x in _qkv(s, h, d))
+    comm.Barrier()
+    t0 = time.perf_counter()
+    timer = _interrupt_after(0.4)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ring_attention(q, k, v, comm)
+        return time.perf_counter() - t0 - 0.4
+    finally:
+        timer.cancel()
+
+
+def _check_next_call_right(comm):
+    q, k, v = _qkv(300, 2, 16, seed=3)
+    out = ring_attention(*(shard(x, comm) for x in (q, k, v)), comm, causal=True)
+    ref, _ = reference.attention(q, k, v, causal=True)
+    err = float(np.abs(out - shard(ref, comm)).max())
+    return err
+
+
+def test_sigint_stops_ring_attention_in_the_kernel(capfd):
+    comm = MPI.COMM_SELF
+    secs = _interrupted_call(comm)
+    err = capfd.readouterr().err
+    assert secs < 2.0, secs
+    assert "Exception ignored" not in err, err
+    assert ring.abandoned() == 0
+    assert interrupt.pending() is None and not interrupt.active()
+    # the default handler is back: outside a call, Ctrl-C is a plain KeyboardInterrupt
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert _check_next_call_right(comm) < 1e-5
+
+
+def test_program_handler_is_left_alone():
+    seen = []
+    old = signal.signal(signal.SIGINT, lambda s, f: seen.append(s))
+    try:
+        q, k, v = _qkv(64, 1, 8)
+        ring_attention(q, k, v, MPI.COMM_SELF)
+        assert signal.getsignal(signal.SIGINT) is not interrupt._handler
+        with interrupt.catching():
+            assert not interrupt.active()  # a program's own handler is not replaced
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_flag_raised_at_the_end_of_the_block_is_not_lost():
+    with pytest.raises(interrupt.Interrupted) as e:
+        with interrupt.catching((signal.SIGINT, signal.SIGTERM)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs; nothing checks inside the block
+    assert e.value.exit_status == 143 and isinstance(e.value, KeyboardInterrupt)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.mpi
+def test_sigint_on_every_rank_stops_and_frees(comm):
+    secs = _interrupted_call(comm)
+    worst = max(comm.allgather(secs))
+    assert_all(comm, worst < 3.0, f"interrupt took {worst:.2f} s")
+    left = comm.allgather(ring.abandoned())
+    assert_all(comm, sum(left) == 0, f"transfers left in flight: {left}")
+    comm.Barrier()
+    err = max(comm.allgather(_check_next_call_right(comm)))
+    assert_all(comm, err < 1e-5, f"next call wrong: {err}")
