@@ -18,6 +18,7 @@ import pytest
 import ringmpi
 from ringmpi import gpu, softmax
 from ringmpi.cpu import numpy_tile as cpu
+from ringmpi.gpu import configs, device
 from ringmpi.gpu import tile as gpu_tile
 from ringmpi.partition import positions
 from ringmpi.reference import attention
@@ -49,10 +50,17 @@ def to_tile(x: np.ndarray, dtype: str):
     return r, cupy.asarray(r)
 
 
+def storage_of(dtype: str) -> str:
+    return gpu_tile._storage(np.dtype("uint16" if dtype == "bfloat16" else dtype))
+
+
+def smem_limit() -> int:
+    return device.smem_optin(device.current())
+
+
 def kernel_for(dtype: str, d: int):
     """The kernel configuration the backend picks for this dtype and head dim."""
-    storage = gpu_tile._storage(np.dtype("uint16" if dtype == "bfloat16" else dtype))
-    return gpu_tile._select(storage, d)
+    return gpu_tile._select(storage_of(dtype), d, smem_limit())
 
 
 def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
@@ -113,8 +121,9 @@ def test_tile_random_shapes(dtype, d):
                                               causal)  # fmt: skip
             what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
             check_state(c, g, dtype, np.abs(vn).max(), what)
-            pairs = gpu_tile.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, causal)
-            assert flops == 4 * pairs * d * b * h, what
+            assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, causal, b, h, hkv, d), what
+            visible = (k_pos[None, :] <= q_pos[:, None]).sum() if causal else sq * sk
+            assert 4 * visible * d * b * h <= flops <= 4 * sq * sk * d * b * h, what
             assert calls, "progress was never called"
 
 
@@ -135,8 +144,7 @@ def test_tile_causal_offsets_every_layout(dtype, layout):
                 check_state(c, g, dtype, np.abs(vn).max(), what)
                 visible = (k_pos[None, :] <= q_pos[:, None]).sum()
                 kern = kernel_for(dtype, d)
-                want = 4 * gpu_tile.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, True) * d * 4
-                assert flops == want, what
+                assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d), what
                 assert (flops == 0) == (visible == 0), f"{what}: skipping is wrong"
 
 
@@ -150,11 +158,97 @@ def test_fully_masked_tile_leaves_state():
 
 
 def test_bf16_bits_round_trip():
-    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-40], dtype=np.float32)
+    """CuPy rounding is bit-identical to the numpy path (checked against a reference in
+    tests/test_gpu_compile.py); the error is at most half a bfloat16 ulp, subnormals too."""
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-40, -1e-39, 0.0],
+                 dtype=np.float32)  # fmt: skip
     b = gpu.to_bf16_bits(cupy.asarray(x))
-    back = cupy.asnumpy(gpu.from_bf16_bits(b))
+    assert b.dtype == cupy.uint16
+    np.testing.assert_array_equal(cupy.asnumpy(b), gpu.to_bf16_bits(x))
+    back = cupy.asnumpy(gpu.from_bf16_bits(b)).astype(np.float64)
     np.testing.assert_array_equal(back[:4], [1.0, 1.0, 1.015625, -2.5])
-    assert np.all(np.abs(back - x) <= 2.0**-8 * np.abs(x))
+    # ulp of bfloat16 at |x|: 2**(e - 7) for normal x (2**e <= |x|), 2**-133 below 2**-126
+    e = np.floor(np.log2(np.maximum(np.abs(x).astype(np.float64), 2.0**-126)))
+    assert np.all(np.abs(back - x) <= 2.0 ** (e - 8))
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    got = cupy.asnumpy(gpu.to_bf16_bits(cupy.asarray(raw)))
+    want = gpu.to_bf16_bits(raw)
+    nan = np.isnan(raw)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.all(np.isnan(gpu.from_bf16_bits(got[nan]))), "a NaN did not stay NaN"
+
+
+def test_every_configuration_that_fits(monkeypatch):
+    """Each forward configuration the device can run, forced through RINGMPI_GPU_CONFIG."""
+    rng = np.random.default_rng(8)
+    for dtype in DTYPES:
+        for d in (64, 128, 200):
+            for kern in configs.forward_candidates(storage_of(dtype), d, smem_limit()):
+                monkeypatch.setenv(gpu_tile.CONFIG_ENV, kern.name)
+                assert kernel_for(dtype, d) == kern
+                q_pos = np.arange(150, dtype=np.int64) + 60
+                k_pos, k_pos0 = np.arange(190, dtype=np.int64), np.arange(70, dtype=np.int64)
+                for causal in (False, True):
+                    c, g, flops, _, vn = run_pair(rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0,
+                                                  causal)  # fmt: skip
+                    what = f"{kern.name} {dtype} D={d} causal={causal}"
+                    check_state(c, g, dtype, np.abs(vn).max(), what)
+                    assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d)
+    monkeypatch.setenv(gpu_tile.CONFIG_ENV, "no-such-config")
+    with pytest.raises(ValueError, match="no-such-config"):
+        kernel_for("float32", 64)
+
+
+def test_check_finite_bf16_bits_on_gpu():
+    from mpi4py import MPI
+
+    x = np.ones((8, 2, 16), dtype=np.float32)
+    x[3, 1, 5] = np.inf
+    q = cupy.asarray(gpu.to_bf16_bits(x))
+    k = cupy.asarray(gpu.to_bf16_bits(np.ones_like(x)))
+    with pytest.raises(ValueError, match="q contains NaN or Inf"):
+        ringmpi.ring_attention(q, k, k, MPI.COMM_SELF, check_finite=True)
+
+
+_SPIN = r"""
+extern "C" __global__ void spin_fill(float* x, int n, float val, long long cycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x)
+    x[i] = val;
+}
+"""
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_staged_start_does_not_wait_for_the_kernel(aware):
+    """Staged: start() returns while the producing kernel still runs; the data is still right."""
+    from mpi4py import MPI
+
+    if aware and not gpu.cuda_aware():
+        pytest.skip("MPI is not CUDA-aware here")
+    spin = cupy.RawKernel(_SPIN, "spin_fill")
+    ring = gpu.GpuRing(MPI.COMM_SELF)  # a ring of one: sends to itself
+    ring.cuda_aware = aware
+    try:
+        send = cupy.zeros(1 << 20, dtype=cupy.float32)
+        recv = cupy.empty_like(send)
+        for it in range(3):
+            rate = device.props(device.current())["clockRate"] * 1e3  # Hz
+            spin((64,), (256,), (send, np.int32(send.size), np.float32(it + 1),
+                                 np.int64(int(0.2 * rate))))  # fmt: skip
+            done = cupy.cuda.Event()
+            done.record()
+            ring.start(send, recv)
+            if not aware:  # CUDA-aware start synchronises the producer by design
+                assert not done.done, "start() waited for the kernel: no overlap possible"
+            while not done.done:
+                ring.test()
+            ring.wait()
+            assert bool((recv == it + 1).all()), f"iteration {it}: received stale data"
+    finally:
+        ring.free()
 
 
 # ---------------------------------------------------------------------------

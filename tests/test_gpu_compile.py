@@ -1,23 +1,27 @@
-"""Every CUDA kernel instantiation compiles with NVRTC for sm_80 and sm_90 (no GPU needed).
+"""GPU code checked without a GPU: NVRTC compiles every kernel, and the host-side logic.
 
 NVRTC comes from the ``test`` extra (nvidia-cuda-nvrtc-cu12). If it cannot be
-loaded the test FAILS: a missing compiler must not pass CI silently.
-``RINGMPI_SKIP_NVRTC=1`` skips deliberately (for machines that cannot install it).
+loaded the compile tests FAIL: a missing compiler must not pass CI silently.
+``RINGMPI_SKIP_NVRTC=1`` skips them deliberately (for machines that cannot
+install it). The other tests here (configuration choice for a device's shared
+memory, bfloat16 rounding, bfloat16 finiteness checks) need neither.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
-from ringmpi.gpu import nvrtc
+from ringmpi import arguments
+from ringmpi.gpu import configs, nvrtc
 from ringmpi.gpu import tile as gpu
 
-if os.environ.get("RINGMPI_SKIP_NVRTC") == "1":
-    pytest.skip(
-        "RINGMPI_SKIP_NVRTC=1: NVRTC compile check skipped on request", allow_module_level=True
-    )
+SKIP_NVRTC = os.environ.get("RINGMPI_SKIP_NVRTC") == "1"
+needs_nvrtc = pytest.mark.skipif(SKIP_NVRTC, reason="RINGMPI_SKIP_NVRTC=1: NVRTC check skipped")
+# sharedMemPerBlockOptin of real devices: sm_86/89/120 (A10, L4, L40S, RTX), sm_80/87, sm_90
+LIMITS = {"sm_86": 101_376, "sm_80": 166_912, "sm_90": 232_448}
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +32,7 @@ def results():
         pytest.fail(str(exc))
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", nvrtc.ARCHS)
 def test_every_instantiation_compiles(results, arch):
     res = results[arch]
@@ -39,6 +44,7 @@ def test_every_instantiation_compiles(results, arch):
     assert len(names) >= 16
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", nvrtc.ARCHS)
 def test_no_register_spills(results, arch):
     res = results[arch]
@@ -49,16 +55,121 @@ def test_no_register_spills(results, arch):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{arch} {expr} spills: {r}"
 
 
-def test_kernel_selection_covers_every_head_dim():
-    for storage in ("half_t", "bf16_t", "float", "double"):
-        for d in range(1, gpu.MAX_D + 1):
-            kern = gpu._select(storage, d)
-            assert kern.expr in gpu.kernel_names()
-            assert kern.smem <= 163 * 1024  # fits an sm_80 CTA
-    with pytest.raises(ValueError):
-        gpu._select("float", gpu.MAX_D + 1)
-
-
+@needs_nvrtc
 def test_compile_error_is_reported():
     res = nvrtc.compile_source("__global__ void f() { undefined_thing(); }", (), "sm_80")
     assert not res.ok and "undefined_thing" in res.log
+
+
+# ---------------------------------------------------------------------------
+# configuration choice for the device's shared memory (no GPU needed)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", list(LIMITS))
+def test_selection_fits_the_device(arch):
+    limit = LIMITS[arch]
+    names = set(gpu.kernel_names())
+    for storage in configs.STORAGES:
+        for d in range(1, configs.MAX_D + 1):
+            kern = configs.select_forward(storage, d, limit)
+            assert kern.expr in names, kern
+            assert kern.smem <= limit, f"{arch} {storage} D={d}: {kern}"
+            for c in configs.forward_candidates(storage, d, limit):
+                assert c.smem <= limit and c.expr in names
+    with pytest.raises(ValueError):
+        configs.select_forward("float", configs.MAX_D + 1, limit)
+
+
+def test_selection_uses_the_largest_tiles_that_fit():
+    # the configurations the review found over sm_86's 101,376 B get smaller tiles there
+    for storage, d, big in [("float", 128, 115_712), ("double", 128, 107_520),
+                            ("float", 256, 102_912), ("half_t", 200, 102_912),
+                            ("bf16_t", 256, 102_912)]:  # fmt: skip
+        assert configs.select_forward(storage, d, LIMITS["sm_80"]).smem == big
+        small = configs.select_forward(storage, d, LIMITS["sm_86"])
+        assert small.smem < LIMITS["sm_86"] < big
+    # fp64 D = 256 needs 100,864 B: it fits sm_86 (just), not a 64 KiB device
+    assert configs.select_forward("double", 256, LIMITS["sm_86"]).smem == 100_864
+    with pytest.raises(configs.NoConfigError, match="smallest needs 100864 B"):
+        configs.select_forward("double", 256, 65_536)
+    # lower limits pick smaller tiles, never an oversized one
+    for limit in (65_536, 80_000):
+        for d in (64, 128, 256):
+            assert configs.select_forward("float", d, limit).smem <= limit
+
+
+def test_forced_configuration():
+    smallest = configs.forward_all("float", 128)[-1]
+    assert configs.select_forward("float", 128, LIMITS["sm_90"], smallest.name) == smallest
+    with pytest.raises(configs.NoConfigError, match="valid: simt64x64"):
+        configs.select_forward("float", 128, LIMITS["sm_90"], "nonsense")
+    # a forced configuration that does not fit the device is refused, not launched
+    big = configs.forward_all("float", 128)[0].name
+    with pytest.raises(configs.NoConfigError, match=big):
+        configs.select_forward("float", 128, LIMITS["sm_86"], big)
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 bits (numpy path; tests/test_gpu.py checks the CuPy path against it)
+# ---------------------------------------------------------------------------
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 bits by comparing distances in float64 (ties to even)."""
+    u = x.astype(np.float32).view(np.uint32)
+    with np.errstate(invalid="ignore"):
+        return _bf16_reference(u)
+
+
+def _bf16_reference(u: np.ndarray) -> np.ndarray:
+    sign = (u >> 16) & 0x8000
+    mag = (u & 0x7FFFFFFF).view(np.float32).astype(np.float64)
+    lo = ((u & 0x7FFFFFFF) >> 16).astype(np.uint32)  # truncated magnitude bits
+    v_lo = (lo << 16).view(np.float32).astype(np.float64)
+    hi = lo + 1
+    # the value above the largest finite bfloat16 counts as 2**128 (it rounds to inf)
+    v_hi = np.where(hi == 0x7F80, 2.0**128, (hi << 16).view(np.float32).astype(np.float64))
+    up = (mag - v_lo > v_hi - mag) | ((mag - v_lo == v_hi - mag) & (lo % 2 == 1))
+    bits = np.where(up, hi, lo)
+    bits = np.where(np.isinf(mag), 0x7F80, bits)
+    bits = np.where(np.isnan(mag), 0x7FC0 | (lo & 0x3F), bits)  # any quiet NaN
+    return (bits | sign).astype(np.uint16)
+
+
+def is_nan_bits(b: np.ndarray) -> np.ndarray:
+    return ((b & 0x7F80) == 0x7F80) & ((b & 0x7F) != 0)
+
+
+def test_bf16_rounding_matches_reference():
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0, 0x80000000, 0x00000001, 0x007FFFFF, 0x00800000, 0x3F808000,
+                        0x3F818000, 0x3F80FFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000,
+                        0xFF800000, 0x7F800001, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF, 0x7FC00000,
+                        0x000116C2], dtype=np.uint32)  # fmt: skip
+    x = np.concatenate((raw, special)).view(np.float32)
+    got, want = gpu.to_bf16_bits(x), bf16_reference(x)
+    nan = np.isnan(x)
+    assert np.all(is_nan_bits(got[nan])), "a NaN did not stay NaN"
+    assert np.array_equal(got[nan] & 0x8000, want[nan] & 0x8000), "NaN sign lost"
+    bad = np.flatnonzero(got[~nan] != want[~nan])
+    assert bad.size == 0, f"{bad.size} mismatches, e.g. {x[~nan][bad[:3]]}"
+    # half an ulp of bfloat16 at the value's magnitude bounds the error (subnormals too)
+    fin = np.isfinite(x) & (np.abs(x) < 3.3e38)
+    back = gpu.from_bf16_bits(got[fin]).astype(np.float64)
+    e = np.floor(np.log2(np.maximum(np.abs(x[fin]).astype(np.float64), 2.0**-126)))
+    assert np.all(np.abs(back - x[fin]) <= 2.0 ** (e - 8))
+
+
+def test_bf16_nan_payloads_and_inf():
+    x = np.array([0x7F800001, 0x7F80FFFF, 0xFFFFFFFF, 0x7FBFFFFF, 0x7F800000, 0xFF800000],
+                 dtype=np.uint32).view(np.float32)  # fmt: skip
+    b = gpu.to_bf16_bits(x)
+    assert np.all(is_nan_bits(b[:4])) and np.all(np.isnan(gpu.from_bf16_bits(b[:4])))
+    assert list(gpu.from_bf16_bits(b[4:])) == [np.inf, -np.inf]
+
+
+def test_check_finite_sees_bf16_bits():
+    ok = gpu.to_bf16_bits(np.array([1.0, -3e38, 1e-40, 0.0], dtype=np.float32))
+    assert arguments._nonfinite(np, {"q": ok}) is None
+    for bad in (np.inf, -np.inf, np.nan):
+        b = gpu.to_bf16_bits(np.array([1.0, bad], dtype=np.float32))
+        assert "q contains NaN or Inf" in arguments._nonfinite(np, {"q": b})
+    assert arguments._nonfinite(np, {"q": np.array([1.0, np.nan])}) is not None

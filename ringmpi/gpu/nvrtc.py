@@ -24,7 +24,15 @@ from typing import Optional
 
 from .loader import OPTIONS, source
 
-__all__ = ["NvrtcError", "CompileResult", "find_library", "version", "compile_source", "check"]
+__all__ = [
+    "NvrtcError",
+    "CompileResult",
+    "find_library",
+    "version",
+    "compile_source",
+    "sources",
+    "check",
+]
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -188,13 +196,40 @@ def compile_source(
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def check(archs: Sequence[str] = ARCHS, names: Optional[Sequence[str]] = None) -> dict:
-    """Compile every attention kernel instantiation for each arch; {arch: CompileResult}."""
+def sources() -> dict:
+    """{kernel file: name expressions} of every CUDA source the GPU tiles load."""
     from .tile import KERNEL_FILE, kernel_names
 
-    names = kernel_names() if names is None else tuple(names)
-    code = source(KERNEL_FILE)
-    return {a: compile_source(code, names, a, filename=KERNEL_FILE) for a in archs}
+    return {KERNEL_FILE: kernel_names()}
+
+
+def _merge(arch: str, parts: list) -> CompileResult:
+    out = CompileResult(arch, all(p.ok for p in parts), "\n".join(p.log for p in parts if p.log))
+    for p in parts:
+        out.lowered.update(p.lowered)
+        out.resources.update(p.resources)
+        out.binary_size += p.binary_size
+    return out
+
+
+def check(archs: Sequence[str] = ARCHS, files: Optional[dict] = None) -> dict:
+    """Compile every kernel instantiation of every source for each arch; {arch: CompileResult}.
+
+    ``files`` maps kernel file -> name expressions (default :func:`sources`). The
+    (arch, file) programs compile concurrently in threads (NVRTC calls release
+    the GIL), and the results of one arch are merged into one CompileResult.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sources() if files is None else files
+    jobs = [(a, f, tuple(n)) for a in archs for f, n in files.items()]
+    _lib()  # load once before the threads start
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        done = list(
+            pool.map(lambda j: compile_source(source(j[1]), j[2], j[0], filename=j[1]), jobs)
+        )
+    return {a: _merge(a, [r for (ja, _, _), r in zip(jobs, done) if ja == a]) for a in archs}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

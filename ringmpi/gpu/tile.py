@@ -20,14 +20,15 @@ CuPy is imported lazily: importing this module needs neither CuPy nor a GPU.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import os
 from typing import Callable, Optional
 
 import numpy as np
 
-from . import loader
+from . import configs, device, loader
 
 __all__ = [
+    "CONFIG_ENV",
     "KERNEL_FILE",
     "kernel_names",
     "forward_tile",
@@ -38,48 +39,13 @@ __all__ = [
 ]
 
 KERNEL_FILE = "attention_fwd.cu"
-MAX_D = 256
-_MMA_HD = (32, 64, 96, 128)  # tensor-core head dims (D padded up to one of these)
-# CUDA-core kernel (storage, acc, DMAX) -> (BM, BN): sized so shared memory fits sm_80
-_SIMT = {
-    ("float", "float", 64): (64, 64),
-    ("float", "float", 128): (64, 64),
-    ("float", "float", 256): (32, 32),
-    ("double", "double", 64): (32, 32),
-    ("double", "double", 128): (32, 32),
-    ("double", "double", 256): (16, 16),
-    ("half_t", "float", 256): (32, 32),
-    ("bf16_t", "float", 256): (32, 32),
-}
-
-
-@dataclass(frozen=True)
-class _Kernel:
-    expr: str  # NVRTC name expression
-    bm: int  # query rows per CTA
-    bn: int  # keys per block
-    threads: int
-    smem: int  # dynamic shared memory bytes
-    mma: bool  # tensor-core kernel (needs 16-byte rows)
-
-
-def _mma_kernel(storage: str, hd: int) -> _Kernel:
-    smem = (64 + 4 * 64) * (hd + 8) * 2  # Q + double-buffered K and V, 16-bit
-    return _Kernel(f"attn_fwd_mma<{storage}, {hd}>", 64, 64, 128, smem, True)
-
-
-def _simt_kernel(storage: str, acc: str, dmax: int) -> _Kernel:
-    bm, bn = _SIMT[(storage, acc, dmax)]
-    size = 8 if acc == "double" else 4
-    smem = ((bm + 2 * bn) * (dmax + 1) + bm * (bn + 1)) * size
-    return _Kernel(f"attn_fwd_simt<{storage}, {acc}, {dmax}, {bm}, {bn}>", bm, bn, 256, smem, False)
+CONFIG_ENV = "RINGMPI_GPU_CONFIG"  # force one configuration by name (configs.Config.name)
+MAX_D = configs.MAX_D
 
 
 def kernel_names() -> tuple:
-    """Every template instantiation the backend may launch (NVRTC name expressions)."""
-    names = [_mma_kernel(s, hd).expr for s in ("half_t", "bf16_t") for hd in _MMA_HD]
-    names += [_simt_kernel(*key).expr for key in _SIMT]
-    return tuple(names)
+    """Every forward template instantiation the backend may launch (NVRTC name expressions)."""
+    return configs.forward_names()
 
 
 def _dtype_name(dtype) -> str:
@@ -98,13 +64,9 @@ def _storage(dtype) -> str:
     return kinds[name]
 
 
-def _select(storage: str, d: int) -> _Kernel:
-    if not 1 <= d <= MAX_D:
-        raise ValueError(f"GPU tile: head dim D={d} outside 1..{MAX_D}")
-    if storage in ("half_t", "bf16_t") and d <= _MMA_HD[-1]:
-        return _mma_kernel(storage, next(hd for hd in _MMA_HD if d <= hd))
-    acc = "double" if storage == "double" else "float"
-    return _simt_kernel(storage, acc, next(x for x in (64, 128, 256) if d <= x))
+def _select(storage: str, d: int, smem_limit: int) -> configs.Config:
+    """The forward configuration: ``RINGMPI_GPU_CONFIG`` if set, else the first that fits."""
+    return configs.select_forward(storage, d, smem_limit, os.environ.get(CONFIG_ENV, "").strip())
 
 
 def tile_dtype(dtype):
@@ -132,11 +94,20 @@ def _xp(x):
 
 
 def to_bf16_bits(x):
-    """float array (numpy or CuPy) -> uint16 bfloat16 bits, round to nearest even."""
+    """float array (numpy or CuPy) -> uint16 bfloat16 bits, round to nearest even.
+
+    Finite values round to nearest even (overflow gives +-inf, as IEEE does);
+    infinities stay infinite and every NaN becomes a quiet NaN of the same sign.
+    """
     xp = _xp(x)
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-    # add 0x7fff plus the lowest kept bit, then keep the upper half (NaN is not special-cased)
-    return ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
+    # add 0x7fff plus the lowest kept bit, then keep the upper half
+    r = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
+    # NaN (exponent all ones, mantissa non-zero): the rounding above could carry
+    # into the sign or clear the mantissa, so keep sign + exponent and set the quiet bit
+    nan = (u & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
+    quiet = ((u >> 16) | xp.uint32(0x0040)).astype(xp.uint16)
+    return xp.where(nan, quiet, r)
 
 
 def from_bf16_bits(u):
@@ -169,6 +140,17 @@ def visible_pairs(q_pos: np.ndarray, k_pos: np.ndarray, bm: int, bn: int, causal
     return int(np.dot(nq, cum[np.searchsorted(klo[order], qhi, side="right")]))
 
 
+def tile_flops(kern, q_pos, k_pos, causal: bool, b: int, h: int, hkv: int, d: int) -> int:
+    """Flops ``forward_tile`` reports for one call with configuration ``kern``.
+
+    4 * D per (query, key) pair inside the (query block, key block) pairs that
+    the kernel computes (those not skipped), over B batches and H heads.
+    """
+    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+    k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
+    return 4 * d * b * h * visible_pairs(q_pos, k_pos, kern.bm, kern.bn, causal)
+
+
 @functools.lru_cache(maxsize=128)
 def _device_pos_cached(dev: int, data: bytes):
     import cupy
@@ -192,13 +174,13 @@ def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, causal: bool)
     return bounds, visible_pairs(q_pos, k_pos, bm, bn, causal)
 
 
-def _plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: _Kernel, causal: bool, dev: int):
+def _plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: configs.Config, causal: bool, dev: int):
     """(device block bounds, visible pairs) for a tile call, cached by content."""
     return _plan_cached(dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, causal)
 
 
 @functools.cache
-def _function(kern: _Kernel, dev: int):
+def _function(kern: configs.Config, dev: int):
     fn = loader.get_function(KERNEL_FILE, kern.expr, kernel_names())
     if kern.smem > 48 * 1024:  # opt in to more than the default 48 KiB
         fn.max_dynamic_shared_size_bytes = kern.smem
@@ -279,7 +261,9 @@ def forward_tile(
     _check_state("l", l, q.shape[:3], adt)
     if sq == 0 or sk == 0 or bsz == 0 or h == 0:
         return 0
-    kern = _select(_storage(q.dtype), d)
+    dev = device.current()
+    device.check_arch(dev)
+    kern = _select(_storage(q.dtype), d, device.smem_optin(dev))
     if kern.mma:
         ld = -(-d // 8) * 8  # 16-byte rows for cp.async
         q, k, v = _rows16(q, ld), _rows16(k, ld), _rows16(v, ld)
@@ -288,7 +272,6 @@ def forward_tile(
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
     k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
-    dev = cupy.cuda.Device().id
     bounds, pairs = _plan(q_pos, k_pos, kern, bool(causal), dev)
     fscale = np.float64(scale) if adt == np.float64 else np.float32(scale)
     args = (q, k, v, acc, m, l, _device_pos(q_pos, dev), _device_pos(k_pos, dev), bounds)

@@ -1,0 +1,164 @@
+"""Kernel configurations of the CUDA tiles and the choice among them (no CuPy needed).
+
+A configuration is one template instantiation with its launch shape and its
+dynamic shared memory. Which ones may run depends on the storage type, the head
+dim D and the device's opt-in shared-memory limit per block
+(``sharedMemPerBlockOptin``: 232,448 B on sm_90, 166,912 B on sm_80/87,
+101,376 B on sm_86/89/120). :func:`forward_candidates` lists the ones that fit,
+fastest-expected first; the device tile then uses the first, or the one that
+the autotuner (:mod:`ringmpi.gpu.tune`) measured fastest, or the one
+``RINGMPI_GPU_CONFIG`` names.
+
+Storage types are the kernel's names: ``half_t`` (fp16), ``bf16_t`` (bfloat16
+bits), ``float``, ``double``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Config",
+    "MAX_D",
+    "STORAGES",
+    "forward_all",
+    "forward_candidates",
+    "forward_names",
+    "select_forward",
+    "NoConfigError",
+]
+
+MAX_D = 256
+STORAGES = ("half_t", "bf16_t", "float", "double")
+_MMA_HD = (32, 64, 96, 128)  # tensor-core head dims (D padded up to one of these)
+_SIMT_DMAX = (64, 128, 256)
+
+
+class NoConfigError(ValueError):
+    """No kernel configuration fits the device's shared memory for this call."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One kernel instantiation and how to launch it.
+
+    Attributes
+    ----------
+    name : str
+        Family name, the same for every head dim (what ``RINGMPI_GPU_CONFIG`` takes).
+    expr : str
+        NVRTC name expression of the template instantiation.
+    bm, bn : int
+        Query rows per CTA and keys per key block.
+    threads : int
+        Threads per CTA.
+    smem : int
+        Dynamic shared memory per CTA in bytes.
+    mma : bool
+        Tensor-core kernel: rows must be 16-byte aligned (padded to ``ld``).
+    packed : bool
+        The query heads sharing a K/V head are packed into the rows of one CTA
+        (row r of a CTA group is position r // G of head r % G) and the CTAs
+        are launched heaviest causal block first (through an order array).
+    """
+
+    name: str
+    expr: str
+    bm: int
+    bn: int
+    threads: int
+    smem: int
+    mma: bool
+    packed: bool = False
+
+
+def _acc(storage: str) -> str:
+    return "double" if storage == "double" else "float"
+
+
+def _pad(d: int, dims: tuple) -> int:
+    return next(x for x in dims if d <= x)
+
+
+# ---------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------
+def _mma64(storage: str, hd: int) -> Config:
+    # 4 warps x 16 query rows, 64-key blocks; Q + double-buffered K and V, 16-bit
+    smem = (64 + 4 * 64) * (hd + 8) * 2
+    return Config("mma64", f"attn_fwd_mma<{storage}, {hd}>", 64, 64, 128, smem, True)
+
+
+# CUDA-core kernel: (BM, BN) per (acc, DMAX), largest first; smaller ones exist
+# for devices with 99 KB of shared memory per block (sm_86/89/120)
+_SIMT_TILES = {
+    ("float", 64): ((64, 64), (32, 32)),
+    ("float", 128): ((64, 64), (32, 32)),
+    ("float", 256): ((32, 32), (32, 16), (16, 16)),
+    ("double", 64): ((32, 32), (16, 16)),
+    ("double", 128): ((32, 32), (32, 16), (16, 16)),
+    ("double", 256): ((16, 16),),
+}
+
+
+def _simt(storage: str, dmax: int, bm: int, bn: int) -> Config:
+    acc = _acc(storage)
+    size = 8 if acc == "double" else 4
+    smem = ((bm + 2 * bn) * (dmax + 1) + bm * (bn + 1)) * size
+    expr = f"attn_fwd_simt<{storage}, {acc}, {dmax}, {bm}, {bn}>"
+    return Config(f"simt{bm}x{bn}", expr, bm, bn, 256, smem, False)
+
+
+def forward_all(storage: str, d: int) -> list:
+    """Every forward configuration for (storage, D), whatever the device; preferred first."""
+    if storage not in STORAGES:
+        raise TypeError(f"GPU tile: unsupported storage type {storage}")
+    if not 1 <= d <= MAX_D:
+        raise ValueError(f"GPU tile: head dim D={d} outside 1..{MAX_D}")
+    if storage in ("half_t", "bf16_t") and d <= _MMA_HD[-1]:
+        hd = _pad(d, _MMA_HD)
+        return [_mma64(storage, hd)]
+    dmax = _pad(d, _SIMT_DMAX)
+    return [_simt(storage, dmax, bm, bn) for bm, bn in _SIMT_TILES[(_acc(storage), dmax)]]
+
+
+def forward_candidates(storage: str, d: int, smem_limit: int) -> list:
+    """The forward configurations for (storage, D) that fit ``smem_limit`` bytes per block."""
+    return [c for c in forward_all(storage, d) if c.smem <= smem_limit]
+
+
+def select_forward(storage: str, d: int, smem_limit: int, name: str = "") -> Config:
+    """The configuration to run: the one named ``name`` if given, else the preferred one.
+
+    Raises
+    ------
+    NoConfigError
+        If nothing fits ``smem_limit``, or ``name`` is not a valid fitting configuration.
+    """
+    fits = forward_candidates(storage, d, smem_limit)
+    if name:
+        for c in fits:
+            if c.name == name:
+                return c
+        valid = ", ".join(c.name for c in fits) or "none"
+        raise NoConfigError(
+            f"GPU tile: configuration {name!r} is not available for {storage} D={d} with "
+            f"{smem_limit} B of shared memory per block; valid: {valid}"
+        )
+    if not fits:
+        need = min(c.smem for c in forward_all(storage, d))
+        raise NoConfigError(
+            f"GPU tile: no {storage} D={d} configuration fits {smem_limit} B of shared memory "
+            f"per block (the smallest needs {need} B)"
+        )
+    return fits[0]
+
+
+def forward_names() -> tuple:
+    """Every forward template instantiation (NVRTC name expressions), without duplicates."""
+    names: dict = {}
+    for s in STORAGES:
+        for d in sorted(set(_MMA_HD) | set(_SIMT_DMAX)):
+            for c in forward_all(s, d):
+                names[c.expr] = None
+    return tuple(names)
