@@ -12,6 +12,8 @@ most u * max|v| (u = 2**-11 for fp16, 2**-8 for bf16), which the bound adds.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,24 @@ if _NDEV == 0:
     pytest.skip(f"{_WHY}: GPU tests skipped", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _private_tune_cache(tmp_path_factory):
+    """Autotune choices go to a private directory (timed once per test run)."""
+    from ringmpi.gpu import tune
+
+    old = os.environ.get(tune.CACHE_ENV)
+    os.environ[tune.CACHE_ENV] = str(tmp_path_factory.mktemp("tune"))
+    tune.forget()
+    yield
+    tune.forget()
+    if old is None:
+        del os.environ[tune.CACHE_ENV]
+    else:
+        os.environ[tune.CACHE_ENV] = old
+
+
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 0.0, "float64": 0.0}
 
@@ -58,9 +78,9 @@ def smem_limit() -> int:
     return device.smem_optin(device.current())
 
 
-def kernel_for(dtype: str, d: int):
-    """The kernel configuration the backend picks for this dtype and head dim."""
-    return gpu_tile._select(storage_of(dtype), d, smem_limit())
+def kernel_for(dtype: str, d: int, causal: bool):
+    """The kernel configuration the backend picks (or the autotuner picked) for this call."""
+    return gpu_tile.chosen(storage_of(dtype), d, causal, device.current())
 
 
 def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
@@ -115,8 +135,8 @@ def test_tile_random_shapes(dtype, d):
         # queries start anywhere from before the first key (empty rows) to after the last
         q_pos = np.arange(sq, dtype=np.int64) + int(rng.integers(-100, sk + 1))
         k_pos, k_pos0 = np.arange(sk, dtype=np.int64), np.arange(sk0, dtype=np.int64)
-        kern = kernel_for(dtype, d)
         for causal in (False, True):
+            kern = kernel_for(dtype, d, causal)
             c, g, flops, calls, vn = run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0,
                                               causal)  # fmt: skip
             what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
@@ -143,7 +163,7 @@ def test_tile_causal_offsets_every_layout(dtype, layout):
                 what = f"{dtype} {layout} n={n} P={p} q rank {rq} k rank {rk}"
                 check_state(c, g, dtype, np.abs(vn).max(), what)
                 visible = (k_pos[None, :] <= q_pos[:, None]).sum()
-                kern = kernel_for(dtype, d)
+                kern = kernel_for(dtype, d, True)
                 assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d), what
                 assert (flops == 0) == (visible == 0), f"{what}: skipping is wrong"
 
@@ -186,7 +206,7 @@ def test_every_configuration_that_fits(monkeypatch):
         for d in (64, 128, 200):
             for kern in configs.forward_candidates(storage_of(dtype), d, smem_limit()):
                 monkeypatch.setenv(gpu_tile.CONFIG_ENV, kern.name)
-                assert kernel_for(dtype, d) == kern
+                assert kernel_for(dtype, d, False) == kernel_for(dtype, d, True) == kern
                 q_pos = np.arange(150, dtype=np.int64) + 60
                 k_pos, k_pos0 = np.arange(190, dtype=np.int64), np.arange(70, dtype=np.int64)
                 for causal in (False, True):
@@ -197,7 +217,7 @@ def test_every_configuration_that_fits(monkeypatch):
                     assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d)
     monkeypatch.setenv(gpu_tile.CONFIG_ENV, "no-such-config")
     with pytest.raises(ValueError, match="no-such-config"):
-        kernel_for("float32", 64)
+        kernel_for("float32", 64, False)
 
 
 def test_check_finite_bf16_bits_on_gpu():

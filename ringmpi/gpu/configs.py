@@ -86,7 +86,18 @@ def _pad(d: int, dims: tuple) -> int:
 def _mma64(storage: str, hd: int) -> Config:
     # 4 warps x 16 query rows, 64-key blocks; Q + double-buffered K and V, 16-bit
     smem = (64 + 4 * 64) * (hd + 8) * 2
-    return Config("mma64", f"attn_fwd_mma<{storage}, {hd}>", 64, 64, 128, smem, True)
+    return Config("m64n64", f"attn_fwd_mma<{storage}, {hd}>", 64, 64, 128, smem, True)
+
+
+def _mma128(storage: str, hd: int, bn: int) -> Config:
+    # 4 warps x 32 query rows (GQA heads packed), bn-key blocks, all fragments via ldmatrix
+    smem = (128 + 4 * bn) * (hd + 8) * 2
+    expr = f"attn_fwd_mma2<{storage}, {hd}, {bn}>"
+    return Config(f"m128n{bn}", expr, 128, bn, 128, smem, True, packed=True)
+
+
+# key blocks of the 128-row kernel per head dim (HD 128 with 64-key blocks spills registers)
+_MMA128_BN = {32: (64, 32), 64: (64, 32), 96: (64, 32), 128: (32,)}
 
 
 # CUDA-core kernel: (BM, BN) per (acc, DMAX), largest first; smaller ones exist
@@ -117,7 +128,7 @@ def forward_all(storage: str, d: int) -> list:
         raise ValueError(f"GPU tile: head dim D={d} outside 1..{MAX_D}")
     if storage in ("half_t", "bf16_t") and d <= _MMA_HD[-1]:
         hd = _pad(d, _MMA_HD)
-        return [_mma64(storage, hd)]
+        return [_mma128(storage, hd, bn) for bn in _MMA128_BN[hd]] + [_mma64(storage, hd)]
     dmax = _pad(d, _SIMT_DMAX)
     return [_simt(storage, dmax, bm, bn) for bm, bn in _SIMT_TILES[(_acc(storage), dmax)]]
 
