@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringmpi import arguments
-from ringmpi.gpu import configs, nvrtc
+from ringmpi.gpu import backward, configs, nvrtc
 from ringmpi.gpu import tile as gpu
 
 SKIP_NVRTC = os.environ.get("RINGMPI_SKIP_NVRTC") == "1"
@@ -37,11 +37,15 @@ def results():
 def test_every_instantiation_compiles(results, arch):
     res = results[arch]
     assert res.ok, f"NVRTC compile for {arch} failed:\n{res.log}"
-    names = gpu.kernel_names()
+    names = gpu.kernel_names() + backward.kernel_names()
+    assert set(names) == {n for ns in nvrtc.sources().values() for n in ns}
     missing = [n for n in names if n not in res.lowered]
     assert not missing, f"{arch}: instantiations not lowered: {missing}"
     assert res.binary_size > 0
-    assert len(names) >= 16
+    assert len(gpu.kernel_names()) >= 16 and len(backward.kernel_names()) >= 16
+    for kind in ("attn_fwd_mma<", "attn_fwd_mma2<", "attn_fwd_simt<", "attn_bwd_dkdv_mma<",
+                 "attn_bwd_dq_mma<", "attn_bwd_dkdv_simt<", "attn_bwd_dq_simt<"):  # fmt: skip
+        assert any(n.startswith(kind) for n in res.lowered), f"{arch}: no {kind} compiled"
 
 
 @needs_nvrtc
@@ -95,6 +99,27 @@ def test_selection_uses_the_largest_tiles_that_fit():
     for limit in (65_536, 80_000):
         for d in (64, 128, 256):
             assert configs.select_forward("float", d, limit).smem <= limit
+
+
+@pytest.mark.parametrize("arch", list(LIMITS))
+def test_backward_selection_fits_the_device(arch):
+    limit = LIMITS[arch]
+    names = set(backward.kernel_names())
+    for storage in configs.STORAGES:
+        for d in range(1, configs.MAX_D + 1):
+            if arch == "sm_86" and storage == "double" and d > 128:
+                with pytest.raises(configs.NoConfigError, match="dK/dV configuration fits"):
+                    configs.select_backward(storage, d, limit)
+                continue
+            dkdv, dq = configs.select_backward(storage, d, limit)
+            for c in (dkdv, dq):
+                assert c.expr in names and c.smem <= limit, f"{arch} {storage} D={d}: {c}"
+            assert dkdv.mma == dq.mma == (storage in ("half_t", "bf16_t") and d <= 128)
+    # 99 KB devices get the 32-key dQ blocks at D = 128, the others the 64-key ones
+    assert configs.select_backward("half_t", 128, LIMITS["sm_86"])[1].bn == 32
+    assert configs.select_backward("half_t", 128, LIMITS["sm_80"])[1].bn == 64
+    assert configs.select_backward("float", 256, LIMITS["sm_86"])[0].bm == 16
+    assert configs.select_backward("float", 256, LIMITS["sm_90"])[0].bm == 32
 
 
 def test_forced_configuration():
@@ -227,6 +252,7 @@ def test_autotune_times_once_and_caches(tmp_path, monkeypatch):
     from ringmpi.gpu import tune
 
     monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(tune.FILE_ENV, raising=False)
     monkeypatch.delenv(tune.TUNE_ENV, raising=False)
     tune.forget()
     calls = []
@@ -265,9 +291,31 @@ def test_autotune_survives_a_bad_cache_file(tmp_path, monkeypatch):
     from ringmpi.gpu import tune
 
     monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(tune.FILE_ENV, raising=False)
     (tmp_path / tune.FILE_NAME).write_text("{not json")
     tune.forget()
     assert tune.choose("k", ["a", "b"], lambda n: {"a": 2.0, "b": 1.0}[n]) == "b"
     tune.forget()
     assert tune.cached("k", ["a", "b"]) == "b"
     tune.forget()
+
+
+@needs_nvrtc
+def test_kernel_cache_compiles_once(tmp_path, monkeypatch):
+    """loader: each instantiation is compiled by NVRTC once and found in the cache after."""
+    from ringmpi.gpu import loader
+
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(loader, "_arch", lambda dev: "sm_80")  # no device here
+    exprs = ("attn_fwd_simt<float, float, 64, 32, 32>", "attn_fwd_mma<bf16_t, 64>")
+    assert loader.precompile(gpu.KERNEL_FILE, exprs, 0, workers=2) == dict.fromkeys(
+        exprs, "compiled"
+    )
+    assert loader.precompile(gpu.KERNEL_FILE, exprs, 0) == dict.fromkeys(exprs, "cache")
+    code = loader.source(gpu.KERNEL_FILE)
+    cubin, mangled = loader._lookup(code, exprs[1], "sm_80")
+    assert cubin.read_bytes()[:4] == b"\x7fELF" and mangled.startswith("_Z12attn_fwd_mma")
+    assert loader._lookup(code, exprs[1], "sm_90") is None  # the arch is part of the key
+    assert loader._lookup(code + "\n", exprs[1], "sm_80") is None  # and the source
+    bad = loader.precompile(gpu.KERNEL_FILE, ("attn_fwd_mma<float, 64>",), 0)
+    assert "could not compile" in bad["attn_fwd_mma<float, 64>"]

@@ -25,6 +25,9 @@ __all__ = [
     "forward_candidates",
     "forward_names",
     "select_forward",
+    "backward_all",
+    "select_backward",
+    "backward_names",
     "NoConfigError",
 ]
 
@@ -172,4 +175,85 @@ def forward_names() -> tuple:
         for d in sorted(set(_MMA_HD) | set(_SIMT_DMAX)):
             for c in forward_all(s, d):
                 names[c.expr] = None
+    return tuple(names)
+
+
+# ---------------------------------------------------------------------------
+# backward: a dK/dV kernel (one CTA per key block) and a dQ kernel (one CTA per
+# query block); each is the first of its list that fits the device
+# ---------------------------------------------------------------------------
+def _bwd_mma(storage: str, hd: int) -> tuple:
+    bm = 64 if hd <= 64 else 32  # query rows per dK/dV iteration (registers: 16 x bm S^T, dP^T)
+    smem = (2 * 64 + 4 * bm) * (hd + 8) * 2 + 2 * bm * 16
+    dkdv = [Config("mma", f"attn_bwd_dkdv_mma<{storage}, {hd}, {bm}>", bm, 64, 128, smem, True)]
+    dq = []
+    for bn in (64, 32):
+        smem = (2 * 64 + 4 * bn) * (hd + 8) * 2
+        dq.append(Config(f"mma_n{bn}", f"attn_bwd_dq_mma<{storage}, {hd}, {bn}>", 64, bn, 128,
+                         smem, True))  # fmt: skip
+    return dkdv, dq
+
+
+_BWD_SIMT_TILES = {
+    ("float", 64): ((32, 32), (16, 16)),
+    ("float", 128): ((32, 32), (16, 16)),
+    ("float", 256): ((32, 32), (16, 16)),
+    ("double", 64): ((32, 32), (16, 16)),
+    ("double", 128): ((32, 32), (16, 16)),
+    ("double", 256): ((16, 16),),
+}
+
+
+def _bwd_simt(storage: str, dmax: int) -> tuple:
+    acc = _acc(storage)
+    size = 8 if acc == "double" else 4
+    dkdv, dq = [], []
+    for bm, bn in _BWD_SIMT_TILES[(acc, dmax)]:
+        tmpl = f"<{storage}, {acc}, {dmax}, {bm}, {bn}>"
+        smem = bm * 8 + ((2 * bn + 2 * bm) * (dmax + 1) + 2 * bn * (bm + 1) + 2 * bm) * size
+        dkdv.append(Config(f"simt{bm}x{bn}", "attn_bwd_dkdv_simt" + tmpl, bm, bn, 256, smem, False))
+        smem = ((2 * bm + 2 * bn) * (dmax + 1) + bm * (bn + 1)) * size
+        dq.append(Config(f"simt{bm}x{bn}", "attn_bwd_dq_simt" + tmpl, bm, bn, 256, smem, False))
+    return dkdv, dq
+
+
+def backward_all(storage: str, d: int) -> tuple:
+    """(dK/dV configurations, dQ configurations) for (storage, D), preferred first."""
+    if storage not in STORAGES:
+        raise TypeError(f"GPU backward tile: unsupported storage type {storage}")
+    if not 1 <= d <= MAX_D:
+        raise ValueError(f"GPU backward tile: head dim D={d} outside 1..{MAX_D}")
+    if storage in ("half_t", "bf16_t") and d <= _MMA_HD[-1]:
+        return _bwd_mma(storage, _pad(d, _MMA_HD))
+    return _bwd_simt(storage, _pad(d, _SIMT_DMAX))
+
+
+def select_backward(storage: str, d: int, smem_limit: int) -> tuple:
+    """(dK/dV, dQ) configurations: the first of each list that fits ``smem_limit`` bytes.
+
+    Raises
+    ------
+    NoConfigError
+        If no configuration of either kernel fits.
+    """
+    out = []
+    for what, lst in zip(("dK/dV", "dQ"), backward_all(storage, d)):
+        fits = [c for c in lst if c.smem <= smem_limit]
+        if not fits:
+            raise NoConfigError(
+                f"GPU backward tile: no {storage} D={d} {what} configuration fits {smem_limit} B "
+                f"of shared memory per block (the smallest needs {min(c.smem for c in lst)} B)"
+            )
+        out.append(fits[0])
+    return tuple(out)
+
+
+def backward_names() -> tuple:
+    """Every backward template instantiation (NVRTC name expressions), without duplicates."""
+    names: dict = {}
+    for s in STORAGES:
+        for d in sorted(set(_MMA_HD) | set(_SIMT_DMAX)):
+            for lst in backward_all(s, d):
+                for c in lst:
+                    names[c.expr] = None
     return tuple(names)

@@ -2,10 +2,10 @@
 
 At the first call for a shape class the forward tile times every configuration
 that fits the device (:func:`choose` with a ``measure`` callable) and keeps the
-fastest. The choice lives in memory and in a small JSON file,
-``ringmpi_gpu_tune.json`` in ``$RINGMPI_CACHE_DIR`` (else ``$CUPY_CACHE_DIR``,
-else ``~/.cupy/kernel_cache``), so later processes on the same kind of device
-skip the timing. ``RINGMPI_GPU_TUNE=0`` turns timing off (the preferred
+fastest. The choice lives in memory and in a small JSON file
+(``$RINGMPI_TUNE_FILE``, else ``ringmpi_gpu_tune.json`` in ``$RINGMPI_CACHE_DIR``,
+else ``$CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``), so later processes on
+the same kind of device skip the timing. ``RINGMPI_GPU_TUNE=0`` turns timing off (the preferred
 configuration runs); ``RINGMPI_GPU_CONFIG`` forces one (see :mod:`.tile`).
 
 Nothing here needs CuPy: the caller passes the timing function.
@@ -22,9 +22,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["CACHE_ENV", "TUNE_ENV", "cache_path", "enabled", "key", "choose", "cached", "forget"]
+__all__ = [
+    "CACHE_ENV",
+    "FILE_ENV",
+    "TUNE_ENV",
+    "cache_path",
+    "enabled",
+    "key",
+    "choose",
+    "cached",
+    "forget",
+]
 
 CACHE_ENV = "RINGMPI_CACHE_DIR"
+FILE_ENV = "RINGMPI_TUNE_FILE"
 TUNE_ENV = "RINGMPI_GPU_TUNE"
 FILE_NAME = "ringmpi_gpu_tune.json"
 _VERSION = 1
@@ -34,6 +45,8 @@ _lock = threading.Lock()
 
 def cache_path() -> Path:
     """Where the choices are stored (the directory may not exist yet)."""
+    if os.environ.get(FILE_ENV):
+        return Path(os.environ[FILE_ENV])
     base = os.environ.get(CACHE_ENV) or os.environ.get("CUPY_CACHE_DIR")
     if not base:
         base = os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
