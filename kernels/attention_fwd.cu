@@ -28,6 +28,7 @@ struct half_t { u16 x; };  // IEEE binary16 bits
 struct bf16_t { u16 x; };  // bfloat16 bits (upper half of a float32)
 
 #define RING_LOG2E 1.4426950408889634f
+#define RING_LN2 0.6931471805599453f
 #define RING_POS_MAX 0x7fffffffffffffffLL
 
 // ----------------------------------------------------------------------------
@@ -90,6 +91,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, un
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(smem_addr(p)));
+}
+
+// Four 8x8 b16 matrices as stored, from a 32-bit shared address: thread
+// (g, t) gets elements [g][2t] and [g][2t+1] of each matrix; lanes 8i..8i+7
+// give the row addresses of matrix i. _trans: elements [2t][g] and [2t+1][g].
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 template <typename T> struct Mma;
@@ -355,6 +370,282 @@ __global__ void __launch_bounds__(128)
         float* a = acc + (qrow0 + row) * D + col;
         if (col < D) a[0] = o[nt][2 * r];
         if (col + 1 < D) a[1] = o[nt][2 * r + 1];
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// fp16 / bf16 tensor-core kernel, 128 query rows per CTA (configurations
+// "m128n<BN>"). Same math as attn_fwd_mma, arranged for less shared-memory
+// traffic per MMA:
+//   * 4 warps x 32 query rows (two m16 tiles per warp), so each K and V
+//     fragment loaded from shared memory feeds two MMAs;
+//   * Q, K and V fragments all come through ldmatrix (x4: four 8x8 matrices
+//     per instruction) instead of 32-bit shared loads;
+//   * scores are scaled by scale * log2(e) once (scale_log2) and the online
+//     softmax runs in base 2 (ex2.approx); m is stored back in natural units;
+//   * rows are packed over the G = H / Hkv query heads that share one K/V
+//     head: packed row r of (b, hk) is position r / G of query head
+//     hk * G + r % G, so every K/V block loaded serves all G heads;
+//   * a 1-D grid walks the q blocks in the order given by `order` (the host
+//     puts the causal blocks with the most visible keys first, so the long
+//     CTAs start early and the short ones fill the tail).
+// Block bounds are over packed blocks: qlo/qhi of block j are the min/max
+// position of rows [128 j, 128 j + 128). The grid is nqb * B * Hkv CTAs with
+// blockIdx.x = (j * B + b) * Hkv + hk and q block order[j].
+// Dynamic shared memory: (128 + 4 BN) * (HD + 8) * sizeof(T) bytes.
+// ----------------------------------------------------------------------------
+template <typename T, int HD, int BN>
+__global__ void __launch_bounds__(128, 1)
+    attn_fwd_mma2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  float* __restrict__ acc, float* __restrict__ m_state,
+                  float* __restrict__ l_state, const long long* __restrict__ q_pos,
+                  const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
+                  const int* __restrict__ order, int B, int H, int Hkv, int Sq, int Sk, int D,
+                  int ld, float scale_log2, int causal) {
+  constexpr int BM = 128, NTHREADS = 128, MT = 2;
+  constexpr int LDS = HD + 8;  // smem row stride: 8 rows of an ldmatrix hit 8 distinct 16 B banks
+  constexpr int KD = HD / 16, NTS = BN / 8, NTO = HD / 8, CH = HD / 8;
+  static_assert(HD % 32 == 0 && HD <= 128, "HD must be 32, 64, 96 or 128");
+  static_assert(BN % 16 == 0 && BN <= 64, "BN must be 16, 32, 48 or 64");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ long long qps[BM];  // position of each packed row (max for padding rows)
+  __shared__ float m_in[BM];     // the max each row came in with (base 2)
+  T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
+  T* Ks = Qs + BM * LDS;                   // [2][BN][LDS]
+  T* Vs = Ks + 2 * BN * LDS;               // [2][BN][LDS]
+
+  const int G = H / Hkv;
+  const int rows = G * Sq;  // packed rows of one (b, hk) group
+  const int nqb = (rows + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
+  int bid = blockIdx.x;
+  const int hk = bid % Hkv;
+  bid /= Hkv;
+  const int b = bid % B;
+  const int qb = order[bid / B];
+  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
+  const long long* klo = bounds + 2 * nqb;
+  const long long* khi = klo + nkb;
+
+  int kb = next_kblock(0, nkb, causal, klo, qhi);
+  if (kb >= nkb) return;  // every key is in the future: state unchanged
+
+  const long long krow0 = ((long long)b * Hkv + hk) * Sk;
+  const T* kg = k + krow0 * ld;
+  const T* vg = v + krow0 * ld;
+  const int r0 = qb * BM;  // first packed row of this CTA
+  // row of packed row r in the (B, H, Sq) arrays q, acc, m, l
+  auto row_of = [&](int r) -> long long {
+    return ((long long)b * H + (long long)hk * G + r % G) * Sq + r / G;
+  };
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gr = lane >> 2, tg = lane & 3;
+
+  for (int i = tid; i < BM * CH; i += NTHREADS) {
+    const int r = i / CH, c = (i % CH) * 8;
+    const bool ok = (r0 + r < rows) && (c < ld);
+    const T* s = ok ? q + row_of(r0 + r) * ld + c : q;
+    cp_async16(Qs + r * LDS + c, s, ok ? 16 : 0);
+  }
+  cp_commit();
+  for (int r = tid; r < BM; r += NTHREADS) {
+    const bool ok = r0 + r < rows;
+    qps[r] = ok ? q_pos[(r0 + r) / G] : RING_POS_MAX;
+    m_in[r] = ok ? m_state[row_of(r0 + r)] * RING_LOG2E : neg_inf<float>();
+  }
+  auto load_kv = [&](int st, int kblock) {
+    T* kd = Ks + st * BN * LDS;
+    T* vd = Vs + st * BN * LDS;
+    for (int i = tid; i < BN * CH; i += NTHREADS) {
+      const int r = i / CH, c = (i % CH) * 8;
+      const int key = kblock * BN + r;
+      const bool ok = (key < Sk) && (c < ld);
+      const long long off = ok ? (long long)key * ld + c : 0;
+      cp_async16(kd + r * LDS + c, kg + off, ok ? 16 : 0);
+      cp_async16(vd + r * LDS + c, vg + off, ok ? 16 : 0);
+    }
+  };
+  int stage = 0;
+  load_kv(0, kb);
+  cp_commit();
+
+  // this thread's rows: local row lr(mt, r) = warp * 32 + mt * 16 + r * 8 + gr
+  // (c0/c1 of m-tile mt are row r = 0, c2/c3 row r = 1). m is kept in base 2.
+  float o[MT][NTO][4];
+  float mrow[MT][2], lrow[MT][2];
+  __syncthreads();  // qps, m_in
+  // The loop starts from the incoming max (so m only grows) with o = l = 0; the
+  // stored acc and l are folded in at the end, scaled by exp2(m_in - m_final).
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mrow[mt][r] = m_in[warp * 32 + mt * 16 + r * 8 + gr];
+      lrow[mt][r] = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NTO; ++nt) o[mt][nt][2 * r] = o[mt][nt][2 * r + 1] = 0.f;
+    }
+  }
+
+  constexpr unsigned ROWB = LDS * sizeof(T);  // bytes per smem row
+  // per-lane ldmatrix row addresses: A fragments of Q, B fragments of K (S = Q K^T)
+  // and of V (O += P V, transposed)
+  const unsigned qa_addr = smem_addr(Qs + (warp * 32 + (lane & 15)) * LDS + (lane >> 4) * 8);
+  const unsigned k_addr =
+      smem_addr(Ks + ((lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8);
+  const unsigned v_addr = smem_addr(Vs + (lane & 15) * LDS + (lane >> 4) * 8);
+  while (true) {
+    const int nxt = next_kblock(kb + 1, nkb, causal, klo, qhi);
+    if (nxt < nkb) {  // prefetch the next visible block into the other stage
+      load_kv(stage ^ 1, nxt);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const unsigned kt = k_addr + stage * BN * ROWB, vt = v_addr + stage * BN * ROWB;
+
+    // S = Q K^T; one ldmatrix.x4 of K gives the B fragments of two key n-tiles
+    float s[MT][NTS][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTS; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      unsigned qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldsm_x4(qa[mt], qa_addr + mt * 16 * ROWB + kk * 32);
+#pragma unroll
+      for (int np = 0; np < NTS / 2; ++np) {
+        unsigned bf[4];
+        ldsm_x4(bf, kt + np * 16 * ROWB + kk * 32);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(s[mt][2 * np], qa[mt], bf[0], bf[1]);
+          Mma<T>::run(s[mt][2 * np + 1], qa[mt], bf[2], bf[3]);
+        }
+      }
+    }
+
+    // base-2 scores; mask keys past Sk and (near the diagonal) future keys
+    const int k0 = kb * BN;
+    const bool need_mask = causal && qlo < khi[kb];
+    const bool partial = k0 + BN > Sk;
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kj = k0 + nt * 8 + tg * 2 + e;
+        long long kp = 0;
+        if (need_mask && kj < Sk) kp = k_pos[kj];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float x = s[mt][nt][2 * r + e] * scale_log2;
+            if (partial || need_mask) {
+              const bool vis = kj < Sk && (!need_mask || kp <= qps[warp * 32 + mt * 16 + r * 8 + gr]);
+              if (!vis) x = neg_inf<float>();
+            }
+            s[mt][nt][2 * r + e] = x;
+          }
+        }
+      }
+    }
+
+    // online softmax, base 2, per row
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = neg_inf<float>();
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt) mx = maxa(mx, maxa(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = maxa(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = maxa(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = maxa(mrow[mt][r], mx);
+        const float m_use = (m_new == neg_inf<float>()) ? 0.f : m_new;
+        const float alpha = fast_exp2(mrow[mt][r] - m_use);
+        float rsum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const float p = fast_exp2(s[mt][nt][e] - m_use);
+            s[mt][nt][e] = p;
+            rsum += p;
+          }
+        }
+        lrow[mt][r] = lrow[mt][r] * alpha + rsum;
+        mrow[mt][r] = m_new;
+#pragma unroll
+        for (int nt = 0; nt < NTO; ++nt) {
+          o[mt][nt][2 * r] *= alpha;
+          o[mt][nt][2 * r + 1] *= alpha;
+        }
+      }
+    }
+
+    // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are the A
+    // fragment of keys [16kk, 16kk + 16); one ldmatrix.trans of V serves both m-tiles
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = Mma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = Mma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = Mma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = Mma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int np = 0; np < HD / 16; ++np) {
+        unsigned bf[4];
+        ldsm_x4_trans(bf, vt + kk * 16 * ROWB + np * 32);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(o[mt][2 * np], a[mt], bf[0], bf[1]);
+          Mma<T>::run(o[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    if (nxt >= nkb) break;
+    kb = nxt;
+    stage ^= 1;
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = lrow[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int lr = warp * 32 + mt * 16 + r * 8 + gr;
+      if (r0 + lr < rows) {
+        const long long ri = row_of(r0 + lr);
+        const float mi = m_in[lr], mf = mrow[mt][r];
+        // old state relative to the final max; a row that was empty has acc = l = 0
+        const float beta = (mi == neg_inf<float>()) ? 0.f : fast_exp2(mi - mf);
+        if (tg == 0) {
+          // an unchanged max keeps its stored bits (no base-2 round trip)
+          if (mf != mi) m_state[ri] = mf * RING_LN2;
+          l_state[ri] = l_state[ri] * beta + l;
+        }
+#pragma unroll
+        for (int nt = 0; nt < NTO; ++nt) {
+          const int col = nt * 8 + tg * 2;
+          float* a = acc + ri * D + col;
+          if (col < D) a[0] = a[0] * beta + o[mt][nt][2 * r];
+          if (col + 1 < D) a[1] = a[1] * beta + o[mt][nt][2 * r + 1];
+        }
       }
     }
   }

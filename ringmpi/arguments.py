@@ -106,7 +106,13 @@ def _shape_errors(q, k, v, dtypes: tuple) -> Optional[str]:
 
 def _nonfinite(xp, arrays: dict) -> Optional[str]:
     for name, x in arrays.items():
-        if x is not None and x.size and not bool(xp.isfinite(x).all()):
+        if x is None or not x.size:
+            continue
+        if str(x.dtype) == "uint16":  # bfloat16 bit patterns: exponent all ones is Inf/NaN
+            bad = bool(((x & 0x7F80) == 0x7F80).any())
+        else:
+            bad = not bool(xp.isfinite(x).all())
+        if bad:
             return f"{name} contains NaN or Inf (check_finite=True)"
     return None
 

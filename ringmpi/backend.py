@@ -93,7 +93,7 @@ def _gpu_backend() -> Backend:
         "gpu",
         cupy,
         gpu.forward_tile,
-        None,
+        gpu.backward_tile,
         gpu.tile_dtype,
         gpu.acc_dtype,
         gpu.GpuRing,

@@ -12,12 +12,15 @@ most u * max|v| (u = 2**-11 for fp16, 2**-8 for bf16), which the bound adds.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 import ringmpi
 from ringmpi import gpu, softmax
 from ringmpi.cpu import numpy_tile as cpu
+from ringmpi.gpu import configs, device
 from ringmpi.gpu import tile as gpu_tile
 from ringmpi.partition import positions
 from ringmpi.reference import attention
@@ -33,6 +36,24 @@ if _NDEV == 0:
     pytest.skip(f"{_WHY}: GPU tests skipped", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _private_tune_cache(tmp_path_factory):
+    """Autotune choices go to a private file (timed once per test run); kernels stay cached."""
+    from ringmpi.gpu import tune
+
+    old = os.environ.get(tune.FILE_ENV)
+    os.environ[tune.FILE_ENV] = str(tmp_path_factory.mktemp("tune") / "tune.json")
+    tune.forget()
+    yield
+    tune.forget()
+    if old is None:
+        del os.environ[tune.FILE_ENV]
+    else:
+        os.environ[tune.FILE_ENV] = old
+
+
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 0.0, "float64": 0.0}
 
@@ -49,10 +70,17 @@ def to_tile(x: np.ndarray, dtype: str):
     return r, cupy.asarray(r)
 
 
-def kernel_for(dtype: str, d: int):
-    """The kernel configuration the backend picks for this dtype and head dim."""
-    storage = gpu_tile._storage(np.dtype("uint16" if dtype == "bfloat16" else dtype))
-    return gpu_tile._select(storage, d)
+def storage_of(dtype: str) -> str:
+    return gpu_tile._storage(np.dtype("uint16" if dtype == "bfloat16" else dtype))
+
+
+def smem_limit() -> int:
+    return device.smem_optin(device.current())
+
+
+def kernel_for(dtype: str, d: int, causal: bool):
+    """The kernel configuration the backend picks (or the autotuner picked) for this call."""
+    return gpu_tile.chosen(storage_of(dtype), d, causal, device.current())
 
 
 def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
@@ -107,14 +135,15 @@ def test_tile_random_shapes(dtype, d):
         # queries start anywhere from before the first key (empty rows) to after the last
         q_pos = np.arange(sq, dtype=np.int64) + int(rng.integers(-100, sk + 1))
         k_pos, k_pos0 = np.arange(sk, dtype=np.int64), np.arange(sk0, dtype=np.int64)
-        kern = kernel_for(dtype, d)
         for causal in (False, True):
+            kern = kernel_for(dtype, d, causal)
             c, g, flops, calls, vn = run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0,
                                               causal)  # fmt: skip
             what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
             check_state(c, g, dtype, np.abs(vn).max(), what)
-            pairs = gpu_tile.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, causal)
-            assert flops == 4 * pairs * d * b * h, what
+            assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, causal, b, h, hkv, d), what
+            visible = (k_pos[None, :] <= q_pos[:, None]).sum() if causal else sq * sk
+            assert 4 * visible * d * b * h <= flops <= 4 * sq * sk * d * b * h, what
             assert calls, "progress was never called"
 
 
@@ -134,9 +163,8 @@ def test_tile_causal_offsets_every_layout(dtype, layout):
                 what = f"{dtype} {layout} n={n} P={p} q rank {rq} k rank {rk}"
                 check_state(c, g, dtype, np.abs(vn).max(), what)
                 visible = (k_pos[None, :] <= q_pos[:, None]).sum()
-                kern = kernel_for(dtype, d)
-                want = 4 * gpu_tile.visible_pairs(q_pos, k_pos, kern.bm, kern.bn, True) * d * 4
-                assert flops == want, what
+                kern = kernel_for(dtype, d, True)
+                assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d), what
                 assert (flops == 0) == (visible == 0), f"{what}: skipping is wrong"
 
 
@@ -150,11 +178,240 @@ def test_fully_masked_tile_leaves_state():
 
 
 def test_bf16_bits_round_trip():
-    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-40], dtype=np.float32)
+    """CuPy rounding is bit-identical to the numpy path (checked against a reference in
+    tests/test_gpu_compile.py); the error is at most half a bfloat16 ulp, subnormals too."""
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-40, -1e-39, 0.0],
+                 dtype=np.float32)  # fmt: skip
     b = gpu.to_bf16_bits(cupy.asarray(x))
-    back = cupy.asnumpy(gpu.from_bf16_bits(b))
+    assert b.dtype == cupy.uint16
+    np.testing.assert_array_equal(cupy.asnumpy(b), gpu.to_bf16_bits(x))
+    back = cupy.asnumpy(gpu.from_bf16_bits(b)).astype(np.float64)
     np.testing.assert_array_equal(back[:4], [1.0, 1.0, 1.015625, -2.5])
-    assert np.all(np.abs(back - x) <= 2.0**-8 * np.abs(x))
+    # ulp of bfloat16 at |x|: 2**(e - 7) for normal x (2**e <= |x|), 2**-133 below 2**-126
+    e = np.floor(np.log2(np.maximum(np.abs(x).astype(np.float64), 2.0**-126)))
+    assert np.all(np.abs(back - x) <= 2.0 ** (e - 8))
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    got = cupy.asnumpy(gpu.to_bf16_bits(cupy.asarray(raw)))
+    want = gpu.to_bf16_bits(raw)
+    nan = np.isnan(raw)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.all(np.isnan(gpu.from_bf16_bits(got[nan]))), "a NaN did not stay NaN"
+
+
+def test_every_configuration_that_fits(monkeypatch):
+    """Each forward configuration the device can run, forced through RINGMPI_GPU_CONFIG."""
+    rng = np.random.default_rng(8)
+    for dtype in DTYPES:
+        for d in (64, 128, 200):
+            for kern in configs.forward_candidates(storage_of(dtype), d, smem_limit()):
+                monkeypatch.setenv(gpu_tile.CONFIG_ENV, kern.name)
+                assert kernel_for(dtype, d, False) == kernel_for(dtype, d, True) == kern
+                q_pos = np.arange(150, dtype=np.int64) + 60
+                k_pos, k_pos0 = np.arange(190, dtype=np.int64), np.arange(70, dtype=np.int64)
+                for causal in (False, True):
+                    c, g, flops, _, vn = run_pair(rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0,
+                                                  causal)  # fmt: skip
+                    what = f"{kern.name} {dtype} D={d} causal={causal}"
+                    check_state(c, g, dtype, np.abs(vn).max(), what)
+                    assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d)
+    monkeypatch.setenv(gpu_tile.CONFIG_ENV, "no-such-config")
+    with pytest.raises(ValueError, match="no-such-config"):
+        kernel_for("float32", 64, False)
+
+
+def test_check_finite_bf16_bits_on_gpu():
+    from mpi4py import MPI
+
+    x = np.ones((8, 2, 16), dtype=np.float32)
+    x[3, 1, 5] = np.inf
+    q = cupy.asarray(gpu.to_bf16_bits(x))
+    k = cupy.asarray(gpu.to_bf16_bits(np.ones_like(x)))
+    with pytest.raises(ValueError, match="q contains NaN or Inf"):
+        ringmpi.ring_attention(q, k, k, MPI.COMM_SELF, check_finite=True)
+
+
+_SPIN = r"""
+extern "C" __global__ void spin_fill(float* x, int n, float val, long long cycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x)
+    x[i] = val;
+}
+"""
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_staged_start_does_not_wait_for_the_kernel(aware):
+    """Staged: start() returns while the producing kernel still runs; the data is still right."""
+    from mpi4py import MPI
+
+    if aware and not gpu.cuda_aware():
+        pytest.skip("MPI is not CUDA-aware here")
+    spin = cupy.RawKernel(_SPIN, "spin_fill")
+    ring = gpu.GpuRing(MPI.COMM_SELF)  # a ring of one: sends to itself
+    ring.cuda_aware = aware
+    try:
+        send = cupy.zeros(1 << 20, dtype=cupy.float32)
+        recv = cupy.empty_like(send)
+        for it in range(3):
+            rate = device.props(device.current())["clockRate"] * 1e3  # Hz
+            spin((64,), (256,), (send, np.int32(send.size), np.float32(it + 1),
+                                 np.int64(int(0.2 * rate))))  # fmt: skip
+            done = cupy.cuda.Event()
+            done.record()
+            ring.start(send, recv)
+            if not aware:  # CUDA-aware start synchronises the producer by design
+                assert not done.done, "start() waited for the kernel: no overlap possible"
+            while not done.done:
+                ring.test()
+            ring.wait()
+            assert bool((recv == it + 1).all()), f"iteration {it}: received stale data"
+    finally:
+        ring.free()
+
+
+# ---------------------------------------------------------------------------
+# backward tile against the numpy backward tile (float64) on the same rounded inputs
+# ---------------------------------------------------------------------------
+def grouped(x, g):
+    """(B, Hkv, S, D) -> (B, Hkv * g, S, D): each K/V head repeated for its query heads."""
+    return np.repeat(x, g, axis=1)
+
+
+def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
+    """(reference increments, GPU results, flops, progress calls, tolerance bounds)."""
+    sq, sk = len(q_pos), len(k_pos)
+    g = h // hkv
+    adt = np.float64 if dtype == "float64" else np.float32
+    qn, _ = to_tile(rng.standard_normal((b, h, sq, d)), dtype)
+    kn, kg = to_tile(rng.standard_normal((b, hkv, sk, d)), dtype)
+    vn, vg = to_tile(rng.standard_normal((b, hkv, sk, d)), dtype)
+    don, _ = to_tile(rng.standard_normal((b, h, sq, d)), dtype)
+    k0, _ = to_tile(rng.standard_normal((b, hkv, len(k_pos0), d)), dtype)
+    v0, _ = to_tile(rng.standard_normal((b, hkv, len(k_pos0), d)), dtype)
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (qn, kn, vn, don))
+    scale = 1.0 / np.sqrt(d)
+    # lse and out of a real ring state: an earlier block, then this one
+    acc, m, l = softmax.init_state(q64.shape, np.float64)
+    for kk, vv, pp in ((k0, v0, k_pos0), (k64, v64, k_pos)):
+        if len(pp):
+            cpu.forward_tile(q64, kk.astype(np.float64), vv.astype(np.float64), q_pos, pp,
+                             acc, m, l, scale=scale, causal=causal)  # fmt: skip
+    out, lse = softmax.finalize(acc, m, l)
+    delta = (do64 * out).sum(-1)
+    start = [rng.standard_normal(x.shape) for x in (q64, k64, v64)]  # += is checked too
+    ref = [x.copy() for x in start]
+    cpu.backward_tile(q64, k64, v64, do64, lse, delta, q_pos, k_pos, *ref, scale=scale,
+                      causal=causal)  # fmt: skip
+    got = [cupy.asarray(x.astype(adt)) for x in start]
+    calls = []
+    as_acc = [cupy.asarray(x.astype(adt)) for x in (qn, don, lse, delta)]
+    flops = gpu.backward_tile(
+        as_acc[0], kg, vg, as_acc[1], as_acc[2], as_acc[3], q_pos, k_pos, *got,
+        scale=scale, causal=causal, progress=lambda: calls.append(1),
+    )  # fmt: skip
+    cupy.cuda.get_current_stream().synchronize()
+    # dense |P| and |dS| bound what rounding P and dS to 16 bits can move
+    kf, vf = grouped(k64, g), grouped(v64, g)
+    vis = (k_pos[None, :] <= q_pos[:, None]) if causal else np.ones((sq, sk), bool)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(vis, np.exp(scale * q64 @ np.swapaxes(kf, -1, -2) - lse[..., None]), 0.0)
+    p = np.nan_to_num(p)
+    ds = p * (do64 @ np.swapaxes(vf, -1, -2) - delta[..., None])
+    gsum = lambda x: x.reshape(b, hkv, g, sk, d).sum(2)  # noqa: E731
+    bounds = (
+        scale * np.abs(ds) @ np.abs(kf),
+        gsum(scale * np.swapaxes(np.abs(ds), -1, -2) @ np.abs(q64)),
+        gsum(np.swapaxes(p, -1, -2) @ np.abs(do64)),
+    )
+    visible = int(vis.sum())
+    return ref, [cupy.asnumpy(x) for x in got], flops, calls, bounds, visible
+
+
+def check_backward(ref, got, bounds, dtype, what):
+    eps = np.finfo(np.float64 if dtype == "float64" else np.float32).eps
+    for name, r, x, bnd in zip(("dq", "dk", "dv"), ref, got, bounds):
+        tol = (3 * UNIT[dtype] + 128 * eps) * float(bnd.max(initial=0.0)) + 1e-6 * eps
+        err = float(np.abs(x - r).max(initial=0.0))
+        assert err <= tol, f"{what} {name}: err {err:.3g} > tol {tol:.3g}"
+
+
+def bwd_kernels(dtype, d):
+    try:
+        return gpu.backward.chosen(storage_of(dtype), d, device.current())
+    except configs.NoConfigError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 40, 200, 8])
+def test_backward_tile_random_shapes(dtype, d):
+    _, k_dq = bwd_kernels(dtype, d)
+    rng = np.random.default_rng(100 + d)
+    for trial in range(3):
+        b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+        h = hkv * int(rng.integers(1, 4))
+        sq, sk, sk0 = (int(x) for x in rng.integers(1, 300, 3))
+        q_pos = np.arange(sq, dtype=np.int64) + int(rng.integers(-100, sk + 1))
+        k_pos = np.arange(sk, dtype=np.int64)
+        k_pos0 = np.arange(sk0, dtype=np.int64) - sk0  # earlier keys: most rows see some
+        for causal in (False, True):
+            ref, got, flops, calls, bounds, visible = run_backward(
+                rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal
+            )
+            what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
+            check_backward(ref, got, bounds, dtype, what)
+            want = gpu.backward.backward_flops(k_dq, q_pos, k_pos, causal, b, h, d)
+            assert flops == want, what
+            assert 10 * visible * d * b * h <= flops <= 10 * sq * sk * d * b * h, what
+            assert calls, "progress was never called"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_backward_tile_causal_offsets_every_layout(dtype, layout):
+    """Every (query rank, key rank) pair of a P=4 ring at awkward N, GQA, D=64 and 128."""
+    rng = np.random.default_rng(19)
+    for n, p, d in [(1000, 4, 64), (333, 4, 128), (130, 3, 64)]:
+        bwd_kernels(dtype, d)
+        for rq in range(p):
+            for rk in range(p):
+                q_pos, k_pos = positions(n, rq, p, layout), positions(n, rk, p, layout)
+                if len(q_pos) == 0 or len(k_pos) == 0:
+                    continue
+                k_pos0 = positions(n, (rk + 1) % p, p, layout)
+                ref, got, flops, _, bounds, visible = run_backward(
+                    rng, dtype, 1, 4, 2, d, q_pos, k_pos, k_pos0, True
+                )
+                what = f"{dtype} {layout} n={n} P={p} q rank {rq} k rank {rk}"
+                check_backward(ref, got, bounds, dtype, what)
+                assert (flops == 0) == (visible == 0), f"{what}: skipping is wrong"
+                if visible == 0:  # nothing visible: the accumulators are untouched
+                    for r, x in zip(ref, got):
+                        assert np.array_equal(r.astype(x.dtype), x), what
+
+
+def test_kernels_load_from_the_disk_cache():
+    """A kernel compiled once is loaded from the cache by the next process (or cache clear)."""
+    from ringmpi.gpu import loader
+
+    expr = "attn_fwd_simt<float, float, 64, 32, 32>"
+    loader.get_function(gpu_tile.KERNEL_FILE, expr, gpu_tile.kernel_names())
+    first = loader.last_path[expr]
+    assert first in ("cache", "compiled"), f"NVRTC path not used: {first}"
+    loader._function.cache_clear()
+    gpu_tile._function.cache_clear()
+    gpu.backward._function.cache_clear()
+    loader.get_function(gpu_tile.KERNEL_FILE, expr, gpu_tile.kernel_names())
+    assert loader.last_path[expr] == "cache"
+
+
+def test_gpu_backend_has_a_backward_tile():
+    from ringmpi.backend import select
+
+    be = select(cupy.zeros(1))
+    assert be.name == "gpu" and be.backward_tile is gpu.backward_tile
 
 
 # ---------------------------------------------------------------------------
@@ -215,3 +472,58 @@ def test_gpu_ring_exchange_and_overlap(comm):
         ring.free()
         assert_all(comm, ok, f"cuda_aware={aware}: wrong data received")
         assert_all(comm, rep["steps"] == 1 and rep["exchange_s"] >= 0, f"report {rep}")
+
+
+# ---------------------------------------------------------------------------
+# ring_attention_backward with CuPy inputs against the dense float64 reference
+# ---------------------------------------------------------------------------
+def ring_backward_case(comm, dtype, causal, layout, n=517, h=4, hkv=2, d=64, batch=None):
+    from ringmpi.backward import ring_attention_backward
+    from ringmpi.reference import attention_backward
+    from ringmpi.testing import dense_backward
+
+    rng = np.random.default_rng(29)
+    data = None
+    if comm.rank == 0:
+        q, k, v = random_qkv(rng, n, h, hkv, d, batch)
+        data = (q, k, v, rng.standard_normal(q.shape))
+    q, k, v, dout = (x.astype(dtype) for x in comm.bcast(data))
+    loc = [cupy.asarray(ringmpi.shard(x, comm, layout)) for x in (q, k, v, dout)]
+    out, lse = ringmpi.ring_attention(*loc[:3], comm, causal=causal, layout=layout,
+                                      return_lse=True)  # fmt: skip
+    stats = {}
+    grads = ring_attention_backward(loc[3], *loc[:3], out, lse, comm, causal=causal,
+                                    layout=layout, stats=stats)  # fmt: skip
+    assert_all(comm, stats.get("backend") == "gpu", f"backend {stats.get('backend')}")
+    ok = all(isinstance(g, cupy.ndarray) and g.dtype == x.dtype for g, x in zip(grads, loc))
+    assert_all(comm, ok, "gradients are not CuPy arrays of the input dtype")
+    full = [ringmpi.gather(cupy.asnumpy(g).astype(np.float64), n, comm, layout) for g in grads]
+    ref = attention_backward(dout, q, k, v, causal=causal)
+    peer = dense_backward(dout, q, k, v, causal) if dtype != np.float64 else ref
+    for name, got, want, other in zip("qkv", full, ref, peer):
+        err = np.abs(got - want).max()
+        if dtype == np.float64:
+            tol = 1e-11 * max(1.0, np.abs(want).max())
+        else:
+            tol = 3 * np.abs(other - want).max() + 1e-6
+            if dtype == np.float16:  # output rounding and P, dS rounded to fp16 (module doc)
+                tol += 32 * UNIT["float16"] * np.abs(want).max()
+        assert_all(comm, err <= tol, f"{np.dtype(dtype).name} {layout} causal={causal} "
+                   f"d{name}: err {err:.3g} > tol {tol:.3g}")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_ring_single_process(dtype, causal):
+    from mpi4py import MPI
+
+    ring_backward_case(MPI.COMM_SELF, dtype, causal, "zigzag", batch=2)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_ring_mpi(comm, layout, dtype, causal):
+    gpu.bind_device(comm)
+    ring_backward_case(comm, dtype, causal, layout)

@@ -1,23 +1,27 @@
-"""Every CUDA kernel instantiation compiles with NVRTC for sm_80 and sm_90 (no GPU needed).
+"""GPU code checked without a GPU: NVRTC compiles every kernel, and the host-side logic.
 
 NVRTC comes from the ``test`` extra (nvidia-cuda-nvrtc-cu12). If it cannot be
-loaded the test FAILS: a missing compiler must not pass CI silently.
-``RINGMPI_SKIP_NVRTC=1`` skips deliberately (for machines that cannot install it).
+loaded the compile tests FAIL: a missing compiler must not pass CI silently.
+``RINGMPI_SKIP_NVRTC=1`` skips them deliberately (for machines that cannot
+install it). The other tests here (configuration choice for a device's shared
+memory, bfloat16 rounding, bfloat16 finiteness checks) need neither.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
-from ringmpi.gpu import nvrtc
+from ringmpi import arguments
+from ringmpi.gpu import backward, configs, nvrtc
 from ringmpi.gpu import tile as gpu
 
-if os.environ.get("RINGMPI_SKIP_NVRTC") == "1":
-    pytest.skip(
-        "RINGMPI_SKIP_NVRTC=1: NVRTC compile check skipped on request", allow_module_level=True
-    )
+SKIP_NVRTC = os.environ.get("RINGMPI_SKIP_NVRTC") == "1"
+needs_nvrtc = pytest.mark.skipif(SKIP_NVRTC, reason="RINGMPI_SKIP_NVRTC=1: NVRTC check skipped")
+# sharedMemPerBlockOptin of real devices: sm_86/89/120 (A10, L4, L40S, RTX), sm_80/87, sm_90
+LIMITS = {"sm_86": 101_376, "sm_80": 166_912, "sm_90": 232_448}
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +32,23 @@ def results():
         pytest.fail(str(exc))
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", nvrtc.ARCHS)
 def test_every_instantiation_compiles(results, arch):
     res = results[arch]
     assert res.ok, f"NVRTC compile for {arch} failed:\n{res.log}"
-    names = gpu.kernel_names()
+    names = gpu.kernel_names() + backward.kernel_names()
+    assert set(names) == {n for ns in nvrtc.sources().values() for n in ns}
     missing = [n for n in names if n not in res.lowered]
     assert not missing, f"{arch}: instantiations not lowered: {missing}"
     assert res.binary_size > 0
-    assert len(names) >= 16
+    assert len(gpu.kernel_names()) >= 16 and len(backward.kernel_names()) >= 16
+    for kind in ("attn_fwd_mma<", "attn_fwd_mma2<", "attn_fwd_simt<", "attn_bwd_dkdv_mma<",
+                 "attn_bwd_dq_mma<", "attn_bwd_dkdv_simt<", "attn_bwd_dq_simt<"):  # fmt: skip
+        assert any(n.startswith(kind) for n in res.lowered), f"{arch}: no {kind} compiled"
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", nvrtc.ARCHS)
 def test_no_register_spills(results, arch):
     res = results[arch]
@@ -49,16 +59,263 @@ def test_no_register_spills(results, arch):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{arch} {expr} spills: {r}"
 
 
-def test_kernel_selection_covers_every_head_dim():
-    for storage in ("half_t", "bf16_t", "float", "double"):
-        for d in range(1, gpu.MAX_D + 1):
-            kern = gpu._select(storage, d)
-            assert kern.expr in gpu.kernel_names()
-            assert kern.smem <= 163 * 1024  # fits an sm_80 CTA
-    with pytest.raises(ValueError):
-        gpu._select("float", gpu.MAX_D + 1)
-
-
+@needs_nvrtc
 def test_compile_error_is_reported():
     res = nvrtc.compile_source("__global__ void f() { undefined_thing(); }", (), "sm_80")
     assert not res.ok and "undefined_thing" in res.log
+
+
+# ---------------------------------------------------------------------------
+# configuration choice for the device's shared memory (no GPU needed)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", list(LIMITS))
+def test_selection_fits_the_device(arch):
+    limit = LIMITS[arch]
+    names = set(gpu.kernel_names())
+    for storage in configs.STORAGES:
+        for d in range(1, configs.MAX_D + 1):
+            kern = configs.select_forward(storage, d, limit)
+            assert kern.expr in names, kern
+            assert kern.smem <= limit, f"{arch} {storage} D={d}: {kern}"
+            for c in configs.forward_candidates(storage, d, limit):
+                assert c.smem <= limit and c.expr in names
+    with pytest.raises(ValueError):
+        configs.select_forward("float", configs.MAX_D + 1, limit)
+
+
+def test_selection_uses_the_largest_tiles_that_fit():
+    # the configurations the review found over sm_86's 101,376 B get smaller tiles there
+    for storage, d, big in [("float", 128, 115_712), ("double", 128, 107_520),
+                            ("float", 256, 102_912), ("half_t", 200, 102_912),
+                            ("bf16_t", 256, 102_912)]:  # fmt: skip
+        assert configs.select_forward(storage, d, LIMITS["sm_80"]).smem == big
+        small = configs.select_forward(storage, d, LIMITS["sm_86"])
+        assert small.smem < LIMITS["sm_86"] < big
+    # fp64 D = 256 needs 100,864 B: it fits sm_86 (just), not a 64 KiB device
+    assert configs.select_forward("double", 256, LIMITS["sm_86"]).smem == 100_864
+    with pytest.raises(configs.NoConfigError, match="smallest needs 100864 B"):
+        configs.select_forward("double", 256, 65_536)
+    # lower limits pick smaller tiles, never an oversized one
+    for limit in (65_536, 80_000):
+        for d in (64, 128, 256):
+            assert configs.select_forward("float", d, limit).smem <= limit
+
+
+@pytest.mark.parametrize("arch", list(LIMITS))
+def test_backward_selection_fits_the_device(arch):
+    limit = LIMITS[arch]
+    names = set(backward.kernel_names())
+    for storage in configs.STORAGES:
+        for d in range(1, configs.MAX_D + 1):
+            if arch == "sm_86" and storage == "double" and d > 128:
+                with pytest.raises(configs.NoConfigError, match="dK/dV configuration fits"):
+                    configs.select_backward(storage, d, limit)
+                continue
+            dkdv, dq = configs.select_backward(storage, d, limit)
+            for c in (dkdv, dq):
+                assert c.expr in names and c.smem <= limit, f"{arch} {storage} D={d}: {c}"
+            assert dkdv.mma == dq.mma == (storage in ("half_t", "bf16_t") and d <= 128)
+    # 99 KB devices get the 32-key dQ blocks at D = 128, the others the 64-key ones
+    assert configs.select_backward("half_t", 128, LIMITS["sm_86"])[1].bn == 32
+    assert configs.select_backward("half_t", 128, LIMITS["sm_80"])[1].bn == 64
+    assert configs.select_backward("float", 256, LIMITS["sm_86"])[0].bm == 16
+    assert configs.select_backward("float", 256, LIMITS["sm_90"])[0].bm == 32
+
+
+def test_forced_configuration():
+    smallest = configs.forward_all("float", 128)[-1]
+    assert configs.select_forward("float", 128, LIMITS["sm_90"], smallest.name) == smallest
+    with pytest.raises(configs.NoConfigError, match="valid: simt64x64"):
+        configs.select_forward("float", 128, LIMITS["sm_90"], "nonsense")
+    # a forced configuration that does not fit the device is refused, not launched
+    big = configs.forward_all("float", 128)[0].name
+    with pytest.raises(configs.NoConfigError, match=big):
+        configs.select_forward("float", 128, LIMITS["sm_86"], big)
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 bits (numpy path; tests/test_gpu.py checks the CuPy path against it)
+# ---------------------------------------------------------------------------
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 bits by comparing distances in float64 (ties to even)."""
+    u = x.astype(np.float32).view(np.uint32)
+    with np.errstate(invalid="ignore"):
+        return _bf16_reference(u)
+
+
+def _bf16_reference(u: np.ndarray) -> np.ndarray:
+    sign = (u >> 16) & 0x8000
+    mag = (u & 0x7FFFFFFF).view(np.float32).astype(np.float64)
+    lo = ((u & 0x7FFFFFFF) >> 16).astype(np.uint32)  # truncated magnitude bits
+    v_lo = (lo << 16).view(np.float32).astype(np.float64)
+    hi = lo + 1
+    # the value above the largest finite bfloat16 counts as 2**128 (it rounds to inf)
+    v_hi = np.where(hi == 0x7F80, 2.0**128, (hi << 16).view(np.float32).astype(np.float64))
+    up = (mag - v_lo > v_hi - mag) | ((mag - v_lo == v_hi - mag) & (lo % 2 == 1))
+    bits = np.where(up, hi, lo)
+    bits = np.where(np.isinf(mag), 0x7F80, bits)
+    bits = np.where(np.isnan(mag), 0x7FC0 | (lo & 0x3F), bits)  # any quiet NaN
+    return (bits | sign).astype(np.uint16)
+
+
+def is_nan_bits(b: np.ndarray) -> np.ndarray:
+    return ((b & 0x7F80) == 0x7F80) & ((b & 0x7F) != 0)
+
+
+def test_bf16_rounding_matches_reference():
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0, 0x80000000, 0x00000001, 0x007FFFFF, 0x00800000, 0x3F808000,
+                        0x3F818000, 0x3F80FFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000,
+                        0xFF800000, 0x7F800001, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF, 0x7FC00000,
+                        0x000116C2], dtype=np.uint32)  # fmt: skip
+    x = np.concatenate((raw, special)).view(np.float32)
+    got, want = gpu.to_bf16_bits(x), bf16_reference(x)
+    nan = np.isnan(x)
+    assert np.all(is_nan_bits(got[nan])), "a NaN did not stay NaN"
+    assert np.array_equal(got[nan] & 0x8000, want[nan] & 0x8000), "NaN sign lost"
+    bad = np.flatnonzero(got[~nan] != want[~nan])
+    assert bad.size == 0, f"{bad.size} mismatches, e.g. {x[~nan][bad[:3]]}"
+    # half an ulp of bfloat16 at the value's magnitude bounds the error (subnormals too)
+    fin = np.isfinite(x) & (np.abs(x) < 3.3e38)
+    back = gpu.from_bf16_bits(got[fin]).astype(np.float64)
+    e = np.floor(np.log2(np.maximum(np.abs(x[fin]).astype(np.float64), 2.0**-126)))
+    assert np.all(np.abs(back - x[fin]) <= 2.0 ** (e - 8))
+
+
+def test_bf16_nan_payloads_and_inf():
+    x = np.array([0x7F800001, 0x7F80FFFF, 0xFFFFFFFF, 0x7FBFFFFF, 0x7F800000, 0xFF800000],
+                 dtype=np.uint32).view(np.float32)  # fmt: skip
+    b = gpu.to_bf16_bits(x)
+    assert np.all(is_nan_bits(b[:4])) and np.all(np.isnan(gpu.from_bf16_bits(b[:4])))
+    assert list(gpu.from_bf16_bits(b[4:])) == [np.inf, -np.inf]
+
+
+def test_check_finite_sees_bf16_bits():
+    ok = gpu.to_bf16_bits(np.array([1.0, -3e38, 1e-40, 0.0], dtype=np.float32))
+    assert arguments._nonfinite(np, {"q": ok}) is None
+    for bad in (np.inf, -np.inf, np.nan):
+        b = gpu.to_bf16_bits(np.array([1.0, bad], dtype=np.float32))
+        assert "q contains NaN or Inf" in arguments._nonfinite(np, {"q": b})
+    assert arguments._nonfinite(np, {"q": np.array([1.0, np.nan])}) is not None
+
+
+# ---------------------------------------------------------------------------
+# launch plan (block bounds, heaviest-first order, flops) and the autotune cache
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("g", [1, 3, 8])
+def test_host_plan_against_brute_force(layout, g):
+    from ringmpi.gpu import plan
+    from ringmpi.partition import positions
+
+    n, p = 1000, 3
+    for rq, rk in [(0, 0), (1, 0), (0, 2), (2, 1)]:
+        q_pos, k_pos = positions(n, rq, p, layout), positions(n, rk, p, layout)
+        rowpos = np.repeat(q_pos, g)  # packed row r is position r // g
+        for bm, bn, causal in [(128, 64, True), (128, 32, False), (64, 64, True)]:
+            bounds, order, pairs = plan.host_plan(q_pos, k_pos, bm, bn, g, causal)
+            qb = [rowpos[i : i + bm] for i in range(0, len(rowpos), bm)]
+            kbk = [k_pos[i : i + bn] for i in range(0, len(k_pos), bn)]
+            nq, nk = len(qb), len(kbk)
+            assert np.array_equal(bounds[:nq], [b.min() for b in qb])
+            assert np.array_equal(bounds[nq : 2 * nq], [b.max() for b in qb])
+            assert np.array_equal(bounds[2 * nq : 2 * nq + nk], [b.min() for b in kbk])
+            assert np.array_equal(bounds[2 * nq + nk :], [b.max() for b in kbk])
+            keys = [sum(len(kb) for kb in kbk if not causal or kb.min() <= b.max()) for b in qb]
+            assert pairs == sum(len(b) * kk for b, kk in zip(qb, keys))
+            # a skipped block pair has no visible key; the computed ones cover every visible pair
+            visible = int((k_pos[None, :] <= rowpos[:, None]).sum()) if causal else None
+            if causal:
+                assert visible <= pairs
+            assert sorted(order) == list(range(nq))
+            assert [keys[j] for j in order] == sorted(keys, reverse=True)
+
+
+def test_tile_flops_matches_plan_for_each_kind():
+    from ringmpi.gpu import plan
+
+    q_pos, k_pos = np.arange(300, dtype=np.int64) + 50, np.arange(260, dtype=np.int64)
+    for storage, d in [("half_t", 64), ("float", 128)]:
+        for kern in configs.forward_all(storage, d):
+            for causal in (False, True):
+                f = plan.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 3, d)
+                dense = 4 * d * 2 * 6 * 300 * 260
+                assert (f == dense) if not causal else (0 < f < dense)
+    assert (
+        plan.tile_flops(configs.forward_all("float", 64)[0], q_pos[:0], k_pos, True, 1, 1, 1, 64)
+        == 0
+    )
+
+
+def test_autotune_times_once_and_caches(tmp_path, monkeypatch):
+    from ringmpi.gpu import tune
+
+    monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(tune.FILE_ENV, raising=False)
+    monkeypatch.delenv(tune.TUNE_ENV, raising=False)
+    tune.forget()
+    calls = []
+
+    def measure(name):
+        calls.append(name)
+        if name == "broken":
+            raise RuntimeError("launch failed")
+        return {"a": 3.0, "b": 1.0, "c": 2.0}[name]
+
+    k = tune.key("NVIDIA H200", "bf16_t", 128, True)
+    assert tune.choose(k, ["a", "b", "c", "broken"], measure) == "b"
+    assert sorted(calls) == ["a", "b", "broken", "c"]
+    assert tune.choose(k, ["a", "b", "c"], measure) == "b" and len(calls) == 4  # memory
+    tune.forget()
+    assert tune.choose(k, ["a", "b", "c"], measure) == "b" and len(calls) == 4  # file
+    data = (tmp_path / tune.FILE_NAME).read_text()
+    assert '"config": "b"' in data and "launch failed" in data
+    # a cached choice that is no longer a candidate is timed again
+    assert tune.choose(k, ["a", "c"], measure) == "c" and len(calls) == 6
+    # a single candidate is never timed; tuning off gives the preferred one
+    assert tune.choose(tune.key("x", "float", 64, False), ["z"], measure) == "z"
+    monkeypatch.setenv(tune.TUNE_ENV, "0")
+    assert tune.choose(tune.key("y", "float", 64, False), ["c", "a"], measure) == "c"
+    assert len(calls) == 6
+    monkeypatch.setenv(tune.TUNE_ENV, "yes")
+    with pytest.raises(ValueError, match="RINGMPI_GPU_TUNE"):
+        tune.choose(tune.key("w", "float", 64, False), ["c", "a"], measure)
+    monkeypatch.setenv(tune.TUNE_ENV, "1")
+    with pytest.raises(RuntimeError, match="no configuration ran"):
+        tune.choose(tune.key("v", "float", 64, False), ["broken", "broken"], measure)
+    tune.forget()
+
+
+def test_autotune_survives_a_bad_cache_file(tmp_path, monkeypatch):
+    from ringmpi.gpu import tune
+
+    monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(tune.FILE_ENV, raising=False)
+    (tmp_path / tune.FILE_NAME).write_text("{not json")
+    tune.forget()
+    assert tune.choose("k", ["a", "b"], lambda n: {"a": 2.0, "b": 1.0}[n]) == "b"
+    tune.forget()
+    assert tune.cached("k", ["a", "b"]) == "b"
+    tune.forget()
+
+
+@needs_nvrtc
+def test_kernel_cache_compiles_once(tmp_path, monkeypatch):
+    """loader: each instantiation is compiled by NVRTC once and found in the cache after."""
+    from ringmpi.gpu import loader
+
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(loader, "_arch", lambda dev: "sm_80")  # no device here
+    exprs = ("attn_fwd_simt<float, float, 64, 32, 32>", "attn_fwd_mma<bf16_t, 64>")
+    assert loader.precompile(gpu.KERNEL_FILE, exprs, 0, workers=2) == dict.fromkeys(
+        exprs, "compiled"
+    )
+    assert loader.precompile(gpu.KERNEL_FILE, exprs, 0) == dict.fromkeys(exprs, "cache")
+    code = loader.source(gpu.KERNEL_FILE)
+    cubin, mangled = loader._lookup(code, exprs[1], "sm_80")
+    assert cubin.read_bytes()[:4] == b"\x7fELF" and mangled.startswith("_Z12attn_fwd_mma")
+    assert loader._lookup(code, exprs[1], "sm_90") is None  # the arch is part of the key
+    assert loader._lookup(code + "\n", exprs[1], "sm_80") is None  # and the source
+    bad = loader.precompile(gpu.KERNEL_FILE, ("attn_fwd_mma<float, 64>",), 0)
+    assert "could not compile" in bad["attn_fwd_mma<float, 64>"]

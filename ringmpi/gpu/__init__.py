@@ -1,12 +1,16 @@
 """The GPU path: CUDA tiles (CuPy RawKernels from kernels/*.cu) and the GPU ring.
 
-Modules: :mod:`.tile` (kernel choice, launch plan, the forward tile),
-:mod:`.ring` (device binding, CUDA-aware MPI detection, staged exchange),
+Modules: :mod:`.tile` (the forward tile), :mod:`.backward` (the backward tile),
+:mod:`.configs` (kernel configurations, chosen by the device's shared memory),
+:mod:`.tune` (autotuning cache), :mod:`.plan` (block bounds, launch order, flops),
+:mod:`.device` (device facts), :mod:`.ring` (device binding, CUDA-aware MPI
+detection, staged exchange),
 :mod:`.loader` (sources -> CuPy modules), :mod:`.nvrtc` (compile check without a
 GPU: ``python -m ringmpi.gpu.nvrtc``), :mod:`.bench` (TFLOP/s beside torch SDPA:
 ``python -m ringmpi.gpu.bench``). Importing this package needs neither CuPy nor a GPU.
 """
 
+from .backward import backward_tile
 from .ring import TAG_KV, GpuRing, bind_device, cuda_aware, info
 from .tile import (
     KERNEL_FILE,
@@ -23,6 +27,7 @@ __all__ = [
     "TAG_KV",
     "GpuRing",
     "acc_dtype",
+    "backward_tile",
     "bind_device",
     "cuda_aware",
     "forward_tile",

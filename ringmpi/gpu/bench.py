@@ -1,17 +1,21 @@
-"""Forward-attention benchmark of the CUDA tiles, beside torch's SDPA when torch imports.
+"""Benchmark of the CUDA tiles, forward and backward, beside torch's SDPA when torch imports.
 
-``python -m ringmpi.gpu_bench`` prints one row per (dtype, D, N, causal):
-achieved TFLOP/s of :func:`ringmpi.gpu.tile.forward_tile` on one GPU (one tile
-covering the whole sequence, as a single-rank ring does), the same for
-``torch.nn.functional.scaled_dot_product_attention`` on the same inputs, their
-ratio, and the largest difference of the two outputs. Useful flops only:
-4 N^2 D H B, half of that (N(N+1)/2 pairs) when causal. torch is used for
-comparison only, never required.
+``python -m ringmpi.gpu.bench`` prints one table, a row per (pass, dtype, D, N,
+causal): achieved TFLOP/s of :func:`ringmpi.gpu.tile.forward_tile` (or of
+:func:`ringmpi.gpu.backward.backward_tile`) on one GPU (one tile covering the
+whole sequence, as a single-rank ring does), the configuration that ran, the
+same for ``torch.nn.functional.scaled_dot_product_attention`` (its backward
+through autograd) on the same inputs, their ratio, and the largest difference
+of the two results (the output, or dQ). Useful flops only: 4 N^2 D H B forward,
+10 N^2 D H B backward, half of that (N(N+1)/2 pairs) when causal. torch is
+used for comparison only, never required. ``--configs`` adds a row per forward
+configuration (forced through ``RINGMPI_GPU_CONFIG``) for bf16 at N = 4096.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Optional
 
@@ -19,16 +23,16 @@ import numpy as np
 
 from .. import softmax
 from ..files import write_json
-from . import tile
+from . import backward, configs, device, tile
 
 __all__ = ["bench_case", "main"]
 
 
-def _inputs(dtype: str, b: int, h: int, n: int, d: int, seed: int):
+def _inputs(dtype: str, shapes: list, seed: int):
     import cupy
 
     rs = cupy.random.RandomState(seed)
-    xs = [rs.standard_normal((b, h, n, d), dtype=cupy.float32) for _ in range(3)]
+    xs = [rs.standard_normal(s, dtype=cupy.float32) for s in shapes]
     if dtype == "bfloat16":
         return [tile.to_bf16_bits(x) for x in xs]
     return [x.astype(dtype) for x in xs]
@@ -53,63 +57,115 @@ def _torch_view(x, dtype: str):
     import cupy
     import torch
 
-    if dtype == "bfloat16":  # uint16 bits -> torch bfloat16 without a copy
+    if dtype == "bfloat16":  # uint16 bits -> torch bfloat16
         return torch.as_tensor(x.view(cupy.int16), device="cuda").view(torch.bfloat16)
     return torch.as_tensor(x, device="cuda")
 
 
-def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, torch_mod=None):
-    """One benchmark row (dict) for inputs (b, h, n, d) of ``dtype``."""
+def _storage_dtype(dtype: str):
+    return np.dtype("uint16" if dtype == "bfloat16" else dtype)
+
+
+def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, torch_mod=None,
+               direction: str = "fwd") -> dict:  # fmt: skip
+    """One benchmark row (dict) for inputs (b, h, n, d) of ``dtype``; direction fwd or bwd."""
     import cupy
 
-    q, k, v = _inputs(dtype, b, h, n, d, seed=n + d)
-    acc_t = tile.acc_dtype(np.dtype("uint16") if dtype == "bfloat16" else np.dtype(dtype))
-    acc, m, l = softmax.init_state(q.shape, acc_t, cupy)
+    shape = (b, h, n, d)
+    q, k, v, do = _inputs(dtype, [shape] * 4, seed=n + d)
+    sdt = _storage_dtype(dtype)
+    acc_t = tile.acc_dtype(sdt)
     pos = np.arange(n, dtype=np.int64)
     scale = 1.0 / np.sqrt(d)
+    dev = device.current()
+    storage = tile._storage(sdt)
 
-    def ours():
-        acc.fill(0)
-        m.fill(-np.inf)
-        l.fill(0)
+    def forward():
+        acc, m, l = softmax.init_state(q.shape, acc_t, cupy)
         tile.forward_tile(q, k, v, pos, pos, acc, m, l, scale=scale, causal=causal)
+        return acc, m, l
 
-    dev = cupy.cuda.Device()
-    t_ours = _time(ours, dev.synchronize)
-    useful = 4.0 * b * h * d * (n * (n + 1) / 2 if causal else n * n)
-    row = {"dtype": dtype, "D": d, "N": n, "causal": causal, "B": b, "H": h}
+    out, lse = softmax.finalize(*forward(), cupy)
+    pairs = n * (n + 1) / 2 if causal else n * n
+    row = {"pass": direction, "dtype": dtype, "D": d, "N": n, "causal": causal, "B": b, "H": h}
+    if direction == "fwd":
+        row["config"] = tile.chosen(storage, d, causal, dev).name
+        useful = 4.0 * b * h * d * pairs
+        t_ours = _time(forward, cupy.cuda.Device().synchronize)
+        mine = out
+    else:
+        row["config"] = "+".join(c.name for c in backward.chosen(storage, d, dev))
+        useful = 10.0 * b * h * d * pairs
+        delta = (do.astype(acc_t) * out).sum(-1) if dtype != "bfloat16" else (
+            tile.from_bf16_bits(do) * out).sum(-1)  # fmt: skip
+        grads = [cupy.zeros(shape, dtype=acc_t) for _ in range(3)]
+
+        def bwd():
+            backward.backward_tile(q, k, v, do, lse, delta, pos, pos, *grads, scale=scale,
+                                   causal=causal)  # fmt: skip
+
+        bwd()
+        mine = grads[0].copy()  # dQ of one call
+        t_ours = _time(bwd, cupy.cuda.Device().synchronize)
     row.update(ms=t_ours * 1e3, tflops=useful / t_ours / 1e12)
-    out, _ = softmax.finalize(acc, m, l, cupy)
     if torch_mod is not None and dtype in ("float16", "bfloat16"):
         sdpa = torch_mod.nn.functional.scaled_dot_product_attention
-        tq, tk, tv = (_torch_view(x, dtype) for x in (q, k, v))
+        tq, tk, tv, tdo = (_torch_view(x, dtype) for x in (q, k, v, do))
         res = {}
+        if direction == "fwd":
 
-        def theirs():
-            res["o"] = sdpa(tq, tk, tv, is_causal=causal)
+            def theirs():
+                res["x"] = sdpa(tq, tk, tv, is_causal=causal)
+
+        else:
+            tq, tk, tv = (x.clone().requires_grad_() for x in (tq, tk, tv))
+            o = sdpa(tq, tk, tv, is_causal=causal)
+
+            def theirs():
+                res["x"] = torch_mod.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True)[0]
 
         t_torch = _time(theirs, torch_mod.cuda.synchronize)
-        ref = cupy.asarray(res["o"].float().contiguous())
+        ref = cupy.asarray(res["x"].float().contiguous())
         row.update(torch_ms=t_torch * 1e3, torch_tflops=useful / t_torch / 1e12)
-        row.update(ratio=t_torch / t_ours, max_diff=float(cupy.abs(out - ref).max()))
+        row.update(ratio=t_torch / t_ours, max_diff=float(cupy.abs(mine - ref).max()))
     return row
 
 
+HEAD = (f"{'pass':>4} {'dtype':>9} {'D':>4} {'N':>6} {'causal':>6} {'config':>14} {'ms':>9} "
+        f"{'TFLOP/s':>8} {'torch ms':>9} {'TFLOP/s':>8} {'x torch':>7} "
+        f"{'max diff':>9}")  # fmt: skip
+
+
 def _fmt(row: dict) -> str:
-    s = (f"{row['dtype']:>9} {row['D']:>4} {row['N']:>6} {str(row['causal']):>6} "
-         f"{row['H']:>3} {row['ms']:>9.2f} {row['tflops']:>8.1f}")  # fmt: skip
+    s = (f"{row['pass']:>4} {row['dtype']:>9} {row['D']:>4} {row['N']:>6} "
+         f"{str(row['causal']):>6} {row['config']:>14} {row['ms']:>9.3f} "
+         f"{row['tflops']:>8.1f}")  # fmt: skip
     if "torch_tflops" in row:
-        s += f" {row['torch_ms']:>9.2f} {row['torch_tflops']:>8.1f} {row['ratio']:>6.2f}"
+        s += f" {row['torch_ms']:>9.3f} {row['torch_tflops']:>8.1f} {row['ratio']:>7.2f}"
         s += f" {row['max_diff']:>9.2e}"
+    else:
+        s += f" {'-':>9} {'-':>8} {'-':>7} {'-':>9}"
     return s
 
 
+def cases(quick: bool) -> list:
+    """(pass, dtype, D, N, causal) of the table."""
+    ns = (1024,) if quick else (4096, 16384)
+    out = [(p, t, d, n, c) for p in ("fwd", "bwd") for t in ("bfloat16", "float16")
+           for d in (64, 128) for n in ns for c in (False, True)]  # fmt: skip
+    out += [(p, t, 64, ns[0], c) for p in ("fwd", "bwd") for t in ("float32", "float64")
+            for c in (False, True)]  # fmt: skip
+    return out
+
+
 def main(argv: Optional[list] = None) -> int:
-    """Run the table; ``--quick`` for a smoke run, ``--json PATH`` to save the rows."""
+    """Print the table; ``--quick`` for a smoke run, ``--json PATH`` to save the rows."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1024 only")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--configs", action="store_true",
+                    help="also time every forward configuration (bf16, N=4096)")  # fmt: skip
     args = ap.parse_args(argv)
     import cupy
 
@@ -120,27 +176,35 @@ def main(argv: Optional[list] = None) -> int:
     except Exception as exc:  # torch is optional
         print(f"torch unavailable ({type(exc).__name__}: {exc}); ringmpi columns only")
         torch = None
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(
-        f"device: {name}; CuPy {cupy.__version__}"
-        + (f"; torch {torch.__version__}" if torch else "")
-    )
-    ns = (1024,) if args.quick else (4096, 16384)
-    cases = [(t, d, n, c) for t in ("bfloat16", "float16") for d in (64, 128) for n in ns
-             for c in (False, True)]  # fmt: skip
-    cases += [(t, d, ns[0], c) for t in ("float32", "float64") for d in (64, 128)
-              for c in (False, True)]  # fmt: skip
-    head = f"{'dtype':>9} {'D':>4} {'N':>6} {'causal':>6} {'H':>3} {'ms':>9} {'TFLOP/s':>8}"
-    if torch is not None:
-        head += f" {'torch ms':>9} {'TFLOP/s':>8} {'x torch':>6} {'max diff':>9}"
-    print(head, flush=True)
+    dev = device.current()
+    name = device.name(dev)
+    versions = f"CuPy {cupy.__version__}" + (f"; torch {torch.__version__}" if torch else "")
+    print(f"device: {name}; {versions}")
+    print(HEAD, flush=True)
     rows = []
-    for dtype, d, n, causal in cases:
-        row = bench_case(dtype, d, n, causal, args.heads, torch_mod=torch)
+    for direction, dtype, d, n, causal in cases(args.quick):
+        row = bench_case(dtype, d, n, causal, args.heads, torch_mod=torch, direction=direction)
         rows.append(row)
         print(_fmt(row), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
+    if args.configs:
+        n = 1024 if args.quick else 4096
+        print("\nevery forward configuration (RINGMPI_GPU_CONFIG), bf16, N =", n)
+        print(HEAD, flush=True)
+        old = os.environ.get(tile.CONFIG_ENV)
+        try:
+            for d in (64, 128):
+                for cfg in configs.forward_candidates("bf16_t", d, device.smem_optin(dev)):
+                    os.environ[tile.CONFIG_ENV] = cfg.name
+                    for causal in (False, True):
+                        row = bench_case("bfloat16", d, n, causal, args.heads, torch_mod=torch)
+                        rows.append(dict(row, forced=True))
+                        print(_fmt(row), flush=True)
+        finally:
+            if old is None:
+                os.environ.pop(tile.CONFIG_ENV, None)
+            else:
+                os.environ[tile.CONFIG_ENV] = old
     if args.json:
         write_json(args.json, {"device": name, "rows": rows})
     return 0

@@ -1,38 +1,174 @@
-"""Load CUDA sources from ``kernels/`` into CuPy modules, memoized per (file, device).
+"""Load CUDA kernels from ``kernels/`` on the current device, compiled once and cached on disk.
 
 Sources are found by :func:`ringmpi.kernel_files.kernel_path` (``$RINGMPI_KERNEL_DIR`` first).
+Each file is prefixed with ``#line 1 "<path>"`` so compiler errors point at
+the real file and line. A module may be several files compiled as one
+translation unit, in order (the backward kernels use the forward file's
+helpers: ``("attention_fwd.cu", "attention_bwd.cu")``). Templates are
+instantiated through NVRTC name expressions, e.g. ``"attn_fwd_mma<half_t, 64>"``.
 
-The source is prefixed with ``#line 1 "<path>"`` so compiler errors point at
-the real file and line. Templates are instantiated through NVRTC name
-expressions, e.g. ``"attn_fwd_mma<half_t, 64>"``. CuPy is imported lazily.
+Each instantiation is compiled on first use only, by NVRTC for the device's
+exact architecture (:mod:`ringmpi.gpu.nvrtc`), and the cubin is kept in the
+cache directory (``$RINGMPI_CACHE_DIR``, else ``$CUPY_CACHE_DIR``, else
+``~/.cupy/kernel_cache``) under a hash of the source, options, name, arch and
+NVRTC version, so later processes (every rank, every run) load it in
+milliseconds. (CuPy's own cache is bypassed for name expressions: a
+``cupy.RawModule`` with them recompiles in every process.) If that path fails
+(no standalone libnvrtc, an arch this NVRTC does not know, a cubin the driver
+refuses), the kernel is compiled by ``cupy.RawModule`` instead.
+CuPy is imported lazily.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Union
 
 from ..kernel_files import kernel_path
 
-__all__ = ["OPTIONS", "source", "get_function"]
+__all__ = ["OPTIONS", "source", "get_function", "precompile", "cache_dir", "last_path"]
 
 OPTIONS = ("-std=c++17",)
+_VERSION = 1
+last_path: dict = {}  # expression -> "cache" | "compiled" | "cupy: <why>" (diagnostics)
 
 
-def source(name: str) -> str:
-    """The text of ``kernels/<name>`` with a ``#line`` directive naming the file."""
-    path = kernel_path(name)
-    return f'#line 1 "{path.as_posix()}"\n' + path.read_text()
+def source(names: Union[str, tuple]) -> str:
+    """The text of ``kernels/<name>`` (or of several, concatenated), with ``#line`` directives."""
+    parts = []
+    for name in (names,) if isinstance(names, str) else names:
+        path = kernel_path(name)
+        parts.append(f'#line 1 "{path.as_posix()}"\n' + path.read_text())
+    return "\n".join(parts)
+
+
+def cache_dir() -> Path:
+    """Directory of the compiled kernels (and of the autotune choices)."""
+    base = os.environ.get("RINGMPI_CACHE_DIR") or os.environ.get("CUPY_CACHE_DIR")
+    return Path(base or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".ringmpi.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _paths(code: str, expr: str, arch: str) -> tuple:
+    """(cubin path, metadata path) of one instantiation in the cache directory."""
+    from . import nvrtc
+
+    ver = ".".join(map(str, nvrtc.version()))
+    key = hashlib.sha256("\0".join((code, *OPTIONS, expr, arch, ver, str(_VERSION))).encode())
+    base = cache_dir() / f"ringmpi_{key.hexdigest()[:40]}"
+    return base.with_suffix(".cubin"), base.with_suffix(".json")
+
+
+def _lookup(code: str, expr: str, arch: str):
+    """(cubin path, mangled name) if cached, else None."""
+    cubin, meta = _paths(code, expr, arch)
+    try:
+        mangled = json.loads(meta.read_text())["mangled"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return (cubin, mangled) if cubin.is_file() else None
+
+
+def _compile(code: str, expr: str, arch: str) -> tuple:
+    """Compile one instantiation with NVRTC and store it; (cubin path, mangled name)."""
+    from . import nvrtc
+
+    res = nvrtc.compile_source(code, (expr,), arch, OPTIONS, verbose_ptxas=False,
+                               keep_cubin=True)  # fmt: skip
+    if not res.ok or expr not in res.lowered:
+        raise RuntimeError(f"NVRTC could not compile {expr} for {arch}:\n{res.log}")
+    mangled = res.lowered[expr]
+    cubin, meta = _paths(code, expr, arch)
+    try:
+        cubin.parent.mkdir(parents=True, exist_ok=True)
+        _write(cubin, res.cubin)
+        _write(meta, json.dumps({"expr": expr, "arch": arch, "mangled": mangled}).encode())
+    except OSError:  # a read-only cache: keep a private copy, compile again next time
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(res.cubin)
+        cubin = Path(f.name)
+    return cubin, mangled
+
+
+def _arch(dev: int) -> str:
+    from . import device
+
+    return f"sm_{device.check_arch(dev)}"
+
+
+def _cached(code: str, expr: str, dev: int):
+    """(cupy.RawModule loaded from a cached or fresh cubin, mangled name of ``expr``)."""
+    import cupy
+
+    arch = _arch(dev)
+    hit = _lookup(code, expr, arch)
+    last_path[expr] = "cache" if hit else "compiled"
+    cubin, mangled = hit or _compile(code, expr, arch)
+    return cupy.RawModule(path=str(cubin)), mangled
+
+
+def precompile(names: Union[str, tuple], exprs: tuple, dev: int, workers: int = 0) -> dict:
+    """Compile every instantiation in ``exprs`` not yet cached, in parallel threads.
+
+    Returns {expr: "cache" | "compiled" | error message}. Needs no CuPy context,
+    only the device's compute capability (``dev``).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import nvrtc
+
+    code, arch = source(names), _arch(dev)
+    nvrtc.version()  # load libnvrtc before the threads start
+
+    def one(expr):
+        if _lookup(code, expr, arch):
+            return "cache"
+        try:
+            _compile(code, expr, arch)
+            return "compiled"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    with ThreadPoolExecutor(workers or max(1, os.cpu_count() or 1)) as pool:
+        return dict(zip(exprs, pool.map(one, exprs)))
 
 
 @functools.cache
-def _module(name: str, device_id: int, names: tuple):
+def _function(names: Union[str, tuple], dev: int, expr: str):
     import cupy
 
-    return cupy.RawModule(code=source(name), options=OPTIONS, name_expressions=names)
+    code = source(names)
+    if os.environ.get("RINGMPI_KERNEL_CACHE", "1") != "0":
+        try:
+            mod, mangled = _cached(code, expr, dev)
+            return mod.get_function(mangled)
+        except Exception as exc:  # fall back to CuPy's compiler
+            last_path[expr] = f"cupy: {type(exc).__name__}: {exc}"[:300]
+    else:
+        last_path[expr] = "cupy: RINGMPI_KERNEL_CACHE=0"
+    mod = cupy.RawModule(code=code, options=OPTIONS, name_expressions=(expr,))
+    return mod.get_function(expr)
 
 
-def get_function(name: str, expr: str, names: tuple):
-    """Kernel ``expr`` (one of ``names``) from ``kernels/<name>`` on the current device."""
+def get_function(names: Union[str, tuple], expr: str, exprs: tuple = ()):
+    """Kernel ``expr`` from the module of ``names`` on the current device (compiled once).
+
+    ``exprs`` (every instantiation of the module) is accepted for compatibility
+    and checked: ``expr`` must be one of them when given.
+    """
     import cupy
 
-    return _module(name, cupy.cuda.Device().id, tuple(names)).get_function(expr)
+    if exprs and expr not in exprs:
+        raise ValueError(f"{expr} is not an instantiation of {names}")
+    return _function(names, cupy.cuda.Device().id, expr)

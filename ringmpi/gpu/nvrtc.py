@@ -24,7 +24,15 @@ from typing import Optional
 
 from .loader import OPTIONS, source
 
-__all__ = ["NvrtcError", "CompileResult", "find_library", "version", "compile_source", "check"]
+__all__ = [
+    "NvrtcError",
+    "CompileResult",
+    "find_library",
+    "version",
+    "compile_source",
+    "sources",
+    "check",
+]
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -43,6 +51,7 @@ class CompileResult:
     lowered: dict = field(default_factory=dict)  # name expression -> mangled name
     binary_size: int = 0
     resources: dict = field(default_factory=dict)  # mangled name -> {registers, spill_*, ...}
+    cubin: bytes = b""  # the binary, when asked for (keep_cubin=True)
 
 
 def _wheel_dirs() -> list:
@@ -50,6 +59,20 @@ def _wheel_dirs() -> list:
     if spec is None or not spec.submodule_search_locations:
         return []
     return list(spec.submodule_search_locations)
+
+
+def _loaded_by_cupy() -> list:
+    """libnvrtc files mapped into this process once CuPy's NVRTC binding is loaded."""
+    if "cupy" not in sys.modules:
+        return []
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if "libnvrtc.so" in ln})
+    except Exception:  # not Linux, or no NVRTC in CuPy
+        return []
 
 
 def _candidates() -> list:
@@ -71,6 +94,7 @@ def _candidates() -> list:
     lib = ctypes.util.find_library("nvrtc")
     if lib:
         found.append(lib)
+    found += _loaded_by_cupy()
     # the builtins and "alt" variants are not the API library
     return [f for f in found if "builtins" not in f and ".alt." not in f]
 
@@ -149,6 +173,7 @@ def compile_source(
     options: Sequence[str] = OPTIONS,
     filename: str = "kernel.cu",
     verbose_ptxas: bool = True,
+    keep_cubin: bool = False,
 ) -> CompileResult:
     """Compile ``code`` for ``arch`` (e.g. "sm_90") to a cubin through NVRTC.
 
@@ -183,18 +208,56 @@ def compile_source(
             if lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(ptr)) == 0 and ptr.value:
                 lowered[expr] = ptr.value.decode()
         _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        return CompileResult(arch, True, log, lowered, size.value, parse_ptxas(log))
+        cubin = b""
+        if keep_cubin:
+            buf = ctypes.create_string_buffer(size.value)
+            _check(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            cubin = buf.raw
+        return CompileResult(arch, True, log, lowered, size.value, parse_ptxas(log), cubin)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def check(archs: Sequence[str] = ARCHS, names: Optional[Sequence[str]] = None) -> dict:
-    """Compile every attention kernel instantiation for each arch; {arch: CompileResult}."""
+def sources() -> dict:
+    """{kernel file(s): name expressions} of every CUDA module the GPU tiles load."""
+    from .backward import KERNEL_FILES
+    from .backward import kernel_names as backward_names
     from .tile import KERNEL_FILE, kernel_names
 
-    names = kernel_names() if names is None else tuple(names)
-    code = source(KERNEL_FILE)
-    return {a: compile_source(code, names, a, filename=KERNEL_FILE) for a in archs}
+    return {KERNEL_FILE: kernel_names(), KERNEL_FILES: backward_names()}
+
+
+def _compile_job(job: tuple) -> CompileResult:
+    arch, files, names = job
+    name = files if isinstance(files, str) else "+".join(files)
+    return compile_source(source(files), names, arch, filename=name)
+
+
+def _merge(arch: str, parts: list) -> CompileResult:
+    out = CompileResult(arch, all(p.ok for p in parts), "\n".join(p.log for p in parts if p.log))
+    for p in parts:
+        out.lowered.update(p.lowered)
+        out.resources.update(p.resources)
+        out.binary_size += p.binary_size
+    return out
+
+
+def check(archs: Sequence[str] = ARCHS, files: Optional[dict] = None) -> dict:
+    """Compile every kernel instantiation of every source for each arch; {arch: CompileResult}.
+
+    ``files`` maps kernel file -> name expressions (default :func:`sources`). The
+    (arch, file) programs compile concurrently in threads (NVRTC calls release
+    the GIL), and the results of one arch are merged into one CompileResult.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sources() if files is None else files
+    jobs = [(a, f, tuple(n)) for a in archs for f, n in files.items()]
+    _lib()  # load once before the threads start
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        done = list(pool.map(_compile_job, jobs))
+    return {a: _merge(a, [r for (ja, _, _), r in zip(jobs, done) if ja == a]) for a in archs}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -2,7 +2,8 @@
 
 With CUDA-aware MPI the device buffers go to MPI directly once the producing stream
 is synchronised; otherwise they are staged through pinned host buffers with
-asynchronous copies on a private stream. CuPy is imported lazily.
+asynchronous copies on a private stream that overlap the step's kernel
+(:class:`GpuRing`). CuPy is imported lazily.
 """
 
 from __future__ import annotations
@@ -111,9 +112,22 @@ class GpuRing:
     """Non-blocking neighbour exchange of device buffers on a periodic ring.
 
     Same methods as :class:`ringmpi.ring.Ring` (``start``, ``test``, ``wait``,
-    ``free``, ``wait_s``). With CUDA-aware MPI the device buffers go to MPI
-    directly after the producing stream is synchronized; otherwise they are
-    staged through pinned host buffers with async copies on a private stream.
+    ``free``, ``wait_s``); one exchange is in flight at a time.
+
+    CUDA-aware MPI: ``start`` synchronises the current stream (the producer of
+    the send buffer and the last reader of the receive buffer) and hands both
+    device buffers to MPI.
+
+    Staged (no CUDA-aware MPI): ``start`` records an event on the current
+    (compute) stream, enqueues the device-to-host copy of the send buffer on a
+    private copy stream behind that event and posts the receive into a pinned
+    host buffer; it returns at once, so the copy runs while the step's kernel
+    computes. The send is posted as soon as the copy has finished: ``test``
+    (called between tile blocks) polls the copy's event, ``wait`` blocks on it.
+    ``wait`` completes the transfers and enqueues the host-to-device upload on
+    the copy stream; the current stream waits for it. Two pairs of pinned
+    buffers alternate, so a receive never lands in a buffer an upload is still
+    reading.
 
     Parameters
     ----------
@@ -139,8 +153,11 @@ class GpuRing:
         self.polls = 0
         self.poll = os.environ.get("RINGMPI_POLL", "1") != "0"
         self._copy = cupy.cuda.Stream(non_blocking=True)
-        self._pinned = (None, None)
-        self._pending = None  # (device recv buffer, pinned host buffer) to upload after wait
+        # per slot: [send host buffer, recv host buffer, event of the last upload out of it]
+        self._slots = [[None, None, None], [None, None, None]]
+        self._slot = 0
+        self._unsent = None  # (copy-done event, host send buffer, tag) until the Isend is posted
+        self._pending = None  # (device recv buffer, host recv buffer, slot) to upload after wait
         self._cur = None  # record of the exchange in flight
         self.records: list = []
         # common clock: an event that completed at host time _t0
@@ -150,25 +167,38 @@ class GpuRing:
         self._t0 = time.perf_counter()
 
     def _host_buffers(self, nbytes: int):
+        """Pinned (send, recv) buffers of the next slot, free for a new exchange."""
         import cupy
 
-        hs, hr = self._pinned
-        if hs is None or hs.nbytes < nbytes:
+        slot = self._slots[self._slot]
+        if slot[2] is not None:
+            slot[2].synchronize()  # the upload out of this recv buffer (two exchanges ago)
+            slot[2] = None
+        if slot[0] is None or slot[0].nbytes < nbytes:
             mk = cupy.cuda.alloc_pinned_memory
-            hs = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
-            hr = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
-            self._pinned = (hs, hr)
-        return hs[:nbytes], hr[:nbytes]
+            slot[0] = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
+            slot[1] = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
+        return slot[0], slot[1]
 
     def start(self, send_buf, recv_buf, tag: int = TAG_KV) -> None:
-        """Post receive of the next block from the previous rank and send of ``send_buf``."""
+        """Post the receive of the next block from the previous rank and the send of ``send_buf``.
+
+        Parameters
+        ----------
+        send_buf, recv_buf : cupy.ndarray
+            Contiguous device buffers (any dtype); ``send_buf`` is produced by work
+            already enqueued on the current stream.
+        tag : int
+        """
         import cupy
         from cupy.cuda import runtime
 
+        if self._cur is not None:
+            raise RuntimeError("GpuRing.start: the previous exchange has not been waited for")
         MPI = self._MPI
         stream = cupy.cuda.get_current_stream()
         ev_post = cupy.cuda.Event()
-        ev_post.record(stream)
+        ev_post.record(stream)  # everything that produces send_buf is before this event
         t_post = time.perf_counter()
         if self.cuda_aware:
             # the producer of send_buf and the last reader of recv_buf run on this stream
@@ -176,20 +206,35 @@ class GpuRing:
             self.requests.append(self.cart.Irecv([recv_buf, MPI.BYTE], self.prev, tag))
             self.requests.append(self.cart.Isend([send_buf, MPI.BYTE], self.next, tag))
         else:
-            nbytes = max(send_buf.nbytes, recv_buf.nbytes)
-            hs, hr = self._host_buffers(nbytes)
+            hs, hr = self._host_buffers(max(send_buf.nbytes, recv_buf.nbytes))
+            self.requests.append(self.cart.Irecv([hr[: recv_buf.nbytes], MPI.BYTE], self.prev, tag))
             self._copy.wait_event(ev_post)
             d2h = runtime.memcpyDeviceToHost
             runtime.memcpyAsync(hs.ctypes.data, send_buf.data.ptr, send_buf.nbytes, d2h,
                                 self._copy.ptr)  # fmt: skip
-            self._copy.synchronize()  # also completes the previous upload out of hr
-            self.requests.append(self.cart.Irecv([hr[: recv_buf.nbytes], MPI.BYTE], self.prev, tag))
-            self.requests.append(self.cart.Isend([hs[: send_buf.nbytes], MPI.BYTE], self.next, tag))
-            self._pending = (recv_buf, hr)
+            copied = cupy.cuda.Event(block=False, disable_timing=True)
+            copied.record(self._copy)
+            self._unsent = (copied, hs[: send_buf.nbytes], tag)
+            self._pending = (recv_buf, hr, self._slot)
+            self._slot ^= 1
         self._cur = {"t_post": t_post, "ev_post": ev_post, "bytes": int(send_buf.nbytes)}
+
+    def _post_send(self, block: bool) -> None:
+        """Post the staged Isend once its device-to-host copy is complete."""
+        copied, hs, tag = self._unsent
+        if block:
+            copied.synchronize()
+        elif not copied.done:
+            return
+        self.requests.append(self.cart.Isend([hs, self._MPI.BYTE], self.next, tag))
+        self._unsent = None
+        if self._cur is not None:
+            self._cur["t_send"] = time.perf_counter()
 
     def test(self) -> None:
         """Give MPI a chance to progress pending transfers (cheap, non-blocking)."""
+        if self._unsent is not None:
+            self._post_send(block=False)
         if self.poll and self.requests:
             self.polls += 1
             self._MPI.Request.Testall(self.requests)
@@ -199,24 +244,27 @@ class GpuRing:
         import cupy
         from cupy.cuda import runtime
 
-        if not self.requests:
+        if self._cur is None and not self.requests:
             return
         stream = cupy.cuda.get_current_stream()
         ev_wait = cupy.cuda.Event()
         ev_wait.record(stream)  # end of the compute enqueued while the exchange was in flight
         t0 = time.perf_counter()
+        if self._unsent is not None:
+            self._post_send(block=True)
         self._MPI.Request.Waitall(self.requests)
         t_done = time.perf_counter()
         self.wait_s += t_done - t0
         self.requests = []
         if self._pending is not None:
-            recv_buf, hr = self._pending
+            recv_buf, hr, slot = self._pending
             self._pending = None
             runtime.memcpyAsync(recv_buf.data.ptr, hr.ctypes.data, recv_buf.nbytes,
                                 runtime.memcpyHostToDevice, self._copy.ptr)  # fmt: skip
-            uploaded = cupy.cuda.Event(disable_timing=True)
+            uploaded = cupy.cuda.Event(block=False, disable_timing=True)
             uploaded.record(self._copy)
             stream.wait_event(uploaded)
+            self._slots[slot][2] = uploaded
         if self._cur is not None:
             self._cur.update(t_wait=t0, t_done=t_done, ev_wait=ev_wait)
             self.records.append(self._cur)
@@ -229,7 +277,7 @@ class GpuRing:
         self._copy.synchronize()
         if self._own and self.cart != self._MPI.COMM_NULL:
             self.cart.Free()
-        self._pinned = (None, None)
+        self._slots = [[None, None, None], [None, None, None]]
 
     def overlap_report(self) -> dict:
         """How much of each exchange ran while the GPU computed.

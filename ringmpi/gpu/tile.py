@@ -14,20 +14,30 @@ run the bf16 kernel. fp16/bf16 with D <= 128 run on tensor cores
 (mma.sync m16n8k16, fp32 accumulation); wider heads and fp32/fp64 run the
 CUDA-core kernel. Any D <= 256 works.
 
+Configurations (:mod:`ringmpi.gpu.configs`): the tensor-core tiles come as
+``m128n64``/``m128n32`` (128 query rows per CTA, GQA heads packed, heaviest
+causal blocks first) and ``m64n64`` (the first kernel: 64 rows, no packing);
+the CUDA-core tile in several ``simt<BM>x<BN>`` sizes. Only those that fit
+the device's opt-in shared memory per block are considered; among them the
+autotuner (:mod:`ringmpi.gpu.tune`) times each at first use and keeps the
+fastest; ``RINGMPI_GPU_CONFIG=<name>`` forces one.
+
 CuPy is imported lazily: importing this module needs neither CuPy nor a GPU.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import os
 from typing import Callable, Optional
 
 import numpy as np
 
-from . import loader
+from . import configs, device, loader, plan, tune
+from .plan import tile_flops
 
 __all__ = [
+    "CONFIG_ENV",
     "KERNEL_FILE",
     "kernel_names",
     "forward_tile",
@@ -35,51 +45,18 @@ __all__ = [
     "acc_dtype",
     "to_bf16_bits",
     "from_bf16_bits",
+    "tile_flops",
+    "chosen",
 ]
 
 KERNEL_FILE = "attention_fwd.cu"
-MAX_D = 256
-_MMA_HD = (32, 64, 96, 128)  # tensor-core head dims (D padded up to one of these)
-# CUDA-core kernel (storage, acc, DMAX) -> (BM, BN): sized so shared memory fits sm_80
-_SIMT = {
-    ("float", "float", 64): (64, 64),
-    ("float", "float", 128): (64, 64),
-    ("float", "float", 256): (32, 32),
-    ("double", "double", 64): (32, 32),
-    ("double", "double", 128): (32, 32),
-    ("double", "double", 256): (16, 16),
-    ("half_t", "float", 256): (32, 32),
-    ("bf16_t", "float", 256): (32, 32),
-}
-
-
-@dataclass(frozen=True)
-class _Kernel:
-    expr: str  # NVRTC name expression
-    bm: int  # query rows per CTA
-    bn: int  # keys per block
-    threads: int
-    smem: int  # dynamic shared memory bytes
-    mma: bool  # tensor-core kernel (needs 16-byte rows)
-
-
-def _mma_kernel(storage: str, hd: int) -> _Kernel:
-    smem = (64 + 4 * 64) * (hd + 8) * 2  # Q + double-buffered K and V, 16-bit
-    return _Kernel(f"attn_fwd_mma<{storage}, {hd}>", 64, 64, 128, smem, True)
-
-
-def _simt_kernel(storage: str, acc: str, dmax: int) -> _Kernel:
-    bm, bn = _SIMT[(storage, acc, dmax)]
-    size = 8 if acc == "double" else 4
-    smem = ((bm + 2 * bn) * (dmax + 1) + bm * (bn + 1)) * size
-    return _Kernel(f"attn_fwd_simt<{storage}, {acc}, {dmax}, {bm}, {bn}>", bm, bn, 256, smem, False)
+CONFIG_ENV = "RINGMPI_GPU_CONFIG"  # force one configuration by name (configs.Config.name)
+MAX_D = configs.MAX_D
 
 
 def kernel_names() -> tuple:
-    """Every template instantiation the backend may launch (NVRTC name expressions)."""
-    names = [_mma_kernel(s, hd).expr for s in ("half_t", "bf16_t") for hd in _MMA_HD]
-    names += [_simt_kernel(*key).expr for key in _SIMT]
-    return tuple(names)
+    """Every forward template instantiation the backend may launch (NVRTC name expressions)."""
+    return configs.forward_names()
 
 
 def _dtype_name(dtype) -> str:
@@ -96,15 +73,6 @@ def _storage(dtype) -> str:
     if name not in kinds:
         raise TypeError(f"GPU tile: unsupported dtype {name}")
     return kinds[name]
-
-
-def _select(storage: str, d: int) -> _Kernel:
-    if not 1 <= d <= MAX_D:
-        raise ValueError(f"GPU tile: head dim D={d} outside 1..{MAX_D}")
-    if storage in ("half_t", "bf16_t") and d <= _MMA_HD[-1]:
-        return _mma_kernel(storage, next(hd for hd in _MMA_HD if d <= hd))
-    acc = "double" if storage == "double" else "float"
-    return _simt_kernel(storage, acc, next(x for x in (64, 128, 256) if d <= x))
 
 
 def tile_dtype(dtype):
@@ -132,11 +100,20 @@ def _xp(x):
 
 
 def to_bf16_bits(x):
-    """float array (numpy or CuPy) -> uint16 bfloat16 bits, round to nearest even."""
+    """float array (numpy or CuPy) -> uint16 bfloat16 bits, round to nearest even.
+
+    Finite values round to nearest even (overflow gives +-inf, as IEEE does);
+    infinities stay infinite and every NaN becomes a quiet NaN of the same sign.
+    """
     xp = _xp(x)
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-    # add 0x7fff plus the lowest kept bit, then keep the upper half (NaN is not special-cased)
-    return ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
+    # add 0x7fff plus the lowest kept bit, then keep the upper half
+    r = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
+    # NaN (exponent all ones, mantissa non-zero): the rounding above could carry
+    # into the sign or clear the mantissa, so keep sign + exponent and set the quiet bit
+    nan = (u & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
+    quiet = ((u >> 16) | xp.uint32(0x0040)).astype(xp.uint16)
+    return xp.where(nan, quiet, r)
 
 
 def from_bf16_bits(u):
@@ -146,29 +123,8 @@ def from_bf16_bits(u):
 
 
 # ----------------------------------------------------------------------------
-# host-side plan: block bounds (for skipping) and the flop count, cached
+# device-side plan and kernels, cached
 # ----------------------------------------------------------------------------
-def block_bounds(pos: np.ndarray, bs: int) -> tuple:
-    """(min, max) position of each block of ``bs`` consecutive rows, int64 arrays."""
-    starts = np.arange(0, len(pos), bs)
-    return np.minimum.reduceat(pos, starts), np.maximum.reduceat(pos, starts)
-
-
-def visible_pairs(q_pos: np.ndarray, k_pos: np.ndarray, bm: int, bn: int, causal: bool) -> int:
-    """Query-key pairs inside the (bm x bn) blocks the kernel computes (not skipped)."""
-    sq, sk = len(q_pos), len(k_pos)
-    if not causal:
-        return sq * sk
-    qhi = block_bounds(q_pos, bm)[1]
-    klo = block_bounds(k_pos, bn)[0]
-    nq = np.diff(np.append(np.arange(0, sq, bm), sq))
-    nk = np.diff(np.append(np.arange(0, sk, bn), sk))
-    order = np.argsort(klo, kind="stable")
-    cum = np.concatenate(([0], np.cumsum(nk[order])))
-    # keys in blocks with klo <= qhi are computed for that q block
-    return int(np.dot(nq, cum[np.searchsorted(klo[order], qhi, side="right")]))
-
-
 @functools.lru_cache(maxsize=128)
 def _device_pos_cached(dev: int, data: bytes):
     import cupy
@@ -182,23 +138,23 @@ def _device_pos(pos: np.ndarray, dev: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, causal: bool):
+def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, g: int, causal: bool):
     import cupy
 
     q_pos, k_pos = np.frombuffer(qb, dtype=np.int64), np.frombuffer(kb, dtype=np.int64)
-    qlo, qhi = block_bounds(q_pos, bm)
-    klo, khi = block_bounds(k_pos, bn)
-    bounds = cupy.asarray(np.concatenate((qlo, qhi, klo, khi)).astype(np.int64))
-    return bounds, visible_pairs(q_pos, k_pos, bm, bn, causal)
+    bounds, order, pairs = plan.host_plan(q_pos, k_pos, bm, bn, g, causal)
+    return cupy.asarray(bounds), cupy.asarray(order), pairs
 
 
-def _plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: _Kernel, causal: bool, dev: int):
-    """(device block bounds, visible pairs) for a tile call, cached by content."""
-    return _plan_cached(dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, causal)
+def _plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: configs.Config, g: int, causal: bool,
+          dev: int):  # fmt: skip
+    """(device bounds, device order, computed pairs per row group) for a call, cached."""
+    g = g if kern.packed else 1
+    return _plan_cached(dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, g, causal)
 
 
 @functools.cache
-def _function(kern: _Kernel, dev: int):
+def _function(kern: configs.Config, dev: int):
     fn = loader.get_function(KERNEL_FILE, kern.expr, kernel_names())
     if kern.smem > 48 * 1024:  # opt in to more than the default 48 KiB
         fn.max_dynamic_shared_size_bytes = kern.smem
@@ -279,7 +235,24 @@ def forward_tile(
     _check_state("l", l, q.shape[:3], adt)
     if sq == 0 or sk == 0 or bsz == 0 or h == 0:
         return 0
-    kern = _select(_storage(q.dtype), d)
+    dev = device.current()
+    kern = chosen(_storage(q.dtype), d, bool(causal), dev)
+    flops = _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, bool(causal), dev)
+    if progress is not None:
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record()
+        progress()
+        while not done.done:
+            progress()
+    return flops
+
+
+def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev) -> int:
+    """Enqueue configuration ``kern`` on the current stream; return the flops it computes."""
+    import cupy
+
+    bsz, h, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
     if kern.mma:
         ld = -(-d // 8) * 8  # 16-byte rows for cp.async
         q, k, v = _rows16(q, ld), _rows16(k, ld), _rows16(v, ld)
@@ -288,17 +261,74 @@ def forward_tile(
         q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
     k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
-    dev = cupy.cuda.Device().id
-    bounds, pairs = _plan(q_pos, k_pos, kern, bool(causal), dev)
-    fscale = np.float64(scale) if adt == np.float64 else np.float32(scale)
-    args = (q, k, v, acc, m, l, _device_pos(q_pos, dev), _device_pos(k_pos, dev), bounds)
-    args += tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld)) + (fscale, np.int32(causal))
-    grid = (-(-sq // kern.bm), h, bsz)
+    g = h // hkv
+    bounds, order, pairs = _plan(q_pos, k_pos, kern, g, causal, dev)
+    pos = (_device_pos(q_pos, dev), _device_pos(k_pos, dev))
+    ints = tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld))
+    if kern.packed:  # 1-D grid over (q block in order, batch, K/V head); base-2 scale
+        args = (q, k, v, acc, m, l, *pos, bounds, order, np.int32(bsz), *ints)
+        args += (np.float32(scale * _LOG2E), np.int32(causal))
+        grid = (len(order) * bsz * hkv,)
+        flops = 4 * pairs * d * bsz * hkv
+    else:
+        fscale = np.float64(scale) if acc.dtype == np.float64 else np.float32(scale)
+        args = (q, k, v, acc, m, l, *pos, bounds, *ints, fscale, np.int32(causal))
+        grid = (-(-sq // kern.bm), h, bsz)
+        flops = 4 * pairs * d * bsz * h
     _function(kern, dev)(grid, (kern.threads,), args, shared_mem=kern.smem)
-    if progress is not None:
-        done = cupy.cuda.Event(block=False, disable_timing=True)
-        done.record()
-        progress()
-        while not done.done:
-            progress()
-    return 4 * pairs * d * bsz * h
+    return flops
+
+
+_LOG2E = 1.4426950408889634
+# shape class the autotuner times: B = 1, 8 query heads on 4 K/V heads, 2048 tokens
+TUNE_SHAPE = (1, 8, 4, 2048)
+
+
+def chosen(storage: str, d: int, causal: bool, dev: int) -> configs.Config:
+    """The forward configuration for (storage, D, causal) on device ``dev``.
+
+    ``RINGMPI_GPU_CONFIG`` if set; else the only one that fits the device's
+    shared memory; else the autotuned fastest (timed at first use, cached per
+    device name, dtype, D and causal: :mod:`ringmpi.gpu.tune`).
+    """
+    device.check_arch(dev)
+    limit = device.smem_optin(dev)
+    forced = os.environ.get(CONFIG_ENV, "").strip()
+    if forced:
+        return configs.select_forward(storage, d, limit, forced)
+    cands = configs.forward_candidates(storage, d, limit)
+    if len(cands) <= 1:
+        return configs.select_forward(storage, d, limit)  # the one, or a clear error
+    by_name = {c.name: c for c in cands}
+    k = tune.key(device.name(dev), storage, d, causal)
+    best = tune.choose(k, list(by_name), lambda n: _time_config(by_name[n], d, causal, dev))
+    return by_name[best]
+
+
+def _time_config(kern: configs.Config, d: int, causal: bool, dev: int, reps: int = 5) -> float:
+    """Seconds per call of ``kern`` on the tuning shape (best of ``reps`` after a warm-up)."""
+    import cupy
+
+    from .. import softmax
+
+    b, h, hkv, n = TUNE_SHAPE
+    storage = kern.expr.split("<")[1].split(",")[0]
+    dtype = {"half_t": np.float16, "bf16_t": np.uint16, "float": np.float32}.get(storage)
+    dtype = np.float64 if storage == "double" else dtype
+    rs = cupy.random.RandomState(1)
+    xs = [rs.standard_normal(s, dtype=cupy.float32) for s in ((b, h, n, d), (b, hkv, n, d))]
+    xs.append(rs.standard_normal((b, hkv, n, d), dtype=cupy.float32))
+    xs = [to_bf16_bits(x) if dtype == np.uint16 else x.astype(dtype) for x in xs]
+    acc, m, l = softmax.init_state(xs[0].shape, acc_dtype(dtype), cupy)
+    pos = np.arange(n, dtype=np.int64)
+    scale = 1.0 / np.sqrt(d)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    best = float("inf")
+    for i in range(reps + 1):
+        start.record()
+        _launch(kern, *xs, pos, pos, acc, m, l, scale, causal, dev)
+        stop.record()
+        stop.synchronize()
+        if i:  # the first call compiles and warms up
+            best = min(best, cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return best
