@@ -284,9 +284,10 @@ def to_internal(xp, x, dtype):
     return xp.ascontiguousarray(xp.moveaxis(x, -3, -2), dtype=dtype)
 
 
-def to_external(x, like):
-    """(B, H, S, D) -> the layout (B?, S, H, D) and dtype of ``like``."""
-    x = x.swapaxes(-2, -3).astype(like.dtype, order="C")
+def to_external(x, like, cast=None):
+    """(B, H, S, D) -> the layout (B?, S, H, D) and dtype of ``like`` (``cast(x, dtype)``)."""
+    x = x.swapaxes(-2, -3)
+    x = x.astype(like.dtype, order="C") if cast is None else cast(x, like.dtype)
     return x if like.ndim == 4 else x[0]
 
 

@@ -39,6 +39,8 @@ class Backend:
     cast_out: Callable[[Any, Any], Any] = lambda o, dt: o.astype(dt, order="C", copy=False)
     # state (acc, m, l) -> (out (B, S, H, D), lse (B, H, S))
     finalize: Optional[Callable[..., Any]] = None
+    # input array -> floating values (bfloat16 bit patterns held as uint16 -> float32)
+    decode: Callable[[Any], Any] = lambda x: x
 
     def finish(self, acc, m, l):
         """Normalised output in sequence-major layout and the lse."""
@@ -100,7 +102,14 @@ def _gpu_backend() -> Backend:
         # uint16 arrays are bfloat16 bit patterns (gpu.to_bf16_bits), for CuPy without bfloat16
         ("float16", "bfloat16", "uint16", "float32", "float64"),
         _gpu_cast_out,
+        decode=_gpu_decode,
     )
+
+
+def _gpu_decode(x):
+    from . import gpu
+
+    return gpu.from_bf16_bits(x) if str(x.dtype) == "uint16" else x
 
 
 def _gpu_cast_out(out, dtype):

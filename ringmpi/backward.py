@@ -41,7 +41,7 @@ __all__ = ["ring_attention_backward", "TAG_DKV"]
 TAG_DKV = 7302
 
 
-def _extra_errors(xp, q, dout, out, lse, check_finite: bool) -> Optional[str]:
+def _extra_errors(be, q, dout, out, lse, check_finite: bool) -> Optional[str]:
     """This rank's complaint about dout, out and lse (q is checked by prepare)."""
     shape = tuple(q.shape)
     want_lse = shape[:-3] + (shape[-2], shape[-3])
@@ -50,13 +50,15 @@ def _extra_errors(xp, q, dout, out, lse, check_finite: bool) -> Optional[str]:
             return f"{name} must be an array, got {type(x).__name__}"
         if tuple(x.shape) != want:
             return f"{name} has shape {tuple(x.shape)}, expected {want}"
-        if str(x.dtype) not in ("float16", "float32", "float64"):
-            return f"{name} has dtype {x.dtype}; supported: float16, float32, float64"
+        ok = be.dtypes if name != "lse" else ("float16", "float32", "float64")
+        if str(x.dtype) not in ok:
+            return f"{name} has dtype {x.dtype}; supported: {', '.join(ok)}"
         if is_cupy(x) != is_cupy(q):
             return f"{name} is a {type(x).__name__} but q is a {type(q).__name__}"
+    xp = be.xp
     if check_finite:
         for name, x in (("dout", dout), ("out", out)):
-            if x.size and not bool(xp.isfinite(x).all()):
+            if x.size and not bool(xp.isfinite(be.decode(x)).all()):
                 return f"{name} contains NaN or Inf (check_finite=True)"
         if lse.size and bool(xp.isnan(lse).any() or xp.isposinf(lse).any()):
             return "lse contains NaN or +Inf (check_finite=True)"
@@ -113,7 +115,8 @@ def ring_attention_backward(
 
     Notes
     -----
-    Runs on backends with a backward tile (the CPU ones today). Every argument
+    Runs on every backend (numpy, fused C, CUDA); bfloat16 held as uint16 bits on
+    the GPU comes back as uint16 bits. Every argument
     problem raises the same ValueError on all ranks before any message is
     exchanged.
     """
@@ -139,7 +142,7 @@ def ring_attention_backward(
     if be.backward_tile is None:
         err = f"the {be.name} backend has no backward tile yet; pass numpy arrays"
     if err is None:
-        err = _extra_errors(be.xp, q, dout, out, lse, check_finite)
+        err = _extra_errors(be, q, dout, out, lse, check_finite)
     with watch("ring_attention_backward: the argument agreement with the other ranks"):
         raise_first(comm, err, "ring_attention_backward")
 
@@ -149,10 +152,10 @@ def ring_attention_backward(
     cnt = args.counts_k
     plan = plan_steps(args.mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
-    qa = qi.astype(acc, copy=False)
-    do = to_internal(xp, dout, acc)
+    qa = be.decode(qi).astype(acc, copy=False)
+    do = to_internal(xp, be.decode(dout), acc)
     # delta_i = dO_i . O_i, from the output the forward pass delivered
-    delta = (do * to_internal(xp, out, acc)).sum(axis=-1)
+    delta = (do * to_internal(xp, be.decode(out), acc)).sum(axis=-1)
     lse_i = xp.asarray(lse if lse.ndim == 3 else lse[None], dtype=acc)
     dq = xp.zeros(qa.shape, dtype=acc)
 
@@ -210,7 +213,9 @@ def ring_attention_backward(
         finally:
             ring_d.free(abandon=stopped)
     dkv = kv.view(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
-    grads = to_external(dq, q), to_external(dkv[0], k), to_external(dkv[1], v)
+    grads = tuple(
+        to_external(g, like, be.cast_out) for g, like in ((dq, q), (dkv[0], k), (dkv[1], v))
+    )
     report(stats, t_start, compute_s=compute_s, wait_s=kv.ring.wait_s + ring_d.wait_s,
            flops=flops, steps=plan.nsteps, steps_computed=computed,
            steps_skipped=size - plan.nsteps, bytes_sent=kv.bytes_sent, backend=be.name)  # fmt: skip
