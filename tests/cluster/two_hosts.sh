@@ -16,6 +16,7 @@
 #   wrapper    the same rank behind a shell wrapper that exits 137 (an exit code, not a
 #              signal, for mpiexec), with RINGMPI_WATCHDOG_S=5: ends in 15 s. Runs only
 #              where `ringmpi.ring.WATCHDOG_ENV` exists (the ring watchdog); SKIP else
+#              (FORCE_WRAPPER=1 runs it anyway: without a watchdog it fails, ends at 40 s)
 #   overlap    link shaped to 100 Mbit/s (tc tbf, both directions): MPI wait share vs the
 #              cost model's crossover, N = 2k..32k, causal and not (tests/cluster/overlap.py)
 # Not root, or `ip netns add` refused: prints SKIP and exits 0.
@@ -273,7 +274,8 @@ EOF
 chmod +x "$work/rankwrap.sh"
 if ! want kill; then
     :
-elif "$PY" -c "import ringmpi.ring as r; r.WATCHDOG_ENV" 2>/dev/null; then
+elif [[ -n "${FORCE_WRAPPER:-}" ]] ||
+    "$PY" -c "import ringmpi.ring as r; r.WATCHDOG_ENV" 2>/dev/null; then
     kill_test wrapper 1 RINGMPI_WATCHDOG_S=5
 else
     record wrapper SKIP "needs the ring watchdog (ringmpi.ring.WATCHDOG_ENV not there):" \
