@@ -66,8 +66,8 @@ gpu-check:
 # Real launchers (needs root; prints SKIP otherwise): a one-node Slurm running the shipped
 # jobs/slurm.sbatch, then ranks on two hosts (network namespaces) over TCP.
 test-cluster: $(VENV)/.installed
-	timeout 900 tests/cluster/slurm.sh
-	timeout 900 tests/cluster/two_hosts.sh
+	PYTHON=$(abspath $(PY)) timeout 900 tests/cluster/slurm.sh
+	PYTHON=$(abspath $(PY)) timeout 900 tests/cluster/two_hosts.sh
 
 clean:
 	rm -rf build dist *.egg-info data/sample .pytest_cache .ruff_cache

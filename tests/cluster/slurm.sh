@@ -84,11 +84,24 @@ mkdir -p "$work/data" "$work/logs"
     --heads 4 --kv-heads 2 --head-dim 64 >/dev/null
 record data 0 "ringmpi make-data: sample.h5 (3 x 4096 tokens), long.h5 (8 x 8192)"
 
-# sbatch from the repository (the job finds .venv from SLURM_SUBMIT_DIR), logs to $work
-submit() { # submit LOG [sbatch options] -- [job arguments]
-    local log=$1
+# sbatch from the repository (the job finds .venv from SLURM_SUBMIT_DIR), logs to $work.
+# The PyPI mpich's UCX netmod now and then fails in MPI_Init ("failed to unpack address,
+# invalid bandwidth 0.00", pmodels/mpich#7417), more often on a loaded machine: a job that
+# failed that way, and only that way, is submitted once more and the retry is reported.
+UCX_FLAKE="UCX  ERROR failed to unpack address, invalid bandwidth"
+retries=0
+submit() { # submit LOG [sbatch options] [job arguments]
+    local log=$1 rc=0
     shift
-    (cd "$REPO" && timeout 600 sbatch --parsable --time=10 --output="$log" "$@")
+    (cd "$REPO" && timeout 600 sbatch --parsable --time=10 --output="$log" "$@") || rc=$?
+    if [[ $rc -ne 0 && " $* " == *" --wait "* ]] && grep -q "$UCX_FLAKE" "$log" 2>/dev/null; then
+        retries=$((retries + 1))
+        slurm_log "MPI_Init failed in UCX (known MPICH/UCX flake): submitting $(basename "$log") again"
+        mv "$log" "$log.flake$retries"
+        rc=0
+        (cd "$REPO" && timeout 600 sbatch --parsable --time=10 --output="$log" "$@") || rc=$?
+    fi
+    return "$rc"
 }
 
 # -- 1. the shipped job on sample data -----------------------------------------------------
@@ -137,14 +150,26 @@ mkdir -p "$work/ref" "$work/cut"
 rc=0
 submit "$work/logs/ref.log" --wait jobs/slurm.sbatch "${long[@]}" --quiet \
     -o "$work/ref/out.h5" >/dev/null || rc=$?
-jid=$(submit "$work/logs/cut.log" jobs/slurm.sbatch "${long[@]}" --quiet -o "$work/cut/out.h5")
-ndone=0
-for ((t = 0; t < 3000; t++)); do # 10 ms polls, 30 s at most
-    ndone=$(count_done "$work/cut/out.h5")
-    ((ndone >= 4)) && break
-    [[ "$(job_state "$jid")" =~ ^(COMPLETED|FAILED|CANCELLED|TIMEOUT)$ ]] && break
-    sleep 0.01
-done
+# start_cut: submit the job to cancel; wait until 4 of 8 sequences are done (or it ended)
+start_cut() {
+    jid=$(submit "$work/logs/cut.log" jobs/slurm.sbatch "${long[@]}" --quiet -o "$work/cut/out.h5")
+    ndone=0
+    for ((t = 0; t < 2400; t++)); do # 50 ms polls, 120 s at most
+        ndone=$(count_done "$work/cut/out.h5")
+        ((ndone >= 4)) && return 0
+        if ((t % 20 == 0)) &&
+            [[ "$(job_state "$jid")" =~ ^(COMPLETED|FAILED|CANCELLED|TIMEOUT)$ ]]; then
+            return 1
+        fi
+        sleep 0.05
+    done
+}
+if ! start_cut && ((ndone == 0)) && grep -q "$UCX_FLAKE" "$work/logs/cut.log"; then
+    retries=$((retries + 1))
+    slurm_log "MPI_Init failed in UCX (known MPICH/UCX flake): submitting cut.log again"
+    mv "$work/logs/cut.log" "$work/logs/cut.log.flake$retries"
+    start_cut || true
+fi
 scancel "$jid"
 state=""
 for ((t = 0; t < 300; t++)); do
@@ -175,6 +200,6 @@ else
 fi
 
 echo
-echo "Slurm test ($(sbatch --version)):"
+echo "Slurm test ($(sbatch --version); jobs resubmitted after the MPICH/UCX init flake: $retries):"
 printf '  %s\n' "${results[@]}"
 exit "$failed"
