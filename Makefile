@@ -21,7 +21,7 @@ export MKL_NUM_THREADS ?= 1
 TEST_TIMEOUT ?= 1200
 RANKS ?= 1 2 3 4
 
-.PHONY: venv install lint test test-serial test-mpi run bench stress gpu-check clean
+.PHONY: venv install lint test test-serial test-mpi run bench stress gpu-check clean test-cluster
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ stress: $(VENV)/.installed
 
 gpu-check:
 	bash jobs/gpu_check.sh
+
+# Real launchers (needs root; prints SKIP otherwise): a one-node Slurm running the shipped
+# jobs/slurm.sbatch, then ranks on two hosts (network namespaces) over TCP.
+test-cluster: $(VENV)/.installed
+	PYTHON=$(abspath $(PY)) timeout 900 tests/cluster/slurm.sh
+	PYTHON=$(abspath $(PY)) timeout 900 tests/cluster/two_hosts.sh
 
 clean:
 	rm -rf build dist *.egg-info data/sample .pytest_cache .ruff_cache

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# PBS Pro / Torque job for ringmpi (mpiexec from the MPI that mpi4py was built with).
+# PBS Pro / Torque job for ringmpi (mpiexec from the MPI that mpi4py was built with:
+# MPIEXEC, else the one next to PYTHON, else mpiexec on PATH).
 #
 #   qsub -v ARGS="in.h5 -o out.h5 --causal" jobs/pbs.sh
 #   qsub -l select=2:ncpus=32:mpiprocs=32 -v ARGS="'shards/*.h5' -o out.h5 --resume" jobs/pbs.sh
@@ -16,7 +17,16 @@ cd "${PBS_O_WORKDIR:-.}"
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-MPIEXEC="${MPIEXEC:-mpiexec}"
+# the mpiexec next to PYTHON (the venv's, from the PyPI mpich), else the one on PATH
+if [[ -z "${MPIEXEC:-}" ]]; then
+    MPIEXEC="$(dirname "$(command -v "$PYTHON")")/mpiexec"
+    [[ -x "$MPIEXEC" ]] || MPIEXEC=mpiexec
+fi
+if ! command -v "$MPIEXEC" >/dev/null; then
+    echo "pbs.sh: no mpiexec next to $PYTHON nor on PATH: 'module load' the MPI that" \
+        "mpi4py was built with, or set MPIEXEC" >&2
+    exit 1
+fi
 
 # ranks = lines of the node file (one per mpiproc)
 nranks=1

@@ -30,6 +30,7 @@ from typing import Optional
 from . import interrupt
 from .collective import CollectiveError
 from .job.budget import parse_size
+from .launch import check_launch
 
 __all__ = ["main", "build_parser"]
 
@@ -578,6 +579,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
+        check_launch(_comm(), exit=True)  # P tasks but a world of 1: one line, exit 2
         rc = _guard(_cmd_run, args, program)
     elif args.command == "verify":
         rc = _guard(_cmd_verify, args, program)
