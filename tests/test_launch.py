@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.launch import LaunchError, check_launch, launch_problem, launcher_tasks
 from ringmpi.job.sample import make_data
+from ringmpi.launch import LaunchError, check_launch, launch_problem, launcher_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 
