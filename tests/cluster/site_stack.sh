@@ -123,7 +123,7 @@ run() {  # run NAME CMD...: one suite, timed; its last line goes to the summary
   out=$(mktemp)
   t0=$(date +%s)
   timeout "$TIMEOUT" "$@" 2>&1 | tee "$out" || rc=$?
-  summary+=("$name: $(grep -aE ' (passed|failed|errors?|skipped) ' "$out" | tail -n 1) [rc $rc, $(($(date +%s) - t0)) s]")
+  summary+=("$name: $(grep -aE ' (passed|failed|errors?|skipped)[ ,]' "$out" | tail -n 1) [rc $rc, $(($(date +%s) - t0)) s]")
   rm -f "$out"
   ((rc == 0)) || failed+=("$name")
 }
