@@ -143,7 +143,7 @@ def create(f, name: str, s: int, h: int, d: int, chunk: int, gzip: bool):
 
 
 def run_case(path, lengths, h, d, layout, collective, chunk=0, gzip=False, **open_kw):
-    """Write, close, rename, read back. Returns (ok, detail)."""
+    """Write, close, rename, read back. Returns (ok, detail, seconds to write and close)."""
     tmp = path + ".tmp"
     t0 = time.perf_counter()
     err = None
@@ -164,8 +164,8 @@ def run_case(path, lengths, h, d, layout, collective, chunk=0, gzip=False, **ope
             os.remove(tmp)
         COMM.Barrier()
         first = next(e for e in errs if e)
-        return False, f"write failed on ranks {[r for r, e in enumerate(errs) if e]}: {first}"
-    wrote = time.perf_counter() - t0
+        return False, f"write failed on ranks {[r for r, e in enumerate(errs) if e]}: {first}", 0.0
+    wrote = COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     if RANK == 0:
         fd = os.open(tmp, os.O_RDONLY)
         os.fsync(fd)
@@ -193,7 +193,7 @@ def run_case(path, lengths, h, d, layout, collective, chunk=0, gzip=False, **ope
     detail = f"{mb:.1f} MB in {wrote:.3f} s, read back {'exact' if good else 'WRONG'}"
     if RANK == 0:
         detail += f", sha256 {sha(path)}"
-    return good, detail
+    return good, detail, wrote
 
 
 def peek(path: str, locking_env: str | None) -> str:
@@ -262,7 +262,7 @@ def cases(args) -> int:
         kw = dict(kw)
         layout = kw.pop("layout", "zigzag")
         path = os.path.join(d0, f"case{k}.h5")
-        ok, detail = run_case(path, lengths, h, d, layout, **kw)
+        ok, detail, _ = run_case(path, lengths, h, d, layout, **kw)
         verdict = "ok" if ok == should else "UNEXPECTED"
         bad += ok != should
         if RANK == 0:
@@ -278,9 +278,8 @@ def cases(args) -> int:
             for coll in (True, False):
                 path = os.path.join(d0, f"bench{int(coll)}.h5")
                 COMM.Barrier()
-                t0 = time.perf_counter()
-                ok, _ = run_case(path, [s], h, d, "zigzag", collective=coll)
-                times[coll].append(time.perf_counter() - t0)
+                ok, _, wrote = run_case(path, [s], h, d, "zigzag", collective=coll)
+                times[coll].append(wrote)
                 bad += not ok
                 if RANK == 0:
                     os.remove(path)
@@ -289,7 +288,7 @@ def cases(args) -> int:
             mb = s * h * (d + 1) * 4 / 1e6
             med = {c: sorted(t)[1] for c, t in times.items()}
             print(
-                f"PROBE bench S={s} H={h} D={d} ({mb:.0f} MB, write+rename+read, median of 3): "
+                f"PROBE bench S={s} H={h} D={d} ({mb:.0f} MB, create+write+close, median of 3): "
                 f"collective {med[True]:.2f} s, independent {med[False]:.2f} s",
                 flush=True,
             )
