@@ -4,6 +4,7 @@
 #   make run      sample data -> mpiexec -n 4 ringmpi run -> verify -> summary
 #   make bench    CPU benchmark table (ringmpi bench)
 #   make stress   faults, hostile input and soak checks (full version)
+#   make test-site  the suites on a site-like stack (Debian Open MPI, older mpi4py/numpy/h5py)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 PYTHON ?= python3
@@ -21,7 +22,7 @@ export MKL_NUM_THREADS ?= 1
 TEST_TIMEOUT ?= 1200
 RANKS ?= 1 2 3 4
 
-.PHONY: venv install lint test test-serial test-mpi run bench stress gpu-check clean test-cluster
+.PHONY: venv install lint test test-serial test-mpi test-site test-cluster run bench stress gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +50,11 @@ test-mpi: $(VENV)/.installed
 	done
 
 test: lint test-serial test-mpi
+
+# the suites on Debian's Open MPI + mpi4py 3.1 / numpy 1.24 / h5py-mpi 3.7 in .site-venv
+# (apt-get installs what is missing); SITE_RANKS, SITE_STAGES: see the script
+test-site:
+	bash tests/cluster/site_stack.sh
 
 run: $(VENV)/.installed
 	$(PY) -m ringmpi make-data data/sample/sample.h5 --sequences 3

@@ -179,8 +179,13 @@ def test_large_logits_stay_finite(rng):
     assert all(np.isfinite(g).all() for g in grads)
     ref = attention_backward(dout, q, k, v, causal=True)
     peer = dense_backward(dout, q, k, v, True)
+    # p = exp(s - lse) turns the float32 lse's absolute error (a few ulps of |lse| ~ 300)
+    # into a relative error of p that the peer, normalizing its own p, does not have;
+    # how much of it shows depends on the BLAS (reference BLAS: ~6x OpenBLAS's)
+    lse_err = np.abs(lse - attention(q, k, v, causal=True)[1]).max()
     for a, b, c in zip(grads, ref, peer):
-        assert np.abs(a - b).max() <= 3 * np.abs(c - b).max() + 1e-6
+        bound = 3 * np.abs(c - b).max() + lse_err * np.abs(b).max() + 1e-6
+        assert np.abs(a - b).max() <= bound
 
 
 def test_stats_are_filled(rng):

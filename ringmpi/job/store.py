@@ -81,6 +81,25 @@ def label_dims(node, batch: bool) -> None:
             ds.dims[axis].label = label
 
 
+def _write_h5(path: str, fill) -> None:
+    """Build an HDF5 file in memory with ``fill(f)``, then write its bytes to ``path`` and fsync.
+
+    The file is only ever written by Python: a full disk raises a plain OSError.
+    HDF5 1.10 (Debian 12's h5py 3.7) leaves a file whose close failed half torn down,
+    and the next reference drop segfaults the rank. The bytes equal a direct write.
+    """
+    import h5py
+
+    with h5py.File(path, "w", driver="core", backing_store=False) as f:
+        fill(f)
+        f.flush()
+        image = f.id.get_file_image()
+    with open(path, "wb") as fh:
+        fh.write(image)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def _crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as fh:
@@ -252,19 +271,19 @@ class OutputStore:
 
     # -- one sequence --------------------------------------------------------
     def _write_part(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> list:
-        import h5py
-
         final = os.path.join(self.parts, part_name(i, self.rank))
         tmp = final + ".tmp"
+
+        def fill(f):
+            for name, a in (("out", out), ("lse", lse), ("pos", pos)):
+                f.create_dataset(name, data=a, **self._filters(a))
+            f.attrs["sequence"] = self.plan.sequences[i].name
+            f.attrs["rank"] = self.rank
+            f.attrs["nranks"] = self.size
+            f.attrs["layout"] = self.layout
+
         try:
-            with h5py.File(tmp, "w", locking="best-effort") as f:
-                for name, a in (("out", out), ("lse", lse), ("pos", pos)):
-                    f.create_dataset(name, data=a, **self._filters(a))
-                f.attrs["sequence"] = self.plan.sequences[i].name
-                f.attrs["rank"] = self.rank
-                f.attrs["nranks"] = self.size
-                f.attrs["layout"] = self.layout
-            fsync_path(tmp)
+            _write_h5(tmp, fill)
             os.replace(tmp, final)
             fsync_path(self.parts)
             return [os.path.getsize(final), _crc32(final)]
