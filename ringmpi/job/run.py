@@ -20,10 +20,8 @@ sequences stay marked done for ``--resume``.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
 import platform
-import resource
 import signal
 import sys
 import time
@@ -36,14 +34,24 @@ import numpy as np
 from .. import interrupt
 from ..attention import ring_attention
 from ..collective import run_everywhere, run_on_root
+from ..grid import grid
 from ..partition import counts
-from .budget import check_memory, memory_budget, rank_bytes
-from .progress import Progress, duration
+from .budget import check_memory, memory_budget
+from .progress import Progress
 from .reader import Reader
+from .report import (
+    format_summary,
+    measure_rate,
+    peak_rss,
+    provenance,
+    start_line,
+    ticks_per_step,
+    utc,
+)
 from .schema import InputError, make_plan
-from .store import FORMAT, OutputStore, fingerprint
+from .store import OutputStore, fingerprint
 
-__all__ = ["run", "format_summary", "pick_device", "gpu_probe", "provenance"]
+__all__ = ["run", "format_summary", "pick_device", "gpu_probe", "provenance", "choose_ring_size"]
 
 
 def gpu_probe() -> tuple:
@@ -125,133 +133,42 @@ def _check_output(path: str, seq, pos: np.ndarray, out: np.ndarray, lse: np.ndar
         )
 
 
-def _kernel(dev: str, dtype: str) -> tuple:
-    """(kernel name, ISA) of the tile the run uses."""
-    if dev == "gpu":
-        return "cuda", "cuda"
-    from ..backend import select
+def choose_ring_size(ring_size, plan, size: int, layout: str, causal: bool, budget: int,
+                     rate: float) -> int:  # fmt: skip
+    """Ranks per ring: ``ring_size`` checked, or for ``"auto"`` the planner's choice.
 
-    name = select(np.empty(0, dtype)).name
-    if name != "fused":
-        return name, "numpy"
-    from ..cpu import fused
-
-    isa = getattr(fused, "isa", None)
-    if callable(isa):
-        return name, str(isa())
-    width = fused.simd_width()
-    return name, {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}.get(width, f"simd{width}")
-
-
-def provenance(plan, layout: str, causal: bool, scale, size: int, dev: str) -> dict:
-    """Typed attributes of the output: options, resolved scale, sizes, versions, kernel, host.
-
-    No time stamp: the output is a deterministic function of these (the run's
-    time is in the summary).
+    ``auto`` takes the ring size with the shortest predicted job among those whose
+    per-rank memory fits ``budget`` for the longest sequence (many sequences:
+    small rings, each holding one sequence with big blocks that hide the
+    exchange; one long sequence: one ring of all ranks). The link rate is
+    ``RINGMPI_LINK_GBPS`` (default 10 Gbit/s), the compute rate ``rate`` (flop/s).
     """
-    import h5py
+    if ring_size is None:
+        return size
+    if ring_size == "auto":
+        from ..plan import recommend
 
-    from .. import __version__
-
+        longest = max(s.length for s in plan.sequences)
+        rec = recommend(
+            longest, plan.heads, plan.kv_heads, plan.head_dim, ranks=size,
+            memory_per_rank_bytes=budget, sequences=len(plan.sequences), causal=causal,
+            dtype="float64" if plan.dtype == "float64" else "float32",
+            gflops=(rate / 1e9) or 50.0,
+            link_gbps=float(os.environ.get("RINGMPI_LINK_GBPS", "10")),
+        )  # fmt: skip
+        r = rec["ring_size"]
+        shortest = min(s.length for s in plan.sequences)
+        while r < size and (not rec["fits"] or shortest < r):  # keep every rank busy
+            r = min(d for d in range(r + 1, size + 1) if size % d == 0)
+        return r
     try:
-        import mpi4py
-        from mpi4py import MPI
-
-        mpi = MPI.Get_library_version().strip().splitlines()[0].strip()
-        mpi4py_version = mpi4py.__version__
-    except ImportError:  # pragma: no cover - the job always has mpi4py
-        mpi, mpi4py_version = "none", "none"
-    kernel, isa = _kernel(dev, plan.dtype)
-    return {
-        "format": FORMAT,
-        "structure": plan.structure,
-        "layout": layout,
-        "causal": bool(causal),
-        "scale": float(scale) if scale is not None else 1.0 / math.sqrt(plan.head_dim),
-        "scale_is_default": scale is None,
-        "ranks": int(size),
-        "dtype": plan.dtype,
-        "heads": int(plan.heads),
-        "kv_heads": int(plan.kv_heads),
-        "head_dim": int(plan.head_dim),
-        "sequences": len(plan.sequences),
-        "tokens": int(sum(s.length for s in plan.sequences)),
-        "inputs": [os.path.abspath(p) for p in plan.files],
-        "weights": os.path.abspath(plan.weights) if plan.weights else "",
-        "device": dev,
-        "kernel": kernel,
-        "isa": isa,
-        "ringmpi_version": __version__,
-        "numpy_version": np.__version__,
-        "h5py_version": h5py.version.version,
-        "hdf5_version": h5py.version.hdf5_version,
-        "mpi_version": mpi,
-        "mpi4py_version": mpi4py_version,
-        "python_version": platform.python_version(),
-        "host": platform.node(),
-    }
-
-
-def _ticks_per_step(kernel: str, n_local: int) -> int:
-    """Progress callbacks one forward tile call makes (fused: one per CHUNK_Q query rows)."""
-    if kernel != "fused" or n_local == 0:
-        return 0
-    from ..cpu import fused
-
-    return -(-n_local // fused.CHUNK_Q)
-
-
-def _measure_rate(plan, dev: str) -> float:
-    """Flop/s of this rank's forward tile on a small block of the plan's shape (0 if unknown)."""
-    if dev != "cpu":
-        return 0.0
-    from ..backend import select
-    from ..softmax import init_state
-
-    be = select(np.empty(0, plan.dtype))
-    dt = be.tile_dtype(np.dtype(plan.dtype))
-    rng = np.random.default_rng(0)
-    sq, sk = 512, 2048
-    q = rng.standard_normal((1, plan.heads, sq, plan.head_dim)).astype(dt)
-    k = rng.standard_normal((1, plan.kv_heads, sk, plan.head_dim)).astype(dt)
-    pos_q, pos_k = np.arange(sq, dtype=np.int64) + sk, np.arange(sk, dtype=np.int64)
-    best = 0.0
-    for _ in range(2):  # the first call may compile or warm the caches
-        acc, m, l = init_state(q.shape, be.acc_dtype(dt), np)
-        t0 = time.perf_counter()
-        f = be.forward_tile(q, k, k, pos_q, pos_k, acc, m, l, scale=0.1, causal=False)
-        t = time.perf_counter() - t0
-        best = max(best, f / t if t > 0 else 0.0)
-    return best
-
-
-def _flops(plan, causal: bool, lengths: list) -> float:
-    """Model flops of the sequences: 4 S^2 D H, half of it under a causal mask."""
-    per = 4.0 * plan.head_dim * plan.heads
-    return sum(per * n * n * (0.5 if causal else 1.0) for n in lengths)
-
-
-def _start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate) -> str:
-    """The job's first line: what, where, how much memory, how long (predicted)."""
-    lengths = [plan.sequences[i].length for i in todo]
-    tokens = sum(lengths)
-    n_max = max((int(counts(n, size, layout).max()) for n in lengths), default=0)
-    mem = rank_bytes(plan, n_max) / 2**30
-    where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
-    text = (
-        f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
-        f"D={plan.head_dim}, {plan.dtype}), {size} rank(s), {layout}{', causal' if causal else ''}"
-        f", {where}; ~{mem:.2f} GiB per rank"
-    )
-    if rate > 0 and tokens:
-        secs = _flops(plan, causal, lengths) / size / rate
-        text += f"; predicted ~{duration(secs)} at {rate / 1e9:.1f} GFLOP/s per rank (measured)"
-    return text
-
-
-def _peak_rss() -> int:
-    """Peak resident memory of this process in bytes (Linux reports KiB)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        r = int(ring_size)
+    except (TypeError, ValueError):
+        msg = f"--ring-size must be a number of ranks or 'auto', not {ring_size!r}"
+        raise InputError(msg) from None
+    if r < 1 or size % r:
+        raise InputError(f"--ring-size {r} does not divide the {size} ranks into whole rings")
+    return r
 
 
 def run(
@@ -271,8 +188,14 @@ def run(
     prefetch: bool = True,
     overwrite: bool = False,
     compress: Optional[str] = None,
+    ring_size=None,
 ) -> dict:
     """Run exact attention over every sequence of ``inputs`` and write ``output`` (collective).
+
+    ``ring_size=R`` (or ``"auto"``) splits the P ranks into P/R rings of R ranks
+    (:func:`ringmpi.grid`); the sequences are dealt round-robin over the rings,
+    each ring reads, computes and writes its own; output, resume markers,
+    progress and summary stay one job.
 
     Returns the summary dict (identical on every rank); raises InputError (the
     same on every rank) for bad input, output or memory budget, and
@@ -284,36 +207,62 @@ def run(
     if comm is not None:
         comm.Barrier()
     t_start = time.perf_counter()
-    started_utc = _utc()
-    plan = make_plan(comm, inputs, weights, size)
+    started_utc = utc()
+    plan = make_plan(comm, inputs, weights, 1 if ring_size not in (None, size) else size)
     if rank == 0:
         for w in plan.warnings:
             print(f"ringmpi: warning: {w}", file=sys.stderr, flush=True)
     budget = memory_budget(comm, max_memory)
-    run_everywhere(
-        comm, lambda: [check_memory(plan, s, size, layout, budget) for s in plan.sequences]
-    )
     dev = pick_device(device, comm)
-    meta = run_on_root(comm, fingerprint, plan, layout, causal, scale, size)
-    attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev)
-    store = OutputStore(output, comm, plan, meta, attrs=attrs, overwrite=overwrite,
-                        compress=compress)  # fmt: skip
-    done = store.open(resume)
-    todo = [i for i in range(len(plan.sequences)) if i not in done]
+    rate = measure_rate(plan, dev) if rank == 0 and (ring_size == "auto" or not quiet) else 0.0
+    rs = run_on_root(comm, choose_ring_size, ring_size, plan, size, layout, causal, budget, rate)
+    run_everywhere(
+        comm, lambda: [check_memory(plan, s, rs, layout, budget) for s in plan.sequences]
+    )
+    if rs != size:
+        short = run_on_root(comm, lambda: [s.name for s in plan.sequences if s.length < rs])
+        if short:
+            raise InputError(f"sequence {short[0]} has fewer tokens than the {rs} ranks of a ring")
+    ring, across = (comm, None) if rs == size else grid(comm, ring_size=rs)
+    nrings = size // rs
+    ring_rank = 0 if ring is None else ring.Get_rank()
+    try:
+        meta = run_on_root(comm, fingerprint, plan, layout, causal, scale, size, rs)
+        attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev)
+        attrs["ring_size"] = rs
+        store = OutputStore(output, comm, plan, meta, attrs=attrs, overwrite=overwrite,
+                            compress=compress, ring=ring)  # fmt: skip
+        done = store.open(resume)
+        todo_all = [i for i in range(len(plan.sequences)) if i not in done]
+        # rings take the sequences in turn; the last may get fewer
+        todo = todo_all[(0 if across is None else across.Get_rank()) :: nrings]
+        return _loop(
+            plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, size, layout,
+            causal, scale, dev, attrs, quiet, strided, prefetch, rate, t_start, started_utc,
+            output,
+        )  # fmt: skip
+    finally:
+        if across is not None:
+            ring.Free()
+            across.Free()
 
+
+def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, size, layout,
+          causal, scale, dev, attrs, quiet, strided, prefetch, rate, t_start, started_utc,
+          output) -> dict:  # fmt: skip
+    """The sequence loop of one ring, then the job-wide summary (collective over ``comm``)."""
     show = rank == 0 and not quiet
     bar = Progress([plan.sequences[i].length for i in todo], enabled=show)
     if show:
-        rate = _measure_rate(plan, dev)
-        bar.header(_start_line(plan, todo, size, layout, causal, dev, attrs["kernel"],
-                               attrs["isa"], rate))  # fmt: skip
+        bar.header(start_line(plan, todo_all, size, layout, causal, dev, attrs["kernel"],
+                              attrs["isa"], rate, ring=rs))  # fmt: skip
     where = {"j": -1, "stage": "starting", "step": 0}
 
     def on_step(step: int, nsteps: int) -> None:
         where["step"] = step
         bar.step(step, nsteps)
 
-    reader = Reader(plan, rank, size, layout, strided=strided)
+    reader = Reader(plan, ring_rank, rs, layout, strided=strided)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringmpi-read")
     acc = {"compute_s": 0.0, "wait_s": 0.0, "total_s": 0.0, "flops": 0.0}
     read_wait = write_s = 0.0
@@ -339,11 +288,11 @@ def run(
             seq = plan.sequences[i]
             where.update(j=j, stage="reading", step=0)
             t_seq = time.perf_counter()
-            n_here = int(counts(seq.length, size, layout)[rank])
-            bar.start(j, seq.name, seq.length, size, _ticks_per_step(attrs["kernel"], n_here))
+            n_here = int(counts(seq.length, rs, layout)[ring_rank])
+            bar.start(j, seq.name, seq.length, rs, ticks_per_step(attrs["kernel"], n_here))
             t0 = time.perf_counter()
             fut = nxt if prefetch else pool.submit(reader.read, seq)
-            q, k, v = run_everywhere(comm, result, fut)
+            q, k, v = run_everywhere(ring, result, fut)
             read_wait += time.perf_counter() - t0
             t_read = time.perf_counter() - t0
             where["stage"] = "ring"
@@ -354,7 +303,7 @@ def run(
                 q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
             stats: dict = {}
             out, lse = ring_attention(
-                q, k, v, comm, causal=causal, layout=layout, scale=scale,
+                q, k, v, ring, causal=causal, layout=layout, scale=scale,
                 return_lse=True, stats=stats, on_step=on_step,
                 on_tick=bar.tick if show else None,
             )  # fmt: skip
@@ -365,7 +314,7 @@ def run(
                 acc[key] += float(stats.get(key, 0.0))
             out, lse = np.asarray(out), np.asarray(lse)
             pos = reader.positions(seq)
-            run_everywhere(comm, _check_output, plan.files[0], seq, pos, out, lse)
+            run_everywhere(ring, _check_output, plan.files[0], seq, pos, out, lse)
             t0 = time.perf_counter()
             store.write(i, pos, out, lse)
             write_s += time.perf_counter() - t0
@@ -383,7 +332,7 @@ def run(
     except KeyboardInterrupt as e:
         stopped = True
         bar.close()
-        raise _where(e, where, plan, todo, len(done) + max(where["j"], 0), size) from None
+        raise _where(e, where, plan, todo, len(done) + max(where["j"], 0), rs) from None
     finally:
         # an interrupted read is not waited for: the process ends right after
         pool.shutdown(wait=not stopped, cancel_futures=True)
@@ -393,10 +342,10 @@ def run(
     wall = time.perf_counter() - t_start
     mine = np.array(
         [acc["flops"], acc["wait_s"], acc["total_s"], acc["compute_s"], read_wait + write_s,
-         read_wait, write_s, reader.bytes_read],
+         read_wait, write_s, reader.bytes_read, tokens / rs],
         dtype=np.float64,
     )  # fmt: skip
-    peak = np.array([_peak_rss(), wall], dtype=np.float64)
+    peak = np.array([peak_rss(), wall], dtype=np.float64)
     if comm is not None:
         from mpi4py import MPI
 
@@ -406,13 +355,15 @@ def run(
         comm.Allreduce(peak, mx, op=MPI.MAX)
         mine, peak = tot, mx
     wall = float(peak[1])
+    tokens = int(round(mine[8]))  # every ring's ranks counted their ring's tokens
     hosts = [platform.node()] if comm is None else comm.allgather(platform.node())
     return {
         "ranks": size,
+        "ring_size": rs,
         "layout": layout,
         "causal": bool(causal),
         "device": dev,
-        "sequences": len(todo),
+        "sequences": len(todo_all),
         "skipped_done": len(done),
         "tokens": tokens,
         "wall_s": wall,
@@ -428,15 +379,11 @@ def run(
         "output": os.path.abspath(output),
         "parts": os.path.abspath(output) + ".parts",
         "started_utc": started_utc,
-        "finished_utc": _utc(),
+        "finished_utc": utc(),
         "hosts": hosts,
         "timings": timings,
         "provenance": attrs,
     }
-
-
-def _utc() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _where(e: KeyboardInterrupt, where: dict, plan, todo: list, finished: int, size: int):
@@ -455,23 +402,3 @@ def _where(e: KeyboardInterrupt, where: dict, plan, todo: list, finished: int, s
         err.where = text
     err.finished = finished
     return err
-
-
-def format_summary(s: dict) -> str:
-    """Human-readable two-line summary of :func:`run`'s result."""
-    skip = f" ({s['skipped_done']} already done)" if s["skipped_done"] else ""
-    head = (
-        f"ringmpi: {s['sequences']} sequence(s){skip}, {s['tokens']:,} tokens, {s['ranks']} ranks, "
-        f"{s['layout']}{', causal' if s['causal'] else ''}, {s['device']} -> {s['output']}"
-    )
-    body = (
-        f"  {s['wall_s']:.2f} s | {s['tokens_per_s']:,.0f} tokens/s | {s['gflops']:.2f} GFLOP/s | "
-        f"peak memory/rank {s['peak_rss_bytes_max'] / 2**20:,.0f} MiB | "
-        f"MPI wait {100 * s['mpi_wait_share']:.1f}% | I/O {100 * s['io_share']:.1f}%"
-    )
-    name = os.path.basename(s["output"])
-    keep = (
-        f"  {name} reads its data from {name}.parts/: keep the two together, or write one "
-        f"self-contained file with 'ringmpi pack {name} -o FILE'"
-    )
-    return head + "\n" + body + "\n" + keep

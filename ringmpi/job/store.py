@@ -110,7 +110,9 @@ def _crc32(path: str) -> int:
             crc = zlib.crc32(b, crc)
 
 
-def fingerprint(plan: Plan, layout: str, causal: bool, scale: Optional[float], nranks: int) -> dict:
+def fingerprint(
+    plan: Plan, layout: str, causal: bool, scale: Optional[float], nranks: int, ring_size=None
+) -> dict:
     """What must match for --resume to reuse finished sequences."""
 
     def stamp(p):
@@ -125,6 +127,7 @@ def fingerprint(plan: Plan, layout: str, causal: bool, scale: Optional[float], n
         "causal": bool(causal),
         "scale": scale,
         "nranks": nranks,
+        "ring_size": nranks if ring_size is None else int(ring_size),
         "dtype": plan.dtype,
         "geometry": [plan.heads, plan.kv_heads, plan.head_dim],
         "sequences": [[s.name, s.length] for s in plan.sequences],
@@ -172,6 +175,7 @@ class OutputStore:
         attrs: Optional[dict] = None,
         overwrite: bool = False,
         compress: Optional[str] = None,
+        ring=None,
     ):
         if compress not in (None,) + COMPRESSION:
             raise InputError(f"compression must be one of {', '.join(COMPRESSION)}, not {compress}")
@@ -180,8 +184,11 @@ class OutputStore:
         self.comm, self.plan, self.meta = comm, plan, meta
         self.attrs = attrs if attrs is not None else _plain_attrs(meta)
         self.overwrite, self.compress = overwrite, compress
-        self.rank = 0 if comm is None else comm.Get_rank()
-        self.size = 1 if comm is None else comm.Get_size()
+        # a sequence is written by one ring (all ranks unless the job runs several rings):
+        # parts are named and laid out by the rank in that ring
+        self.ring = comm if ring is None else ring
+        self.rank = 0 if self.ring is None else self.ring.Get_rank()
+        self.size = 1 if self.ring is None else self.ring.Get_size()
         self.layout = meta["layout"]
 
     # -- start -------------------------------------------------------------
@@ -256,7 +263,7 @@ class OutputStore:
                     "(the output must be on a file system shared by all ranks)"
                 )
             ok = []
-            for i, marker in sorted(done.items()):
+            for i, marker in sorted(done.items()):  # every rank checks its ring rank's part
                 p = os.path.join(self.parts, part_name(i, self.rank))
                 size, crc = marker["parts"][self.rank]
                 ok.append(os.path.exists(p) and os.path.getsize(p) == size and _crc32(p) == crc)
@@ -308,7 +315,7 @@ class OutputStore:
         return {"chunks": chunks, "shuffle": True, "compression": self.compress}
 
     def write(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
-        """Write this rank's part of sequence ``i``, then mark it done (collective).
+        """Write this rank's part of sequence ``i``, then mark it done (collective over the ring).
 
         Parameters
         ----------
@@ -317,11 +324,12 @@ class OutputStore:
         out : array (n, H, D)
         lse : array (H, n)
         """
-        info = run_everywhere(self.comm, self._write_part, i, pos, out, lse)
-        infos = [info] if self.comm is None else self.comm.gather(info, root=0)
+        ring = self.ring
+        info = run_everywhere(ring, self._write_part, i, pos, out, lse)
+        infos = [info] if ring is None else ring.gather(info, root=0)
         marker = {"sequence": self.plan.sequences[i].name, "parts": infos}
         path = os.path.join(self.parts, f"s{i:06d}.done")
-        run_on_root(self.comm, write_json, path, marker)
+        run_on_root(ring, write_json, path, marker)
 
     # -- end -------------------------------------------------------------------
     def _sources(self, i: int):

@@ -1,0 +1,179 @@
+"""What the batch job tells: provenance attributes, the start line, the summary.
+
+The output's attributes are a deterministic function of the run (no time
+stamp, so a resumed run writes the same bytes); times and hosts go to the
+summary (``--summary-json``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import time
+
+import numpy as np
+
+from ..partition import counts
+from .budget import rank_bytes
+from .progress import duration
+from .store import FORMAT
+
+__all__ = ["provenance", "start_line", "format_summary", "measure_rate", "ticks_per_step"]
+
+
+def _kernel(dev: str, dtype: str) -> tuple:
+    """(kernel name, ISA) of the tile the run uses."""
+    if dev == "gpu":
+        return "cuda", "cuda"
+    from ..backend import select
+
+    name = select(np.empty(0, dtype)).name
+    if name != "fused":
+        return name, "numpy"
+    from ..cpu import fused
+
+    isa = getattr(fused, "isa", None)
+    if callable(isa):
+        return name, str(isa())
+    width = fused.simd_width()
+    return name, {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}.get(width, f"simd{width}")
+
+
+def provenance(plan, layout: str, causal: bool, scale, size: int, dev: str) -> dict:
+    """Typed attributes of the output: options, resolved scale, sizes, versions, kernel, host.
+
+    No time stamp: the output is a deterministic function of these (the run's
+    time is in the summary).
+    """
+    import h5py
+
+    from .. import __version__
+
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        mpi = MPI.Get_library_version().strip().splitlines()[0].strip()
+        mpi4py_version = mpi4py.__version__
+    except ImportError:  # pragma: no cover - the job always has mpi4py
+        mpi, mpi4py_version = "none", "none"
+    kernel, isa = _kernel(dev, plan.dtype)
+    return {
+        "format": FORMAT,
+        "structure": plan.structure,
+        "layout": layout,
+        "causal": bool(causal),
+        "scale": float(scale) if scale is not None else 1.0 / math.sqrt(plan.head_dim),
+        "scale_is_default": scale is None,
+        "ranks": int(size),
+        "dtype": plan.dtype,
+        "heads": int(plan.heads),
+        "kv_heads": int(plan.kv_heads),
+        "head_dim": int(plan.head_dim),
+        "sequences": len(plan.sequences),
+        "tokens": int(sum(s.length for s in plan.sequences)),
+        "inputs": [os.path.abspath(p) for p in plan.files],
+        "weights": os.path.abspath(plan.weights) if plan.weights else "",
+        "device": dev,
+        "kernel": kernel,
+        "isa": isa,
+        "ringmpi_version": __version__,
+        "numpy_version": np.__version__,
+        "h5py_version": h5py.version.version,
+        "hdf5_version": h5py.version.hdf5_version,
+        "mpi_version": mpi,
+        "mpi4py_version": mpi4py_version,
+        "python_version": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def ticks_per_step(kernel: str, n_local: int) -> int:
+    """Progress callbacks one forward tile call makes (fused: one per CHUNK_Q query rows)."""
+    if kernel != "fused" or n_local == 0:
+        return 0
+    from ..cpu import fused
+
+    return -(-n_local // fused.CHUNK_Q)
+
+
+def measure_rate(plan, dev: str) -> float:
+    """Flop/s of this rank's forward tile on a small block of the plan's shape (0 if unknown)."""
+    if dev != "cpu":
+        return 0.0
+    from ..backend import select
+    from ..softmax import init_state
+
+    be = select(np.empty(0, plan.dtype))
+    dt = be.tile_dtype(np.dtype(plan.dtype))
+    rng = np.random.default_rng(0)
+    sq, sk = 512, 2048
+    q = rng.standard_normal((1, plan.heads, sq, plan.head_dim)).astype(dt)
+    k = rng.standard_normal((1, plan.kv_heads, sk, plan.head_dim)).astype(dt)
+    pos_q, pos_k = np.arange(sq, dtype=np.int64) + sk, np.arange(sk, dtype=np.int64)
+    best = 0.0
+    for _ in range(2):  # the first call may compile or warm the caches
+        acc, m, l = init_state(q.shape, be.acc_dtype(dt), np)
+        t0 = time.perf_counter()
+        f = be.forward_tile(q, k, k, pos_q, pos_k, acc, m, l, scale=0.1, causal=False)
+        t = time.perf_counter() - t0
+        best = max(best, f / t if t > 0 else 0.0)
+    return best
+
+
+def _flops(plan, causal: bool, lengths: list) -> float:
+    """Model flops of the sequences: 4 S^2 D H, half of it under a causal mask."""
+    per = 4.0 * plan.head_dim * plan.heads
+    return sum(per * n * n * (0.5 if causal else 1.0) for n in lengths)
+
+
+def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=None) -> str:
+    """The job's first line: what, where, how much memory, how long (predicted)."""
+    ring = size if ring is None else ring
+    lengths = [plan.sequences[i].length for i in todo]
+    tokens = sum(lengths)
+    n_max = max((int(counts(n, ring, layout).max()) for n in lengths), default=0)
+    mem = rank_bytes(plan, n_max) / 2**30
+    where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
+    text = (
+        f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
+        f"D={plan.head_dim}, {plan.dtype}), {size} rank(s)"
+        + (f" as {size // ring} rings of {ring}" if ring != size else "")
+        + f", {layout}{', causal' if causal else ''}"
+        f", {where}; ~{mem:.2f} GiB per rank"
+    )
+    if rate > 0 and tokens:
+        secs = _flops(plan, causal, lengths) / size / rate
+        text += f"; predicted ~{duration(secs)} at {rate / 1e9:.1f} GFLOP/s per rank (measured)"
+    return text
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process in bytes (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def format_summary(s: dict) -> str:
+    """Human-readable two-line summary of :func:`run`'s result."""
+    skip = f" ({s['skipped_done']} already done)" if s["skipped_done"] else ""
+    head = (
+        f"ringmpi: {s['sequences']} sequence(s){skip}, {s['tokens']:,} tokens, {s['ranks']} ranks, "
+        f"{s['layout']}{', causal' if s['causal'] else ''}, {s['device']} -> {s['output']}"
+    )
+    body = (
+        f"  {s['wall_s']:.2f} s | {s['tokens_per_s']:,.0f} tokens/s | {s['gflops']:.2f} GFLOP/s | "
+        f"peak memory/rank {s['peak_rss_bytes_max'] / 2**20:,.0f} MiB | "
+        f"MPI wait {100 * s['mpi_wait_share']:.1f}% | I/O {100 * s['io_share']:.1f}%"
+    )
+    name = os.path.basename(s["output"])
+    keep = (
+        f"  {name} reads its data from {name}.parts/: keep the two together, or write one "
+        f"self-contained file with 'ringmpi pack {name} -o FILE'"
+    )
+    return head + "\n" + body + "\n" + keep
