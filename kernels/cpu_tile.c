@@ -28,11 +28,12 @@
  * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
  * matrix product and no (Sq x Sk) array exists.
  *
- * exp: 2^t with t = x log2(e). float32 on AVX-512: f = t - floor(t) in [0, 1) by vreduceps,
- * 2^f by a degree-6 minimax polynomial (4e-9 relative), times 2^floor(t) by vscalefps. Else
- * t = n + f with |f| <= 1/2 and a Taylor polynomial (degree 7 for float32, 12 for float64;
- * truncation below 1e-8 resp. 3e-16 relative), 2^n by vscalef on AVX-512 or by building the
- * exponent bits on AVX2. x = -inf gives exactly 0; NaN propagates.
+ * exp: 2^t with t = x log2(e). float32, AVX-512 and AVX2 alike: f = t - floor(t) in [0, 1)
+ * (vreduceps, or floor and subtract), 2^f by one degree-6 minimax polynomial (4e-9 relative),
+ * times 2^floor(t) (vscalefps, or the exponent bits on AVX2, which flush results below the
+ * smallest normal number to 0). float64: t = n + f with |f| <= 1/2 and a degree-12 Taylor
+ * polynomial (truncation below 3e-16 relative), 2^n by vscalefpd or the exponent bits. The
+ * scalar path calls libm's expf/exp. x = -inf gives exactly 0; NaN propagates.
  * Compiled without -ffast-math, so inf and NaN keep their IEEE meaning everywhere.
  *
  * The file includes itself twice to instantiate float32 and float64 (RM_T selects the type).
@@ -95,6 +96,39 @@ static int64_t rm_blocks(const int64_t *pos, int64_t start, int64_t stop, const 
 static void *rm_alloc(size_t bytes) {
     size_t n = (bytes + RM_ALIGN - 1) / RM_ALIGN * RM_ALIGN;
     return aligned_alloc(RM_ALIGN, n ? n : RM_ALIGN);
+}
+
+/* Arguments of rm_forward_tile_f32/_f64 (mirrored by fused._TileArgs; rm_tile_args_size lets
+ * the loader check the layout). Arrays are C-contiguous, of the function's element type:
+ *   q (B, H, Sq, D), k and v (B, Hkv, Sk, D), acc (B, H, Sq, D), m and l (B, H, Sq);
+ *   qpos (Sq,), kpos (Sk,) int64 positions; qcuts (nqcuts,), kcuts (nkcuts,): ascending
+ *   indices where runs of evenly spaced positions start (may be empty).
+ * Query rows [q0, q1) are folded; bq, bk: block sizes (query rows, keys); progress (may be
+ * NULL) is called every `chunk` query rows of single heads, nonzero aborts. */
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *qpos, *kpos;
+    void *acc, *m, *l;
+    int64_t B, H, Hkv, Sq, Sk, D, q0, q1;
+    const int64_t *qcuts, *kcuts;
+    int64_t nqcuts, nkcuts;
+    double scale;
+    int64_t causal, bq, bk;
+    int (*progress)(void);
+    int64_t chunk;
+} rm_tile_args;
+
+int64_t rm_tile_args_size(void) { return (int64_t)sizeof(rm_tile_args); }
+
+/* The ISA path this file was compiled for: the names fused.py uses. */
+const char *rm_isa_name(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
 }
 
 int rm_simd_width_bytes(void) {
@@ -181,22 +215,21 @@ static inline vf vf_exp(vf x) {
     p = vf_fma(p, f, vf_set1(1.0f));
     return _mm512_scalef_ps(p, t);
 #else
-    /* 2^t with t = x log2(e) split as n + f, |f| <= 1/2; 2^f = sum_k (f ln2)^k / k!, Horner
-     * in f: c_k = ln2^k / k!; 2^n by building the exponent bits */
-    const float c1 = 0.693147180559945f, c2 = 0.240226506959101f, c3 = 5.55041086648216e-2f,
-                c4 = 9.61812910762848e-3f, c5 = 1.33335581464284e-3f, c6 = 1.54035303933816e-4f,
-                c7 = 1.52527338040598e-5f;
+    /* The AVX-512 scheme with AVX2 instructions: t = x log2(e), n = floor(t), f = t - n in
+     * [0, 1) (exact: t and n are close), 2^f by the same minimax polynomial, 2^n built in
+     * the exponent bits. t is clamped at -127 first (max keeps a NaN t: it returns its
+     * second operand when either is NaN): n = -127 gives the bit pattern of +0.0, so
+     * exp(x) = 0 for t < -126 (below the smallest normal number) and x = -inf gives 0; a NaN
+     * x gives a NaN polynomial and stays NaN whatever its exponent bits. */
     vf t = _mm256_max_ps(vf_set1(-127.0f), vf_mul(x, vf_set1(1.44269504088896341f)));
-    vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf n = _mm256_floor_ps(t);
     vf f = _mm256_sub_ps(t, n);
-    vf p = vf_fma(vf_set1(c7), f, vf_set1(c6));
-    p = vf_fma(p, f, vf_set1(c5));
-    p = vf_fma(p, f, vf_set1(c4));
-    p = vf_fma(p, f, vf_set1(c3));
-    p = vf_fma(p, f, vf_set1(c2));
-    p = vf_fma(p, f, vf_set1(c1));
+    vf p = vf_fma(vf_set1(2.170223015e-04f), f, vf_set1(1.243969542e-03f));
+    p = vf_fma(p, f, vf_set1(9.678840637e-03f));
+    p = vf_fma(p, f, vf_set1(5.548334122e-02f));
+    p = vf_fma(p, f, vf_set1(2.402298301e-01f));
+    p = vf_fma(p, f, vf_set1(6.931470037e-01f));
     p = vf_fma(p, f, vf_set1(1.0f));
-    /* n >= -127: biased exponent n + 127 >= 0; n = -127 gives the bit pattern of 0.0 */
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
                                   23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -529,7 +562,8 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
     }
 }
 
-/* Public entry point: fold K/V into the state for query rows [q0, q1) of every (b, h).
+/* Fold K/V into the state for query rows [q0, q1) of every (b, h) (rm_forward_tile_f32/_f64
+ * below take the arguments as one rm_tile_args).
  * The K/V of one head are packed once and serve all its query heads (GQA) and rows; when
  * `progress` is given it is called ceil(B H (q1 - q0) / chunk) - 1 times, evenly spread over
  * the query rows of all heads; a nonzero return aborts the call (result -2).
@@ -537,12 +571,12 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
  * bq, bk: block sizes (rows of queries, keys), bk a multiple of the panel width.
  * Returns the flops of the computed blocks (4 nq nk D per block and head), or -1 when out
  * of memory. */
-int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const int64_t *qpos,
-                            const int64_t *kpos, RM_T *acc, RM_T *m, RM_T *l, int64_t B, int64_t H,
-                            int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, int64_t q0, int64_t q1,
-                            const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
-                            int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
-                            int (*progress)(void), int64_t chunk) {
+static int64_t FN(rm_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const int64_t *qpos,
+                          const int64_t *kpos, RM_T *acc, RM_T *m, RM_T *l, int64_t B, int64_t H,
+                          int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, int64_t q0, int64_t q1,
+                          const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
+                          int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
+                          int (*progress)(void), int64_t chunk) {
     if (q1 <= q0 || Sk == 0) return 0;
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
@@ -687,6 +721,13 @@ done:
     free(lb);
     free(sb);
     return flops;
+}
+
+int64_t FN(rm_forward_tile)(const rm_tile_args *a) {
+    return FN(rm_tile)((const RM_T *)a->q, (const RM_T *)a->k, (const RM_T *)a->v, a->qpos,
+                       a->kpos, (RM_T *)a->acc, (RM_T *)a->m, (RM_T *)a->l, a->B, a->H, a->Hkv,
+                       a->Sq, a->Sk, a->D, a->q0, a->q1, a->qcuts, a->nqcuts, a->kcuts,
+                       a->nkcuts, a->scale, (int)a->causal, a->bq, a->bk, a->progress, a->chunk);
 }
 
 /* Normalise the state in one pass: out = acc / l, lse = m + log(l); rows with l == 0 (no
