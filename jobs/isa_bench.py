@@ -10,8 +10,10 @@ forward (``fused.load(isa)``: ``forward_tile`` over the whole sequence, then
 ``finalize``) for every ISA path, torch's ``scaled_dot_product_attention`` on the same
 shapes, and a 2048^3 float32 numpy matrix product. Rates count the model's flops
 4 N^2 H D (half for causal). The table shows per path the median over rounds of the
-GFLOP/s and of the per-round ratios to torch and to sgemm (a noisy shared machine slows
-all three alike within a round).
+GFLOP/s and of the per-round ratios to torch and to sgemm. Times are the calling
+thread's CPU time by default (``--clock thread``: all three run single-threaded in this
+thread, and other processes sharing the cores then barely disturb the figures), or
+elapsed time (``--clock wall``).
 
 ``--peers avx2`` makes torch and OpenBLAS run their AVX2 code too (ATEN_CPU_CAPABILITY,
 OPENBLAS_CORETYPE, MKL_ENABLE_INSTRUCTIONS, set before they are imported): on an
@@ -39,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="rounds (median kept)")
     p.add_argument("--peers", choices=["native", "avx2"], default="native")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument(
+        "--clock",
+        choices=["thread", "wall"],
+        default="thread",
+        help="thread: CPU time of this thread (robust on a shared machine; all three run "
+        "single-threaded in the calling thread); wall: elapsed time",
+    )
     return p
 
 
@@ -70,14 +79,15 @@ def main(argv=None) -> int:
     cases = [(n, d, c) for n in args.n for d in args.d for c in causals]
     h = args.heads
 
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
     b = a.T.copy()
     a @ b
 
     def sgemm() -> float:
-        t = time.perf_counter()
+        t = clock()
         a @ b
-        return 2.0 * 2048**3 / (time.perf_counter() - t) / 1e9
+        return 2.0 * 2048**3 / (clock() - t) / 1e9
 
     rates: dict = {}  # (case, who) -> list of GFLOP/s per round
     ratios: dict = {}  # (case, isa, "torch"|"sgemm") -> list per round
@@ -94,24 +104,25 @@ def main(argv=None) -> int:
                 tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
                 f = torch.nn.functional.scaled_dot_product_attention
                 f(tq[:, :, :256], tk[:, :, :256], tv[:, :, :256], is_causal=causal)
-                t = time.perf_counter()
+                t = clock()
                 f(tq, tk, tv, is_causal=causal)
-                tt = flops / (time.perf_counter() - t) / 1e9
+                tt = flops / (clock() - t) / 1e9
                 rates.setdefault(((n, d, causal), "torch"), []).append(tt)
             for name, kern in kerns.items():
-                t = time.perf_counter()
+                t = clock()
                 st = init_state(q.shape, np.float32)
                 kern.forward_tile(q, k, v, pos, pos, *st, scale=d**-0.5, causal=causal)
                 kern.finalize(*st)
-                r = flops / (time.perf_counter() - t) / 1e9
+                r = flops / (clock() - t) / 1e9
                 rates.setdefault(((n, d, causal), name), []).append(r)
                 ratios.setdefault(((n, d, causal), name, "sgemm"), []).append(r / mm)
                 if tt is not None:
                     ratios.setdefault(((n, d, causal), name, "torch"), []).append(r / tt)
-            print(f"round {rnd + 1}/{args.repeat} N={n} D={d} causal={causal} done", file=sys.stderr)
+            print(f"round {rnd + 1}/{args.repeat} N={n} D={d} causal={causal}", file=sys.stderr)
 
     med = lambda xs: float(np.median(xs)) if xs else float("nan")  # noqa: E731
-    print(f"peers: {args.peers}; H={h}, float32, 1 thread, median of {args.repeat} rounds")
+    print(f"peers: {args.peers}; clock: {args.clock}; H={h}; float32; 1 thread; median of", end="")
+    print(f" {args.repeat} rounds")
     print(f"{'isa':>7} {'N':>6} {'D':>4} {'causal':>6} {'GFLOP/s':>8} {'torch':>7} "
           f"{'x torch':>7} {'sgemm':>7} {'x sgemm':>7}")  # fmt: skip
     for name in kerns:

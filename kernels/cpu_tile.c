@@ -48,8 +48,34 @@
 #include <immintrin.h>
 #endif
 
+/* Register blocking per ISA: query rows per strip RM_R; vectors of keys per QK^T register
+ * tile RM_NK and of D-columns per P.V register tile RM_NV (RM_R x RM_NK accumulators, plus
+ * RM_NK loaded vectors and one broadcast, must fit the register file without spills).
+ *   AVX-512 (32 zmm): 6 x 4 = 24 accumulators.
+ *   AVX2 (16 ymm): 6 x 2 = 12 accumulators + 2 loads + 1 broadcast = 15 registers; the 12
+ *   independent FMA chains cover FMA latency x throughput (4 x 2 on Zen 2-4, 5 x 2 on Intel).
+ *   Scalar: 4 x 4 scalars (the compiler may vectorize with SSE; measured like 6 x 4). */
+#if defined(__AVX512F__)
+#define RM_R_DEF 6
+#define RM_NK_DEF 4
+#define RM_NV_DEF 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RM_R_DEF 6
+#define RM_NK_DEF 2
+#define RM_NV_DEF 2
+#else
+#define RM_R_DEF 4
+#define RM_NK_DEF 4
+#define RM_NV_DEF 4
+#endif
 #ifndef RM_R
-#define RM_R 6 /* query rows per register tile */
+#define RM_R RM_R_DEF
+#endif
+#ifndef RM_NK
+#define RM_NK RM_NK_DEF
+#endif
+#ifndef RM_NV
+#define RM_NV RM_NV_DEF
 #endif
 #define RM_ALIGN 64
 /* Software prefetch into L1, RM_PF iterations ahead, of the K panel / V rows that the
@@ -393,15 +419,13 @@ static inline vd vd_exp(vd x) {
 #define FN(name) RM_CAT(name, RM_SFX)
 
 /* keys per packed K^T panel (NK vectors) and D-columns per P.V register tile (NV vectors) */
-#ifndef RM_NK
-#define RM_NK 4
-#endif
-#ifndef RM_NV
-#define RM_NV 4
-#endif
 #define NK RM_NK
 #define KW (NK * RM_W)
 #define NV RM_NV
+/* 64-byte cache lines per row of a K^T panel and per V row segment of a P.V tile: one
+ * prefetch per line (AVX2 float32: one line holds both vectors) */
+#define KW_LINES ((int)((KW * sizeof(RM_T) + 63) / 64))
+#define NV_LINES ((int)((NV * RM_W * sizeof(RM_T) + 63) / 64))
 
 /* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
  * V rows vp (b - a, Dp), zero padded past D. The panel is written in order (unit-stride
@@ -444,7 +468,8 @@ static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, i
 #pragma GCC unroll 4
             for (int c = 0; c < NK; c++) kv[c] = V_LOAD(kp + d * KW + c * RM_W);
 #pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) RM_PREFETCH(kp + (d + RM_PF) * KW + c * RM_W);
+            for (int c = 0; c < KW_LINES; c++)
+                RM_PREFETCH((const char *)(kp + (d + RM_PF) * KW) + 64 * c);
 #pragma GCC unroll 16
             for (int r = 0; r < RM_R; r++) {
                 RM_V qb = V_SET1(qs[r * D + d]);
@@ -480,7 +505,8 @@ static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *r
 #pragma GCC unroll 4
             for (int c = 0; c < NV; c++) vv[c] = V_LOAD(vp + j * Dp + d0 + c * RM_W);
 #pragma GCC unroll 4
-            for (int c = 0; c < NV; c++) RM_PREFETCH(vp + (j + RM_PF) * Dp + d0 + c * RM_W);
+            for (int c = 0; c < NV_LINES; c++)
+                RM_PREFETCH((const char *)(vp + (j + RM_PF) * Dp + d0) + 64 * c);
 #pragma GCC unroll 16
             for (int r = 0; r < RM_R; r++) {
                 RM_V pb = V_SET1(pm[r * ldp + j]);
@@ -760,4 +786,6 @@ void FN(rm_finalize)(const RM_T *acc, const RM_T *m, const RM_T *l, int64_t B, i
 #undef NK
 #undef KW
 #undef NV
+#undef KW_LINES
+#undef NV_LINES
 #endif

@@ -85,9 +85,29 @@ ISAS = ("avx512", "avx2", "scalar")
 #: while the block's queries and state (2 x 528 x D elements) stay in L2. Measured on
 #: AVX-512, N=8192, 1 thread: +7% (D=64) to +13% (D=128) over 64 rows (with BLOCK_K 512).
 BLOCK_Q = 528
+
+
+def _l2_bytes() -> Optional[int]:
+    """Size of the first CPU's level-2 cache from sysfs, or None when unknown."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for idx in sorted(base.glob("index*")):
+            level, kind = ((idx / f).read_text().strip() for f in ("level", "type"))
+            if level == "2" and kind in ("Data", "Unified"):
+                size = (idx / "size").read_text().strip().upper()
+                mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+                return int(size.rstrip("KM")) * mult
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 #: keys per block at D = 64 (scaled by 64/D, within [64, 512]): more keys per block amortize
-#: the per-row softmax statistics; the strip's K and V blocks stream from L2
-BLOCK_K = 512
+#: the per-row softmax statistics; every row strip of a query block streams the block's packed
+#: K and V (2 x keys x D float32) from L2, so they are sized to a quarter of L2: 512 keys on
+#: 1 MiB (Zen 4, where 256 measured 1-3% slower), 256 on 512 KiB (Zen 1-3), 128 on 256 KiB
+#: (Haswell to Skylake client); 512 when the L2 size is unknown
+BLOCK_K = max(64, min(512, (_l2_bytes() or 1 << 20) // 2048 // 64 * 64))
 #: query rows per kernel call when a progress callback must run between calls
 CHUNK_Q = 512
 
@@ -141,9 +161,9 @@ class _TileArgs(ctypes.Structure):
 
 
 _lock = threading.RLock()
-_kernels: dict[str, "Kernel"] = {}
+_kernels: dict[str, Kernel] = {}
 _failed: dict[str, BaseException] = {}
-_default: Optional["Kernel"] = None
+_default: Optional[Kernel] = None
 _default_error: Optional[str] = None
 _default_tried = False
 
@@ -167,7 +187,7 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host_features() -> Optional[frozenset]:
     """CPU feature flags of the host from /proc/cpuinfo, or None when unknown."""
     try:
@@ -212,8 +232,7 @@ def _resolve_isa(isa: Optional[str]) -> str:
             missing = [f for f in _ISA_NEEDS[name] if f not in _host_features()]
             why = "it lacks " + ", ".join(missing)
         raise ValueError(
-            f"CPU ISA path {name!r} cannot run on this host: {why}; it can run "
-            + ", ".join(have)
+            f"CPU ISA path {name!r} cannot run on this host: {why}; it can run " + ", ".join(have)
         )
     return name
 
