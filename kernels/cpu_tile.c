@@ -28,12 +28,17 @@
  * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
  * matrix product and no (Sq x Sk) array exists.
  *
- * exp: 2^t with t = x log2(e). float32, AVX-512 and AVX2 alike: f = t - floor(t) in [0, 1)
- * (vreduceps, or floor and subtract), 2^f by one degree-6 minimax polynomial (4e-9 relative),
- * times 2^floor(t) (vscalefps, or the exponent bits on AVX2, which flush results below the
- * smallest normal number to 0). float64: t = n + f with |f| <= 1/2 and a degree-12 Taylor
- * polynomial (truncation below 3e-16 relative), 2^n by vscalefpd or the exponent bits. The
- * scalar path calls libm's expf/exp. x = -inf gives exactly 0; NaN propagates.
+ * exp: 2^t with t = x log2(e). float32: n = floor(t), f = t - n in [0, 1], 2^f by a degree-6
+ * minimax polynomial (4e-9 relative); float64: n = round(t), |f| <= 1/2, a degree-12 Taylor
+ * polynomial (truncation below 3e-16 relative). Times 2^n by vscalef (AVX-512) or by building
+ * the exponent bits (AVX2); results below the smallest normal number are 0 on both. x = -inf
+ * gives exactly 0; NaN propagates. The scalar path calls libm's expf/exp.
+ *
+ * Same answers on AVX2 and AVX-512: every score is one FMA chain over d = 0..D-1, every output
+ * element one FMA chain over the keys in order, exp is the same sequence of IEEE operations,
+ * row sums add the same numbers in the same order (see rm_softmax and the horizontal sums), and
+ * fused.py cuts the same blocks for both (key blocks a multiple of 64, RM_R = 6 on both): the
+ * two paths give bit-identical results. The scalar path (no FMA, libm exp) differs by rounding.
  * Compiled without -ffast-math, so inf and NaN keep their IEEE meaning everywhere.
  *
  * The file includes itself twice to instantiate float32 and float64 (RM_T selects the type).
@@ -167,6 +172,23 @@ int rm_simd_width_bytes(void) {
 #endif
 }
 
+/* Horizontal sums in one fixed order for both vector ISAs: a 512-bit vector adds its two
+ * 256-bit halves, then the 256-bit tree below, so that (with the row sums kept per 64 bytes,
+ * see rm_softmax) AVX2 and AVX-512 add the same numbers in the same order. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+static inline float rm_hsum8f(__m256 x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+static inline double rm_hsum4d(__m256d x) {
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    h = _mm_add_sd(h, _mm_unpackhi_pd(h, h));
+    return _mm_cvtsd_f64(h);
+}
+#endif
+
 /* ------------------------------------------------------------ float32 vector layer --- */
 #if defined(__AVX512F__)
 typedef __m512 vf;
@@ -181,7 +203,10 @@ typedef __m512 vf;
 #define vf_div _mm512_div_ps
 #define vf_max _mm512_max_ps
 #define vf_hmax _mm512_reduce_max_ps
-#define vf_hsum _mm512_reduce_add_ps
+static inline float vf_hsum(vf x) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    return rm_hsum8f(_mm256_add_ps(_mm512_castps512_ps256(x), hi));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 vf;
 #define VF_W 8
@@ -200,12 +225,7 @@ static inline float vf_hmax(vf x) {
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
     return _mm_cvtss_f32(h);
 }
-static inline float vf_hsum(vf x) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
-}
+#define vf_hsum rm_hsum8f
 #else
 typedef float vf;
 #define VF_W 1
@@ -227,22 +247,25 @@ static inline vf vf_exp(vf x) {
 #if VF_W == 1
     return expf(x);
 #elif defined(__AVX512F__)
-    /* t = x log2(e); f = t - floor(t) in [0, 1) exactly (vreduceps); 2^f by a degree-6
+    /* t = x log2(e); n = floor(t), f = t - n in [0, 1] rounded to nearest (vreduceps would
+     * save an operation but rounds f down, which AVX2 cannot reproduce); 2^f by a degree-6
      * minimax polynomial (relative error 4e-9, c0 = 1 so exp(0) = 1); vscalefps multiplies
-     * by 2^floor(t) itself. t = -inf: f = 0 and scalef(1, -inf) = 0; NaN propagates.
-     * 9 operations instead of 12 for the round-to-nearest form below, same accuracy. */
+     * by 2^n. Results below the smallest normal number (t < -126, x = -inf included) are
+     * zeroed as on AVX2; NaN propagates (the compare is false for it). */
     vf t = vf_mul(x, vf_set1(1.44269504088896341f));
-    vf f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask16 normal = _mm512_cmp_ps_mask(t, vf_set1(-126.0f), _CMP_NLT_UQ);
+    vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    vf f = _mm512_sub_ps(t, n);
     vf p = vf_fma(vf_set1(2.170223015e-04f), f, vf_set1(1.243969542e-03f));
     p = vf_fma(p, f, vf_set1(9.678840637e-03f));
     p = vf_fma(p, f, vf_set1(5.548334122e-02f));
     p = vf_fma(p, f, vf_set1(2.402298301e-01f));
     p = vf_fma(p, f, vf_set1(6.931470037e-01f));
     p = vf_fma(p, f, vf_set1(1.0f));
-    return _mm512_scalef_ps(p, t);
+    return _mm512_maskz_scalef_ps(normal, p, n);
 #else
     /* The AVX-512 scheme with AVX2 instructions: t = x log2(e), n = floor(t), f = t - n in
-     * [0, 1) (exact: t and n are close), 2^f by the same minimax polynomial, 2^n built in
+     * [0, 1], 2^f by the same minimax polynomial, 2^n built in
      * the exponent bits. t is clamped at -127 first (max keeps a NaN t: it returns its
      * second operand when either is NaN): n = -127 gives the bit pattern of +0.0, so
      * exp(x) = 0 for t < -126 (below the smallest normal number) and x = -inf gives 0; a NaN
@@ -276,7 +299,9 @@ typedef __m512d vd;
 #define vd_div _mm512_div_pd
 #define vd_max _mm512_max_pd
 #define vd_hmax _mm512_reduce_max_pd
-#define vd_hsum _mm512_reduce_add_pd
+static inline double vd_hsum(vd x) {
+    return rm_hsum4d(_mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256d vd;
 #define VD_W 4
@@ -294,11 +319,7 @@ static inline double vd_hmax(vd x) {
     h = _mm_max_sd(h, _mm_unpackhi_pd(h, h));
     return _mm_cvtsd_f64(h);
 }
-static inline double vd_hsum(vd x) {
-    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
-    h = _mm_add_sd(h, _mm_unpackhi_pd(h, h));
-    return _mm_cvtsd_f64(h);
-}
+#define vd_hsum rm_hsum4d
 #else
 typedef double vd;
 #define VD_W 1
@@ -345,7 +366,9 @@ static inline vd vd_exp(vd x) {
     vd p = vd_set1(c[12]);
     for (int i = 11; i >= 0; i--) p = vd_fma(p, f, vd_set1(c[i]));
 #if defined(__AVX512F__)
-    return _mm512_scalef_pd(p, n);
+    /* zero below the normal range (n < -1022) as on AVX2; NaN propagates */
+    const __mmask8 normal = _mm512_cmp_pd_mask(n, vd_set1(-1022.0), _CMP_NLT_UQ);
+    return _mm512_maskz_scalef_pd(normal, p, n);
 #else
     /* n >= -1023: biased exponent >= 0; n = -1023 gives the bit pattern of 0.0 */
     __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
@@ -425,6 +448,9 @@ static inline vd vd_exp(vd x) {
 /* 64-byte cache lines per row of a K^T panel and per V row segment of a P.V tile: one
  * prefetch per line (AVX2 float32: one line holds both vectors) */
 #define KW_LINES ((int)((KW * sizeof(RM_T) + 63) / 64))
+/* vectors per 64 bytes for the row sums of rm_softmax (1 on the scalar path) */
+#define NS (RM_W > 1 ? (int)(64 / sizeof(RM_T)) / RM_W : 1)
+_Static_assert(KW % (NS * RM_W) == 0, "a K panel must span whole 64-byte row-sum groups");
 #define NV_LINES ((int)((NV * RM_W * sizeof(RM_T) + 63) / 64))
 
 /* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
@@ -564,22 +590,33 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
     }
     for (int r = RM_R; r < NR; r++) arg[r] = 0;
     for (int r = 0; r < NR; r += RM_W) V_STORE(alpha + r, V_EXP(V_LOAD(arg + r)));
-    RM_V vneg[RM_R], sum[RM_R];
+    /* Each row sums into NS vectors spanning 64 bytes (lane i of vector c adds the columns j
+     * = c W + i mod NS W, in increasing j), adds them up and reduces by V_HSUM's fixed tree:
+     * the same additions in the same order on AVX2 (NS = 2) and AVX-512 (NS = 1). ncol is a
+     * multiple of KW, hence of NS W. */
+    RM_V vneg[RM_R], sum[RM_R][NS];
 #pragma GCC unroll 16
     for (int r = 0; r < RM_R; r++) {
         vneg[r] = V_SET1(neg[r]);
-        sum[r] = V_ZERO();
+#pragma GCC unroll 4
+        for (int c = 0; c < NS; c++) sum[r][c] = V_ZERO();
     }
-    for (int64_t j = 0; j < ncol; j += RM_W) {
+    for (int64_t j = 0; j < ncol; j += NS * RM_W) {
 #pragma GCC unroll 16
         for (int r = 0; r < RM_R; r++) {
-            RM_V p = V_EXP(V_ADD(V_LOAD(s + r * lds + j), vneg[r]));
-            V_STORE(s + r * lds + j, p);
-            sum[r] = V_ADD(sum[r], p);
+#pragma GCC unroll 4
+            for (int c = 0; c < NS; c++) {
+                RM_T *sp = s + r * lds + j + c * RM_W;
+                RM_V p = V_EXP(V_ADD(V_LOAD(sp), vneg[r]));
+                V_STORE(sp, p);
+                sum[r][c] = V_ADD(sum[r][c], p);
+            }
         }
     }
     for (int r = 0; r < RM_R; r++) {
-        l[r] = l[r] * alpha[r] + V_HSUM(sum[r]);
+#pragma GCC unroll 4
+        for (int c = 1; c < NS; c++) sum[r][0] = V_ADD(sum[r][0], sum[r][c]);
+        l[r] = l[r] * alpha[r] + V_HSUM(sum[r][0]);
         if (alpha[r] != 1) {
             RM_V va = V_SET1(alpha[r]);
             RM_T *orow = o + r * Dp;
@@ -788,4 +825,5 @@ void FN(rm_finalize)(const RM_T *acc, const RM_T *m, const RM_T *l, int64_t B, i
 #undef NV
 #undef KW_LINES
 #undef NV_LINES
+#undef NS
 #endif

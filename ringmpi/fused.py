@@ -468,8 +468,9 @@ class Kernel:
         k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
         qc, kc = _cuts(q_pos), _cuts(k_pos)
         fn = self._lib.rm_forward_tile_f32 if dt == np.float32 else self._lib.rm_forward_tile_f64
-        # keys per block: packed K and V blocks (2 * bk * D elements) well within L2
-        bk = int(min(512, max(64, (BLOCK_K * 64) // max(d, 1))))
+        # keys per block: packed K and V blocks (2 * bk * D elements) well within L2; a
+        # multiple of 64 (every path's panel width), so all paths cut the same blocks
+        bk = int(min(512, max(64, (BLOCK_K * 64) // max(d, 1) // 64 * 64)))
         # The kernel packs each K/V head once and calls back every CHUNK_Q query rows of all
         # heads (the same amount of work as CHUNK_Q rows of every head); an exception raised
         # by progress stops the kernel and is re-raised here.

@@ -298,6 +298,40 @@ def test_large_logits_causal_against_float64(kern, n, h, d, seed):
     assert got[0] <= 1.5 * spec[0] + 0.25 and got[1] <= 1.5 * spec[1] + 0.25, (kern.isa, got, spec)
 
 
+@pytest.mark.skipif(
+    not {"avx512", "avx2"} <= set(ISAS), reason="needs a CPU that runs both AVX-512 and AVX2"
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bq,bk", [(30, 128), (fused.BLOCK_Q, fused.BLOCK_K)])
+def test_avx2_and_avx512_agree_bit_for_bit(monkeypatch, dtype, bq, bk):
+    """Same blocks, same FMA chains, same exp, same summation order: identical results."""
+    monkeypatch.setattr(fused, "BLOCK_Q", bq)
+    monkeypatch.setattr(fused, "BLOCK_K", bk)
+    rng = np.random.default_rng(bq + bk)
+    cases = [  # b, h, hkv, sq, sk, d, causal, input scale, layout
+        (2, 4, 2, 77, 301, 80, False, 1.0, None),
+        (1, 2, 1, 700, 700, 64, True, 100.0, "zigzag"),
+        (1, 3, 3, 600, 513, 128, True, 1.0, "striped"),
+        (1, 2, 2, 50, 90, 33, True, 6.0, "contiguous"),
+    ]
+    for b, h, hkv, sq, sk, d, causal, sc, layout in cases:
+        q, k, v = _inputs(rng, b, h, hkv, sq, sk, d, dtype, scale_inputs=sc)
+        if layout is None:
+            qp, kp = np.arange(sq, dtype=np.int64), np.arange(sk, dtype=np.int64)
+        else:  # a query rank and a key rank of a ring of 2
+            qp, kp = positions(2 * sq, 1, 2, layout), positions(2 * sk, 0, 2, layout)[:sk]
+        st = init_state(q.shape, dtype)
+        init = (st[0] + 0.5, np.full_like(st[1], 1.0), np.full_like(st[2], 2.0))  # non-empty
+        for start in (st, init):
+            got = []
+            for isa in ("avx512", "avx2"):
+                s = tuple(a.copy() for a in start)
+                fused.load(isa).forward_tile(q, k, v, qp, kp, *s, scale=d**-0.5, causal=causal)
+                got.append(s + fused.load(isa).finalize(*s))
+            for a, c in zip(*got):
+                np.testing.assert_array_equal(a, c)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_accuracy(kern, dtype):
     """Scores exactly 0 and x per row (D=1, scale 1), values 0 and 1: acc = exp(x) exactly.
