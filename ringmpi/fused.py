@@ -105,7 +105,7 @@ def _l2_bytes() -> Optional[int]:
 #: keys per block at D = 64 (scaled by 64/D, within [64, 512]): more keys per block amortize
 #: the per-row softmax statistics; every row strip of a query block streams the block's packed
 #: K and V (2 x keys x D float32) from L2, so they are sized to a quarter of L2: 512 keys on
-#: 1 MiB (Zen 4, where 256 measured 1-3% slower), 256 on 512 KiB (Zen 1-3), 128 on 256 KiB
+#: 1 MiB (Zen 4, where 256 measured 0-2% slower), 256 on 512 KiB (Zen 1-3), 128 on 256 KiB
 #: (Haswell to Skylake client); 512 when the L2 size is unknown
 BLOCK_K = max(64, min(512, (_l2_bytes() or 1 << 20) // 2048 // 64 * 64))
 #: query rows per kernel call when a progress callback must run between calls
@@ -559,27 +559,34 @@ def load(isa: Optional[str] = None) -> Kernel:
 def _default_kernel() -> Optional[Kernel]:
     """The kernel of ``$RINGMPI_CPU_ISA``, or None (with one warning) if it cannot be built.
 
-    A bad ``$RINGMPI_CPU_ISA`` (unknown, or a path the host cannot execute) raises
-    ValueError (on every call until it is fixed): a configuration error is not a reason
-    to fall back.
+    With ``auto``, a path that fails to build (say, a compiler too old for the host's
+    AVX-512) gives way to the next narrower one, with one line on stderr. A bad
+    ``$RINGMPI_CPU_ISA`` (unknown, or a path the host cannot execute) raises ValueError
+    (on every call until it is fixed): a configuration error is not a reason to fall back.
     """
     global _default, _default_error, _default_tried
     if _default_tried:
         return _default
     name = _resolve_isa(None)
+    auto = os.environ.get("RINGMPI_CPU_ISA", "auto").strip().lower() in ("", "auto")
     with _lock:
         if not _default_tried:
             _default_tried = True
-            try:
-                _default = load(name)
-            except Exception as exc:  # no compiler, no write access, ...: numpy fallback
-                _default_error = f"{type(exc).__name__}: {exc}"
-                first = _default_error.strip().splitlines()[0]
-                print(
-                    f"ringmpi: fused CPU tile unavailable, using the numpy tile ({first})",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            errors = []
+            for cand in host_isas()[host_isas().index(name) :] if auto else [name]:
+                try:
+                    _default = load(cand)
+                    break
+                except Exception as exc:  # no compiler, no write access, ...
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            if errors:
+                first = errors[0].strip().splitlines()[0]
+                if _default is None:  # numpy fallback
+                    _default_error = errors[0]
+                    what = "fused CPU tile unavailable, using the numpy tile"
+                else:
+                    what = f"fused CPU tile: {name} path failed, using {_default.isa}"
+                print(f"ringmpi: {what} ({first})", file=sys.stderr, flush=True)
         return _default
 
 

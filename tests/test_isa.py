@@ -93,6 +93,32 @@ def test_environment_picks_the_default_path(monkeypatch, fresh_default, isa):
 
 
 @needs_compiler
+@pytest.mark.skipif(len(fused.host_isas()) < 2, reason="the host runs only the scalar path")
+def test_auto_falls_back_to_a_narrower_path(monkeypatch, fresh_default, capsys):
+    """auto: when the widest path fails to build, the next one is used, with one line."""
+    widest, nxt = fused.host_isas()[:2]
+    real = fused.load
+
+    def load(isa=None):
+        if fused._resolve_isa(isa) == widest:
+            raise RuntimeError("compiler too old\nmore detail")
+        return real(isa)
+
+    monkeypatch.setattr(fused, "load", load)
+    monkeypatch.setenv("RINGMPI_CPU_ISA", "auto")
+    assert fused.isa() == nxt and fused.available() and fused.unavailable_reason() is None
+    err = capsys.readouterr().err
+    want = f"{widest} path failed, using {nxt} (RuntimeError: compiler too old)"
+    assert err == f"ringmpi: fused CPU tile: {want}\n"
+    # an explicit path does not fall back
+    monkeypatch.setattr(fused, "_default_tried", False)
+    monkeypatch.setattr(fused, "_default", None)
+    monkeypatch.setenv("RINGMPI_CPU_ISA", widest)
+    assert not fused.available() and "compiler too old" in fused.unavailable_reason()
+    assert "using the numpy tile" in capsys.readouterr().err
+
+
+@needs_compiler
 def test_auto_is_the_widest_path():
     assert fused.load("auto").isa == fused.host_isas()[0]
     assert fused.load(None) is fused.load(os.environ.get("RINGMPI_CPU_ISA", "auto"))
