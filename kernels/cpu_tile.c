@@ -28,11 +28,17 @@
  * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
  * matrix product and no (Sq x Sk) array exists.
  *
- * exp: 2^t with t = x log2(e). float32 on AVX-512: f = t - floor(t) in [0, 1) by vreduceps,
- * 2^f by a degree-6 minimax polynomial (4e-9 relative), times 2^floor(t) by vscalefps. Else
- * t = n + f with |f| <= 1/2 and a Taylor polynomial (degree 7 for float32, 12 for float64;
- * truncation below 1e-8 resp. 3e-16 relative), 2^n by vscalef on AVX-512 or by building the
- * exponent bits on AVX2. x = -inf gives exactly 0; NaN propagates.
+ * exp: 2^t with t = x log2(e). float32: n = floor(t), f = t - n in [0, 1], 2^f by a degree-6
+ * minimax polynomial (4e-9 relative); float64: n = round(t), |f| <= 1/2, a degree-12 Taylor
+ * polynomial (truncation below 3e-16 relative). Times 2^n by vscalef (AVX-512) or by building
+ * the exponent bits (AVX2); results below the smallest normal number are 0 on both. x = -inf
+ * gives exactly 0; NaN propagates. The scalar path calls libm's expf/exp.
+ *
+ * Same answers on AVX2 and AVX-512: every score is one FMA chain over d = 0..D-1, every output
+ * element one FMA chain over the keys in order, exp is the same sequence of IEEE operations,
+ * row sums add the same numbers in the same order (see rm_softmax and the horizontal sums), and
+ * fused.py cuts the same blocks for both (key blocks a multiple of 64, RM_R = 6 on both): the
+ * two paths give bit-identical results. The scalar path (no FMA, libm exp) differs by rounding.
  * Compiled without -ffast-math, so inf and NaN keep their IEEE meaning everywhere.
  *
  * The file includes itself twice to instantiate float32 and float64 (RM_T selects the type).
@@ -47,8 +53,34 @@
 #include <immintrin.h>
 #endif
 
+/* Register blocking per ISA: query rows per strip RM_R; vectors of keys per QK^T register
+ * tile RM_NK and of D-columns per P.V register tile RM_NV (RM_R x RM_NK accumulators, plus
+ * RM_NK loaded vectors and one broadcast, must fit the register file without spills).
+ *   AVX-512 (32 zmm): 6 x 4 = 24 accumulators.
+ *   AVX2 (16 ymm): 6 x 2 = 12 accumulators + 2 loads + 1 broadcast = 15 registers; the 12
+ *   independent FMA chains cover FMA latency x throughput (4 x 2 on Zen 2-4, 5 x 2 on Intel).
+ *   Scalar: 4 x 4 (measured within 5% of 6 x 4 and 6 x 2). */
+#if defined(__AVX512F__)
+#define RM_R_DEF 6
+#define RM_NK_DEF 4
+#define RM_NV_DEF 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RM_R_DEF 6
+#define RM_NK_DEF 2
+#define RM_NV_DEF 2
+#else
+#define RM_R_DEF 4
+#define RM_NK_DEF 4
+#define RM_NV_DEF 4
+#endif
 #ifndef RM_R
-#define RM_R 6 /* query rows per register tile */
+#define RM_R RM_R_DEF
+#endif
+#ifndef RM_NK
+#define RM_NK RM_NK_DEF
+#endif
+#ifndef RM_NV
+#define RM_NV RM_NV_DEF
 #endif
 #define RM_ALIGN 64
 /* Software prefetch into L1, RM_PF iterations ahead, of the K panel / V rows that the
@@ -97,6 +129,39 @@ static void *rm_alloc(size_t bytes) {
     return aligned_alloc(RM_ALIGN, n ? n : RM_ALIGN);
 }
 
+/* Arguments of rm_forward_tile_f32/_f64 (mirrored by fused._TileArgs; rm_tile_args_size lets
+ * the loader check the layout). Arrays are C-contiguous, of the function's element type:
+ *   q (B, H, Sq, D), k and v (B, Hkv, Sk, D), acc (B, H, Sq, D), m and l (B, H, Sq);
+ *   qpos (Sq,), kpos (Sk,) int64 positions; qcuts (nqcuts,), kcuts (nkcuts,): ascending
+ *   indices where runs of evenly spaced positions start (may be empty).
+ * Query rows [q0, q1) are folded; bq, bk: block sizes (query rows, keys); progress (may be
+ * NULL) is called every `chunk` query rows of single heads, nonzero aborts. */
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *qpos, *kpos;
+    void *acc, *m, *l;
+    int64_t B, H, Hkv, Sq, Sk, D, q0, q1;
+    const int64_t *qcuts, *kcuts;
+    int64_t nqcuts, nkcuts;
+    double scale;
+    int64_t causal, bq, bk;
+    int (*progress)(void);
+    int64_t chunk;
+} rm_tile_args;
+
+int64_t rm_tile_args_size(void) { return (int64_t)sizeof(rm_tile_args); }
+
+/* The ISA path this file was compiled for: the names fused.py uses. */
+const char *rm_isa_name(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
 int rm_simd_width_bytes(void) {
 #if defined(__AVX512F__)
     return 64;
@@ -106,6 +171,23 @@ int rm_simd_width_bytes(void) {
     return 0;
 #endif
 }
+
+/* Horizontal sums in one fixed order for both vector ISAs: a 512-bit vector adds its two
+ * 256-bit halves, then the 256-bit tree below, so that (with the row sums kept per 64 bytes,
+ * see rm_softmax) AVX2 and AVX-512 add the same numbers in the same order. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+static inline float rm_hsum8f(__m256 x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+static inline double rm_hsum4d(__m256d x) {
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    h = _mm_add_sd(h, _mm_unpackhi_pd(h, h));
+    return _mm_cvtsd_f64(h);
+}
+#endif
 
 /* ------------------------------------------------------------ float32 vector layer --- */
 #if defined(__AVX512F__)
@@ -121,7 +203,10 @@ typedef __m512 vf;
 #define vf_div _mm512_div_ps
 #define vf_max _mm512_max_ps
 #define vf_hmax _mm512_reduce_max_ps
-#define vf_hsum _mm512_reduce_add_ps
+static inline float vf_hsum(vf x) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    return rm_hsum8f(_mm256_add_ps(_mm512_castps512_ps256(x), hi));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 vf;
 #define VF_W 8
@@ -140,12 +225,7 @@ static inline float vf_hmax(vf x) {
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
     return _mm_cvtss_f32(h);
 }
-static inline float vf_hsum(vf x) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
-}
+#define vf_hsum rm_hsum8f
 #else
 typedef float vf;
 #define VF_W 1
@@ -167,36 +247,38 @@ static inline vf vf_exp(vf x) {
 #if VF_W == 1
     return expf(x);
 #elif defined(__AVX512F__)
-    /* t = x log2(e); f = t - floor(t) in [0, 1) exactly (vreduceps); 2^f by a degree-6
+    /* t = x log2(e); n = floor(t), f = t - n in [0, 1] rounded to nearest (vreduceps would
+     * save an operation but rounds f down, which AVX2 cannot reproduce); 2^f by a degree-6
      * minimax polynomial (relative error 4e-9, c0 = 1 so exp(0) = 1); vscalefps multiplies
-     * by 2^floor(t) itself. t = -inf: f = 0 and scalef(1, -inf) = 0; NaN propagates.
-     * 9 operations instead of 12 for the round-to-nearest form below, same accuracy. */
+     * by 2^n. Results below the smallest normal number (t < -126, x = -inf included) are
+     * zeroed as on AVX2; NaN propagates (the compare is false for it). */
     vf t = vf_mul(x, vf_set1(1.44269504088896341f));
-    vf f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask16 normal = _mm512_cmp_ps_mask(t, vf_set1(-126.0f), _CMP_NLT_UQ);
+    vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    vf f = _mm512_sub_ps(t, n);
     vf p = vf_fma(vf_set1(2.170223015e-04f), f, vf_set1(1.243969542e-03f));
     p = vf_fma(p, f, vf_set1(9.678840637e-03f));
     p = vf_fma(p, f, vf_set1(5.548334122e-02f));
     p = vf_fma(p, f, vf_set1(2.402298301e-01f));
     p = vf_fma(p, f, vf_set1(6.931470037e-01f));
     p = vf_fma(p, f, vf_set1(1.0f));
-    return _mm512_scalef_ps(p, t);
+    return _mm512_maskz_scalef_ps(normal, p, n);
 #else
-    /* 2^t with t = x log2(e) split as n + f, |f| <= 1/2; 2^f = sum_k (f ln2)^k / k!, Horner
-     * in f: c_k = ln2^k / k!; 2^n by building the exponent bits */
-    const float c1 = 0.693147180559945f, c2 = 0.240226506959101f, c3 = 5.55041086648216e-2f,
-                c4 = 9.61812910762848e-3f, c5 = 1.33335581464284e-3f, c6 = 1.54035303933816e-4f,
-                c7 = 1.52527338040598e-5f;
+    /* The AVX-512 scheme with AVX2 instructions, operation for operation: t = x log2(e),
+     * n = floor(t), f = t - n in [0, 1], 2^f by the same minimax polynomial, 2^n built in the
+     * exponent bits. t is clamped at -127 first (max keeps a NaN t: it returns its second
+     * operand when either is NaN): n = -127 gives the bit pattern of +0.0, so exp(x) = 0 for
+     * t < -126 (below the smallest normal number) and x = -inf gives 0; a NaN x gives a NaN
+     * polynomial and stays NaN whatever its exponent bits. */
     vf t = _mm256_max_ps(vf_set1(-127.0f), vf_mul(x, vf_set1(1.44269504088896341f)));
-    vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf n = _mm256_floor_ps(t);
     vf f = _mm256_sub_ps(t, n);
-    vf p = vf_fma(vf_set1(c7), f, vf_set1(c6));
-    p = vf_fma(p, f, vf_set1(c5));
-    p = vf_fma(p, f, vf_set1(c4));
-    p = vf_fma(p, f, vf_set1(c3));
-    p = vf_fma(p, f, vf_set1(c2));
-    p = vf_fma(p, f, vf_set1(c1));
+    vf p = vf_fma(vf_set1(2.170223015e-04f), f, vf_set1(1.243969542e-03f));
+    p = vf_fma(p, f, vf_set1(9.678840637e-03f));
+    p = vf_fma(p, f, vf_set1(5.548334122e-02f));
+    p = vf_fma(p, f, vf_set1(2.402298301e-01f));
+    p = vf_fma(p, f, vf_set1(6.931470037e-01f));
     p = vf_fma(p, f, vf_set1(1.0f));
-    /* n >= -127: biased exponent n + 127 >= 0; n = -127 gives the bit pattern of 0.0 */
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
                                   23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -217,7 +299,9 @@ typedef __m512d vd;
 #define vd_div _mm512_div_pd
 #define vd_max _mm512_max_pd
 #define vd_hmax _mm512_reduce_max_pd
-#define vd_hsum _mm512_reduce_add_pd
+static inline double vd_hsum(vd x) {
+    return rm_hsum4d(_mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256d vd;
 #define VD_W 4
@@ -235,11 +319,7 @@ static inline double vd_hmax(vd x) {
     h = _mm_max_sd(h, _mm_unpackhi_pd(h, h));
     return _mm_cvtsd_f64(h);
 }
-static inline double vd_hsum(vd x) {
-    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
-    h = _mm_add_sd(h, _mm_unpackhi_pd(h, h));
-    return _mm_cvtsd_f64(h);
-}
+#define vd_hsum rm_hsum4d
 #else
 typedef double vd;
 #define VD_W 1
@@ -286,7 +366,9 @@ static inline vd vd_exp(vd x) {
     vd p = vd_set1(c[12]);
     for (int i = 11; i >= 0; i--) p = vd_fma(p, f, vd_set1(c[i]));
 #if defined(__AVX512F__)
-    return _mm512_scalef_pd(p, n);
+    /* zero below the normal range (n < -1022) as on AVX2; NaN propagates */
+    const __mmask8 normal = _mm512_cmp_pd_mask(n, vd_set1(-1022.0), _CMP_NLT_UQ);
+    return _mm512_maskz_scalef_pd(normal, p, n);
 #else
     /* n >= -1023: biased exponent >= 0; n = -1023 gives the bit pattern of 0.0 */
     __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
@@ -360,15 +442,16 @@ static inline vd vd_exp(vd x) {
 #define FN(name) RM_CAT(name, RM_SFX)
 
 /* keys per packed K^T panel (NK vectors) and D-columns per P.V register tile (NV vectors) */
-#ifndef RM_NK
-#define RM_NK 4
-#endif
-#ifndef RM_NV
-#define RM_NV 4
-#endif
 #define NK RM_NK
 #define KW (NK * RM_W)
 #define NV RM_NV
+/* 64-byte cache lines per row of a K^T panel and per V row segment of a P.V tile: one
+ * prefetch per line (AVX2 float32: one line holds both vectors) */
+#define KW_LINES ((int)((KW * sizeof(RM_T) + 63) / 64))
+#define NV_LINES ((int)((NV * RM_W * sizeof(RM_T) + 63) / 64))
+/* vectors per 64 bytes for the row sums of rm_softmax (1 on the scalar path) */
+#define NS (RM_W > 1 ? (int)(64 / sizeof(RM_T)) / RM_W : 1)
+_Static_assert(KW % (NS * RM_W) == 0, "a K panel must span whole 64-byte row-sum groups");
 
 /* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
  * V rows vp (b - a, Dp), zero padded past D. The panel is written in order (unit-stride
@@ -411,7 +494,8 @@ static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, i
 #pragma GCC unroll 4
             for (int c = 0; c < NK; c++) kv[c] = V_LOAD(kp + d * KW + c * RM_W);
 #pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) RM_PREFETCH(kp + (d + RM_PF) * KW + c * RM_W);
+            for (int c = 0; c < KW_LINES; c++)
+                RM_PREFETCH((const char *)(kp + (d + RM_PF) * KW) + 64 * c);
 #pragma GCC unroll 16
             for (int r = 0; r < RM_R; r++) {
                 RM_V qb = V_SET1(qs[r * D + d]);
@@ -447,7 +531,8 @@ static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *r
 #pragma GCC unroll 4
             for (int c = 0; c < NV; c++) vv[c] = V_LOAD(vp + j * Dp + d0 + c * RM_W);
 #pragma GCC unroll 4
-            for (int c = 0; c < NV; c++) RM_PREFETCH(vp + (j + RM_PF) * Dp + d0 + c * RM_W);
+            for (int c = 0; c < NV_LINES; c++)
+                RM_PREFETCH((const char *)(vp + (j + RM_PF) * Dp + d0) + 64 * c);
 #pragma GCC unroll 16
             for (int r = 0; r < RM_R; r++) {
                 RM_V pb = V_SET1(pm[r * ldp + j]);
@@ -505,22 +590,33 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
     }
     for (int r = RM_R; r < NR; r++) arg[r] = 0;
     for (int r = 0; r < NR; r += RM_W) V_STORE(alpha + r, V_EXP(V_LOAD(arg + r)));
-    RM_V vneg[RM_R], sum[RM_R];
+    /* Each row sums into NS vectors spanning 64 bytes (lane i of vector c adds the columns j
+     * = c W + i mod NS W, in increasing j), adds them up and reduces by V_HSUM's fixed tree:
+     * the same additions in the same order on AVX2 (NS = 2) and AVX-512 (NS = 1). ncol is a
+     * multiple of KW, hence of NS W. */
+    RM_V vneg[RM_R], sum[RM_R][NS];
 #pragma GCC unroll 16
     for (int r = 0; r < RM_R; r++) {
         vneg[r] = V_SET1(neg[r]);
-        sum[r] = V_ZERO();
+#pragma GCC unroll 4
+        for (int c = 0; c < NS; c++) sum[r][c] = V_ZERO();
     }
-    for (int64_t j = 0; j < ncol; j += RM_W) {
+    for (int64_t j = 0; j < ncol; j += NS * RM_W) {
 #pragma GCC unroll 16
         for (int r = 0; r < RM_R; r++) {
-            RM_V p = V_EXP(V_ADD(V_LOAD(s + r * lds + j), vneg[r]));
-            V_STORE(s + r * lds + j, p);
-            sum[r] = V_ADD(sum[r], p);
+#pragma GCC unroll 4
+            for (int c = 0; c < NS; c++) {
+                RM_T *sp = s + r * lds + j + c * RM_W;
+                RM_V p = V_EXP(V_ADD(V_LOAD(sp), vneg[r]));
+                V_STORE(sp, p);
+                sum[r][c] = V_ADD(sum[r][c], p);
+            }
         }
     }
     for (int r = 0; r < RM_R; r++) {
-        l[r] = l[r] * alpha[r] + V_HSUM(sum[r]);
+#pragma GCC unroll 4
+        for (int c = 1; c < NS; c++) sum[r][0] = V_ADD(sum[r][0], sum[r][c]);
+        l[r] = l[r] * alpha[r] + V_HSUM(sum[r][0]);
         if (alpha[r] != 1) {
             RM_V va = V_SET1(alpha[r]);
             RM_T *orow = o + r * Dp;
@@ -529,7 +625,8 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
     }
 }
 
-/* Public entry point: fold K/V into the state for query rows [q0, q1) of every (b, h).
+/* Fold K/V into the state for query rows [q0, q1) of every (b, h) (rm_forward_tile_f32/_f64
+ * below take the arguments as one rm_tile_args).
  * The K/V of one head are packed once and serve all its query heads (GQA) and rows; when
  * `progress` is given it is called ceil(B H (q1 - q0) / chunk) - 1 times, evenly spread over
  * the query rows of all heads; a nonzero return aborts the call (result -2).
@@ -537,12 +634,12 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
  * bq, bk: block sizes (rows of queries, keys), bk a multiple of the panel width.
  * Returns the flops of the computed blocks (4 nq nk D per block and head), or -1 when out
  * of memory. */
-int64_t FN(rm_forward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const int64_t *qpos,
-                            const int64_t *kpos, RM_T *acc, RM_T *m, RM_T *l, int64_t B, int64_t H,
-                            int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, int64_t q0, int64_t q1,
-                            const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
-                            int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
-                            int (*progress)(void), int64_t chunk) {
+static int64_t FN(rm_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const int64_t *qpos,
+                          const int64_t *kpos, RM_T *acc, RM_T *m, RM_T *l, int64_t B, int64_t H,
+                          int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, int64_t q0, int64_t q1,
+                          const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
+                          int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
+                          int (*progress)(void), int64_t chunk) {
     if (q1 <= q0 || Sk == 0) return 0;
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
@@ -689,6 +786,13 @@ done:
     return flops;
 }
 
+int64_t FN(rm_forward_tile)(const rm_tile_args *a) {
+    return FN(rm_tile)((const RM_T *)a->q, (const RM_T *)a->k, (const RM_T *)a->v, a->qpos,
+                       a->kpos, (RM_T *)a->acc, (RM_T *)a->m, (RM_T *)a->l, a->B, a->H, a->Hkv,
+                       a->Sq, a->Sk, a->D, a->q0, a->q1, a->qcuts, a->nqcuts, a->kcuts,
+                       a->nkcuts, a->scale, (int)a->causal, a->bq, a->bk, a->progress, a->chunk);
+}
+
 /* Normalise the state in one pass: out = acc / l, lse = m + log(l); rows with l == 0 (no
  * visible key) give out 0 and lse -inf; NaN stays NaN. Same as ringmpi.softmax.finalize
  * (the division is IEEE division, as numpy's). out is (B, H, S, D), or (B, S, H, D) when
@@ -719,4 +823,7 @@ void FN(rm_finalize)(const RM_T *acc, const RM_T *m, const RM_T *l, int64_t B, i
 #undef NK
 #undef KW
 #undef NV
+#undef KW_LINES
+#undef NV_LINES
+#undef NS
 #endif

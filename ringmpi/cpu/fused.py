@@ -2,28 +2,23 @@
 
 The kernel (``kernels/cpu_tile.c``) computes scores, the causal mask, the online
 softmax and the P.V product in one pass over cache-sized blocks, so no (Sq, Sk)
-array is ever formed and exp runs as a vector polynomial. It is built with the
-system C compiler (``$CC``, else ``cc``/``gcc``) with ``-O3 -march=native`` (no
-``-ffast-math``: inf and NaN keep their IEEE meaning) and cached on disk under
-``$RINGMPI_CACHE_DIR`` (default ``~/.cache/ringmpi``). The cache key hashes the
-source, the compiler's identity, the flags and the host CPU's feature flags, so a
-shared home directory on a heterogeneous cluster gets one build per CPU type.
-Concurrent builds by several MPI ranks are safe: each compiles to a private
-temporary name and renames it into place atomically.
+array is ever formed and exp runs as a vector polynomial. It is compiled and
+cached per ISA path by :mod:`ringmpi.cpu.build` (AVX-512, AVX2+FMA, scalar;
+``$RINGMPI_CPU_ISA``). :func:`load` gives a :class:`Kernel` bound to any one path,
+so several paths can be used (and tested) in one process; :func:`isa` names the
+path the default kernel was compiled for.
 
-If no compiler works, :func:`available` returns False and callers use the numpy
-tile (:func:`ringmpi.cpu.numpy_tile.forward_tile`); :func:`unavailable_reason` says why.
+If the default kernel cannot be built (no compiler, no write access, ...),
+:func:`available` returns False, one line goes to stderr (once per process) and
+callers use the numpy tile (:func:`ringmpi.cpu.numpy_tile.forward_tile`);
+:func:`unavailable_reason` says why. Masks beyond causal (``bounds``) run on the
+numpy tile for now.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
+import sys
 import threading
 from pathlib import Path
 from typing import Callable, Optional
@@ -31,153 +26,108 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import softmax
-from ..kernel_files import kernel_path
 from ..partition import runs
+from . import build as _build_mod
 from . import numpy_tile
+from .build import ISAS, build_library, host_isas
 
 __all__ = [
+    "ISAS",
+    "Kernel",
     "available",
     "unavailable_reason",
     "forward_tile",
     "finalize",
     "library_path",
     "simd_width",
+    "isa",
+    "host_isas",
+    "load",
+    "build_library",
     "BLOCK_Q",
     "BLOCK_K",
     "CHUNK_Q",
 ]
 
-#: query rows per block inside the kernel (rounded up to whole 6-row strips). The packed K/V
-#: of a head stream through L2 once per query block; 528 rows keep that traffic small while
-#: the block's queries and state (2 x 528 x D elements) stay in L2. Measured on AVX-512,
-#: N=8192, 1 thread: +7% (D=64) to +13% (D=128) over 64 rows (with BLOCK_K 512 vs 256).
+#: query rows per block inside the kernel (rounded up to whole register strips). The packed
+#: K/V of a head stream through L2 once per query block; 528 rows keep that traffic small
+#: while the block's queries and state (2 x 528 x D elements) stay in L2. Measured on
+#: AVX-512, N=8192, 1 thread: +7% (D=64) to +13% (D=128) over 64 rows (with BLOCK_K 512).
 BLOCK_Q = 528
+
+
+def _l2_bytes() -> Optional[int]:
+    """Size of the first CPU's level-2 cache from sysfs, or None when unknown."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for idx in sorted(base.glob("index*")):
+            level, kind = ((idx / f).read_text().strip() for f in ("level", "type"))
+            if level == "2" and kind in ("Data", "Unified"):
+                size = (idx / "size").read_text().strip().upper()
+                mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+                return int(size.rstrip("KM")) * mult
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 #: keys per block at D = 64 (scaled by 64/D, within [64, 512]): more keys per block amortize
-#: the per-row softmax statistics; the strip's K and V blocks stream from L2
-BLOCK_K = 512
+#: the per-row softmax statistics; every row strip of a query block streams the block's packed
+#: K and V (2 x keys x D float32) from L2, so they are sized to a quarter of L2: 512 keys on
+#: 1 MiB (Zen 4, where 256 measured 0-2% slower), 256 on 512 KiB (Zen 1-3), 128 on 256 KiB
+#: (Haswell to Skylake client); 512 when the L2 size is unknown
+BLOCK_K = max(64, min(512, (_l2_bytes() or 1 << 20) // 2048 // 64 * 64))
 #: query rows per kernel call when a progress callback must run between calls
 CHUNK_Q = 512
 
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast"]
-# extra flags for experiments (e.g. "-DRM_R=6"); part of the cache key
-FLAGS += os.environ.get("RINGMPI_CFLAGS", "").split()
 _SOURCE_NAME = "cpu_tile.c"
 
 # int progress(void): nonzero aborts the kernel call
 _PROGRESS = ctypes.CFUNCTYPE(ctypes.c_int)
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_lib_path: Optional[Path] = None
-_error: Optional[str] = None
-_tried = False
+
+class _TileArgs(ctypes.Structure):
+    """ctypes mirror of ``rm_tile_args`` in kernels/cpu_tile.c (checked by size at load)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("qpos", ctypes.c_void_p),
+        ("kpos", ctypes.c_void_p),
+        ("acc", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("l", ctypes.c_void_p),
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("Hkv", ctypes.c_int64),
+        ("Sq", ctypes.c_int64),
+        ("Sk", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("q0", ctypes.c_int64),
+        ("q1", ctypes.c_int64),
+        ("qcuts", ctypes.c_void_p),
+        ("kcuts", ctypes.c_void_p),
+        ("nqcuts", ctypes.c_int64),
+        ("nkcuts", ctypes.c_int64),
+        ("scale", ctypes.c_double),
+        ("causal", ctypes.c_int64),
+        ("bq", ctypes.c_int64),
+        ("bk", ctypes.c_int64),
+        ("progress", _PROGRESS),
+        ("chunk", ctypes.c_int64),
+    ]
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name.split()[0]):
-            return name
-    raise FileNotFoundError("no C compiler found (set $CC)")
+_lock = threading.RLock()
+_kernels: dict[str, Kernel] = {}
+_failed: dict[str, BaseException] = {}
+_default: Optional[Kernel] = None
+_default_error: Optional[str] = None
+_default_tried = False
 
 
-def _cpu_flags() -> str:
-    """Host CPU identity for the cache key: -march=native depends on it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    d = os.environ.get("RINGMPI_CACHE_DIR")
-    return Path(d) if d else Path.home() / ".cache" / "ringmpi"
-
-
-def _build() -> Path:
-    src = kernel_path(_SOURCE_NAME)
-    cc = _compiler()
-    version = subprocess.run(
-        [*cc.split(), "--version"], capture_output=True, text=True, timeout=60
-    ).stdout
-    key = hashlib.sha256()
-    for part in (src.read_bytes(), cc.encode(), version.encode(), " ".join(FLAGS).encode()):
-        key.update(part)
-        key.update(b"\0")
-    key.update(_cpu_flags().encode())
-    key.update(platform.machine().encode())
-    out_dir = _cache_dir()
-    target = out_dir / f"cpu_tile-{key.hexdigest()[:24]}.so"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_tile-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [*cc.split(), *FLAGS, "-o", tmp, str(src), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"compiling {src} failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp, target)  # atomic: concurrent ranks see a complete file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _load() -> Optional[ctypes.CDLL]:
-    global _lib, _lib_path, _error, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        try:
-            path = _build()
-            lib = ctypes.CDLL(str(path))
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            for sfx in ("f32", "f64"):
-                fn = getattr(lib, f"rm_forward_tile_{sfx}")
-                fn.restype = i64
-                fn.argtypes = [p] * 8 + [i64] * 8 + [p, i64, p, i64, ctypes.c_double]
-                fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
-                fin = getattr(lib, f"rm_finalize_{sfx}")
-                fin.restype = None
-                fin.argtypes = [p] * 3 + [i64] * 4 + [p, p, ctypes.c_int]
-            lib.rm_simd_width_bytes.restype = ctypes.c_int
-            _lib, _lib_path = lib, path
-        except Exception as exc:  # no compiler, no write access, ...: numpy fallback
-            _error = f"{type(exc).__name__}: {exc}"
-        return _lib
-
-
-def available() -> bool:
-    """True when the fused kernel is (or can be) compiled and loaded on this host."""
-    return _load() is not None
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why :func:`available` is False (None when it is True)."""
-    _load()
-    return _error
-
-
-def library_path() -> Optional[Path]:
-    """Path of the loaded shared library, or None."""
-    _load()
-    return _lib_path
-
-
-def simd_width() -> int:
-    """Vector width the kernel was built for, in bytes (64 AVX-512, 32 AVX2, 0 scalar)."""
-    lib = _load()
-    return int(lib.rm_simd_width_bytes()) if lib is not None else 0
+# ---------------------------------------------------------------------------- kernels
 
 
 def _cuts(pos: np.ndarray) -> np.ndarray:
@@ -195,6 +145,236 @@ def _cuts(pos: np.ndarray) -> np.ndarray:
 
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
+
+
+class Kernel:
+    """The fused tile compiled for one ISA path (see :func:`load`).
+
+    Attributes
+    ----------
+    isa : str
+        ``avx512``, ``avx2`` or ``scalar``, as reported by the compiled library.
+    path : pathlib.Path
+        The shared library.
+    simd_width : int
+        Vector width in bytes (64, 32, or 0 for scalar).
+    """
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        lib.rm_isa_name.restype = ctypes.c_char_p
+        lib.rm_simd_width_bytes.restype = ctypes.c_int
+        lib.rm_tile_args_size.restype = ctypes.c_int64
+        if lib.rm_tile_args_size() != ctypes.sizeof(_TileArgs):
+            raise RuntimeError(f"{path}: rm_tile_args does not match fused._TileArgs")
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for sfx in ("f32", "f64"):
+            fn = getattr(lib, f"rm_forward_tile_{sfx}")
+            fn.restype = i64
+            fn.argtypes = [ctypes.POINTER(_TileArgs)]
+            fin = getattr(lib, f"rm_finalize_{sfx}")
+            fin.restype = None
+            fin.argtypes = [p] * 3 + [i64] * 4 + [p, p, ctypes.c_int]
+        self._lib = lib
+        self.path = path
+        self.isa = lib.rm_isa_name().decode()
+        self.simd_width = int(lib.rm_simd_width_bytes())
+
+    def __repr__(self) -> str:
+        return f"Kernel(isa={self.isa!r}, path={str(self.path)!r})"
+
+    def forward_tile(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        q_pos: np.ndarray,
+        k_pos: np.ndarray,
+        acc: np.ndarray,
+        m: np.ndarray,
+        l: np.ndarray,
+        *,
+        scale: float,
+        causal: bool,
+        progress: Optional[Callable[[], None]] = None,
+    ) -> int:
+        """Fold one K/V block into the online-softmax state with this kernel.
+
+        Same contract as the module's :func:`forward_tile`.
+        """
+        dt = q.dtype
+        ok = (
+            dt in (np.float32, np.float64)
+            and k.dtype == dt
+            and v.dtype == dt
+            and all(a.dtype == dt and a.flags.c_contiguous for a in (acc, m, l))
+        )
+        if not ok:
+            return numpy_tile.forward_tile(
+                q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress
+            )
+        bsz, h, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        if h % hkv:
+            raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
+        if sq == 0 or sk == 0:
+            return 0
+        q = np.ascontiguousarray(q)
+        k = np.ascontiguousarray(k)
+        v = np.ascontiguousarray(v)
+        q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+        k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
+        qc, kc = _cuts(q_pos), _cuts(k_pos)
+        fn = self._lib.rm_forward_tile_f32 if dt == np.float32 else self._lib.rm_forward_tile_f64
+        # keys per block: packed K and V blocks (2 * bk * D elements) well within L2; a
+        # multiple of 64 (every path's panel width), so all paths cut the same blocks
+        bk = int(min(512, max(64, (BLOCK_K * 64) // max(d, 1) // 64 * 64)))
+        # The kernel packs each K/V head once and calls back every CHUNK_Q query rows of all
+        # heads (the same amount of work as CHUNK_Q rows of every head); an exception raised
+        # by progress stops the kernel and is re-raised here.
+        errors: list[BaseException] = []
+
+        def _cb() -> int:
+            try:
+                progress()
+            except BaseException as exc:  # noqa: BLE001 - re-raised after the kernel returns
+                errors.append(exc)
+                return 1
+            return 0
+
+        args = _TileArgs(
+            q=_ptr(q), k=_ptr(k), v=_ptr(v), qpos=_ptr(q_pos), kpos=_ptr(k_pos),
+            acc=_ptr(acc), m=_ptr(m), l=_ptr(l),
+            B=bsz, H=h, Hkv=hkv, Sq=sq, Sk=sk, D=d, q0=0, q1=sq,
+            qcuts=_ptr(qc), kcuts=_ptr(kc), nqcuts=len(qc), nkcuts=len(kc),
+            scale=float(scale), causal=int(bool(causal)), bq=BLOCK_Q, bk=bk,
+            progress=_PROGRESS(_cb) if progress is not None else _PROGRESS(),
+            chunk=CHUNK_Q * bsz * h,
+        )  # fmt: skip
+        f = fn(ctypes.byref(args))
+        if errors:
+            raise errors[0]
+        if f < 0:
+            raise MemoryError("fused tile: out of memory for its work buffers")
+        if progress is not None:
+            progress()
+        return int(f)
+
+    def finalize(
+        self, acc: np.ndarray, m: np.ndarray, l: np.ndarray, *, seq_major: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Normalise the state with this kernel; same contract as the module's :func:`finalize`."""
+        dt = acc.dtype
+        if dt not in (np.float32, np.float64) or m.dtype != dt or l.dtype != dt:
+            out, lse = softmax.finalize(acc, m, l)
+            return (np.ascontiguousarray(np.moveaxis(out, -3, -2)) if seq_major else out), lse
+        acc, m, l = (np.ascontiguousarray(a) for a in (acc, m, l))
+        b, h, s, d = acc.shape
+        out = np.empty((b, s, h, d) if seq_major else (b, h, s, d), dtype=dt)
+        lse = np.empty((b, h, s), dtype=dt)
+        fn = self._lib.rm_finalize_f32 if dt == np.float32 else self._lib.rm_finalize_f64
+        fn(_ptr(acc), _ptr(m), _ptr(l), b, h, s, d, _ptr(out), _ptr(lse), int(bool(seq_major)))
+        return out, lse
+
+
+def load(isa: Optional[str] = None) -> Kernel:
+    """The fused tile compiled for one ISA path (built or taken from the cache, memoized).
+
+    Parameters
+    ----------
+    isa : str, optional
+        ``auto`` (the widest path the host executes), ``avx512``, ``avx2`` or ``scalar``;
+        default ``$RINGMPI_CPU_ISA`` (auto).
+
+    Returns
+    -------
+    Kernel
+
+    Raises
+    ------
+    ValueError
+        Unknown path, or one the host cannot execute.
+    FileNotFoundError, RuntimeError
+        No compiler, or the build failed.
+    """
+    name = _build_mod.resolve_isa(isa)
+    with _lock:
+        if name in _kernels:
+            return _kernels[name]
+        if name in _failed:
+            raise _failed[name]
+        try:
+            kern = Kernel(build_library(_SOURCE_NAME, name))
+            if kern.isa != name:  # e.g. a compiler that ignores the ISA flags
+                raise RuntimeError(f"{kern.path} was built for {kern.isa!r}, not {name!r}")
+        except Exception as exc:
+            _failed[name] = exc
+            raise
+        _kernels[name] = kern
+        return kern
+
+
+def _default_kernel() -> Optional[Kernel]:
+    """The kernel of ``$RINGMPI_CPU_ISA``, or None (with one warning) if it cannot be built.
+
+    With ``auto``, a path that fails to build (say, a compiler too old for the host's
+    AVX-512) gives way to the next narrower one, with one line on stderr. A bad
+    ``$RINGMPI_CPU_ISA`` (unknown, or a path the host cannot execute) raises ValueError
+    (on every call until it is fixed): a configuration error is not a reason to fall back.
+    """
+    global _default, _default_error, _default_tried
+    if _default_tried:
+        return _default
+    name = _build_mod.resolve_isa(None)
+    auto = _build_mod.isa_setting() in ("", "auto")
+    with _lock:
+        if not _default_tried:
+            _default_tried = True
+            errors = []
+            for cand in host_isas()[host_isas().index(name) :] if auto else [name]:
+                try:
+                    _default = load(cand)
+                    break
+                except Exception as exc:  # no compiler, no write access, ...
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            if errors:
+                first = errors[0].strip().splitlines()[0]
+                if _default is None:  # numpy fallback
+                    _default_error = errors[0]
+                    what = "fused CPU tile unavailable, using the numpy tile"
+                else:
+                    what = f"fused CPU tile: {name} path failed, using {_default.isa}"
+                print(f"ringmpi: {what} ({first})", file=sys.stderr, flush=True)
+        return _default
+
+
+def available() -> bool:
+    """True when the fused kernel is (or can be) compiled and loaded on this host."""
+    return _default_kernel() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True)."""
+    _default_kernel()
+    return _default_error
+
+
+def library_path() -> Optional[Path]:
+    """Path of the default kernel's shared library, or None."""
+    kern = _default_kernel()
+    return kern.path if kern is not None else None
+
+
+def simd_width() -> int:
+    """Vector width of the default kernel, in bytes (64 AVX-512, 32 AVX2, 0 scalar)."""
+    kern = _default_kernel()
+    return kern.simd_width if kern is not None else 0
+
+
+def isa() -> Optional[str]:
+    """ISA path the default kernel was compiled for (``avx512``, ``avx2``, ``scalar``), or None."""
+    kern = _default_kernel()
+    return kern.isa if kern is not None else None
 
 
 def forward_tile(
@@ -227,6 +407,9 @@ def forward_tile(
     progress : callable, optional
         Called from inside the kernel after every ``CHUNK_Q`` query rows of all heads
         (``CHUNK_Q * B * H`` rows of single heads), and once at the end.
+    bounds : (lo, hi), optional
+        Visible key range per query (windows, packed sequences, cross-attention):
+        the numpy tile computes these for now.
 
     Returns
     -------
@@ -234,63 +417,15 @@ def forward_tile(
         Flops of the two matrix products over the blocks the kernel computed
         (4 * nq * nk * D per block and head; skipped blocks count 0).
     """
-    dt = q.dtype
-    lib = _load()
-    ok = (
-        bounds is None  # windows / packed sequences / cross: the numpy tile for now
-        and lib is not None
-        and dt in (np.float32, np.float64)
-        and k.dtype == dt
-        and v.dtype == dt
-        and all(a.dtype == dt and a.flags.c_contiguous for a in (acc, m, l))
-    )
-    if not ok:
+    kern = _default_kernel()
+    if kern is None or bounds is not None:
         return numpy_tile.forward_tile(
             q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
             bounds=bounds,
         )  # fmt: skip
-    bsz, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    if h % hkv:
-        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
-    if sq == 0 or sk == 0:
-        return 0
-    q = np.ascontiguousarray(q)
-    k = np.ascontiguousarray(k)
-    v = np.ascontiguousarray(v)
-    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
-    k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
-    qc, kc = _cuts(q_pos), _cuts(k_pos)
-    fn = lib.rm_forward_tile_f32 if dt == np.float32 else lib.rm_forward_tile_f64
-    # keys per block: packed K and V blocks (2 * bk * D elements) well within L2
-    bk = int(min(512, max(64, (BLOCK_K * 64) // max(d, 1))))
-    # The kernel packs each K/V head once and calls back every CHUNK_Q query rows of all
-    # heads (the same amount of work as CHUNK_Q rows of every head); an exception raised by
-    # progress stops the kernel and is re-raised here.
-    errors: list[BaseException] = []
-
-    def _cb() -> int:
-        try:
-            progress()
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the kernel returns
-            errors.append(exc)
-            return 1
-        return 0
-
-    cb = _PROGRESS(_cb) if progress is not None else _PROGRESS()
-    f = fn(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(q_pos), _ptr(k_pos), _ptr(acc), _ptr(m), _ptr(l),
-        bsz, h, hkv, sq, sk, d, 0, sq,
-        _ptr(qc), len(qc), _ptr(kc), len(kc), float(scale), int(bool(causal)), BLOCK_Q, bk,
-        cb, CHUNK_Q * bsz * h,
-    )  # fmt: skip
-    if errors:
-        raise errors[0]
-    if f < 0:
-        raise MemoryError("fused tile: out of memory for its work buffers")
-    if progress is not None:
-        progress()
-    return int(f)
+    return kern.forward_tile(
+        q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress
+    )
 
 
 def finalize(
@@ -315,15 +450,8 @@ def finalize(
     out : (B, H, S, D), or (B, S, H, D) with ``seq_major``
     lse : (B, H, S)
     """
-    lib = _load()
-    dt = acc.dtype
-    if lib is None or dt not in (np.float32, np.float64) or m.dtype != dt or l.dtype != dt:
+    kern = _default_kernel()
+    if kern is None:
         out, lse = softmax.finalize(acc, m, l)
         return (np.ascontiguousarray(np.moveaxis(out, -3, -2)) if seq_major else out), lse
-    acc, m, l = (np.ascontiguousarray(a) for a in (acc, m, l))
-    b, h, s, d = acc.shape
-    out = np.empty((b, s, h, d) if seq_major else (b, h, s, d), dtype=dt)
-    lse = np.empty((b, h, s), dtype=dt)
-    fn = lib.rm_finalize_f32 if dt == np.float32 else lib.rm_finalize_f64
-    fn(_ptr(acc), _ptr(m), _ptr(l), b, h, s, d, _ptr(out), _ptr(lse), int(bool(seq_major)))
-    return out, lse
+    return kern.finalize(acc, m, l, seq_major=seq_major)
