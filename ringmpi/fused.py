@@ -71,17 +71,17 @@ _error: Optional[str] = None
 _tried = False
 
 
-def _source_path() -> Path:
-    """Find kernels/cpu_tile.c: $RINGMPI_KERNEL_DIR, the source tree, or the package."""
+def _source_path(source_name: str = _SOURCE_NAME) -> Path:
+    """Find kernels/<source_name>: $RINGMPI_KERNEL_DIR, the source tree, or the package."""
     here = Path(__file__).resolve().parent
     candidates = []
     if os.environ.get("RINGMPI_KERNEL_DIR"):
-        candidates.append(Path(os.environ["RINGMPI_KERNEL_DIR"]) / _SOURCE_NAME)
-    candidates += [here.parent / "kernels" / _SOURCE_NAME, here / "kernels" / _SOURCE_NAME]
+        candidates.append(Path(os.environ["RINGMPI_KERNEL_DIR"]) / source_name)
+    candidates += [here.parent / "kernels" / source_name, here / "kernels" / source_name]
     for c in candidates:
         if c.is_file():
             return c
-    raise FileNotFoundError(f"{_SOURCE_NAME} not found in " + ", ".join(map(str, candidates)))
+    raise FileNotFoundError(f"{source_name} not found in " + ", ".join(map(str, candidates)))
 
 
 def _compiler() -> str:
@@ -109,7 +109,17 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    src = _source_path()
+    return build_library(_SOURCE_NAME)
+
+
+def build_library(source_name: str) -> Path:
+    """Compile kernels/<source_name> (or reuse the cached build); return the library path.
+
+    Same compiler, flags (``FLAGS``, including ``$RINGMPI_CFLAGS``) and cache key scheme
+    for every kernel source; the library is named after the source's stem.
+    """
+    src = _source_path(source_name)
+    stem = Path(source_name).stem
     cc = _compiler()
     version = subprocess.run(
         [*cc.split(), "--version"], capture_output=True, text=True, timeout=60
@@ -121,11 +131,11 @@ def _build() -> Path:
     key.update(_cpu_flags().encode())
     key.update(platform.machine().encode())
     out_dir = _cache_dir()
-    target = out_dir / f"cpu_tile-{key.hexdigest()[:24]}.so"
+    target = out_dir / f"{stem}-{key.hexdigest()[:24]}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_tile-", suffix=".so", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=f".{stem}-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
         proc = subprocess.run(
