@@ -45,7 +45,7 @@ BLOCK_Q = 96
 #: keys per block up to D = 128 (scaled by 128/D above, at least 32; rounded up to whole
 #: panels): the block's packed K^T, V^T, K and its dK, dV accumulators (5 x BLOCK_K x D
 #: elements) stay in L2 while the query blocks stream past. Measured (CPU time, N=4096,
-#: 1 thread, AVX-512 and AVX2): 256 keys beat 128 by ~5% at D=64 and ~10% at D=128.
+#: 1 thread, AVX-512): 256 keys vs 128 +2-4% at D=64; at D=128 256 vs 64 keys +15%.
 BLOCK_K = 256
 #: the kernel calls ``progress`` after every this many (query row, key) pairs of single
 #: heads (about 0.7 GFLOP at D = 64)
