@@ -72,12 +72,14 @@ def _fused_backend() -> Optional[Backend]:
         return None
     if not fused.available():
         return None
+    from .cpu import fused_backward
+
     cd = numpy_tile.compute_dtype
     return Backend(
         "fused",
         np,
         fused.forward_tile,
-        numpy_tile.backward_tile,
+        fused_backward.backward_tile,  # falls back to the numpy tile where it cannot run
         cd,
         cd,
         Ring,

@@ -1,0 +1,689 @@
+/* Fused CPU attention backward tile: the gradients of one (query block, K/V block) pair.
+ *
+ * Loaded by ringmpi/fused_backward.py (compiled on first use, cached on disk). Same semantics
+ * as ringmpi.backward.backward_tile, the numpy specification. Internal layout, head-major:
+ *
+ *   q, dout (B, H, Sq, D)     k, v (B, Hkv, Sk, D)     query head h reads K/V head h / (H/Hkv)
+ *   lse, delta (B, H, Sq)     saved log-sum-exp (-inf: row saw no key) and rowsum(dout * out)
+ *   qpos (Sq,), kpos (Sk,)    int64 global token positions; causal: key j visible to query i
+ *                             iff kpos[j] <= qpos[i]
+ *   dq (B, H, Sq, D), dk, dv (B, Hkv, Sk, D)   accumulators, updated in place
+ *
+ * For one head, with Qs = scale Q:
+ *
+ *   P  = exp(Qs K^T - lse)        (0 where masked, and on rows with lse = -inf)
+ *   dV += P^T dO                  dP = dO V^T        dS = P * (dP - delta)
+ *   dQ += scale dS K              dK += dS^T Qs
+ *
+ * Loop order (FlashAttention-2's backward): for each K/V head and key block of Bk keys, the
+ * block's K and V are packed once (K^T and V^T in panels of KW keys, (D, KW) row-major, for
+ * the two products that reduce over D; K rows padded to Dp for dS K) and its dK, dV
+ * accumulators (Bk x Dp) stay in L2 while the query blocks of all the head's query heads
+ * (GQA) stream past. Per query block (Bq rows, Qs and dO packed with rows padded to Dp):
+ *   per strip of R rows:
+ *     1. S = Qs K^T with an R x KW register tile (broadcast FMAs), P = exp(S - lse) straight
+ *        from the registers; masked and padded keys are zeroed afterwards;
+ *     2. dP = dO V^T with the same tile, dS = P * (dP - delta) straight from the registers;
+ *     3. dQ (R x Dp) = dS K over the block's keys, added to dq (times scale);
+ *   then over the whole block (reductions of Bq rows):
+ *     4. dV (Bk x Dp) += P^T dO and dK += dS^T Qs with an R-keys x (NV W) register tile.
+ * P and dS of one query block (Bq x Bk) are the only score-sized buffers; no (Sq x Sk) array.
+ * Causal: block pairs whose keys are all in the future are skipped; on diagonal blocks with
+ * increasing positions each strip only computes the panels that hold visible keys.
+ *
+ * exp: 2^t with t = x log2(e). float32 on AVX-512: f = t - floor(t) in [0, 1) by vreduceps,
+ * 2^f by a degree-6 minimax polynomial (4e-9 relative), 2^floor(t) by vscalefps. Elsewhere
+ * t = n + f, n = round(t), |f| <= 1/2, 2^f by Taylor polynomials (degree 7 for float32, 12
+ * for float64; truncation below 1e-8 resp. 3e-16 relative), 2^n by vscalef on AVX-512 or by
+ * building the exponent bits on AVX2. The only other error is the rounding of t (relative
+ * eps/2 of t, i.e. eps |x| / 2 relative in the result): the same as the forward tile's exp.
+ * x = -inf gives exactly 0; NaN propagates. No -ffast-math: inf and NaN keep their meaning.
+ *
+ * The file includes itself twice to instantiate float32 and float64 (RB_T selects the type).
+ */
+#ifndef RB_T
+/* ===================================================================== common part ==== */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define RB_ALIGN 64
+#ifndef RB_PF
+#define RB_PF 16 /* software prefetch distance (d steps) in the K^T / V^T panel loops */
+#endif
+#define RB_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+
+/* register tile: R rows (or keys) x NK vectors (S, dP) / NV vectors (dQ, dK, dV) */
+#if defined(__AVX512F__)
+#define RB_ISA_R 6
+#define RB_ISA_N 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RB_ISA_R 6
+#define RB_ISA_N 2
+#else
+#define RB_ISA_R 4
+#define RB_ISA_N 4
+#endif
+#ifndef RB_R
+#define RB_R RB_ISA_R
+#endif
+#ifndef RB_NK
+#define RB_NK RB_ISA_N
+#endif
+#ifndef RB_NV
+#define RB_NV RB_ISA_N
+#endif
+
+typedef struct {
+    int64_t a, b;   /* index range [a, b) */
+    int64_t lo, hi; /* smallest and largest position inside */
+    int inc;        /* positions strictly increasing inside the block */
+} rb_block;
+
+/* Split [0, n) into blocks of at most `size` indices that never straddle an entry of
+ * `cuts` (ascending starts of runs of evenly spaced positions), with their position range.
+ * Returns the number of blocks written to out (at most n). */
+static int64_t rb_blocks(const int64_t *pos, int64_t n, const int64_t *cuts, int64_t ncuts,
+                         int64_t size, rb_block *out) {
+    int64_t nb = 0, c = 0;
+    for (int64_t a = 0; a < n;) {
+        while (c < ncuts && cuts[c] <= a) c++;
+        const int64_t stop = c < ncuts && cuts[c] < n ? cuts[c] : n;
+        const int64_t b = stop - a > size ? a + size : stop;
+        rb_block blk = {a, b, pos[a], pos[a], 1};
+        for (int64_t i = a + 1; i < b; i++) {
+            if (pos[i] < blk.lo) blk.lo = pos[i];
+            if (pos[i] > blk.hi) blk.hi = pos[i];
+            if (pos[i] <= pos[i - 1]) blk.inc = 0;
+        }
+        out[nb++] = blk;
+        a = b;
+    }
+    return nb;
+}
+
+/* Number of leading entries of the increasing array p[0..n) that are <= x. */
+static int64_t rb_count_le(const int64_t *p, int64_t n, int64_t x) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (p[mid] <= x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void *rb_alloc(size_t bytes) {
+    const size_t n = (bytes + RB_ALIGN - 1) / RB_ALIGN * RB_ALIGN;
+    void *p = aligned_alloc(RB_ALIGN, n ? n : RB_ALIGN);
+    if (p) memset(p, 0, n ? n : RB_ALIGN);
+    return p;
+}
+
+int rm_backward_simd_width_bytes(void) {
+#if defined(__AVX512F__)
+    return 64;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 32;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------ float32 vector layer --- */
+#if defined(__AVX512F__)
+typedef __m512 bvf;
+#define BVF_W 16
+#define bvf_load _mm512_loadu_ps
+#define bvf_store _mm512_storeu_ps
+#define bvf_set1 _mm512_set1_ps
+#define bvf_zero _mm512_setzero_ps
+#define bvf_fma _mm512_fmadd_ps
+#define bvf_sub _mm512_sub_ps
+#define bvf_mul _mm512_mul_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 bvf;
+#define BVF_W 8
+#define bvf_load _mm256_loadu_ps
+#define bvf_store _mm256_storeu_ps
+#define bvf_set1 _mm256_set1_ps
+#define bvf_zero _mm256_setzero_ps
+#define bvf_fma _mm256_fmadd_ps
+#define bvf_sub _mm256_sub_ps
+#define bvf_mul _mm256_mul_ps
+#else
+typedef float bvf;
+#define BVF_W 1
+#define bvf_load(p) (*(p))
+#define bvf_store(p, x) (*(p) = (x))
+#define bvf_set1(x) (x)
+#define bvf_zero() 0.0f
+#define bvf_fma(a, b, c) ((a) * (b) + (c))
+#define bvf_sub(a, b) ((a) - (b))
+#define bvf_mul(a, b) ((a) * (b))
+#endif
+
+/* exp(x), accurate for x <= 0 (the only arguments here: scores minus their log-sum-exp);
+ * x = -inf -> 0, NaN -> NaN. */
+static inline bvf bvf_exp(bvf x) {
+#if BVF_W == 1
+    return expf(x);
+#elif defined(__AVX512F__)
+    const bvf t = bvf_mul(x, bvf_set1(1.44269504088896341f));
+    /* f = t - floor(t), exact; t = -inf gives f = 0 and scalef(p, -inf) = 0 */
+    const bvf f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    bvf p = bvf_fma(bvf_set1(2.170223015e-04f), f, bvf_set1(1.243969542e-03f));
+    p = bvf_fma(p, f, bvf_set1(9.678840637e-03f));
+    p = bvf_fma(p, f, bvf_set1(5.548334122e-02f));
+    p = bvf_fma(p, f, bvf_set1(2.402298301e-01f));
+    p = bvf_fma(p, f, bvf_set1(6.931470037e-01f));
+    p = bvf_fma(p, f, bvf_set1(1.0f));
+    return _mm512_scalef_ps(p, t);
+#else
+    /* t clamped at -127 (the result there is 0 anyway); the constant goes first so that
+     * a NaN t is the operand max returns */
+    const bvf t = _mm256_max_ps(bvf_set1(-127.0f), bvf_mul(x, bvf_set1(1.44269504088896341f)));
+    const bvf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const bvf f = bvf_sub(t, n);
+    /* 2^f = sum_k (f ln2)^k / k!, Horner in f with c_k = ln2^k / k! */
+    bvf p = bvf_fma(bvf_set1(1.5252733804059841e-5f), f, bvf_set1(1.5403530393381608e-4f));
+    p = bvf_fma(p, f, bvf_set1(1.3333558146428443e-3f));
+    p = bvf_fma(p, f, bvf_set1(9.618129107628477e-3f));
+    p = bvf_fma(p, f, bvf_set1(5.550410866482158e-2f));
+    p = bvf_fma(p, f, bvf_set1(0.2402265069591007f));
+    p = bvf_fma(p, f, bvf_set1(0.6931471805599453f));
+    p = bvf_fma(p, f, bvf_set1(1.0f));
+    /* 2^n from its exponent bits; n = -127 gives the bits of +0.0 */
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return bvf_mul(p, _mm256_castsi256_ps(e));
+#endif
+}
+
+/* ------------------------------------------------------------ float64 vector layer --- */
+#if defined(__AVX512F__)
+typedef __m512d bvd;
+#define BVD_W 8
+#define bvd_load _mm512_loadu_pd
+#define bvd_store _mm512_storeu_pd
+#define bvd_set1 _mm512_set1_pd
+#define bvd_zero _mm512_setzero_pd
+#define bvd_fma _mm512_fmadd_pd
+#define bvd_sub _mm512_sub_pd
+#define bvd_mul _mm512_mul_pd
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256d bvd;
+#define BVD_W 4
+#define bvd_load _mm256_loadu_pd
+#define bvd_store _mm256_storeu_pd
+#define bvd_set1 _mm256_set1_pd
+#define bvd_zero _mm256_setzero_pd
+#define bvd_fma _mm256_fmadd_pd
+#define bvd_sub _mm256_sub_pd
+#define bvd_mul _mm256_mul_pd
+#else
+typedef double bvd;
+#define BVD_W 1
+#define bvd_load(p) (*(p))
+#define bvd_store(p, x) (*(p) = (x))
+#define bvd_set1(x) (x)
+#define bvd_zero() 0.0
+#define bvd_fma(a, b, c) ((a) * (b) + (c))
+#define bvd_sub(a, b) ((a) - (b))
+#define bvd_mul(a, b) ((a) * (b))
+#endif
+
+static inline bvd bvd_exp(bvd x) {
+#if BVD_W == 1
+    return exp(x);
+#else
+    /* Taylor coefficients ln2^k / k!, k = 0..12 (truncation < 3e-16 for |f| <= 1/2) */
+    static const double c[13] = {1.0,
+                                 0.6931471805599453,
+                                 0.2402265069591007,
+                                 5.550410866482158e-2,
+                                 9.618129107628477e-3,
+                                 1.3333558146428443e-3,
+                                 1.5403530393381608e-4,
+                                 1.5252733804059841e-5,
+                                 1.3215486790144307e-6,
+                                 1.0178086009239699e-7,
+                                 7.054911620801123e-9,
+                                 4.445538271870811e-10,
+                                 2.567843599348821e-11};
+#if defined(__AVX512F__)
+    const bvd t = _mm512_max_pd(bvd_set1(-1100.0), bvd_mul(x, bvd_set1(1.4426950408889634)));
+    const bvd n = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const bvd t = _mm256_max_pd(bvd_set1(-1023.0), bvd_mul(x, bvd_set1(1.4426950408889634)));
+    const bvd n = _mm256_round_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    const bvd f = bvd_sub(t, n);
+    bvd p = bvd_set1(c[12]);
+    for (int i = 11; i >= 0; i--) p = bvd_fma(p, f, bvd_set1(c[i]));
+#if defined(__AVX512F__)
+    return _mm512_scalef_pd(p, n);
+#else
+    /* n >= -1023: the biased exponent is >= 0; n = -1023 gives the bits of +0.0 */
+    __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
+    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
+    return bvd_mul(p, _mm256_castsi256_pd(e));
+#endif
+#endif
+}
+
+/* ----------------------------------------------------------- instantiate both types --- */
+#define RB_T float
+#define RB_V bvf
+#define RB_W BVF_W
+#define RB_SFX f32
+#define V_LOAD bvf_load
+#define V_STORE bvf_store
+#define V_SET1 bvf_set1
+#define V_ZERO bvf_zero
+#define V_FMA bvf_fma
+#define V_SUB bvf_sub
+#define V_MUL bvf_mul
+#define V_EXP bvf_exp
+#include "cpu_backward.c" /* this file again, now with RB_T defined */
+#undef RB_T
+#undef RB_V
+#undef RB_W
+#undef RB_SFX
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET1
+#undef V_ZERO
+#undef V_FMA
+#undef V_SUB
+#undef V_MUL
+#undef V_EXP
+
+#define RB_T double
+#define RB_V bvd
+#define RB_W BVD_W
+#define RB_SFX f64
+#define V_LOAD bvd_load
+#define V_STORE bvd_store
+#define V_SET1 bvd_set1
+#define V_ZERO bvd_zero
+#define V_FMA bvd_fma
+#define V_SUB bvd_sub
+#define V_MUL bvd_mul
+#define V_EXP bvd_exp
+#include "cpu_backward.c" /* this file again, now with RB_T defined */
+
+#else
+/* ============================================================ type-generic part ==== */
+#define RB_CAT2(a, b) a##_##b
+#define RB_CAT(a, b) RB_CAT2(a, b)
+#define FN(name) RB_CAT(name, RB_SFX)
+#define R RB_R
+#define NK RB_NK
+#define NV RB_NV
+#define KW (NK * RB_W) /* keys per packed panel */
+#define TW (NV * RB_W) /* columns of D per register tile in the dQ, dK, dV products */
+
+/* Pack keys [a, a + nk) of one K/V head: K^T and V^T panels kt, vt (np, D, KW), zero past
+ * nk; K rows kr (nk, Dp), zero past D. */
+static void FN(rb_pack)(const RB_T *restrict k, const RB_T *restrict v, int64_t a, int64_t nk,
+                        int64_t D, int64_t Dp, RB_T *restrict kt, RB_T *restrict vt,
+                        RB_T *restrict kr) {
+    const int64_t np = (nk + KW - 1) / KW;
+    for (int64_t p = 0; p < np; p++) {
+        const int64_t nc = nk - p * KW < KW ? nk - p * KW : KW;
+        const RB_T *ks = k + (a + p * KW) * D, *vs = v + (a + p * KW) * D;
+        RB_T *kd = kt + p * D * KW, *vd = vt + p * D * KW;
+        for (int64_t d = 0; d < D; d++) {
+            for (int64_t c = 0; c < nc; c++) {
+                kd[d * KW + c] = ks[c * D + d];
+                vd[d * KW + c] = vs[c * D + d];
+            }
+            for (int64_t c = nc; c < KW; c++) kd[d * KW + c] = vd[d * KW + c] = 0;
+        }
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        memcpy(kr + j * Dp, k + (a + j) * D, (size_t)D * sizeof(RB_T));
+        for (int64_t d = D; d < Dp; d++) kr[j * Dp + d] = 0;
+    }
+}
+
+/* One strip of R rows against np panels: acc = X (R x D, row stride ldx) Y^T (panels).
+ * mode 0: out = exp(acc - aux[r])  (P from S, aux = lse)
+ * mode 1: out = pin * (acc - aux[r])  (dS from dP, aux = delta, pin = P)
+ * out and pin have row stride ld. */
+static inline void FN(rb_strip)(const RB_T *restrict x, int64_t ldx, const RB_T *restrict yt,
+                                int64_t np, int64_t D, const RB_T *restrict aux, int mode,
+                                const RB_T *restrict pin, RB_T *restrict out, int64_t ld) {
+    for (int64_t p = 0; p < np; p++) {
+        const RB_T *yp = yt + p * D * KW;
+        RB_V acc[R][NK];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int c = 0; c < NK; c++) acc[r][c] = V_ZERO();
+        for (int64_t d = 0; d < D; d++) {
+            RB_V yv[NK];
+#pragma GCC unroll 8
+            for (int c = 0; c < NK; c++) yv[c] = V_LOAD(yp + d * KW + c * RB_W);
+#pragma GCC unroll 8
+            for (int c = 0; c < NK; c++) RB_PREFETCH(yp + (d + RB_PF) * KW + c * RB_W);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const RB_V xb = V_SET1(x[r * ldx + d]);
+#pragma GCC unroll 8
+                for (int c = 0; c < NK; c++) acc[r][c] = V_FMA(xb, yv[c], acc[r][c]);
+            }
+        }
+        if (mode == 0) {
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const RB_V a = V_SET1(aux[r]);
+#pragma GCC unroll 8
+                for (int c = 0; c < NK; c++)
+                    V_STORE(out + r * ld + p * KW + c * RB_W, V_EXP(V_SUB(acc[r][c], a)));
+            }
+        } else {
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const RB_V a = V_SET1(aux[r]);
+#pragma GCC unroll 8
+                for (int c = 0; c < NK; c++) {
+                    const int64_t o = r * ld + p * KW + c * RB_W;
+                    V_STORE(out + o, V_MUL(V_LOAD(pin + o), V_SUB(acc[r][c], a)));
+                }
+            }
+        }
+    }
+}
+
+/* dst[0..n) += s * src[0..n) */
+static inline void FN(rb_axpy)(RB_T *restrict dst, const RB_T *restrict src, int64_t n, RB_T s) {
+    int64_t d = 0;
+    const RB_V vs = V_SET1(s);
+    for (; d + RB_W <= n; d += RB_W) V_STORE(dst + d, V_FMA(vs, V_LOAD(src + d), V_LOAD(dst + d)));
+    for (; d < n; d++) dst[d] += s * src[d];
+}
+
+/* dq rows [0, nrows) (row stride D) += sc * dS (R x nk, row stride ld) K (nk x Dp). */
+static inline void FN(rb_dq)(const RB_T *restrict ds, int64_t ld, const RB_T *restrict kr,
+                             int64_t nk, int64_t Dp, int64_t D, RB_T sc, RB_T *restrict dq,
+                             int nrows) {
+    RB_T tmp[R * TW];
+    int64_t d0 = 0;
+    for (; d0 + TW <= Dp; d0 += TW) {
+        RB_V acc[R][NV];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int c = 0; c < NV; c++) acc[r][c] = V_ZERO();
+        for (int64_t j = 0; j < nk; j++) {
+            RB_V kv[NV];
+#pragma GCC unroll 8
+            for (int c = 0; c < NV; c++) kv[c] = V_LOAD(kr + j * Dp + d0 + c * RB_W);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const RB_V sb = V_SET1(ds[r * ld + j]);
+#pragma GCC unroll 8
+                for (int c = 0; c < NV; c++) acc[r][c] = V_FMA(sb, kv[c], acc[r][c]);
+            }
+        }
+        if (d0 + TW <= D) {
+            const RB_V vs = V_SET1(sc);
+            for (int r = 0; r < nrows; r++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NV; c++) {
+                    RB_T *o = dq + r * D + d0 + c * RB_W;
+                    V_STORE(o, V_FMA(vs, acc[r][c], V_LOAD(o)));
+                }
+        } else {
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NV; c++) V_STORE(tmp + r * TW + c * RB_W, acc[r][c]);
+            for (int r = 0; r < nrows; r++) FN(rb_axpy)(dq + r * D + d0, tmp + r * TW, D - d0, sc);
+        }
+    }
+    for (; d0 < Dp; d0 += RB_W) { /* tail: one vector of columns */
+        RB_V acc[R];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) acc[r] = V_ZERO();
+        for (int64_t j = 0; j < nk; j++) {
+            const RB_V kv = V_LOAD(kr + j * Dp + d0);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) acc[r] = V_FMA(V_SET1(ds[r * ld + j]), kv, acc[r]);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) V_STORE(tmp + r * RB_W, acc[r]);
+        const int64_t n = D - d0 < RB_W ? D - d0 : RB_W;
+        for (int r = 0; r < nrows; r++) FN(rb_axpy)(dq + r * D + d0, tmp + r * RB_W, n, sc);
+    }
+}
+
+/* out (nkr x Dp, nkr a multiple of R) += A^T X: A (nq x nkr, row stride lda; P or dS),
+ * X (nq x Dp, row stride ldx; dO or Qs). Register tile: R keys x TW columns, reducing over
+ * the nq rows of the query block. */
+static void FN(rb_outer)(const RB_T *restrict A, int64_t lda, const RB_T *restrict X,
+                         int64_t ldx, int64_t nq, int64_t nkr, int64_t Dp, RB_T *restrict out) {
+    for (int64_t j0 = 0; j0 < nkr; j0 += R) {
+        RB_T *o = out + j0 * Dp;
+        const RB_T *a = A + j0;
+        int64_t d0 = 0;
+        for (; d0 + TW <= Dp; d0 += TW) {
+            RB_V acc[R][NV];
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NV; c++) acc[r][c] = V_LOAD(o + r * Dp + d0 + c * RB_W);
+            for (int64_t i = 0; i < nq; i++) {
+                RB_V xv[NV];
+#pragma GCC unroll 8
+                for (int c = 0; c < NV; c++) xv[c] = V_LOAD(X + i * ldx + d0 + c * RB_W);
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) {
+                    const RB_V ab = V_SET1(a[i * lda + r]);
+#pragma GCC unroll 8
+                    for (int c = 0; c < NV; c++) acc[r][c] = V_FMA(ab, xv[c], acc[r][c]);
+                }
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NV; c++) V_STORE(o + r * Dp + d0 + c * RB_W, acc[r][c]);
+        }
+        for (; d0 < Dp; d0 += RB_W) { /* tail: one vector of columns */
+            RB_V acc[R];
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) acc[r] = V_LOAD(o + r * Dp + d0);
+            for (int64_t i = 0; i < nq; i++) {
+                const RB_V xv = V_LOAD(X + i * ldx + d0);
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) acc[r] = V_FMA(V_SET1(a[i * lda + r]), xv, acc[r]);
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) V_STORE(o + r * Dp + d0, acc[r]);
+        }
+    }
+}
+
+/* Public entry point: add the gradients of all (query, key) pairs of the tile, in place.
+ * qcuts/kcuts: ascending indices where runs of evenly spaced positions start (may be empty;
+ * blocks never straddle them, so causal skipping has tight bounds). bq, bk: block sizes
+ * (query rows, keys). progress, when given, is called whenever at least `chunk` (query row,
+ * key) pairs of single heads have been computed since the last call; a nonzero return aborts
+ * (result -2). Returns the flops of the computed blocks (10 nq nk D per block pair and query
+ * head), or -1 when out of memory. */
+int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const RB_T *dout,
+                             const RB_T *lse, const RB_T *delta, const int64_t *qpos,
+                             const int64_t *kpos, RB_T *dq, RB_T *dk, RB_T *dv, int64_t B,
+                             int64_t H, int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D,
+                             const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
+                             int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
+                             int (*progress)(void), int64_t chunk) {
+    if (Sq <= 0 || Sk <= 0 || B <= 0 || H <= 0) return 0;
+    const int64_t G = H / Hkv;
+    const int64_t Dp = (D + RB_W - 1) / RB_W * RB_W;
+    bq = bq < 1 ? R : (bq + R - 1) / R * R;
+    bk = bk < 1 ? KW : (bk + KW - 1) / KW * KW;
+    /* score buffers: columns for whole panels and for whole R-key tiles of the dK/dV
+     * products; the columns past a block's keys are kept zero */
+    const int64_t bkr = (bk + R - 1) / R * R;
+    const int64_t ld = bk > bkr ? bk : bkr;
+    rb_block *qb = malloc(sizeof(rb_block) * (size_t)Sq);
+    rb_block *kb = malloc(sizeof(rb_block) * (size_t)Sk);
+    RB_T *kt = rb_alloc(sizeof(RB_T) * (size_t)(bk * D));
+    RB_T *vt = rb_alloc(sizeof(RB_T) * (size_t)(bk * D));
+    RB_T *kr = rb_alloc(sizeof(RB_T) * (size_t)(ld * Dp));
+    RB_T *dkb = rb_alloc(sizeof(RB_T) * (size_t)(ld * Dp));
+    RB_T *dvb = rb_alloc(sizeof(RB_T) * (size_t)(ld * Dp));
+    RB_T *qs = rb_alloc(sizeof(RB_T) * (size_t)(bq * Dp));
+    RB_T *dob = rb_alloc(sizeof(RB_T) * (size_t)(bq * Dp));
+    RB_T *pb = rb_alloc(sizeof(RB_T) * (size_t)(bq * ld));
+    RB_T *dsb = rb_alloc(sizeof(RB_T) * (size_t)(bq * ld));
+    RB_T *lb = rb_alloc(sizeof(RB_T) * (size_t)bq);
+    RB_T *deb = rb_alloc(sizeof(RB_T) * (size_t)bq);
+    int64_t flops = 0;
+    if (!qb || !kb || !kt || !vt || !kr || !dkb || !dvb || !qs || !dob || !pb || !dsb || !lb ||
+        !deb) {
+        flops = -1;
+        goto done;
+    }
+    const int64_t nqb = rb_blocks(qpos, Sq, qcuts, nqcuts, bq, qb);
+    const int64_t nkb = rb_blocks(kpos, Sk, kcuts, nkcuts, bk, kb);
+    const RB_T sc = (RB_T)scale;
+    int64_t work = 0; /* (row, key) pairs since the last progress call */
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            const int64_t kvo = (b * Hkv + hk) * Sk * D;
+            for (int64_t t = 0; t < nkb; t++) {
+                const rb_block K = kb[t];
+                const int64_t ka = K.a, nk = K.b - K.a;
+                const int64_t nkr = (nk + R - 1) / R * R;
+                const int64_t *kp = kpos + ka;
+                int live = 0;
+                for (int64_t iq = 0; iq < nqb && !live; iq++) live = !causal || qb[iq].hi >= K.lo;
+                if (!live) continue; /* every key is in the future of every query */
+                FN(rb_pack)(k + kvo, v + kvo, ka, nk, D, Dp, kt, vt, kr);
+                memset(dkb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
+                memset(dvb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t h = hk * G + g;
+                    const RB_T *qh = q + (b * H + h) * Sq * D;
+                    const RB_T *doh = dout + (b * H + h) * Sq * D;
+                    const RB_T *lh = lse + (b * H + h) * Sq;
+                    const RB_T *dh = delta + (b * H + h) * Sq;
+                    RB_T *dqh = dq + (b * H + h) * Sq * D;
+                    for (int64_t iq = 0; iq < nqb; iq++) {
+                        const rb_block Q = qb[iq];
+                        if (causal && Q.hi < K.lo) continue;
+                        const int masked = causal && Q.lo < K.hi;
+                        const int64_t qa = Q.a, nq = Q.b - Q.a;
+                        const int64_t nqp = (nq + R - 1) / R * R;
+                        /* scaled queries, dO, lse (-inf -> +inf: p = 0) and delta; padded
+                         * rows are zero with lse +inf, so their P and dS are 0 */
+                        for (int64_t i = 0; i < nqp; i++) {
+                            RB_T *qr = qs + i * Dp, *dr = dob + i * Dp;
+                            if (i < nq) {
+                                const RB_T *qsrc = qh + (qa + i) * D;
+                                for (int64_t d = 0; d < D; d++) qr[d] = qsrc[d] * sc;
+                                memcpy(dr, doh + (qa + i) * D, (size_t)D * sizeof(RB_T));
+                                const RB_T l = lh[qa + i];
+                                lb[i] = l == -INFINITY ? INFINITY : l;
+                                deb[i] = dh[qa + i];
+                            } else {
+                                memset(qr, 0, (size_t)D * sizeof(RB_T));
+                                memset(dr, 0, (size_t)D * sizeof(RB_T));
+                                lb[i] = INFINITY;
+                                deb[i] = 0;
+                            }
+                            for (int64_t d = D; d < Dp; d++) qr[d] = dr[d] = 0;
+                        }
+                        for (int64_t r0 = 0; r0 < nqp; r0 += R) {
+                            RB_T *ps = pb + r0 * ld, *dss = dsb + r0 * ld;
+                            /* visible keys of each row: lim[r] leading keys when the block's
+                             * positions increase (then only the panels up to the longest
+                             * prefix are computed), else an explicit per-key test */
+                            int64_t lim[R], use = nk;
+                            const int prefix = masked && K.inc;
+                            if (prefix) {
+                                use = 0;
+                                for (int r = 0; r < R; r++) {
+                                    lim[r] = r0 + r < nq ? rb_count_le(kp, nk, qpos[qa + r0 + r])
+                                                         : 0;
+                                    use = lim[r] > use ? lim[r] : use;
+                                }
+                            } else {
+                                for (int r = 0; r < R; r++) lim[r] = nk;
+                            }
+                            if (use == 0) { /* no row of the strip sees a key */
+                                memset(ps, 0, sizeof(RB_T) * (size_t)(R * ld));
+                                memset(dss, 0, sizeof(RB_T) * (size_t)(R * ld));
+                                continue;
+                            }
+                            const int64_t np = (use + KW - 1) / KW;
+                            FN(rb_strip)(qs + r0 * Dp, Dp, kt, np, D, lb + r0, 0, NULL, ps, ld);
+                            for (int r = 0; r < R; r++) {
+                                RB_T *row = ps + r * ld;
+                                if (masked && !prefix && r0 + r < nq) {
+                                    const int64_t qp = qpos[qa + r0 + r];
+                                    for (int64_t j = 0; j < nk; j++)
+                                        if (kp[j] > qp) row[j] = 0;
+                                }
+                                for (int64_t j = lim[r]; j < ld; j++) row[j] = 0;
+                            }
+                            FN(rb_strip)(dob + r0 * Dp, Dp, vt, np, D, deb + r0, 1, ps, dss, ld);
+                            for (int r = 0; r < R; r++)
+                                for (int64_t j = lim[r]; j < ld; j++) dss[r * ld + j] = 0;
+                            const int nrows = nq - r0 < R ? (int)(nq - r0) : R;
+                            FN(rb_dq)(dss, ld, kr, use, Dp, D, sc, dqh + (qa + r0) * D, nrows);
+                        }
+                        FN(rb_outer)(pb, ld, dob, Dp, nq, nkr, Dp, dvb);
+                        FN(rb_outer)(dsb, ld, qs, Dp, nq, nkr, Dp, dkb);
+                        flops += 10 * nq * nk * D;
+                        work += nq * nk;
+                        if (progress && chunk > 0 && work >= chunk) {
+                            work = 0;
+                            if (progress()) {
+                                flops = -2;
+                                goto done;
+                            }
+                        }
+                    }
+                }
+                for (int64_t j = 0; j < nk; j++) {
+                    FN(rb_axpy)(dk + kvo + (ka + j) * D, dkb + j * Dp, D, (RB_T)1);
+                    FN(rb_axpy)(dv + kvo + (ka + j) * D, dvb + j * Dp, D, (RB_T)1);
+                }
+            }
+        }
+    }
+done:
+    free(qb);
+    free(kb);
+    free(kt);
+    free(vt);
+    free(kr);
+    free(dkb);
+    free(dvb);
+    free(qs);
+    free(dob);
+    free(pb);
+    free(dsb);
+    free(lb);
+    free(deb);
+    return flops;
+}
+
+#undef FN
+#undef R
+#undef NK
+#undef NV
+#undef KW
+#undef TW
+#endif

@@ -1,0 +1,308 @@
+"""Fused CPU backward tile: a C kernel compiled on first use, same semantics as the numpy tile.
+
+The kernel (``kernels/cpu_backward.c``) recomputes the probabilities of a (query block, K/V
+block) pair and forms all five products of the attention backward pass in one pass over
+cache-sized blocks (FlashAttention-2's order: key blocks outside, their dK/dV accumulators
+in cache while the query strips stream past), so no (Sq, Sk) array is formed and exp runs as
+a vector polynomial. It is compiled and cached like the forward tile
+(:func:`ringmpi.cpu.build.build_library`: same compiler, flags including ``$RINGMPI_CFLAGS``,
+and cache key scheme).
+
+:func:`backward_tile` has the signature of :func:`ringmpi.cpu.numpy_tile.backward_tile` (the
+specification) and falls back to it when the kernel is unavailable or the accumulators are
+not float32/float64 C-contiguous arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import fused
+from . import numpy_tile as _spec
+from .build import build_library
+
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "library_path",
+    "simd_width",
+    "backward_tile",
+    "backward_tile_with",
+    "open_library",
+    "spec_flops",
+    "BLOCK_Q",
+    "BLOCK_K",
+    "CHUNK_PAIRS",
+]
+
+#: query rows per block (rounded up to whole register strips): the reduction length of the
+#: dK/dV products; the block's P and dS (BLOCK_Q x BLOCK_K) stay in L2
+BLOCK_Q = 96
+#: keys per block up to D = 128 (scaled by 128/D above, at least 32; rounded up to whole
+#: panels): the block's packed K^T, V^T, K and its dK, dV accumulators (5 x BLOCK_K x D
+#: elements) stay in L2 while the query blocks stream past. Measured (CPU time, N=4096,
+#: 1 thread, AVX-512): 256 keys vs 128 +2-4% at D=64; at D=128 256 vs 64 keys +15%.
+BLOCK_K = 256
+#: the kernel calls ``progress`` after every this many (query row, key) pairs of single
+#: heads (about 0.7 GFLOP at D = 64)
+CHUNK_PAIRS = 1 << 20
+
+_PROGRESS = ctypes.CFUNCTYPE(ctypes.c_int)
+_SOURCE = "cpu_backward.c"
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[Path] = None
+_error: Optional[str] = None
+_tried = False
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a build of ``kernels/cpu_backward.c`` and declare its entry points.
+
+    :func:`backward_tile` uses the build for this host (``build.build_library``); other
+    builds (another ISA, forced by ``$RINGMPI_CFLAGS``) can be loaded side by side and
+    called through :func:`backward_tile_with`.
+    """
+    lib = ctypes.CDLL(str(path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for sfx in ("f32", "f64"):
+        fn = getattr(lib, f"rm_backward_tile_{sfx}")
+        fn.restype = i64
+        fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, ctypes.c_double]
+        fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
+    lib.rm_backward_simd_width_bytes.restype = ctypes.c_int
+    return lib
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _lib_path, _error, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        try:
+            path = build_library(_SOURCE)
+            _lib, _lib_path = open_library(path), path
+        except Exception as exc:  # no compiler, no write access, ...: numpy fallback
+            _error = f"{type(exc).__name__}: {exc}"
+        return _lib
+
+
+def available() -> bool:
+    """True when the fused backward kernel is (or can be) compiled and loaded on this host."""
+    return _load() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True)."""
+    _load()
+    return _error
+
+
+def library_path() -> Optional[Path]:
+    """Path of the loaded shared library, or None."""
+    _load()
+    return _lib_path
+
+
+def simd_width() -> int:
+    """Vector width the kernel was built for, in bytes (64 AVX-512, 32 AVX2, 0 scalar)."""
+    lib = _load()
+    return int(lib.rm_backward_simd_width_bytes()) if lib is not None else 0
+
+
+def spec_flops(
+    q_pos: np.ndarray, k_pos: np.ndarray, *, causal: bool, batch: int, heads: int, d: int
+) -> int:
+    """Flops the numpy tile reports for these positions: 10 * nq * nk * D per live block pair.
+
+    Uses the numpy tile's own blocks (``ringmpi.backward`` BLOCK_Q x BLOCK_K inside runs of
+    evenly spaced positions), vectorised, so backends report identical work.
+
+    Parameters
+    ----------
+    q_pos : (Sq,) ; k_pos : (Sk,)
+        int64 global token positions.
+    causal : bool
+    batch, heads, d : int
+        B, query heads H and head dimension D.
+
+    Returns
+    -------
+    int
+    """
+    qb = np.array(list(_spec.blocks(q_pos, _spec.BLOCK_Q)), dtype=np.int64).reshape(-1, 4)
+    kb = np.array(list(_spec.blocks(k_pos, _spec.BLOCK_K)), dtype=np.int64).reshape(-1, 4)
+    nq, nk = qb[:, 1] - qb[:, 0], kb[:, 1] - kb[:, 0]
+    if causal:
+        # keys of the blocks whose smallest position is <= the query block's largest
+        order = np.argsort(kb[:, 2], kind="stable")
+        csum = np.concatenate([[0], np.cumsum(nk[order])])
+        live = csum[np.searchsorted(kb[order, 2], qb[:, 3], side="right")]
+    else:
+        live = np.full(len(nq), nk.sum())
+    return int(10 * batch * heads * d * int(np.dot(nq, live)))
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def backward_tile(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    lse: np.ndarray,
+    delta: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
+) -> int:
+    """Add the gradients from one (query block, K/V block) pair, in place (fused C kernel).
+
+    Same contract as :func:`ringmpi.cpu.numpy_tile.backward_tile`; falls back to it when the kernel
+    is unavailable or dq, dk, dv are not float32/float64 C-contiguous arrays of one dtype.
+    Inputs of another dtype or layout are converted to the accumulators' dtype first.
+
+    Parameters
+    ----------
+    q, dout : (B, H, Sq, D)
+        Queries and the upstream gradient of the output.
+    k, v : (B, Hkv, Sk, D)
+        The visiting keys and values; query head h reads K/V head h // (H/Hkv).
+    lse : (B, H, Sq)
+        Log-sum-exp of the scores over all keys; -inf marks a row with no visible key, which
+        gets no gradient.
+    delta : (B, H, Sq)
+        Row sums of dout * out.
+    q_pos : (Sq,) ; k_pos : (Sk,)
+        int64 global token positions.
+    dq : (B, H, Sq, D) ; dk, dv : (B, Hkv, Sk, D)
+        Accumulators, updated in place (dk and dv sum over the query heads of each group).
+    scale : float
+    causal : bool
+        Key j is visible to query i iff k_pos[j] <= q_pos[i]; block pairs with no visible
+        key are skipped.
+    progress : callable, optional
+        Called from inside the kernel after every ``CHUNK_PAIRS`` (query row, key) pairs of
+        single heads, and once at the end; an exception it raises stops the kernel and
+        propagates (the accumulators are then partly updated).
+
+    Returns
+    -------
+    int
+        The numpy tile's flop count for the same call (:func:`spec_flops`: 10 * nq * nk * D
+        per head and block pair the numpy tile computes). The kernel's own blocks are finer,
+        so it skips more of a causal tile than that count says.
+
+    ``bounds`` (masks beyond causal) runs the numpy tile.
+    """
+    if bounds is not None:  # windows / packed sequences / cross: the numpy tile for now
+        return _spec.backward_tile(
+            q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
+            scale=scale, causal=causal, progress=progress, bounds=bounds,
+        )  # fmt: skip
+    return backward_tile_with(
+        _load(), q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
+        scale=scale, causal=causal, progress=progress,
+    )  # fmt: skip
+
+
+def backward_tile_with(
+    lib: Optional[ctypes.CDLL],
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    lse: np.ndarray,
+    delta: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    progress: Optional[Callable[[], None]] = None,
+) -> int:
+    """:func:`backward_tile` with an explicit library (:func:`open_library`); None: numpy."""
+    dt = dq.dtype
+    ok = (
+        lib is not None
+        and dt in (np.float32, np.float64)
+        and all(a.dtype == dt and a.flags.c_contiguous for a in (dq, dk, dv))
+    )
+    if not ok:
+        return _spec.backward_tile(
+            q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
+            scale=scale, causal=causal, progress=progress,
+        )  # fmt: skip
+    bsz, h, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
+    shapes = {
+        "dout": (dout, (bsz, h, sq, d)),
+        "v": (v, (bsz, hkv, sk, d)),
+        "lse": (lse, (bsz, h, sq)),
+        "delta": (delta, (bsz, h, sq)),
+        "q_pos": (q_pos, (sq,)),
+        "k_pos": (k_pos, (sk,)),
+        "dq": (dq, (bsz, h, sq, d)),
+        "dk": (dk, (bsz, hkv, sk, d)),
+        "dv": (dv, (bsz, hkv, sk, d)),
+    }
+    if k.shape[0] != bsz or k.shape[3] != d:
+        raise ValueError(f"k has shape {k.shape}, expected ({bsz}, Hkv, Sk, {d})")
+    for name, (a, want) in shapes.items():
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want}")
+    if sq == 0 or sk == 0 or bsz == 0 or d == 0:
+        return 0
+    q, k, v, dout, lse, delta = (
+        np.ascontiguousarray(a, dtype=dt) for a in (q, k, v, dout, lse, delta)
+    )
+    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+    k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
+    qc, kc = fused._cuts(q_pos), fused._cuts(k_pos)
+    fn = lib.rm_backward_tile_f32 if dt == np.float32 else lib.rm_backward_tile_f64
+    bk = int(max(32, min(BLOCK_K, (BLOCK_K * 128) // d)))
+    errors: list[BaseException] = []
+
+    def _cb() -> int:
+        try:
+            progress()
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the kernel returns
+            errors.append(exc)
+            return 1
+        return 0
+
+    cb = _PROGRESS(_cb) if progress is not None else _PROGRESS()
+    f = fn(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta), _ptr(q_pos),
+        _ptr(k_pos), _ptr(dq), _ptr(dk), _ptr(dv), bsz, h, hkv, sq, sk, d,
+        _ptr(qc), len(qc), _ptr(kc), len(kc), float(scale), int(bool(causal)), BLOCK_Q, bk,
+        cb, CHUNK_PAIRS,
+    )  # fmt: skip
+    if errors:
+        raise errors[0]
+    if f < 0:
+        raise MemoryError("fused backward tile: out of memory for its work buffers")
+    if progress is not None:
+        progress()
+    return spec_flops(q_pos, k_pos, causal=causal, batch=bsz, heads=h, d=d)
