@@ -70,6 +70,11 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 ReturnToService=2
+# job ids unique across runs of this private cluster: MPICH names its node-local shared
+# memory after the PMI job id (/dev/shm/mpich_shm_<hash>_N); a cancelled job's segment
+# stays, and a later run's job with the same id and step would attach to it and fail in
+# MPI_Init (UCX: "failed to unpack address, invalid bandwidth 0.00")
+FirstJobId=$((1000 + $(date +%s) % 60000000))
 KillWait=5
 MinJobAge=600
 InactiveLimit=0

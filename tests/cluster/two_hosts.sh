@@ -161,7 +161,8 @@ for per_host in 1 2; do
     timeout -k 5 400 $(mpi_cmd "$per_host" "$np") "$PY" -m mpi4py -m pytest -q \
         -p no:cacheprovider --with-mpi -m mpi tests/test_ring_mpi.py >"$work/ring$np.log" 2>&1 ||
         rc=$?
-    summary=$(grep -E '^[0-9]+ passed|failed|error' "$work/ring$np.log" | head -n 1 || true)
+    summary=$(grep -E '^[0-9]+ passed|failed|error' "$work/ring$np.log" | head -n 1 |
+        sed 's/ *\[ *[0-9]*%\]$//' || true)
     if [[ $rc -eq 0 && "$summary" == *passed* && "$summary" != *failed* ]]; then
         record "ring P=$np" PASS "tests/test_ring_mpi.py, $per_host rank(s) per host: $summary"
     else
