@@ -35,7 +35,7 @@ venv install: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ringmpi tests data jobs
 	$(VENV)/bin/ruff format --check ringmpi tests data jobs
-	$(VENV)/bin/shellcheck jobs/*.sh jobs/slurm.sbatch .ci/run
+	$(VENV)/bin/shellcheck -x jobs/*.sh jobs/slurm.sbatch .ci/run tests/cluster/*.sh
 
 test-serial: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests
