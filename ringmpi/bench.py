@@ -6,7 +6,9 @@ ringmpi.bench --worker`` (one thread per rank) unless it already runs under an
 MPI launcher, in which case it measures that world size only. It prints a table
 and writes JSON (and a PNG plot when matplotlib is importable) with:
 
-* GFLOP/s per rank, counting the model's flops 4 N^2 H D / P (half for causal);
+* forward and backward rows (``--passes``): GFLOP/s per rank, counting the model's
+  flops 4 N^2 H D / P forward and 10 N^2 H D / P backward (half for causal);
+* the ISA path of the CPU kernel in use (avx512, avx2, scalar: ``RINGMPI_CPU_ISA``);
 * the fraction of the float32 matrix-product rate measured on every rank in the
   same worker, on the same cores, at the same time;
 * strong-scaling efficiency T1 / (P T_P) against the P = 1 run;
@@ -48,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4, help="query heads H (default 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
+                   help="forward and/or backward rows (default both)")  # fmt: skip
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts P")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--layout", default="zigzag")
@@ -64,13 +68,33 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cases(args) -> list[dict]:
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    passes = [x for x in ("fwd", "bwd") if x in args.passes]
     return [
-        dict(n=n, d=d, causal=c) for n in sorted(args.n) for d in sorted(args.d) for c in causal
+        dict(n=n, d=d, causal=c, pass_=ps)
+        for ps in passes
+        for n in sorted(args.n)
+        for d in sorted(args.d)
+        for c in causal
     ]
 
 
-def _model_flops(n: int, h: int, d: int, causal: bool) -> float:
-    return 4.0 * n * n * h * d / (2 if causal else 1)
+def _model_flops(n: int, h: int, d: int, causal: bool, pass_: str = "fwd") -> float:
+    per = 4.0 if pass_ == "fwd" else 10.0  # two matrix products forward, five backward
+    return per * n * n * h * d / (2 if causal else 1)
+
+
+def _isa() -> str:
+    """The CPU kernel and its ISA path, e.g. 'fused avx2' (or 'numpy')."""
+    import numpy as np
+
+    from .backend import select
+
+    name = select(np.empty(0, np.float32)).name
+    if name != "fused":
+        return name
+    from .cpu import fused
+
+    return f"fused {fused.isa()}"
 
 
 class _RssPeak:
@@ -120,7 +144,7 @@ def _worker(args) -> int:
     import numpy as np
     from mpi4py import MPI
 
-    from . import ring_attention
+    from . import ring_attention, ring_attention_backward
     from .partition import counts
 
     comm = MPI.COMM_WORLD
@@ -137,7 +161,7 @@ def _worker(args) -> int:
     ring_attention(x, xk, xk, comm, causal=True, layout=args.layout)
     results = []
     for case in _cases(args):
-        n, d, causal = case["n"], case["d"], case["causal"]
+        n, d, causal, pass_ = case["n"], case["d"], case["causal"], case["pass_"]
         gc.collect()
         best, best_stats, peak, tpeak = 1e30, {}, 0, 0
         for _ in range(args.repeat):
@@ -151,9 +175,16 @@ def _worker(args) -> int:
                 k = rng.standard_normal((s, hkv, d), dtype=np.float64).astype(dt)
                 v = rng.standard_normal((s, hkv, d), dtype=np.float64).astype(dt)
                 st: dict = {}
+                kw = dict(causal=causal, layout=args.layout)
+                if pass_ == "bwd":
+                    out, lse = ring_attention(q, k, v, comm, return_lse=True, **kw)
+                    dout = rng.standard_normal(out.shape).astype(dt)
                 comm.Barrier()
                 t0 = time.perf_counter()
-                out = ring_attention(q, k, v, comm, causal=causal, layout=args.layout, stats=st)
+                if pass_ == "fwd":
+                    out = ring_attention(q, k, v, comm, stats=st, **kw)
+                else:
+                    ring_attention_backward(dout, q, k, v, out, lse, comm, stats=st, **kw)
                 t1 = time.perf_counter() - t0
                 del q, k, v, out
             traced = tracemalloc.get_traced_memory()[1]
@@ -167,7 +198,7 @@ def _worker(args) -> int:
         tpeaks = comm.gather(tpeak, root=0)
         stats_all = comm.gather(best_stats, root=0)
         if rank == 0:
-            flops = _model_flops(n, h, d, causal)
+            flops = _model_flops(n, h, d, causal, pass_)
             results.append(
                 dict(
                     case,
@@ -184,7 +215,7 @@ def _worker(args) -> int:
                 )
             )
     if rank == 0:
-        doc = dict(p=size, matmul_gflops_per_rank=float(np.median(mm)), runs=results)
+        doc = dict(p=size, matmul_gflops_per_rank=float(np.median(mm)), runs=results, isa=_isa())
         text = json.dumps(doc, indent=1)
         if args.worker_json:
             Path(args.worker_json).write_text(text)
@@ -205,16 +236,24 @@ def _torch_sdpa(cases, args, threads: int) -> list[dict]:
     try:
         for c in cases:
             h = args.heads
-            q = torch.randn(1, h, c["n"], c["d"], dtype=dt)
-            k = torch.randn(1, h, c["n"], c["d"], dtype=dt)
-            v = torch.randn(1, h, c["n"], c["d"], dtype=dt)
+            bwd = c["pass_"] == "bwd"
+            q, k, v = (
+                torch.randn(1, h, c["n"], c["d"], dtype=dt, requires_grad=bwd) for _ in range(3)
+            )
             f = torch.nn.functional.scaled_dot_product_attention
             best = 1e30
             for _ in range(args.repeat):
-                t = time.perf_counter()
-                f(q, k, v, is_causal=c["causal"])
+                if bwd:  # autograd through SDPA: time the backward call only
+                    out = f(q, k, v, is_causal=c["causal"])
+                    g = torch.randn_like(out)
+                    t = time.perf_counter()
+                    out.backward(g)
+                else:
+                    t = time.perf_counter()
+                    f(q, k, v, is_causal=c["causal"])
                 best = min(best, time.perf_counter() - t)
-            rate = _model_flops(c["n"], h, c["d"], c["causal"]) / best / 1e9
+                q.grad = k.grad = v.grad = None
+            rate = _model_flops(c["n"], h, c["d"], c["causal"], c["pass_"]) / best / 1e9
             out.append(dict(c, threads=threads, time_s=best, gflops_per_thread=rate / threads))
     finally:
         torch.set_num_threads(old)
@@ -243,7 +282,7 @@ def _launch(args, p: int, argv: list[str]) -> dict:
 def _summarize(doc: dict) -> None:
     """Add fractions of matmul, scaling efficiency and torch ratios; print the table."""
     mm = {w["p"]: w["matmul_gflops_per_rank"] for w in doc["workers"]}
-    key = lambda r: (r["n"], r["d"], r["causal"])  # noqa: E731
+    key = lambda r: (r["n"], r["d"], r["causal"], r["pass_"])  # noqa: E731
     t1 = {key(r): r["time_s"] for r in doc["runs"] if r["p"] == 1}
     torch = {(key(t), t["threads"]): t["gflops_per_thread"] for t in doc["torch"]}
     for r in doc["runs"]:
@@ -253,15 +292,17 @@ def _summarize(doc: dict) -> None:
         r["torch_gflops_per_thread"] = tv
         r["vs_torch"] = r["gflops_per_rank"] / tv if tv else None
     hdr = (
-        f"{'P':>2} {'N':>6} {'D':>4} {'causal':>6} {'time s':>8} {'GF/s/rank':>9} "
+        f"{'pass':>4} {'P':>2} {'N':>6} {'D':>4} {'causal':>6} {'time s':>8} {'GF/s/rank':>9} "
         f"{'xmatmul':>7} {'eff':>5} {'torch':>7} {'xtorch':>6} {'wait s':>7} {'MiB/rank':>8}"
     )
-    print(f"float32 matmul GFLOP/s per rank: {mm}   backend: {doc['runs'][0].get('backend')}")
+    isa = doc["workers"][0].get("isa") if doc["workers"] else None
+    print(f"float32 matmul GFLOP/s per rank: {mm}   CPU kernel: {isa}")
     print(hdr)
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in doc["runs"]:
         print(
-            f"{r['p']:>2} {r['n']:>6} {r['d']:>4} {str(r['causal']):>6} {r['time_s']:>8.3f} "
+            f"{r['pass_']:>4} {r['p']:>2} {r['n']:>6} {r['d']:>4} {str(r['causal']):>6} "
+            f"{r['time_s']:>8.3f} "
             f"{r['gflops_per_rank']:>9.1f} {r['frac_matmul']:>7.2f} "
             f"{fmt(r['scaling_eff'], '>5.2f')} {fmt(r['torch_gflops_per_thread'], '>7.1f')} "
             f"{fmt(r['vs_torch'], '>6.2f')} {r['wait_s']:>7.3f} {r['peak_mem_mib_per_rank']:>8.1f}"
@@ -276,21 +317,23 @@ def _plot(doc: dict, path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    runs = [r for r in doc["runs"] if r.get("pass_", "fwd") == "fwd"]  # the forward rows
+    trs = [t for t in doc["torch"] if t.get("pass_", "fwd") == "fwd"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = sorted({(r["n"], r["d"], r["causal"]) for r in doc["runs"]})
-    ps = sorted({r["p"] for r in doc["runs"]})
+    labels = sorted({(r["n"], r["d"], r["causal"]) for r in runs})
+    ps = sorted({r["p"] for r in runs})
     width = 0.8 / (len(ps) + 1)
     for i, p in enumerate(ps):
-        vals = {(r["n"], r["d"], r["causal"]): r["gflops_per_rank"] for r in doc["runs"]}
+        vals = {(r["n"], r["d"], r["causal"]): r["gflops_per_rank"] for r in runs}
         vals = {k: v for k, v in vals.items()}
         ys = [
-            next((r["gflops_per_rank"] for r in doc["runs"] if r["p"] == p and
+            next((r["gflops_per_rank"] for r in runs if r["p"] == p and
                   (r["n"], r["d"], r["causal"]) == lab), 0.0)
             for lab in labels
         ]  # fmt: skip
         ax.bar([j + i * width for j in range(len(labels))], ys, width, label=f"ringmpi P={p}")
     ty = [
-        next((t["gflops_per_thread"] for t in doc["torch"] if t["threads"] == 1 and
+        next((t["gflops_per_thread"] for t in trs if t["threads"] == 1 and
               (t["n"], t["d"], t["causal"]) == lab), 0.0)
         for lab in labels
     ]  # fmt: skip

@@ -263,6 +263,19 @@ def _cmd_make_data(args) -> int:
     return 0
 
 
+def _cpu_kernel() -> str:
+    """The CPU tile in use and its ISA path, e.g. 'fused, avx2 (host runs avx512, avx2, scalar)'."""
+    try:
+        from .cpu import build, fused
+
+        host = ", ".join(build.host_isas())
+        if fused.available():
+            return f"fused, {fused.isa()} (host runs {host}; RINGMPI_CPU_ISA picks one)"
+        return f"numpy (fused unavailable: {fused.unavailable_reason()})"
+    except Exception as e:  # noqa: BLE001 - e.g. a bad RINGMPI_CPU_ISA: report it, do not fail
+        return f"numpy ({type(e).__name__}: {e})"
+
+
 def _cmd_info() -> int:
     import h5py
     import numpy as np
@@ -315,6 +328,7 @@ def _cmd_info() -> int:
             lines.append(f"cuda-aware MPI: {gpu.cuda_aware()}")
         except Exception as e:  # noqa: BLE001 - a broken driver must not break `info`
             lines.append(f"gpu       unavailable ({type(e).__name__}: {e}) (CPU will be used)")
+    lines.append(f"cpu tile  {_cpu_kernel()}")
     lines.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}")
     if rank == 0:
         print("\n".join(lines))

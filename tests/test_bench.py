@@ -22,9 +22,11 @@ def test_bench_smoke(tmp_path, capsys):
     for w in doc["workers"]:
         assert 0.1 < w["matmul_gflops_per_rank"] < 1e5
     runs = doc["runs"]
-    assert len(runs) == 2 * 2 * 1 * 2  # P x N x D x causal
+    assert len(runs) == 2 * 2 * 2 * 1 * 2  # pass x P x N x D x causal
+    assert sorted({r["pass_"] for r in runs}) == ["bwd", "fwd"]
+    assert all(w["isa"] for w in doc["workers"])
     fields = {
-        "p", "n", "d", "causal", "time_s", "gflops_per_rank", "frac_matmul", "scaling_eff",
+        "p", "n", "d", "causal", "pass_", "time_s", "gflops_per_rank", "frac_matmul", "scaling_eff",
         "peak_mem_mib_per_rank", "rss_growth_mib_per_rank", "compute_s", "wait_s", "vs_torch",
     }  # fmt: skip
     for r in runs:
@@ -32,7 +34,8 @@ def test_bench_smoke(tmp_path, capsys):
         assert r["time_s"] > 0 and math.isfinite(r["time_s"])
         assert 0 < r["gflops_per_rank"] < 1e5
         # the rate agrees with the model flop count and the time
-        flops = 4 * r["n"] ** 2 * 2 * r["d"] / (2 if r["causal"] else 1)
+        per = 4 if r["pass_"] == "fwd" else 10
+        flops = per * r["n"] ** 2 * 2 * r["d"] / (2 if r["causal"] else 1)
         assert r["gflops_per_rank"] == pytest.approx(flops / r["p"] / r["time_s"] / 1e9)
         assert 0 < r["frac_matmul"] < 10
         assert 0 < r["peak_mem_mib_per_rank"] < 1024
@@ -42,4 +45,4 @@ def test_bench_smoke(tmp_path, capsys):
         else:
             assert 0 < r["scaling_eff"] < 10
     table = capsys.readouterr().out
-    assert "GF/s/rank" in table and str(out) in table
+    assert "GF/s/rank" in table and str(out) in table and "CPU kernel:" in table
