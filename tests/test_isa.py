@@ -231,8 +231,9 @@ def test_ranks_of_a_node_compile_once(monkeypatch):
     """All ranks build the same library at once (under mpiexec): exactly one compile."""
     import tempfile
 
-    from helpers import assert_all
     from mpi4py import MPI
+
+    from ringmpi.testing import assert_all
 
     comm = MPI.COMM_WORLD
     tmp = comm.bcast(tempfile.mkdtemp(prefix="ringmpi-isa-") if comm.rank == 0 else None)

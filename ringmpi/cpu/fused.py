@@ -394,28 +394,11 @@ def forward_tile(
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (fused C kernel).
 
-    Same contract as :func:`ringmpi.cpu.numpy_tile.forward_tile`; falls back to it for
-    dtypes other than float32/float64 or when the kernel is unavailable.
-
-    Parameters
-    ----------
-    q : (B, H, Sq, D) ; k, v : (B, Hkv, Sk, D) ; q_pos : (Sq,) ; k_pos : (Sk,)
-    acc : (B, H, Sq, D) ; m, l : (B, H, Sq)
-        State in the dtype of q, C-contiguous, updated in place.
-    scale : float
-    causal : bool
-    progress : callable, optional
-        Called from inside the kernel after every ``CHUNK_Q`` query rows of all heads
-        (``CHUNK_Q * B * H`` rows of single heads), and once at the end.
-    bounds : (lo, hi), optional
-        Visible key range per query (windows, packed sequences, cross-attention):
-        the numpy tile computes these for now.
-
-    Returns
-    -------
-    int
-        Flops of the two matrix products over the blocks the kernel computed
-        (4 * nq * nk * D per block and head; skipped blocks count 0).
+    The tile contract of :mod:`ringmpi.tile`; the numpy tile runs instead for dtypes
+    other than float32/float64, when the kernel is unavailable, and for ``bounds``
+    (windows, packed sequences, cross-attention). ``progress`` is called from inside
+    the kernel every ``CHUNK_Q`` query rows of all heads, and once at the end.
+    Returns the flops of the blocks the kernel computed (4 nq nk D per block and head).
     """
     kern = _default_kernel()
     if kern is None or bounds is not None:
