@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -21,7 +20,7 @@ from mpi4py import MPI
 from ringmpi import interrupt, reference, ring, ring_attention, shard
 from ringmpi.testing import assert_all
 
-LONG = (6144, 8, 64)  # S, H, D: a few seconds of kernel time on one core
+LONG = (6144, 8, 64)  # S, H, D: tenths of a second of kernel time, many progress ticks
 
 
 def _qkv(s, h, d, seed=0):
@@ -29,25 +28,26 @@ def _qkv(s, h, d, seed=0):
     return [rng.standard_normal((s, h, d)).astype("f4") for _ in range(3)]
 
 
-def _interrupt_after(seconds: float, sig=signal.SIGINT) -> threading.Timer:
-    t = threading.Timer(seconds, os.kill, (os.getpid(), sig))
-    t.start()
-    return t
-
-
 def _interrupted_call(comm, capfd=None):
-    """Run a long ring_attention, SIGINT after 0.4 s; return seconds from signal to raise."""
+    """Run a long ring_attention; SIGINT at its first progress tick; seconds from signal to raise.
+
+    The signal is sent from inside the kernel's progress callback (``on_tick``), so it
+    always lands while a tile runs, however fast this machine computes the call.
+    """
     s, h, d = LONG
     q, k, v = (shard(x, comm) for x in _qkv(s, h, d))
+    sent = []
+
+    def tick(step):
+        if not sent:
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGINT)
+
     comm.Barrier()
-    t0 = time.perf_counter()
-    timer = _interrupt_after(0.4)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            ring_attention(q, k, v, comm)
-        return time.perf_counter() - t0 - 0.4
-    finally:
-        timer.cancel()
+    with pytest.raises(KeyboardInterrupt):
+        ring_attention(q, k, v, comm, on_tick=tick)
+    assert sent, "the kernel never reported progress"
+    return time.perf_counter() - sent[0]
 
 
 def _check_next_call_right(comm):
