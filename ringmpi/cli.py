@@ -293,7 +293,7 @@ def _cmd_info() -> int:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-        lib = MPI.Get_library_version().strip().splitlines()[0]
+        lib = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
         levels = {
             MPI.THREAD_SINGLE: "single",
             MPI.THREAD_FUNNELED: "funneled",

@@ -196,6 +196,8 @@ def test_no_compiler_warns_once_and_uses_the_numpy_tile(tmp_path):
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("CC", "RINGMPI_CPU_ISA")}
     env.update(PATH=str(empty), RINGMPI_CACHE_DIR=str(tmp_path / "cache"))
+    # an Open MPI singleton starts its daemon from PATH: keep it off PATH's job here
+    env.update(OMPI_MCA_ess_singleton_isolated="1")
     code = """
 import numpy as np
 from ringmpi.cpu import fused

@@ -55,7 +55,8 @@ def provenance(plan, layout: str, causal: bool, scale, size: int, dev: str) -> d
         import mpi4py
         from mpi4py import MPI
 
-        mpi = MPI.Get_library_version().strip().splitlines()[0].strip()
+        # Open MPI pads its version string with NULs, which HDF5 string attributes refuse
+        mpi = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
         mpi4py_version = mpi4py.__version__
     except ImportError:  # pragma: no cover - the job always has mpi4py
         mpi, mpi4py_version = "none", "none"
