@@ -244,10 +244,10 @@ def _torch_sdpa(cases, args, threads: int) -> list[dict]:
             best = 1e30
             for _ in range(args.repeat):
                 if bwd:  # autograd through SDPA: time the backward call only
-                    out = f(q, k, v, is_causal=c["causal"])
-                    g = torch.randn_like(out)
+                    y = f(q, k, v, is_causal=c["causal"])
+                    g = torch.randn_like(y)
                     t = time.perf_counter()
-                    out.backward(g)
+                    y.backward(g)
                 else:
                     t = time.perf_counter()
                     f(q, k, v, is_causal=c["causal"])
