@@ -58,7 +58,7 @@ test-site:
 
 run: $(VENV)/.installed
 	$(PY) -m ringmpi make-data data/sample/sample.h5 --sequences 3
-	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m ringmpi run data/sample/sample.h5 -o data/sample/out.h5 --causal --verify
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m ringmpi run data/sample/sample.h5 -o data/sample/out.h5 --causal --verify --overwrite
 
 bench: $(VENV)/.installed
 	$(PY) -m ringmpi bench
