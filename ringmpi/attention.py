@@ -109,13 +109,12 @@ def ring_attention(
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
     if head_parallel != 1:
-        if window is not None or cu_seqlens is not None or cu_seqlens_k is not None:
-            raise ValueError("ring_attention: head_parallel with masks beyond causal: not yet")
         from .hybrid import ring_attention_hp
 
         return ring_attention_hp(
             q, k, v, comm, head_parallel, layout=layout, causal=causal, scale=scale,
             return_lse=return_lse, check_finite=check_finite, stats=stats, on_step=on_step,
+            window=window, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
         )  # fmt: skip
     be, args, qi, ki, vi = prepare(
         q, k, v, comm, causal=causal, layout=layout, scale=scale,

@@ -123,13 +123,12 @@ def ring_attention_backward(
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
     if head_parallel != 1:
-        if window is not None or cu_seqlens is not None or cu_seqlens_k is not None:
-            raise ValueError("ring_attention_backward: head_parallel with masks: not yet")
         from .hybrid import ring_attention_backward_hp
 
         return ring_attention_backward_hp(
             dout, q, k, v, out, lse, comm, head_parallel, layout=layout, causal=causal,
             scale=scale, check_finite=check_finite, stats=stats,
+            window=window, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
         )  # fmt: skip
     # q, k, v and the options: one allgather, identical errors everywhere
     be, args, qi, ki, vi = prepare(

@@ -104,3 +104,62 @@ def test_grid_rings_run_independent_sequences(comm, rng):
 def test_grid_bad_ring_size(comm):
     raises_everywhere(comm, lambda: ringmpi.grid(comm, ring_size=comm.size + 1), "ring_size")
     raises_everywhere(comm, lambda: ringmpi.grid(comm, ring_size=0), "ring_size")
+
+
+_LENGTHS = (3, 257, 1, 139, 113)
+_CU = np.concatenate(([0], np.cumsum(_LENGTHS)))
+# (name, nq, nk, causal, mask keywords): masks pass through the all-to-all unchanged
+_MASKS = [
+    ("window 37,20", 300, 300, False, dict(window=(37, 20))),
+    ("packed + window causal", int(_CU[-1]), int(_CU[-1]), True, dict(window=(50, 0), cu_seqlens=_CU)),  # noqa: E501
+    ("cross 300x500 causal", 300, 500, True, {}),
+    ("cross packed", int(_CU[-1]), int(_CU[-1]) + 5 * 9, False,
+     dict(cu_seqlens=_CU, cu_seqlens_k=_CU + 9 * np.arange(len(_CU)))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_head_parallel_with_masks(comm, layout):
+    """Windows, packed sequences and cross-attention with heads x ring, forward and backward."""
+    us = [x for x in (2, 3) if comm.size % x == 0]
+    if not us:
+        pytest.skip(f"no head_parallel degree in (2, 3) divides P={comm.size}")
+    for i, (name, nq, nk, causal, mask) in enumerate(_MASKS):
+        u = us[i % len(us)]
+        rng = np.random.default_rng(40 + i)
+        h, hkv, d = 6, 2 if u == 2 else 3, 16
+        q, dout = (rng.standard_normal((nq, h, d)) for _ in range(2))
+        k, v = (rng.standard_normal((nk, hkv, d)) for _ in range(2))
+        cu_q, cu_k = mask.get("cu_seqlens"), mask.get("cu_seqlens_k", mask.get("cu_seqlens"))
+        kw = dict(layout=layout, head_parallel=u)
+        ql, dl = (ringmpi.shard(x, comm, cu_seqlens=cu_q, **kw) for x in (q, dout))
+        kl, vl = (ringmpi.shard(x, comm, cu_seqlens=cu_k, **kw) for x in (k, v))
+        out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=causal, return_lse=True,
+                                          **kw, **mask)  # fmt: skip
+        grads = ringmpi.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
+                                                **kw, **mask)  # fmt: skip
+        tag = f"{name} U={u} {layout}"
+        ref, ref_lse = attention(q, k, v, causal, **mask)
+        assert_close(comm, ringmpi.gather(out, nq, comm, cu_seqlens=cu_q, **kw), ref, None,
+                     f"{tag} out")  # fmt: skip
+        full_lse = ringmpi.gather(lse, nq, comm, axis=-1, cu_seqlens=cu_q, **kw)
+        assert_close(comm, full_lse, ref_lse, None, f"{tag} lse")
+        want = attention_backward(dout, q, k, v, causal, **mask)
+        for g, w, nm, n, cu in zip(grads, want, "qkv", (nq, nk, nk), (cu_q, cu_k, cu_k)):
+            got = ringmpi.gather(g, n, comm, cu_seqlens=cu, **kw)
+            assert_close(comm, got, w, None, f"{tag} d{nm}")
+
+
+def test_head_parallel_masks_disagree(comm, rng):
+    """cu_seqlens that differ between ranks: one clear error everywhere, no hang."""
+    if comm.size % 2:
+        pytest.skip("needs an even P")
+    n = 40 * comm.size
+    q, k, v = random_qkv(rng, n, 4, 2, 8)
+    cu = np.array([0, 10 + (comm.rank == comm.size - 1), n])
+    loc = [ringmpi.shard(x, comm, head_parallel=2) for x in (q, k, v)]
+    raises_everywhere(
+        comm,
+        lambda: ringmpi.ring_attention(*loc, comm, head_parallel=2, cu_seqlens=cu),
+        "cu_seqlens",
+    )
