@@ -95,6 +95,8 @@ def orphans() -> list:
 
 def one(args, tmp: str, k: int) -> tuple:
     env = {"RINGMPI_TEST_FAULT": f"{args.rank}:{args.step}"}
+    if args.watchdog:
+        env["RINGMPI_WATCHDOG_S"] = str(args.watchdog)
     if args.mode == "call":
         cmd = [F.CHECKS, "call"]
     else:
@@ -124,6 +126,7 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=1)
     ap.add_argument("--step", type=int, default=1)
     ap.add_argument("--limit", type=float, default=30.0)
+    ap.add_argument("--watchdog", type=float, default=0, help="RINGMPI_WATCHDOG_S for the job")
     ap.add_argument("--mode", choices=("call", "cli"), default="call")
     args = ap.parse_args()
     hangs = bad = orphaned = 0
