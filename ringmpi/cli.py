@@ -152,6 +152,7 @@ def _cmd_run(args, comm) -> int:
         prefetch=not args.no_prefetch,
         overwrite=args.overwrite,
         compress=args.compress,
+        output_mode=args.output_mode,
         ring_size=args.ring_size if args.ring_size in (None, "auto") else _int(args.ring_size),
     )
     rc = 0

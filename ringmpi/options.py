@@ -25,7 +25,8 @@ SAMPLE_ROWS = 2048  # = ringmpi.job.verify.SAMPLE_ROWS
 SCHEMA = """input schema (full contract: data/README.md):
   q (S, H, D), k and v (S, Hkv, D), H % Hkv == 0, float16/32/64, token-major (not (H, S, D));
   several sequences: a batch axis q (B, S, H, D), or one group per sequence; or x + --weights
-output: out (S, H, D) and lse (H, S) per sequence, virtual datasets over OUTPUT.parts/
+output: out (S, H, D) and lse (H, S) per sequence: virtual datasets over OUTPUT.parts/, or
+  one file written by all ranks where h5py has MPI (--output-mode)
 """
 
 RUN_EXAMPLES = """examples:
@@ -136,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--compress",
         choices=("gzip", "lzf"),
         help="compress the part files (chunked, shuffle filter); default: none",
+    )
+    r.add_argument(
+        "--output-mode",
+        choices=("auto", "parts", "single"),
+        default="auto",
+        help="parts: per-rank part files + a virtual-dataset OUTPUT; single: one OUTPUT "
+        "written collectively by all ranks (parallel HDF5: h5py built with MPI, one ring); "
+        "auto: single where h5py has MPI, else parts (default: auto)",
     )
     r.add_argument(
         "--ring-size",

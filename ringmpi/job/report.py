@@ -177,4 +177,6 @@ def format_summary(s: dict) -> str:
         f"  {name} reads its data from {name}.parts/: keep the two together, or write one "
         f"self-contained file with 'ringmpi pack {name} -o FILE'"
     )
+    if s.get("output_mode") == "single":
+        keep = f"  {name}: one self-contained file written by all ranks (parallel HDF5)"
     return head + "\n" + body + "\n" + keep

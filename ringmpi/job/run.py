@@ -37,6 +37,7 @@ from ..collective import run_everywhere, run_on_root
 from ..grid import grid
 from ..partition import counts
 from .budget import check_memory, memory_budget
+from .mpio import make_store, resolve_mode
 from .progress import Progress
 from .reader import Reader
 from .report import (
@@ -49,7 +50,7 @@ from .report import (
     utc,
 )
 from .schema import InputError, make_plan
-from .store import OutputStore, fingerprint
+from .store import fingerprint
 
 __all__ = ["run", "format_summary", "pick_device", "gpu_probe", "provenance", "choose_ring_size"]
 
@@ -189,6 +190,7 @@ def run(
     overwrite: bool = False,
     compress: Optional[str] = None,
     ring_size=None,
+    output_mode: str = "auto",
 ) -> dict:
     """Run exact attention over every sequence of ``inputs`` and write ``output`` (collective).
 
@@ -196,6 +198,10 @@ def run(
     (:func:`ringmpi.grid`); the sequences are dealt round-robin over the rings,
     each ring reads, computes and writes its own; output, resume markers,
     progress and summary stay one job.
+
+    ``output_mode``: ``"parts"`` (per-rank part files + a virtual-dataset file),
+    ``"single"`` (one file written collectively, :mod:`ringmpi.job.mpio`; needs
+    h5py with MPI and one ring) or ``"auto"`` (single where possible, else parts).
 
     Returns the summary dict (identical on every rank); raises InputError (the
     same on every rank) for bad input, output or memory budget, and
@@ -227,11 +233,12 @@ def run(
     nrings = size // rs
     ring_rank = 0 if ring is None else ring.Get_rank()
     try:
+        mode = resolve_mode(output_mode, comm, nrings)  # before anything is written
         meta = run_on_root(comm, fingerprint, plan, layout, causal, scale, size, rs)
         attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev)
         attrs["ring_size"] = rs
-        store = OutputStore(output, comm, plan, meta, attrs=attrs, overwrite=overwrite,
-                            compress=compress, ring=ring)  # fmt: skip
+        store = make_store(mode, output, comm, plan, meta, attrs=attrs, overwrite=overwrite,
+                           compress=compress, ring=ring)  # fmt: skip
         done = store.open(resume)
         todo_all = [i for i in range(len(plan.sequences)) if i not in done]
         # rings take the sequences in turn; the last may get fewer
@@ -378,6 +385,7 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
         "read_mb_per_rank": float(mine[7] / size / 1e6),
         "output": os.path.abspath(output),
         "parts": os.path.abspath(output) + ".parts",
+        "output_mode": getattr(store, "mode", "parts"),
         "started_utc": started_utc,
         "finished_utc": utc(),
         "hosts": hosts,

@@ -47,7 +47,8 @@ __all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims
 
 FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 COMPRESSION = ("gzip", "lzf")
-_OURS = re.compile(r"^(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json)(\.tmp)?$")
+# single.h5.tmp: the one-file output being written (ringmpi.job.mpio)
+_OURS = re.compile(r"^(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json|single\.h5)(\.tmp)?$")
 
 
 def part_name(seq_index: int, rank: int) -> str:
