@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["apply_rope", "rope_angles"]
+__all__ = ["apply_rope", "rope_angles", "positions_in_sequence"]
 
 
 def rope_angles(positions, head_dim: int, theta: float = 10000.0, scale: float = 1.0):
@@ -81,3 +81,26 @@ def apply_rope(x, positions, theta: float = 10000.0, scale: float = 1.0):
     x1, x2 = x64[..., : d // 2], x64[..., d // 2 :]
     out = np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
     return out.astype(x.dtype if x.dtype.kind == "f" else np.float64, copy=False)
+
+
+def positions_in_sequence(positions, cu_seqlens=None) -> np.ndarray:
+    """Position of each global token within its packed sequence: p - cu_seqlens[s].
+
+    Parameters
+    ----------
+    positions : int array (S,)
+        Global token positions.
+    cu_seqlens : int array (n+1,), optional
+        Offsets [0, n1, ..., N] of packed sequences; None: one sequence (positions as given).
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 (S,).
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    if cu_seqlens is None:
+        return pos
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    s = np.searchsorted(cu, pos, side="right") - 1
+    return pos - cu[s]
