@@ -21,7 +21,7 @@ from .schema import Plan, SeqInfo, fail, open_input
 
 __all__ = ["Reader", "local_runs", "UNION_RUNS"]
 
-UNION_RUNS = 4096  # hyperslabs OR-ed into one selection (HDF5 builds unions in O(runs))
+UNION_RUNS = 64  # unit-stride hyperslabs OR-ed into one selection (measured best: 16-256)
 
 
 def local_runs(pos: np.ndarray) -> list:
@@ -135,10 +135,15 @@ class Reader:
                 self._read_slice(ds, seq.batch, s0, hi - lo, step, dest[o + lo : o + hi], i, name)
 
     def _read_union(self, seq, name, pos, dest, offsets, lengths) -> None:
-        """Packed sequences: per file, the rows ``pos`` as one union of hyperslabs per read.
+        """Packed sequences: per file, the rows ``pos`` as unions of unit-stride hyperslabs.
 
         ``pos`` is increasing (the layout keeps each rank's positions in order), so
-        HDF5 returns the union's rows in the order of ``dest``.
+        HDF5 returns a union's rows in the order of ``dest``. Up to ``UNION_RUNS``
+        unit-stride runs go into one selection; a strided run (striped layout) is
+        read on its own, since HDF5 builds unions of strided hyperslabs element
+        by element (measured: 1M tokens in 10k packed sequences, 4 ranks, striped:
+        12.8 s with unions of 256 runs, 0.4 s per run; zigzag: 1.7 s with unions
+        of 256 runs vs 2.5 s per run through read_direct).
         """
         from h5py import h5s
 
@@ -148,23 +153,32 @@ class Reader:
             if a >= b:
                 continue
             ds = self._file(i)[path]
-            rest = ds.shape[1:]
+            rest = tuple(ds.shape[1:])
+            ones, zeros = (1,) * len(rest), (0,) * len(rest)
             runs_ = local_runs(pos[a:b] - f0)
+            groups, cur = [], []
+            for r in runs_:
+                if r[2] > 1 and r[1] > 1:  # strided: alone
+                    groups += [cur, [r]] if cur else [[r]]
+                    cur = []
+                else:
+                    cur.append(r)
+                    if len(cur) == UNION_RUNS:
+                        groups.append(cur)
+                        cur = []
+            if cur:
+                groups.append(cur)
             try:
-                for c in range(0, len(runs_), UNION_RUNS):
-                    part = runs_[c : c + UNION_RUNS]
-                    lo = a + part[0][3]
-                    hi = a + part[-1][3] + part[-1][1]
-                    fspace = ds.id.get_space()
+                fspace = ds.id.get_space()
+                for part in groups:
                     fspace.select_none()
                     for s0, cnt, step, _ in part:
-                        fspace.select_hyperslab(
-                            (s0,) + (0,) * len(rest), (cnt,) + (1,) * len(rest),
-                            stride=(step,) + (1,) * len(rest), block=(1,) + rest, op=h5s.SELECT_OR,
-                        )  # fmt: skip
-                    out = dest[lo:hi]
-                    mspace = h5s.create_simple(out.shape)
-                    ds.id.read(mspace, fspace, out)
+                        st = step if cnt > 1 else 1
+                        fspace.select_hyperslab((s0,) + zeros, (cnt,) + ones, (st,) + ones,
+                                                (1,) + rest, op=h5s.SELECT_OR)  # fmt: skip
+                    lo = a + part[0][3]
+                    out = dest[lo : a + part[-1][3] + part[-1][1]]
+                    ds.id.read(h5s.create_simple(out.shape), fspace, out)
                     self.bytes_read += out.nbytes
             except (OSError, RuntimeError, ValueError, TypeError) as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
