@@ -154,6 +154,10 @@ def _cmd_run(args, comm) -> int:
         compress=args.compress,
         output_mode=args.output_mode,
         ring_size=args.ring_size if args.ring_size in (None, "auto") else _int(args.ring_size),
+        window=args.window,
+        rope=args.rope,
+        rope_theta=args.rope_theta,
+        rope_scale=args.rope_scale,
     )
     rc = 0
     rank = comm.Get_rank()
@@ -243,25 +247,35 @@ def _cmd_make_data(args) -> int:
     if comm is None or comm.Get_rank() == 0:
         d = os.path.dirname(os.path.abspath(args.output))
         os.makedirs(d, exist_ok=True)
-        paths = make_data(
-            args.output,
-            seq_len=args.seq_len,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            sequences=args.sequences,
-            batch_axis=args.batch_axis,
-            shards=args.shards,
-            compression=None if args.compression == "none" else args.compression,
-            dtype=args.dtype,
-            features=args.features,
-            weights=args.weights,
-            seed=args.seed,
-        )
-        print("wrote " + " ".join(paths))
+        try:
+            paths = make_data(
+                args.output,
+                seq_len=args.seq_len,
+                heads=args.heads,
+                kv_heads=args.kv_heads,
+                head_dim=args.head_dim,
+                sequences=args.sequences,
+                batch_axis=args.batch_axis,
+                shards=args.shards,
+                compression=None if args.compression == "none" else args.compression,
+                dtype=args.dtype,
+                features=args.features,
+                weights=args.weights,
+                seed=args.seed,
+                packed=args.packed,
+                kv_tokens=args.kv_tokens,
+            )
+        except ValueError as e:
+            sys.stderr.write(f"ringmpi: error: make-data: {e}\n")
+            paths = None
+        if paths:
+            print("wrote " + " ".join(paths))
+    rc = 0
+    if comm is None or comm.Get_rank() == 0:
+        rc = 0 if paths else EXIT_INPUT
     if comm is not None:
-        comm.Barrier()
-    return 0
+        rc = comm.bcast(rc, root=0)
+    return rc
 
 
 def _cpu_kernel() -> str:

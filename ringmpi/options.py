@@ -25,6 +25,7 @@ SAMPLE_ROWS = 2048  # = ringmpi.job.verify.SAMPLE_ROWS
 SCHEMA = """input schema (full contract: data/README.md):
   q (S, H, D), k and v (S, Hkv, D), H % Hkv == 0, float16/32/64, token-major (not (H, S, D));
   several sequences: a batch axis q (B, S, H, D), or one group per sequence; or x + --weights
+  packed sequences: integer cu_seqlens (n+1,) beside q; cross-attention: k/v of another length
 output: out (S, H, D) and lse (H, S) per sequence: virtual datasets over OUTPUT.parts/, or
   one file written by all ranks where h5py has MPI (--output-mode)
 """
@@ -33,6 +34,8 @@ RUN_EXAMPLES = """examples:
   mpiexec -n 4 python -m mpi4py -m ringmpi run data/sample/sample.h5 -o out.h5 --causal --verify
   mpiexec -n 8 ringmpi run 'shards/seq.part*.h5' -o out.h5 --layout striped --summary-json s.json
   mpiexec -n 4 ringmpi run feats.h5 --weights feats-weights.h5 -o out.h5
+  mpiexec -n 4 ringmpi run packed.h5 -o out.h5 --causal --window 128    # sliding window
+  mpiexec -n 4 ringmpi run feats.h5 --weights feats-weights.h5 -o out.h5 --causal --rope
   mpiexec -n 4 ringmpi run in.h5 -o out.h5 --causal --resume     # after Ctrl-C or a crash
   ringmpi pack out.h5 -o result.h5 --compress gzip               # one self-contained file
 
@@ -48,6 +51,8 @@ MAKE_EXAMPLES = """examples:
   ringmpi make-data big.h5 --seq-len 262144 --heads 16 --kv-heads 4 --shards 8
   ringmpi make-data multi.h5 --sequences 4 --batch-axis --compression gzip
   ringmpi make-data feats.h5 --features 256      # also writes feats-weights.h5
+  ringmpi make-data packed.h5 --packed 3,257,1,439,313   # cu_seqlens: 5 packed sequences
+  ringmpi make-data cross.h5 --seq-len 300 --kv-tokens 1000   # q 300 tokens, k/v 1000
 """
 VERIFY_EXAMPLES = """examples:
   ringmpi verify out.h5 data/sample/sample.h5
@@ -60,6 +65,44 @@ INFO_EXAMPLES = """examples:
   ringmpi info
   mpiexec -n 2 python -m mpi4py -m ringmpi info
 """
+
+
+def parse_window(text: str) -> tuple:
+    """``--window L[,R]``: (L, R), or (L, L) for one number; integers >= -1 (-1: unbounded)."""
+    parts = [t.strip() for t in str(text).split(",")]
+    try:
+        vals = [int(t) for t in parts]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or min(vals) < -1:
+        raise argparse.ArgumentTypeError(
+            f"expected LEFT or LEFT,RIGHT, integers >= -1 (-1: unbounded), not {text!r}"
+        )
+    return (vals[0], vals[-1])
+
+
+def parse_packed(text: str):
+    """``--packed``: one integer N (N sequences of seeded random lengths) or a list of lengths."""
+    parts = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        vals = [int(t) for t in parts]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 0 or (len(vals) == 1 and "," not in str(text) and vals[0] < 1):
+        raise argparse.ArgumentTypeError(
+            f"expected a count N >= 1 or comma-separated lengths (e.g. 3,257,1), not {text!r}"
+        )
+    return vals if "," in str(text) else vals[0]
+
+
+def _positive(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
+    return x
 
 
 def _env_rank() -> int:
@@ -123,6 +166,35 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "cpu", "gpu"),
         default="auto",
         help="auto: GPU when CuPy sees one on every rank (default: auto)",
+    )
+    r.add_argument(
+        "--window",
+        type=parse_window,
+        metavar="L[,R]",
+        help="sliding window: query i sees keys i-L..i+R (within its packed sequence, aligned "
+        "bottom-right for cross-attention); -1 unbounded; one number L means L,L; under "
+        "--causal R is 0",
+    )
+    r.add_argument(
+        "--rope",
+        action="store_true",
+        help="rotary position embeddings (rotate-half, as GPT-NeoX/Llama) on the projected q "
+        "and k of features inputs (x + --weights), at each token's global position within "
+        "its packed sequence",
+    )
+    r.add_argument(
+        "--rope-theta",
+        type=_positive,
+        default=10000.0,
+        metavar="T",
+        help="RoPE frequency base (default %(default)s)",
+    )
+    r.add_argument(
+        "--rope-scale",
+        type=_positive,
+        default=1.0,
+        metavar="S",
+        help="RoPE linear position interpolation: positions are divided by S (default 1)",
     )
     r.add_argument("--scale", type=float, default=None, help="score scale (default 1/sqrt(D))")
     r.add_argument("--weights", help="projection weights file for raw-feature inputs 'x'")
@@ -212,6 +284,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
     m.add_argument("--features", type=int, default=0, help="write raw features x (S, F) + weights")
     m.add_argument("--weights", help="weights file name (default STEM-weights.h5)")
+    m.add_argument(
+        "--packed",
+        type=parse_packed,
+        metavar="N|L1,L2,...",
+        help="packed sequences (writes cu_seqlens): N sequences of seeded random lengths "
+        "summing to --seq-len, or the lengths themselves (their sum replaces --seq-len)",
+    )
+    m.add_argument(
+        "--kv-tokens",
+        type=int,
+        metavar="N",
+        help="cross-attention: k and v (or x_kv with --features) get N tokens, q --seq-len; "
+        "with --packed, cu_seqlens_k splits them in proportion to the q lengths",
+    )
     m.add_argument("--seed", type=int, default=0)
 
     v = sub.add_parser(

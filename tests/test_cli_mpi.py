@@ -203,8 +203,9 @@ def _bad_cases(d, data):
             "dtypes differ",
         ),
         "length mismatch": (
-            [write("len.h5", q=good["q"], k=good["k"][:9], v=good["v"][:9])],
-            "length mismatch",
+            # q may be longer than k and v (cross-attention); k and v must agree
+            [write("len.h5", q=good["q"], k=good["k"][:9], v=good["v"])],
+            "but v has shape",
         ),
         "truncated": ([trunc], "truncated"),
         "not hdf5": ([str(txt)], "not an HDF5 file"),

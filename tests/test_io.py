@@ -140,8 +140,9 @@ def _bad_inputs(tmp):
     cases.append(("wrong ndim", [p], None, ["shape.h5", "'q'", "dimensions"]))
     p = _write(tmp / "dt.h5", q=good["q"], k=good["k"].astype("f8"), v=good["v"])
     cases.append(("dtype mismatch", [p], None, ["dt.h5", "dtypes differ"]))
-    p = _write(tmp / "len.h5", q=good["q"], k=good["k"][:-1], v=good["v"][:-1])
-    cases.append(("length mismatch", [p], None, ["len.h5", "length mismatch"]))
+    # q may differ in length from k and v (cross-attention), k and v may not
+    p = _write(tmp / "len.h5", q=good["q"], k=good["k"][:-1], v=good["v"])
+    cases.append(("length mismatch", [p], None, ["len.h5", "k has shape", "but v has shape"]))
     p = _write(tmp / "hd.h5", q=good["q"], k=good["k"][..., :-1], v=good["v"][..., :-1])
     cases.append(("head dim", [p], None, ["hd.h5", "head dim"]))
     p = _write(tmp / "gqa.h5", q=good["q"][:, :3], k=good["k"], v=good["v"])

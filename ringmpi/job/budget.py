@@ -15,7 +15,7 @@ import numpy as np
 from ..partition import counts
 from .schema import Plan, SeqInfo, fail
 
-__all__ = ["parse_size", "rank_bytes", "memory_budget", "check_memory"]
+__all__ = ["parse_size", "rank_bytes", "seq_counts", "memory_budget", "check_memory"]
 
 
 def parse_size(text: str) -> int:
@@ -27,28 +27,40 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True) -> int:
+def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None) -> int:
     """Upper estimate of the bytes one rank holding ``n_local`` tokens needs for one sequence.
 
     Counts the local q/k/v (twice with read-ahead of the next sequence), the
     head-major copies and accumulator state of the ring (acc, m, l in the compute
     dtype), three K/V blocks in flight (current + double-buffered receive), the
     output and lse, and for features inputs the float64 projection temporaries.
+    ``n_local_k``: key/value tokens of the rank when they differ (cross-attention);
+    the K/V blocks in flight are sized by the largest rank's, ``n_local_k`` is an
+    upper bound for that when given as the maximum over ranks.
     """
     isz = np.dtype(plan.dtype).itemsize
     csz = 8 if plan.dtype == "float64" else 4
     h, hkv, d = plan.heads, plan.kv_heads, plan.head_dim
-    qkv = n_local * (h + 2 * hkv) * d
+    nk = n_local if n_local_k is None else int(n_local_k)
+    qkv = n_local * h * d + 2 * nk * hkv * d
     need = qkv * isz * (2 if prefetch else 1)
     need += qkv * csz  # head-major compute-dtype copies
     need += n_local * h * (d + 2) * csz  # acc, m, l
-    need += 3 * 2 * n_local * hkv * d * csz  # K/V ring buffers
+    need += 3 * 2 * nk * hkv * d * csz  # K/V ring buffers
     need += n_local * h * d * isz + n_local * h * csz  # out, lse
     need += 3 * 256 * 1024 * h * csz  # tile scratch (scores, probabilities)
     if plan.mode == "features":
         f = plan.features
-        need += n_local * f * (isz + 8) + f * (h + 2 * hkv) * d * 8 + qkv * 8
+        need += (n_local + nk) * f * (isz + 8) + f * (h + 2 * hkv) * d * 8 + qkv * 8
     return int(need)
+
+
+def seq_counts(seq: SeqInfo, nranks: int, layout: str) -> tuple:
+    """(most query tokens, most key/value tokens) any rank holds of ``seq``."""
+    n = int(counts(seq.length, nranks, layout, cu_seqlens=seq.cu_seqlens).max())
+    cu_k = seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k
+    nk = int(counts(seq.length_k, nranks, layout, cu_seqlens=cu_k).max())
+    return n, nk
 
 
 def memory_budget(comm, limit: Optional[int] = None) -> int:
@@ -86,8 +98,8 @@ def memory_budget(comm, limit: Optional[int] = None) -> int:
 
 def check_memory(plan: Plan, seq: SeqInfo, nranks: int, layout: str, budget: int) -> None:
     """Raise InputError if the rank with the most tokens of ``seq`` would exceed ``budget``."""
-    n = int(counts(seq.length, nranks, layout).max())
-    need = rank_bytes(plan, n)
+    n, nk = seq_counts(seq, nranks, layout)
+    need = rank_bytes(plan, n, n_local_k=nk)
     if need > budget:
         gib = 1 << 30
         fail(

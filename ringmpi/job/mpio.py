@@ -46,7 +46,7 @@ from ..files import fsync_path, write_json
 from ..partition import positions
 from ..watchdog import watch
 from .schema import InputError
-from .store import OutputStore, label_dims
+from .store import OutputStore, label_dims, write_offsets
 
 __all__ = ["MODES", "mpio_status", "resolve_mode", "SingleFileStore", "make_store"]
 
@@ -287,12 +287,13 @@ class SingleFileStore(OutputStore):
                 node.create_dataset("out", (s, h, d), dt, **self._dset_kw((s, h, d), 0, dt))
                 node.create_dataset("lse", (h, s), lt, **self._dset_kw((h, s), 1, lt))
                 label_dims(node, batch=False)
+        write_offsets(f, plan)  # every rank, same data (collective metadata)
         f.flush()
 
     # -- start ----------------------------------------------------------------------
     def _my_positions(self, i: int) -> np.ndarray:
         seq = self.plan.sequences[i]
-        return positions(seq.length, self.rank, self.size, self.layout)
+        return positions(seq.length, self.rank, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
 
     def _state_root(self, resume: bool) -> tuple:
         """Rank 0: prepare the directory (as for part files); what exists of the file."""

@@ -15,12 +15,14 @@ import time
 
 import numpy as np
 
-from ..partition import counts
-from .budget import rank_bytes
+from .budget import rank_bytes, seq_counts
 from .progress import duration
 from .store import FORMAT
 
-__all__ = ["provenance", "start_line", "format_summary", "measure_rate", "ticks_per_step"]
+__all__ = [
+    "provenance", "start_line", "format_summary", "measure_rate", "ticks_per_step",
+    "visible_pairs",
+]  # fmt: skip
 
 
 def _kernel(dev: str, dtype: str) -> tuple:
@@ -41,11 +43,16 @@ def _kernel(dev: str, dtype: str) -> tuple:
     return name, {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}.get(width, f"simd{width}")
 
 
-def provenance(plan, layout: str, causal: bool, scale, size: int, dev: str) -> dict:
+def provenance(
+    plan, layout: str, causal: bool, scale, size: int, dev: str, window=None, rope=None
+) -> dict:
     """Typed attributes of the output: options, resolved scale, sizes, versions, kernel, host.
 
-    No time stamp: the output is a deterministic function of these (the run's
-    time is in the summary).
+    ``window`` (left, right) or None is recorded as ``window`` = [left, right]
+    ([-1, -1]: none); ``rope`` (theta, scale) or None as ``rope`` (bool),
+    ``rope_theta`` and ``rope_scale``; ``packed`` and ``cross`` say whether any
+    sequence is packed (``cu_seqlens``) or has S_k != S_q. No time stamp: the
+    output is a deterministic function of these (the run's time is in the summary).
     """
     import h5py
 
@@ -75,6 +82,12 @@ def provenance(plan, layout: str, causal: bool, scale, size: int, dev: str) -> d
         "head_dim": int(plan.head_dim),
         "sequences": len(plan.sequences),
         "tokens": int(sum(s.length for s in plan.sequences)),
+        "window": [int(x) for x in (window if window is not None else (-1, -1))],
+        "packed": any(s.packed for s in plan.sequences),
+        "cross": any(s.cross or s.x_kv for s in plan.sequences),
+        "rope": rope is not None,
+        "rope_theta": float(rope[0]) if rope is not None else 10000.0,
+        "rope_scale": float(rope[1]) if rope is not None else 1.0,
         "inputs": [os.path.abspath(p) for p in plan.files],
         "weights": os.path.abspath(plan.weights) if plan.weights else "",
         "device": dev,
@@ -124,29 +137,48 @@ def measure_rate(plan, dev: str) -> float:
     return best
 
 
-def _flops(plan, causal: bool, lengths: list) -> float:
-    """Model flops of the sequences: 4 S^2 D H, half of it under a causal mask."""
+def visible_pairs(seq, causal: bool, window=None, block: int = 1 << 20) -> int:
+    """Number of (query, key) pairs the mask leaves visible in ``seq``: O(S_q) time, blocked."""
+    from ..mask import make_mask
+
+    mask = make_mask(seq.length, seq.length_k, causal, window, seq.cu_seqlens, seq.cu_seqlens_k)
+    if mask.plain:
+        n = seq.length
+        return n * (n + 1) // 2 if causal else n * n
+    total = 0
+    for a in range(0, seq.length, block):
+        lo, hi = mask.bounds(np.arange(a, min(seq.length, a + block), dtype=np.int64))
+        total += int(np.maximum(hi - lo + 1, 0).sum())
+    return total
+
+
+def _flops(plan, causal: bool, seqs: list, window=None) -> float:
+    """Model flops of the sequences: 4 D H per visible (query, key) pair of the mask."""
     per = 4.0 * plan.head_dim * plan.heads
-    return sum(per * n * n * (0.5 if causal else 1.0) for n in lengths)
+    return sum(per * visible_pairs(s, causal, window) for s in seqs)
 
 
-def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=None) -> str:
+def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=None,
+               window=None) -> str:  # fmt: skip
     """The job's first line: what, where, how much memory, how long (predicted)."""
     ring = size if ring is None else ring
-    lengths = [plan.sequences[i].length for i in todo]
-    tokens = sum(lengths)
-    n_max = max((int(counts(n, ring, layout).max()) for n in lengths), default=0)
-    mem = rank_bytes(plan, n_max) / 2**30
+    seqs = [plan.sequences[i] for i in todo]
+    tokens = sum(s.length for s in seqs)
+    mem = max((rank_bytes(plan, n, n_local_k=nk) for n, nk in
+               (seq_counts(s, ring, layout) for s in seqs)), default=0) / 2**30  # fmt: skip
     where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
     text = (
         f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
         f"D={plan.head_dim}, {plan.dtype}), {size} rank(s)"
         + (f" as {size // ring} rings of {ring}" if ring != size else "")
         + f", {layout}{', causal' if causal else ''}"
-        f", {where}; ~{mem:.2f} GiB per rank"
+        + (f", window {tuple(window)}" if window is not None else "")
+        + (", packed" if any(s.packed for s in seqs) else "")
+        + (", cross" if any(s.cross for s in seqs) else "")
+        + f", {where}; ~{mem:.2f} GiB per rank"
     )
     if rate > 0 and tokens:
-        secs = _flops(plan, causal, lengths) / size / rate
+        secs = _flops(plan, causal, seqs, window) / size / rate
         text += f"; predicted ~{duration(secs)} at {rate / 1e9:.1f} GFLOP/s per rank (measured)"
     return text
 

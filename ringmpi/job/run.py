@@ -35,6 +35,7 @@ from .. import interrupt
 from ..attention import ring_attention
 from ..collective import run_everywhere, run_on_root
 from ..grid import grid
+from ..mask import check_window
 from ..partition import counts
 from .budget import check_memory, memory_budget
 from .mpio import make_store, resolve_mode
@@ -191,8 +192,18 @@ def run(
     compress: Optional[str] = None,
     ring_size=None,
     output_mode: str = "auto",
+    window: Optional[tuple] = None,
+    rope: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scale: float = 1.0,
 ) -> dict:
     """Run exact attention over every sequence of ``inputs`` and write ``output`` (collective).
+
+    Masks and positions: ``window=(left, right)`` (-1 unbounded) and the inputs'
+    packed sequences (``cu_seqlens``) and cross-attention lengths go to
+    :func:`ringmpi.ring_attention`; ``rope`` rotates the projected q and k of
+    features inputs at their global positions within their packed sequence
+    (:func:`ringmpi.rope.apply_rope` with ``rope_theta``, ``rope_scale``).
 
     ``ring_size=R`` (or ``"auto"``) splits the P ranks into P/R rings of R ranks
     (:func:`ringmpi.grid`); the sequences are dealt round-robin over the rings,
@@ -214,11 +225,28 @@ def run(
         comm.Barrier()
     t_start = time.perf_counter()
     started_utc = utc()
-    plan = make_plan(comm, inputs, weights, 1 if ring_size not in (None, size) else size)
+    try:
+        window = check_window(window)
+    except ValueError as e:
+        raise InputError(f"--window: {e}") from None
+    plan = make_plan(comm, inputs, weights, 1 if ring_size not in (None, size) else size, rope=rope)
+    masks = {"window": window, "rope": (float(rope_theta), float(rope_scale)) if rope else None}
     if rank == 0:
         for w in plan.warnings:
             print(f"ringmpi: warning: {w}", file=sys.stderr, flush=True)
     budget = memory_budget(comm, max_memory)
+    # masks beyond plain causal run on the numpy CPU tile only (see README, Masks)
+    masked = window is not None or any(s.packed or s.cross for s in plan.sequences)
+    if masked and device == "gpu":
+        raise InputError(
+            "--device gpu: windows, packed sequences and cross-attention run on the CPU tiles "
+            "only for now; use --device cpu (or auto)"
+        )
+    if masked and device == "auto":
+        if rank == 0 and not quiet:
+            print("ringmpi: note: windows, packed sequences and cross-attention run on the CPU "
+                  "(numpy tile)", file=sys.stderr, flush=True)  # fmt: skip
+        device = "cpu"
     dev = pick_device(device, comm)
     rate = measure_rate(plan, dev) if rank == 0 and (ring_size == "auto" or not quiet) else 0.0
     rs = run_on_root(comm, choose_ring_size, ring_size, plan, size, layout, causal, budget, rate)
@@ -226,7 +254,9 @@ def run(
         comm, lambda: [check_memory(plan, s, rs, layout, budget) for s in plan.sequences]
     )
     if rs != size:
-        short = run_on_root(comm, lambda: [s.name for s in plan.sequences if s.length < rs])
+        short = run_on_root(
+            comm, lambda: [s.name for s in plan.sequences if min(s.length, s.length_k) < rs]
+        )
         if short:
             raise InputError(f"sequence {short[0]} has fewer tokens than the {rs} ranks of a ring")
     ring, across = (comm, None) if rs == size else grid(comm, ring_size=rs)
@@ -235,8 +265,13 @@ def run(
     try:
         mode = resolve_mode(output_mode, comm, nrings)  # before anything is written
         meta = run_on_root(comm, fingerprint, plan, layout, causal, scale, size, rs)
-        attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev)
+        # masks and positions: a resumed run must use the same (compared via the manifest)
+        meta["window"] = list(window) if window is not None else None
+        meta["rope"] = list(masks["rope"]) if rope else None
+        attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev, **masks)
         attrs["ring_size"] = rs
+        if masked and dev == "cpu":  # the fused tile hands these masks to the numpy tile
+            attrs["kernel"], attrs["isa"] = "numpy", "numpy"
         store = make_store(mode, output, comm, plan, meta, attrs=attrs, overwrite=overwrite,
                            compress=compress, ring=ring)  # fmt: skip
         done = store.open(resume)
@@ -246,7 +281,7 @@ def run(
         return _loop(
             plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, size, layout,
             causal, scale, dev, attrs, quiet, strided, prefetch, rate, t_start, started_utc,
-            output,
+            output, masks,
         )  # fmt: skip
     finally:
         if across is not None:
@@ -256,20 +291,20 @@ def run(
 
 def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, size, layout,
           causal, scale, dev, attrs, quiet, strided, prefetch, rate, t_start, started_utc,
-          output) -> dict:  # fmt: skip
+          output, masks) -> dict:  # fmt: skip
     """The sequence loop of one ring, then the job-wide summary (collective over ``comm``)."""
     show = rank == 0 and not quiet
     bar = Progress([plan.sequences[i].length for i in todo], enabled=show)
     if show:
         bar.header(start_line(plan, todo_all, size, layout, causal, dev, attrs["kernel"],
-                              attrs["isa"], rate, ring=rs))  # fmt: skip
+                              attrs["isa"], rate, ring=rs, window=masks["window"]))  # fmt: skip
     where = {"j": -1, "stage": "starting", "step": 0}
 
     def on_step(step: int, nsteps: int) -> None:
         where["step"] = step
         bar.step(step, nsteps)
 
-    reader = Reader(plan, ring_rank, rs, layout, strided=strided)
+    reader = Reader(plan, ring_rank, rs, layout, strided=strided, rope=masks["rope"])
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringmpi-read")
     acc = {"compute_s": 0.0, "wait_s": 0.0, "total_s": 0.0, "flops": 0.0}
     read_wait = write_s = 0.0
@@ -295,7 +330,7 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
             seq = plan.sequences[i]
             where.update(j=j, stage="reading", step=0)
             t_seq = time.perf_counter()
-            n_here = int(counts(seq.length, rs, layout)[ring_rank])
+            n_here = int(counts(seq.length, rs, layout, cu_seqlens=seq.cu_seqlens)[ring_rank])
             bar.start(j, seq.name, seq.length, rs, ticks_per_step(attrs["kernel"], n_here))
             t0 = time.perf_counter()
             fut = nxt if prefetch else pool.submit(reader.read, seq)
@@ -312,7 +347,8 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
             out, lse = ring_attention(
                 q, k, v, ring, causal=causal, layout=layout, scale=scale,
                 return_lse=True, stats=stats, on_step=on_step,
-                on_tick=bar.tick if show else None,
+                on_tick=bar.tick if show else None, window=masks["window"],
+                cu_seqlens=seq.cu_seqlens, cu_seqlens_k=seq.cu_seqlens_k,
             )  # fmt: skip
             where["stage"] = "writing"
             if dev == "gpu":

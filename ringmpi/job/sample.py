@@ -28,9 +28,36 @@ def shard_paths(path: str, shards: int) -> list:
     return [f"{stem}.part{j:03d}{ext or '.h5'}" for j in range(shards)]
 
 
-def _block(seed: int, seq: int, blk: int, n: int, widths: dict, dtype) -> dict:
-    rng = np.random.default_rng([seed, seq, blk])
+def _block(seed: int, seq: int, blk: int, n: int, widths: dict, dtype, stream=None) -> dict:
+    rng = np.random.default_rng([seed, seq, blk] + ([] if stream is None else [stream]))
     return {k: rng.standard_normal((n, *w)).astype(dtype) for k, w in widths.items()}
+
+
+def _write_family(node, widths, total, lo, hi, seed, gi, stream, dt, sequences, batch_axis,
+                  compression) -> None:  # fmt: skip
+    """Write tokens [lo, hi) of the datasets ``widths`` (all of length ``total``) into ``node``."""
+    n = hi - lo
+    lead = (sequences,) if batch_axis else ()
+    dsets = {}
+    for name, w in widths.items():
+        kw = {}
+        if compression == "gzip":
+            chunk = (1,) * len(lead) + (max(1, min(n, 1024)), *w)
+            kw = dict(chunks=chunk, compression="gzip", compression_opts=4)
+            kw.update(shuffle=True, fletcher32=True)
+        dsets[name] = node.create_dataset(name, shape=(*lead, n, *w), dtype=dt, **kw)
+    if n == 0:
+        return
+    for b in range(sequences if batch_axis else 1):
+        seq = b if batch_axis else gi
+        # global blocks overlapping this shard's token range
+        for blk in range(lo // BLOCK, (hi - 1) // BLOCK + 1):
+            a, e = blk * BLOCK, min((blk + 1) * BLOCK, total)
+            vals = _block(seed, seq, blk, e - a, widths, dt, stream)
+            s0, s1 = max(a, lo), min(e, hi)
+            for name, arr in vals.items():
+                sel = (b,) if batch_axis else ()
+                dsets[name][sel + (slice(s0 - lo, s1 - lo),)] = arr[s0 - a : s1 - a]
 
 
 def make_data(
@@ -47,6 +74,8 @@ def make_data(
     features: int = 0,
     weights: Optional[str] = None,
     seed: int = 0,
+    packed=None,
+    kv_tokens: Optional[int] = None,
 ) -> list:
     """Write sample input file(s) and return their paths (weights file last, if any).
 
@@ -67,50 +96,70 @@ def make_data(
     features : int
         If > 0, write raw features x (S, F) instead of q/k/v, and a weights file
         (``weights`` or ``stem-weights.h5``) with wq (F, H*D), wk, wv (F, Hkv*D).
+    packed : int or list of int, optional
+        Packed sequences, written as ``cu_seqlens`` (in the first shard): a count N
+        (N seeded random lengths summing to ``seq_len``, zeros possible) or the
+        lengths themselves (their sum replaces ``seq_len``). Not with ``batch_axis``.
+    kv_tokens : int, optional
+        Cross-attention: k and v (``x_kv`` for features) get this many tokens, q
+        ``seq_len``; each is split over the shards along its own axis. With
+        ``packed``, ``cu_seqlens_k`` splits them in proportion to the q lengths.
     """
     import h5py
 
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
-    if seq_len < shards:
+    cu = cu_k = None
+    if packed is not None:
+        if batch_axis:
+            raise ValueError("packed sequences (cu_seqlens) cannot be combined with a batch axis")
+        if isinstance(packed, (list, tuple)):
+            lengths = [int(x) for x in packed]
+            if not lengths or min(lengths) < 0:
+                raise ValueError(f"packed lengths must be >= 0, got {packed}")
+            seq_len = int(sum(lengths))
+        else:
+            if int(packed) < 1:
+                raise ValueError(f"packed count must be >= 1, got {packed}")
+            cuts = np.random.default_rng([seed, 2 << 20]).integers(0, seq_len + 1, int(packed) - 1)
+            lengths = np.diff(np.concatenate(([0], np.sort(cuts), [seq_len]))).tolist()
+        cu = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    if seq_len < max(shards, 1):
         raise ValueError(f"seq_len={seq_len} is smaller than shards={shards}")
+    if kv_tokens is not None:
+        if kv_tokens < shards or kv_tokens < 1:
+            raise ValueError(f"kv_tokens={kv_tokens} is smaller than shards={shards} (or 0)")
+        if cu is not None:
+            cu_k = (cu * int(kv_tokens) + seq_len // 2) // seq_len
     dt = np.dtype(dtype)
     if features:
         widths = {"x": (features,)}
+        kv_widths = {"x_kv": (features,)}
     else:
         widths = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, head_dim)}
+        kv_widths = {"k": widths.pop("k"), "v": widths.pop("v")} if kv_tokens is not None else {}
+    # (datasets, tokens, random stream): self-attention keeps one stream for q, k, v
+    families = [(widths, seq_len, None)]
+    if kv_tokens is not None:
+        families.append((kv_widths, int(kv_tokens), 1))
     paths = shard_paths(path, shards)
-    sizes = split_sizes(seq_len, shards)
-    starts = np.concatenate(([0], np.cumsum(sizes)))
     groups = [""] if sequences == 1 and not batch_axis else None
     if groups is None:
         groups = [""] if batch_axis else [f"seq{i:03d}" for i in range(sequences)]
     for j, p in enumerate(paths):
-        n = int(sizes[j])
         tmp = p + ".tmp"
         with h5py.File(tmp, "w") as f:
             for gi, g in enumerate(groups):
                 node = f.require_group(g) if g else f
-                lead = (sequences,) if batch_axis else ()
-                dsets = {}
-                for name, w in widths.items():
-                    kw = {}
-                    if compression == "gzip":
-                        chunk = (1,) * len(lead) + (max(1, min(n, 1024)), *w)
-                        kw = dict(chunks=chunk, compression="gzip", compression_opts=4)
-                        kw.update(shuffle=True, fletcher32=True)
-                    dsets[name] = node.create_dataset(name, shape=(*lead, n, *w), dtype=dt, **kw)
-                for b in range(sequences if batch_axis else 1):
-                    seq = b if batch_axis else gi
-                    # global blocks overlapping this shard's token range
+                if j == 0 and cu is not None:
+                    node.create_dataset("cu_seqlens", data=cu)
+                    if cu_k is not None:
+                        node.create_dataset("cu_seqlens_k", data=cu_k)
+                for fam, total, stream in families:
+                    starts = np.concatenate(([0], np.cumsum(split_sizes(total, shards))))
                     lo, hi = int(starts[j]), int(starts[j + 1])
-                    for blk in range(lo // BLOCK, (hi - 1) // BLOCK + 1):
-                        a, e = blk * BLOCK, min((blk + 1) * BLOCK, seq_len)
-                        vals = _block(seed, seq, blk, e - a, widths, dt)
-                        s0, s1 = max(a, lo), min(e, hi)
-                        for name, arr in vals.items():
-                            sel = (b,) if batch_axis else ()
-                            dsets[name][sel + (slice(s0 - lo, s1 - lo),)] = arr[s0 - a : s1 - a]
+                    _write_family(node, fam, total, lo, hi, seed, gi, stream, dt, sequences,
+                                  batch_axis, compression)  # fmt: skip
         os.replace(tmp, p)
     if features:
         wpath = weights or os.path.splitext(path)[0] + "-weights.h5"

@@ -8,7 +8,12 @@ files hold the sequence(s) split along the sequence axis, in the order given:
 * one group per sequence at the root, each holding ``q``, ``k``, ``v`` (S, ...);
 * instead of q/k/v, raw features ``x`` (S, F) (or (B, S, F), or per group) plus
   a weights file with ``wq`` (F, H*D), ``wk`` and ``wv`` (F, Hkv*D) and root
-  attributes ``num_heads`` and ``num_kv_heads``: q = x @ wq, etc.
+  attributes ``num_heads`` and ``num_kv_heads``: q = x @ wq, etc.;
+* cross-attention: k and v (or key/value features ``x_kv``) with another length
+  S_k than q (S_q); each dataset is concatenated over the shards along its own axis;
+* packed sequences: an integer dataset ``cu_seqlens`` (n+1,) beside q (and
+  ``cu_seqlens_k`` for cross-attention), offsets [0, n1, ..., S] on the global
+  token axis, in the first shard (or identical in every shard); not with a batch axis.
 
 Rank 0 scans the metadata of every file (:func:`scan`) and broadcasts a
 :class:`Plan` (:func:`make_plan`); a problem becomes the same one-line
@@ -28,7 +33,10 @@ import numpy as np
 
 from ..collective import CollectiveError, run_on_root
 
-__all__ = ["InputError", "SeqInfo", "Plan", "expand_inputs", "open_input", "scan", "make_plan"]
+__all__ = [
+    "InputError", "SeqInfo", "Plan", "expand_inputs", "open_input", "scan", "make_plan",
+    "check_offsets",
+]  # fmt: skip
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
 # Any declared dimension above this is treated as corrupt rather than merely large.
@@ -52,23 +60,54 @@ class SeqInfo:
     batch : int or None
         Index along the leading batch axis, or None when the datasets are (S, ...).
     lengths : list of int
-        Number of tokens of this sequence in each input file, in file order.
+        Number of query tokens of this sequence in each input file, in file order.
+    lengths_k : list of int, optional
+        Number of key/value tokens in each file (cross-attention); None: ``lengths``.
+    cu_seqlens, cu_seqlens_k : int64 array (n+1,), optional
+        Offsets of packed sequences on the global query / key token axis.
+    x_kv : bool
+        Features inputs: keys and values are projected from ``x_kv``, not ``x``.
     """
 
     name: str
     group: str
     batch: Optional[int]
     lengths: list
+    lengths_k: Optional[list] = None
+    cu_seqlens: Optional[np.ndarray] = None
+    cu_seqlens_k: Optional[np.ndarray] = None
+    x_kv: bool = False
 
     @property
     def length(self) -> int:
-        """Total number of tokens S."""
+        """Total number of query tokens S (S_q)."""
         return int(sum(self.lengths))
 
     @property
+    def length_k(self) -> int:
+        """Total number of key/value tokens S_k (S unless cross-attention)."""
+        return int(sum(self.lengths if self.lengths_k is None else self.lengths_k))
+
+    @property
     def offsets(self) -> np.ndarray:
-        """Global index of the first token held by each file, shape (n_files,)."""
+        """Global index of the first query token held by each file, shape (n_files,)."""
         return np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
+
+    @property
+    def offsets_k(self) -> np.ndarray:
+        """Global index of the first key/value token held by each file, shape (n_files,)."""
+        lk = self.lengths if self.lengths_k is None else self.lengths_k
+        return np.concatenate(([0], np.cumsum(lk)[:-1])).astype(np.int64)
+
+    @property
+    def cross(self) -> bool:
+        """Whether q and k/v have different lengths."""
+        return self.length != self.length_k
+
+    @property
+    def packed(self) -> bool:
+        """Whether the sequence holds packed sequences (``cu_seqlens``)."""
+        return self.cu_seqlens is not None
 
 
 @dataclass
@@ -199,11 +238,50 @@ def _scan_file(path: str, structure_hint: Optional[str]) -> dict:
                 if "q" in node:
                     fail(path, f"group '{g}' holds q but others hold features x")
                 shapes = {"x": _dataset(path, node, "x", 2 + extra, fsize)}
+                if "x_kv" in node:
+                    shapes["x_kv"] = _dataset(path, node, "x_kv", 2 + extra, fsize)
             info = {n: (d.shape, d.dtype.name) for n, d in shapes.items()}
+            for name in ("cu_seqlens", "cu_seqlens_k"):
+                if name in node:
+                    if structure == "batch":
+                        what = f"'{name}' (packed sequences) cannot be combined with a batch axis"
+                        fail(path, f"{what} (4-D q): store one group per sequence instead")
+                    info[name] = _read_cu(path, node, name, fsize)
             seqs.append((g, info))
         return {"mode": mode, "structure": structure, "seqs": seqs}
     finally:
         f.close()
+
+
+def _read_cu(path: str, node, name: str, fsize: int) -> np.ndarray:
+    """The packed-sequence offsets ``name`` of a group, checked to be a 1-D integer dataset."""
+    import h5py
+
+    ds = node[name]
+    where = f"dataset '{ds.name}'"
+    if not isinstance(ds, h5py.Dataset):
+        fail(path, f"'{ds.name}' is not a dataset")
+    if ds.dtype.kind not in "iu":
+        fail(path, f"{where} has dtype {ds.dtype}, expected integer offsets [0, ..., S]")
+    if ds.ndim != 1 or ds.shape[0] < 2:
+        fail(path, f"{where} has shape {ds.shape}, expected (n+1,) offsets [0, ..., S]")
+    _check_storage(path, ds, fsize)
+    cu = ds[...]
+    if ds.dtype.kind == "u" and cu.size and int(cu.max()) > MAX_DIM:
+        fail(path, f"{where} holds an offset above {MAX_DIM}")
+    return cu.astype(np.int64)
+
+
+def check_offsets(path: str, where: str, name: str, cu: np.ndarray, n: int) -> None:
+    """Refuse packed-sequence offsets that do not start at 0, decrease or do not end at ``n``."""
+    if cu[0] != 0:
+        fail(path, f"{where}'{name}' starts at {cu[0]}, expected 0")
+    down = np.flatnonzero(np.diff(cu) < 0)
+    if len(down):
+        i = int(down[0])
+        fail(path, f"{where}'{name}' decreases at index {i + 1} ({cu[i]} -> {cu[i + 1]})")
+    if cu[-1] != n:
+        fail(path, f"{where}'{name}' ends at {cu[-1]} but the sequence has {n} tokens")
 
 
 def _found(f, limit: int = 8) -> str:
@@ -236,8 +314,7 @@ def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
         fail(path, f"{where}k has shape {ks} but v has shape {vs}")
     if extra and qs[0] != ks[0]:
         fail(path, f"{where}batch sizes differ: q has {qs[0]}, k has {ks[0]}")
-    if qs[extra] != ks[extra]:
-        fail(path, f"{where}length mismatch: q has {qs[extra]} tokens, k and v have {ks[extra]}")
+    # q and k/v may differ in length (cross-attention)
     h, d = qs[-2:]
     hkv, dk = ks[-2:]
     if d != dk:
@@ -246,7 +323,7 @@ def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
         fail(path, f"{where}empty head axis: q {qs}, k {ks}")
     if h % hkv:
         fail(path, f"{where}H={h} query heads is not a multiple of Hkv={hkv} key/value heads")
-    return qs[extra], (h, hkv, d), qt, (qs[0] if extra else None)
+    return (qs[extra], ks[extra]), (h, hkv, d), qt, (qs[0] if extra else None)
 
 
 def _read_weights(path: str) -> dict:
@@ -333,9 +410,16 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
                 n, gm, dt, b = _check_qkv(p, g, info, extra)
             else:
                 shape, dt = info["x"]
-                n, b = shape[extra], (shape[0] if extra else None)
+                n, b = (shape[extra], shape[extra]), (shape[0] if extra else None)
                 if shape[-1] != w["features"]:
                     fail(p, f"x has {shape[-1]} features but {weights} expects {w['features']}")
+                if ("x_kv" in info) != ("x_kv" in first["seqs"][names.index(g)][1]):
+                    fail(p, "shards do not line up: x_kv present in some shards, not in others")
+                if "x_kv" in info:
+                    kshape, kdt = info["x_kv"]
+                    if kdt != dt or kshape[-1] != shape[-1] or (extra and kshape[0] != shape[0]):
+                        fail(p, f"x_kv {kshape} {kdt} does not fit x {shape} {dt}")
+                    n = (shape[extra], kshape[extra])
                 gm = (w["heads"], w["kv_heads"], w["head_dim"])
             where = f" (group '{g}')" if g else ""
             if geom is None:
@@ -346,28 +430,41 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
                 fail(p, f"shards do not line up: dtype {dt}{where}, first input has {dtype}")
             if b != batch:
                 fail(p, f"shards do not line up: batch size {b}, first input has {batch}")
-            per_seq[g].append(int(n))
+            per_seq[g].append((int(n[0]), int(n[1])))
+    cus = {g: _offsets(files, metas, names.index(g), g, per_seq[g]) for g in names}
+    lq = {g: [a for a, _ in per_seq[g]] for g in names}
+    lk = {g: [b for _, b in per_seq[g]] for g in names}
     warnings = []
     if mode == "qkv":
         h = geom[0]
-        short = [g for g in names if sum(per_seq[g]) < h]
+        short = [g for g in names if sum(lq[g]) < h]
         if short:
             g = short[0]
             where = f"group '{g}': " if g else ""
             warnings.append(
-                f"{files[0]}: {where}q has S={sum(per_seq[g])} tokens but H={h} heads: the "
+                f"{files[0]}: {where}q has S={sum(lq[g])} tokens but H={h} heads: the "
                 "schema is token-major, q (S, H, D); if the data is head-major (H, S, D), "
                 "transpose it (np.swapaxes(q, 0, 1)) or the heads are taken as tokens"
             )
+
+    def kl(g):
+        return None if lk[g] == lq[g] else list(lk[g])
+
     if structure == "batch":
-        seqs = [SeqInfo(f"b={i}", "", i, list(per_seq[""])) for i in range(batch)]
+        xkv = "x_kv" in first["seqs"][0][1]
+        seqs = [SeqInfo(f"b={i}", "", i, list(lq[""]), kl(""), x_kv=xkv) for i in range(batch)]
     else:
-        seqs = [SeqInfo(g or "seq", g, None, per_seq[g]) for g in names]
+        seqs = [
+            SeqInfo(g or "seq", g, None, lq[g], kl(g), *cus[g], "x_kv" in dict(first["seqs"])[g])
+            for g in names
+        ]
     if not seqs:
         fail(files[0], "batch axis has no sequence")
     for s in seqs:
         if s.length == 0:
             fail(files[0], f"sequence {s.name} has no token")
+        if s.length_k == 0:
+            fail(files[0], f"sequence {s.name} has no key/value token")
     h, hkv, d = geom
     return Plan(
         files=files,
@@ -384,17 +481,64 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     )
 
 
-def make_plan(comm, inputs: Sequence[str], weights: Optional[str], nranks: int) -> Plan:
-    """Rank 0 expands and scans the inputs; every rank gets the Plan or the same InputError."""
+def _offsets(files, metas, index: int, g: str, per_file: list) -> tuple:
+    """(cu_seqlens, cu_seqlens_k) of group ``g``: from the first shard, identical in the others."""
+    where = f"group '{g}': " if g else ""
+    got = []
+    for name in ("cu_seqlens", "cu_seqlens_k"):
+        first = metas[0]["seqs"][index][1].get(name)
+        for p, meta in zip(files[1:], metas[1:]):
+            other = meta["seqs"][index][1].get(name)
+            if other is None:
+                continue
+            if first is None:
+                fail(p, f"{where}'{name}' must be in the first shard {files[0]} (or in all)")
+            if other.shape != first.shape or (other != first).any():
+                fail(p, f"{where}'{name}' differs from the one in {files[0]}")
+        got.append(first)
+    cu, cu_k = got
+    if cu is None and cu_k is not None:
+        fail(files[0], f"{where}'cu_seqlens_k' needs 'cu_seqlens' (the query offsets)")
+    if cu is None:
+        return None, None
+    n_q, n_k = sum(a for a, _ in per_file), sum(b for _, b in per_file)
+    check_offsets(files[0], where, "cu_seqlens", cu, n_q)
+    if cu_k is None and n_k != n_q:
+        fail(files[0], f"{where}q has {n_q} tokens, k/v {n_k}: packed cross-attention needs "
+                       "'cu_seqlens_k' (key/value offsets) beside 'cu_seqlens'")  # fmt: skip
+    if cu_k is not None:
+        check_offsets(files[0], where, "cu_seqlens_k", cu_k, n_k)
+        if len(cu_k) != len(cu):
+            fail(files[0], f"{where}'cu_seqlens' has {len(cu) - 1} sequences but "
+                           f"'cu_seqlens_k' has {len(cu_k) - 1}")  # fmt: skip
+    return cu, cu_k
+
+
+def make_plan(
+    comm,
+    inputs: Sequence[str],
+    weights: Optional[str],
+    nranks: int,
+    rope: bool = False,
+) -> Plan:
+    """Rank 0 expands and scans the inputs; every rank gets the Plan or the same InputError.
+
+    ``rope``: the run applies rotary embeddings, which needs features inputs
+    (x + weights) and an even head dimension.
+    """
 
     def build():
         plan = scan(expand_inputs(inputs), weights)
         for s in plan.sequences:
-            if s.length < nranks:
-                fail(
-                    plan.files[0],
-                    f"sequence {s.name} has {s.length} tokens, fewer than {nranks} ranks",
-                )
+            n = min(s.length, s.length_k)
+            if n < nranks:
+                fail(plan.files[0], f"sequence {s.name} has {n} tokens, fewer than {nranks} ranks")
+        if rope and plan.mode != "features":
+            fail(plan.files[0], "--rope rotates the projected q and k of features inputs (x + "
+                 "--weights); this input holds q, k, v, taken as already rotated: rotate them "
+                 "with ringmpi.rope.apply_rope before writing, or give features")  # fmt: skip
+        if rope and plan.head_dim % 2:
+            fail(plan.weights, f"--rope needs an even head dimension, D={plan.head_dim}")
         return plan
 
     return run_on_root(comm, build)

@@ -82,6 +82,19 @@ def label_dims(node, batch: bool) -> None:
             ds.dims[axis].label = label
 
 
+def write_offsets(f, plan: Plan) -> None:
+    """Copy each packed sequence's ``cu_seqlens`` (and ``cu_seqlens_k``) beside its ``out``.
+
+    The output's mask attributes (window, rope) come with the provenance attributes.
+    """
+    for seq in plan.sequences:
+        node = f.require_group(seq.group) if seq.group else f
+        for name in ("cu_seqlens", "cu_seqlens_k"):
+            cu = getattr(seq, name)
+            if cu is not None:
+                node.create_dataset(name, data=np.asarray(cu, dtype=np.int64), track_times=False)
+
+
 def _write_h5(path: str, fill) -> None:
     """Build an HDF5 file in memory with ``fill(f)``, then write its bytes to ``path`` and fsync.
 
@@ -338,7 +351,7 @@ class OutputStore:
         seq = self.plan.sequences[i]
         rel = os.path.basename(self.parts)
         for r in range(self.size):
-            pos = positions(seq.length, r, self.size, self.layout)
+            pos = positions(seq.length, r, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
             yield f"{rel}/{part_name(i, r)}", len(pos), local_runs(pos)
 
     def _write_vds(self) -> None:
@@ -381,6 +394,7 @@ class OutputStore:
                 _virtual_dataset(f, "out", lays[0][0])
                 _virtual_dataset(f, "lse", lays[0][1])
                 label_dims(f, batch=True)
+            write_offsets(f, plan)
         fsync_path(tmp)
         os.replace(tmp, self.path)
         fsync_path(os.path.dirname(self.path))

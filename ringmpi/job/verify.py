@@ -18,6 +18,16 @@ the precision the ring accumulated in; eps 1e-4 float16, 1e-6 float32, 1e-12
 float64) and rows with lse = -inf agree exactly. The result is PASSED only if
 something was checked and nothing failed; "nothing checked" is its own verdict.
 The (sequence, head) pairs are shared round-robin over the ranks.
+
+The output's attributes say which mask and positions the run used (``causal``,
+``window``, ``rope``, ``rope_theta``, ``rope_scale``); the inputs say which
+sequences are packed (``cu_seqlens``, ``cu_seqlens_k``) or cross-attention. The
+reference uses all of them (:mod:`ringmpi.mask`, :func:`ringmpi.rope.apply_rope`
+at positions within each packed sequence), and the report names them. Under a
+mask other than plain causal, the all-row value-range check uses the range of
+the value rows of each query's packed sequence (a superset of its visible keys:
+looser, never wrong), and every row's lse must be -inf exactly when the mask
+leaves it no key.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ import numpy as np
 
 from .. import interrupt, reference
 from ..collective import run_everywhere
+from ..mask import make_mask
+from ..rope import apply_rope, positions_in_sequence
 from ..testing import EPS
 from .progress import LOG_EVERY, duration
 from .schema import InputError, Plan, make_plan
@@ -65,19 +77,24 @@ def dense_head(q, k, v, causal: bool, scale: float, dtype) -> tuple:
     return out[:, 0], lse[0]
 
 
-def rows_attention(q, k, v, rows: np.ndarray, causal: bool, scale: float, dtype) -> tuple:
+def rows_attention(
+    q, k, v, rows: np.ndarray, causal: bool, scale: float, dtype, mask=None
+) -> tuple:
     """Dense attention of the query rows ``rows`` of one head against all S keys, in ``dtype``.
 
     Parameters
     ----------
-    q, k, v : arrays (S, D)
+    q : array (S, D)
+    k, v : arrays (S_k, D)
     rows : int array (R,)
         Query rows (token positions) to compute.
     causal : bool
-        Row i sees keys j <= i.
+        Row i sees keys j <= i (ignored when ``mask`` is given).
     scale : float
     dtype : numpy dtype
         Arithmetic precision.
+    mask : ringmpi.mask.Mask, optional
+        Row i sees keys lo[i] <= j <= hi[i] of ``mask.bounds`` (window, packed, cross).
 
     Returns
     -------
@@ -92,7 +109,11 @@ def rows_attention(q, k, v, rows: np.ndarray, causal: bool, scale: float, dtype)
         interrupt.check()
         r = rows[a : a + block]
         s = dt.type(scale) * (np.asarray(q[r], dt) @ kd.T)
-        if causal:
+        if mask is not None and not mask.plain:
+            lo, hi = mask.bounds(r)
+            j = np.arange(n)[None, :]
+            s = np.where((lo[:, None] <= j) & (j <= hi[:, None]), s, -np.inf)
+        elif causal:
             s = np.where(np.arange(n)[None, :] <= r[:, None], s, -np.inf)
         m = s.max(axis=-1, keepdims=True) if n else np.zeros((len(r), 1), dt)
         m = np.where(np.isfinite(m), m, 0).astype(dt)
@@ -116,8 +137,13 @@ def sample_rows_of(length: int, count: int, seed: int, seq_index: int, head: int
     return np.sort(rng.choice(length, size=count, replace=False)).astype(np.int64)
 
 
-def _read_head(plan: Plan, seq, head: int, kv: bool) -> tuple:
-    """Whole-sequence inputs of one head: q (S, D) for query head ``head`` or k, v for kv head."""
+def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
+    """Whole-sequence inputs of one head: q (S, D) for query head ``head`` or k, v (S_k, D).
+
+    Features inputs are projected in float64 (keys and values from ``x_kv`` when
+    the sequence has it), rotated by ``rope`` = (theta, scale) at the positions
+    within each packed sequence (q and k only), then rounded to the input dtype.
+    """
     import h5py
 
     dt = np.dtype(plan.dtype)
@@ -128,6 +154,7 @@ def _read_head(plan: Plan, seq, head: int, kv: bool) -> tuple:
         with h5py.File(plan.weights, "r", locking=False) as f:
             d = plan.head_dim
             w = {n: np.asarray(f["w" + n][:, head * d : (head + 1) * d], np.float64) for n in names}
+    src = "x_kv" if (kv and seq.x_kv) else "x"
     for path in plan.files:
         with h5py.File(path, "r", locking=False) as f:
             node = f[seq.group] if seq.group else f
@@ -136,9 +163,15 @@ def _read_head(plan: Plan, seq, head: int, kv: bool) -> tuple:
                 if w is None:
                     parts[n].append(node[n][b + (slice(None), head)])
                 else:
-                    x = np.asarray(node["x"][b], np.float64)
-                    parts[n].append((x @ w[n]).astype(dt))
-    return tuple(np.concatenate(parts[n]).astype(dt) for n in names)
+                    parts[n].append(np.asarray(node[src][b], np.float64) @ w[n])
+    full = {n: np.concatenate(parts[n]) for n in names}
+    if rope is not None and w is not None:
+        cu = (seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k) if kv else (
+            seq.cu_seqlens)  # fmt: skip
+        n = "k" if kv else "q"
+        pos = positions_in_sequence(np.arange(len(full[n])), cu)
+        full[n] = apply_rope(full[n][:, None, :], pos, *rope)[:, 0]
+    return tuple(full[n].astype(dt) for n in names)
 
 
 def _attr(f, key: str):
@@ -151,10 +184,29 @@ def _attr(f, key: str):
     return val.item() if isinstance(val, np.generic) else val
 
 
-def _range_bad(v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool, slack: float):
-    """Rows whose output leaves the range of the visible value rows (or is not 0 when none is)."""
+def _range_bad(v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool, slack: float,
+               mask=None):  # fmt: skip
+    """Rows whose output leaves the range of the visible value rows (or is not 0 when none is).
+
+    Under a mask other than plain causal the range is that of the value rows of
+    the query's packed sequence (the keys it may see lie there).
+    """
     v64 = np.asarray(v, np.float64)
-    if causal:
+    if mask is not None and not mask.plain:
+        cu_k = mask.cu_k if mask.cu_k is not None else np.array([0, mask.nk], np.int64)
+        cu_q = mask.cu_q if mask.cu_q is not None else np.array([0, mask.nq], np.int64)
+        nseg = len(cu_k) - 1
+        seg_lo = np.full((nseg, v64.shape[1]), np.inf)
+        seg_hi = np.full((nseg, v64.shape[1]), -np.inf)
+        full = np.flatnonzero(np.diff(cu_k) > 0)
+        if len(full):
+            seg_lo[full] = np.minimum.reduceat(v64, cu_k[full], axis=0)
+            seg_hi[full] = np.maximum.reduceat(v64, cu_k[full], axis=0)
+            # reduceat runs to the next index: an empty segment between two full ones is
+            # skipped, so each full segment ends at its own end (the next full start)
+        seg = np.searchsorted(cu_q, np.arange(mask.nq), side="right") - 1
+        lo, hi = seg_lo[seg], seg_hi[seg]
+    elif causal:
         lo = np.minimum.accumulate(v64, axis=0)
         hi = np.maximum.accumulate(v64, axis=0)
     else:
@@ -229,11 +281,22 @@ def verify(
     def attrs():
         try:
             with h5py.File(output, "r") as f:
-                return {k: _attr(f, k) for k in ("causal", "scale", "layout")}
+                got = {k: _attr(f, k) for k in ("causal", "scale", "layout")}
+                # masks and positions (outputs before them have none: no window, no rope)
+                win = f.attrs.get("window", [-1, -1])
+                got["window"] = [int(x) for x in np.asarray(win).reshape(-1)]
+                got["rope"] = bool(f.attrs.get("rope", False))
+                got["rope_theta"] = float(f.attrs.get("rope_theta", 10000.0))
+                got["rope_scale"] = float(f.attrs.get("rope_scale", 1.0))
+                return got
         except (OSError, KeyError, ValueError) as e:
             raise InputError(f"{output}: not a ringmpi output file ({e})") from e
 
     meta = run_everywhere(comm, attrs)
+    window = tuple(meta["window"]) if tuple(meta["window"]) != (-1, -1) else None
+    rope = (meta["rope_theta"], meta["rope_scale"]) if meta["rope"] else None
+    if rope is not None and plan.mode != "features":
+        raise InputError(f"{output}: made with --rope, but the inputs hold q, k, v (not features)")
     causal = bool(meta["causal"])
     scale = float(meta["scale"]) if meta["scale"] is not None else plan.head_dim**-0.5
     dt = np.dtype(plan.dtype)
@@ -265,12 +328,18 @@ def verify(
     cnt = np.zeros((nseq, 3), dtype=np.float64)
     row_errs = []  # (i, err_out per row, err_lse per row) of this rank's tasks
 
+    masks = [
+        make_mask(s.length, s.length_k, causal, window, s.cu_seqlens, s.cu_seqlens_k)
+        for s in plan.sequences
+    ]
+
     def work():
         with h5py.File(output, "r") as f:
             for i, h in mine:
                 seq = plan.sequences[i]
-                (q,) = _read_head(plan, seq, h, kv=False)
-                k, v = _read_head(plan, seq, h // group, kv=True)
+                mask = masks[i]
+                (q,) = _read_head(plan, seq, h, kv=False, rope=rope)
+                k, v = _read_head(plan, seq, h // group, kv=True, rope=rope)
                 node = f[seq.group] if seq.group else f
                 b = (seq.batch,) if seq.batch is not None else ()
                 ring_o = np.asarray(node["out"][b + (slice(None), h)], np.float64)
@@ -280,8 +349,8 @@ def verify(
                     if mode[i] == "full"
                     else sample_rows_of(seq.length, sample_rows, seed, i, h)
                 )
-                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64)
-                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low)
+                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask)
+                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask)
                 lo_o = lo_o.astype(dt).astype(np.float64)
                 ro, rl = ring_o[rows], ring_l[rows]
                 fin = np.isfinite(ref_l)
@@ -301,7 +370,10 @@ def verify(
                 mism = np.zeros(seq.length, bool)
                 mism[rows] = np.isfinite(rl) != fin
                 slack = _RANGE_SLACK[plan.dtype] * float(np.abs(v).max(initial=0.0)) + 1e-30
-                out_range = _range_bad(v, ring_o, ring_l, causal, slack) & whole_fin
+                if not mask.plain:  # every row: lse = -inf exactly where the mask hides all keys
+                    blo, bhi = mask.bounds(np.arange(seq.length, dtype=np.int64))
+                    mism |= np.isneginf(ring_l) != (blo > bhi)
+                out_range = _range_bad(v, ring_o, ring_l, causal, slack, mask) & whole_fin
                 cnt[i, 0] += len(rows)
                 cnt[i, 1] += np.count_nonzero(mism | ~whole_fin)
                 cnt[i, 2] += np.count_nonzero(out_range)
@@ -365,7 +437,25 @@ def verify(
         "failed": nfail,
         "max_tokens": int(max_tokens),
         "sample_rows": int(sample_rows),
+        "mask": _describe(plan, causal, window, rope),
     }
+
+
+def _describe(plan: Plan, causal: bool, window, rope) -> str:
+    """The mask and positions the reference used, in words."""
+    parts = ["causal" if causal else "bidirectional"]
+    if window is not None:
+        parts.append(f"window {tuple(window)}")
+    packed = [s for s in plan.sequences if s.packed]
+    if packed:
+        n = sum(len(s.cu_seqlens) - 1 for s in packed)
+        parts.append(f"{n} packed sequence(s) in {len(packed)} input sequence(s)")
+    cross = [s for s in plan.sequences if s.cross or s.x_kv]
+    if cross:
+        parts.append(f"cross-attention in {len(cross)} sequence(s)")
+    if rope is not None:
+        parts.append(f"RoPE (theta {rope[0]:g}, scale {rope[1]:g})")
+    return ", ".join(parts)
 
 
 def format_verify(res: dict) -> str:
@@ -399,6 +489,8 @@ def format_verify(res: dict) -> str:
         )
     n_checked = len(res["sequences"])
     what = f"{res['full']} full, {res['sampled']} sampled, {len(res['skipped'])} skipped"
+    if res.get("mask"):
+        what += f"; reference: {res['mask']}"
     if res["status"] == "nothing checked":
         lines.append(
             f"ringmpi verify: NOTHING CHECKED ({what}): not a pass; raise --max-tokens or "
