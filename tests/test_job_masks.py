@@ -293,6 +293,26 @@ def test_resume_with_other_window_refused_and_verify_catches_a_bad_row(mix, tmp_
     assert rc == 3 and "FAILED" in so and "b_packed" in so and "1 row(s) FAILED" in so, so + se
 
 
+def test_pack_keeps_the_offsets(mix, tmp_path):
+    """``ringmpi pack`` copies cu_seqlens / cu_seqlens_k beside each packed out."""
+    out, packed = str(tmp_path / "out.h5"), str(tmp_path / "packed.h5")
+    rc, _, se, _ = launch(2, "run", *mix["single"], "-o", out, "--quiet")
+    assert rc == 0, se
+    rc, _, se, _ = launch(1, "pack", out, "-o", packed)
+    assert rc == 0, se
+    with h5py.File(mix["single"][0], "r") as src, h5py.File(packed, "r") as dst:
+        names = []
+        src.visititems(
+            lambda n, o: names.append(n) if n.endswith(("cu_seqlens", "cu_seqlens_k")) else None
+        )  # noqa: E501
+        assert names, "the mixed input holds packed groups"
+        for n in names:
+            np.testing.assert_array_equal(dst[n][()], src[n][()], err_msg=n)
+        with h5py.File(out, "r") as o:
+            for n in [x for x in o if "out" in o[x]] if "out" not in o else ["."]:
+                np.testing.assert_array_equal(dst[f"{n}/out"][()], o[f"{n}/out"][()], err_msg=n)
+
+
 # -- serial: the reader's union reads and the run splitter ------------------------------
 
 

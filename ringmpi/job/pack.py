@@ -40,6 +40,19 @@ def _datasets(f) -> list:
     return sorted(found)
 
 
+def _offsets(f) -> list:
+    """Paths of the ``cu_seqlens``/``cu_seqlens_k`` datasets (packed sequences), in order."""
+    found: list = []
+    f.visititems(
+        lambda name, obj: (
+            found.append(name)
+            if name.rsplit("/", 1)[-1] in ("cu_seqlens", "cu_seqlens_k")
+            else None
+        )
+    )
+    return found
+
+
 def _missing_sources(path: str, f, names: list) -> list:
     """Part files the virtual datasets map that do not exist (relative to the output)."""
     base = os.path.dirname(os.path.abspath(path))
@@ -146,6 +159,8 @@ def pack(
                 for d in range(ds.ndim):
                     if ds.dims[d].label:
                         out.dims[d].label = ds.dims[d].label
+            for n in _offsets(src):  # packed sequences' offsets, beside their out
+                dst.create_dataset(n, data=src[n][()])
         fsync_path(tmp)
         os.replace(tmp, target)
         fsync_path(os.path.dirname(os.path.abspath(target)))
