@@ -3,8 +3,8 @@
 // ringmpi/cpu/numpy_tile.py, which is the specification).
 //
 // Compiled after attention_fwd.cu (the loader concatenates the two): it uses
-// that file's storage types, conversions, Mma<T>, ldsm_x4*, cp_async16 and
-// next_kblock.
+// that file's storage types, conversions, Mma<T>, ldsm_x4*, cp_async16, the
+// block plan tests (block_live, block_full, next_kblock) and row_range.
 //
 // Layouts (row-major, contiguous):
 //   q, dout : (B, H,   Sq, ld)  storage type T (rounded to k's type by the host)
@@ -14,31 +14,31 @@
 //   dq      : (B, H, Sq, D)     type A, accumulated (+=)
 //   dk, dv  : (B, Hkv, Sk, D)   type A, accumulated (+=), summed over the G
 //                               query heads of each K/V head
-//   bounds  : [qlo(nqb), qhi(nqb), klo(nkb), khi(nkb)] int64: min/max position
-//             of each q block (BM rows) and k block (BN rows) of the kernel
+//   q_pos, k_pos, row_lo, row_hi, bounds: as in attention_fwd.cu (query i sees
+//             key j iff row_lo[i] <= k_pos[j] <= row_hi[i]; null row_lo/row_hi:
+//             causal or every key), the block plan over q blocks of BM rows
+//             and k blocks of BN keys of the kernel
 //
 // For one head, P_ij = exp(scale q_i.k_j - lse_i) over the visible pairs:
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,
 //   dK = scale dS^T Q.
-// Causal: key j is visible to query i iff k_pos[j] <= q_pos[i]; a block pair
-// with max(q_pos) < min(k_pos) is skipped, one with min(q_pos) >= max(k_pos)
-// needs no mask. Two kernels, no atomics: dkdv owns a key block and loops over
-// the query blocks of all G heads; dq owns a query block and loops over the
-// key blocks (S and dP are computed in both).
-
-#define RING_POS_MIN (-RING_POS_MAX - 1)
+// A block pair the plan marks as not live is skipped, a full one needs no
+// mask, the others are masked per element (P = 0 outside [lo, hi]). A row
+// with lse = -inf saw no key: P = exp(s - +inf) = 0, no gradient. Two
+// kernels, no atomics: dkdv owns a key block and loops over the query blocks
+// of all G heads; dq owns a query block and loops over the key blocks (S and
+// dP are computed in both).
 
 // base-2 log-sum-exp of a row: +inf for a row without keys (or padding), so
 // exp2(s - lse2) = 0 there
 __device__ __forceinline__ float lse_base2(float lse, bool valid) {
   return (!valid || lse == neg_inf<float>()) ? -neg_inf<float>() : lse * RING_LOG2E;
 }
-// First query block at or after qb in which some query sees a key of the
-// block starting at position klo (the mirror of next_kblock).
-__device__ __forceinline__ int next_qblock(int qb, int nqb, int causal, const long long* qhi,
-                                           long long klo) {
-  if (causal)
-    while (qb < nqb && qhi[qb] < klo) ++qb;
+// First query block at or after qb in which some row sees a key of the
+// block with positions in [klo, khi] (the mirror of next_kblock).
+__device__ __forceinline__ int next_qblock(int qb, int nqb, const long long* env, long long klo,
+                                           long long khi) {
+  while (qb < nqb && !block_live(env, nqb, qb, klo, khi)) ++qb;
   return qb;
 }
 template <typename A> __device__ __forceinline__ A lse_natural(A lse, bool valid) {
@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(128, 1)
                       const float* __restrict__ delta, float* __restrict__ dk,
                       float* __restrict__ dv, const long long* __restrict__ q_pos,
                       const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
+                      const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                       int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal) {
   constexpr int BN = 64, NTHREADS = 128, LDS = HD + 8;
   constexpr int KD = HD / 16, NTQ = BM / 8, NTO = HD / 8, CH = HD / 8;
@@ -76,17 +77,16 @@ __global__ void __launch_bounds__(128, 1)
   T* Vs = Ks + BN * LDS;                   // [BN][LDS]
   T* Qs = Vs + BN * LDS;                   // [2][BM][LDS]
   T* Os = Qs + 2 * BM * LDS;               // [2][BM][LDS]  dO
-  long long* Ps = reinterpret_cast<long long*>(Os + 2 * BM * LDS);  // [2][BM] q positions
-  float* Ls = reinterpret_cast<float*>(Ps + 2 * BM);                // [2][BM] lse, base 2
+  long long* Pl = reinterpret_cast<long long*>(Os + 2 * BM * LDS);  // [2][BM] row lo
+  long long* Ph = Pl + 2 * BM;                                      // [2][BM] row hi
+  float* Ls = reinterpret_cast<float*>(Ph + 2 * BM);                // [2][BM] lse, base 2
   float* Es = Ls + 2 * BM;                                          // [2][BM] delta
 
   const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int G = H / Hkv;
   const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
-  const long long* qlo = bounds;
-  const long long* qhi = bounds + nqb;
-  const long long klo_me = bounds[2 * nqb + kb], khi_me = bounds[2 * nqb + nkb + kb];
-  int qb = next_qblock(0, nqb, causal, qhi, klo_me);
+  const long long klo_me = bounds[4 * nqb + kb], khi_me = bounds[4 * nqb + nkb + kb];
+  int qb = next_qblock(0, nqb, bounds, klo_me, khi_me);
   if (qb >= nqb) return;  // no query sees these keys: gradients unchanged
 
   const long long krow0 = ((long long)b * Hkv + hk) * Sk;
@@ -114,7 +114,10 @@ __global__ void __launch_bounds__(128, 1)
     }
     for (int r = tid; r < BM; r += NTHREADS) {
       const bool ok = q0 + r < Sq;
-      Ps[st * BM + r] = ok ? q_pos[q0 + r] : RING_POS_MAX;
+      long long lo = RING_POS_MAX, hi = RING_POS_MIN;  // padding rows see nothing
+      if (ok) row_range(row_lo, row_hi, q_pos, causal, q0 + r, lo, hi);
+      Pl[st * BM + r] = lo;
+      Ph[st * BM + r] = hi;
       Ls[st * BM + r] = lse_base2(ok ? lse[qrow0 + q0 + r] : 0.f, ok);
       Es[st * BM + r] = ok ? delta[qrow0 + q0 + r] : 0.f;
     }
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(128, 1)
   while (true) {
     int nq = qb, ng = gi + 1;  // the next (q block, head): heads first, then blocks
     if (ng == G) {
-      nq = next_qblock(qb + 1, nqb, causal, qhi, klo_me);
+      nq = next_qblock(qb + 1, nqb, bounds, klo_me, khi_me);
       ng = 0;
     }
     if (nq < nqb) {
@@ -186,17 +189,18 @@ __global__ void __launch_bounds__(128, 1)
     }
 
     // P^T = exp2(S^T scale log2e - lse2) (0 where masked), dS^T = P^T (dP^T - delta)
-    const bool need_mask = causal && qlo[qb] < khi_me;
+    const bool need_mask = !block_full(bounds, nqb, qb, klo_me, khi_me);
     const float* ls = Ls + stage * BM;
     const float* es = Es + stage * BM;
-    const long long* ps = Ps + stage * BM;
+    const long long* pl = Pl + stage * BM;
+    const long long* ph = Ph + stage * BM;
 #pragma unroll
     for (int nt = 0; nt < NTQ; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + tg * 2 + (e & 1);  // query row within the block
         float p = fast_exp2(st[nt][e] * scale_log2 - ls[col]);
-        if (need_mask && kp[e >> 1] > ps[col]) p = 0.f;
+        if (need_mask && (kp[e >> 1] < pl[col] || kp[e >> 1] > ph[col])) p = 0.f;
         st[nt][e] = p;
         dpt[nt][e] = p * (dpt[nt][e] - es[col]);
       }
@@ -265,7 +269,8 @@ __global__ void __launch_bounds__(128, 1)
                     const T* __restrict__ dout, const float* __restrict__ lse,
                     const float* __restrict__ delta, float* __restrict__ dq,
                     const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
-                    const long long* __restrict__ bounds, int H, int Hkv, int Sq, int Sk, int D,
+                    const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
+                    const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
                     int ld, float scale, int causal) {
   constexpr int BM = 64, NTHREADS = 128, LDS = HD + 8;
   constexpr int KD = HD / 16, NTS = BN / 8, NTO = HD / 8, CH = HD / 8;
@@ -280,11 +285,10 @@ __global__ void __launch_bounds__(128, 1)
 
   const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
-  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
-  const long long* klo = bounds + 2 * nqb;
+  const long long* klo = bounds + 4 * nqb;
   const long long* khi = klo + nkb;
-  int kb = next_kblock(0, nkb, causal, klo, qhi);
-  if (kb >= nkb) return;  // every key is in the future: no gradient
+  int kb = next_kblock(0, nkb, bounds, nqb, qb);
+  if (kb >= nkb) return;  // no row sees any key: no gradient
 
   const int hk = h / (H / Hkv);
   const long long qrow0 = ((long long)b * H + h) * Sq;
@@ -315,16 +319,18 @@ __global__ void __launch_bounds__(128, 1)
   load_kv(0, kb);
   cp_commit();
 
-  // this thread's rows q0 + warp * 16 + gr (+ 8): base-2 lse, delta, position
+  // this thread's rows q0 + warp * 16 + gr (+ 8): base-2 lse, delta, visible keys
   float l2[2], dl[2];
-  long long qp[2];
+  long long rlo[2], rhi[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = q0 + warp * 16 + gr + 8 * r;
     const bool ok = row < Sq;
     l2[r] = lse_base2(ok ? lse[qrow0 + row] : 0.f, ok);
     dl[r] = ok ? delta[qrow0 + row] : 0.f;
-    qp[r] = ok ? q_pos[row] : RING_POS_MIN;
+    rlo[r] = RING_POS_MAX;
+    rhi[r] = RING_POS_MIN;
+    if (ok) row_range(row_lo, row_hi, q_pos, causal, row, rlo[r], rhi[r]);
   }
   float dqa[NTO][4];
 #pragma unroll
@@ -338,7 +344,7 @@ __global__ void __launch_bounds__(128, 1)
   const unsigned k_t = smem_addr(Ks + (lane & 15) * LDS + (lane >> 4) * 8);
 
   while (true) {
-    const int nxt = next_kblock(kb + 1, nkb, causal, klo, qhi);
+    const int nxt = next_kblock(kb + 1, nkb, bounds, nqb, qb);
     if (nxt < nkb) {
       load_kv(stage ^ 1, nxt);
       cp_commit();
@@ -374,7 +380,7 @@ __global__ void __launch_bounds__(128, 1)
 
     // dS = P (dP - delta), P = exp2(S scale log2e - lse2), 0 where masked
     const int k0 = kb * BN;
-    const bool need_mask = causal && qlo < khi[kb];
+    const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
     const bool partial = k0 + BN > Sk;
 #pragma unroll
     for (int nt = 0; nt < NTS; ++nt) {
@@ -382,7 +388,11 @@ __global__ void __launch_bounds__(128, 1)
       for (int e = 0; e < 4; ++e) {
         const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
         float p = fast_exp2(s[nt][e] * scale_log2 - l2[e >> 1]);
-        if ((partial && kj >= Sk) || (need_mask && kj < Sk && k_pos[kj] > qp[e >> 1])) p = 0.f;
+        if (partial && kj >= Sk) p = 0.f;
+        if (need_mask && kj < Sk) {
+          const long long kp = k_pos[kj];
+          if (kp < rlo[e >> 1] || kp > rhi[e >> 1]) p = 0.f;
+        }
         s[nt][e] = p * (dp[nt][e] - dl[e >> 1]);
       }
     }
@@ -433,7 +443,7 @@ __global__ void __launch_bounds__(128, 1)
 // dK, dV of one block of BN keys: grid (nkb, Hkv, B). Thread (ty, tx) owns
 // keys ty + 16 i and, for S^T/dP^T, queries tx + 16 j; for dK/dV, head-dim
 // columns tx + 16 j. Dynamic shared memory:
-// BM * 8 + ((2 BN + 2 BM) (DMAX + 1) + 2 BN (BM + 1) + 2 BM) * sizeof(A) bytes.
+// BM * 16 + ((2 BN + 2 BM) (DMAX + 1) + 2 BN (BM + 1) + 2 BM) * sizeof(A) bytes.
 template <typename T, typename A, int DMAX, int BM, int BN>
 __global__ void __launch_bounds__(256, 1)
     attn_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k,
@@ -441,14 +451,16 @@ __global__ void __launch_bounds__(256, 1)
                        const A* __restrict__ lse, const A* __restrict__ delta,
                        A* __restrict__ dk, A* __restrict__ dv, const long long* __restrict__ q_pos,
                        const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
+                       const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                        int H, int Hkv, int Sq, int Sk, int D, int ld, A scale, int causal) {
   constexpr int NTHREADS = 256, LD = DMAX + 1, LP = BM + 1;
   constexpr int RN = BN / 16, RM = BM / 16, RD = DMAX / 16;
   static_assert(BM % 16 == 0 && BN % 16 == 0 && DMAX % 16 == 0, "tile sizes");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  long long* Qp = reinterpret_cast<long long*>(smem_raw);  // [BM] q positions
-  A* Ks = reinterpret_cast<A*>(Qp + BM);                    // [BN][LD]
+  long long* Ql = reinterpret_cast<long long*>(smem_raw);  // [BM] row lo
+  long long* Qh = Ql + BM;                                  // [BM] row hi
+  A* Ks = reinterpret_cast<A*>(Qh + BM);                    // [BN][LD]
   A* Vs = Ks + BN * LD;                                     // [BN][LD]
   A* Qs = Vs + BN * LD;                                     // [BM][LD]
   A* Os = Qs + BM * LD;                                     // [BM][LD]  dO
@@ -460,10 +472,8 @@ __global__ void __launch_bounds__(256, 1)
   const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int G = H / Hkv;
   const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
-  const long long* qlo = bounds;
-  const long long* qhi = bounds + nqb;
-  const long long klo_me = bounds[2 * nqb + kb], khi_me = bounds[2 * nqb + nkb + kb];
-  int qb = next_qblock(0, nqb, causal, qhi, klo_me);
+  const long long klo_me = bounds[4 * nqb + kb], khi_me = bounds[4 * nqb + nkb + kb];
+  int qb = next_qblock(0, nqb, bounds, klo_me, khi_me);
   if (qb >= nqb) return;
 
   const long long krow0 = ((long long)b * Hkv + hk) * Sk;
@@ -490,10 +500,10 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
     for (int j = 0; j < RD; ++j) dka[i][j] = dva[i][j] = zero;
 
-  for (; qb < nqb; qb = next_qblock(qb + 1, nqb, causal, qhi, klo_me)) {
+  for (; qb < nqb; qb = next_qblock(qb + 1, nqb, bounds, klo_me, khi_me)) {
     const int q0 = qb * BM;
     const int nq = (Sq - q0 < BM) ? Sq - q0 : BM;
-    const bool need_mask = causal && qlo[qb] < khi_me;
+    const bool need_mask = !block_full(bounds, nqb, qb, klo_me, khi_me);
     for (int gi = 0; gi < G; ++gi) {
       const long long qrow0 = ((long long)b * H + hk * G + gi) * Sq;
       __syncthreads();  // the previous tile's readers are done (K/V stored)
@@ -506,7 +516,10 @@ __global__ void __launch_bounds__(256, 1)
       }
       for (int r = tid; r < BM; r += NTHREADS) {
         const bool ok = q0 + r < Sq;
-        Qp[r] = ok ? q_pos[q0 + r] : RING_POS_MAX;
+        long long lo = RING_POS_MAX, hi = RING_POS_MIN;  // padding rows see nothing
+        if (ok) row_range(row_lo, row_hi, q_pos, causal, q0 + r, lo, hi);
+        Ql[r] = lo;
+        Qh[r] = hi;
         Ls[r] = lse_natural<A>(ok ? lse[qrow0 + q0 + r] : zero, ok);
         Es[r] = ok ? delta[qrow0 + q0 + r] : zero;
       }
@@ -544,7 +557,7 @@ __global__ void __launch_bounds__(256, 1)
         for (int j = 0; j < RM; ++j) {
           const int qj = tx + 16 * j;
           A p = exp_acc(s[i][j] * scale - Ls[qj]);
-          if (need_mask && kp[i] > Qp[qj]) p = zero;
+          if (need_mask && (kp[i] < Ql[qj] || kp[i] > Qh[qj])) p = zero;
           Pt[(ty + 16 * i) * LP + qj] = p;
           St[(ty + 16 * i) * LP + qj] = p * (dp[i][j] - Es[qj]);
         }
@@ -599,7 +612,8 @@ __global__ void __launch_bounds__(256, 1)
                      const T* __restrict__ dout, const A* __restrict__ lse,
                      const A* __restrict__ delta, A* __restrict__ dq,
                      const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
-                     const long long* __restrict__ bounds, int H, int Hkv, int Sq, int Sk, int D,
+                     const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
+                     const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
                      int ld, A scale, int causal) {
   constexpr int NTHREADS = 256, LD = DMAX + 1, LP = BN + 1;
   constexpr int RM = BM / 16, RN = BN / 16, RD = DMAX / 16;
@@ -614,10 +628,9 @@ __global__ void __launch_bounds__(256, 1)
 
   const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
-  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
-  const long long* klo = bounds + 2 * nqb;
+  const long long* klo = bounds + 4 * nqb;
   const long long* khi = klo + nkb;
-  int kb = next_kblock(0, nkb, causal, klo, qhi);
+  int kb = next_kblock(0, nkb, bounds, nqb, qb);
   if (kb >= nkb) return;
 
   const int hk = h / (H / Hkv);
@@ -635,19 +648,21 @@ __global__ void __launch_bounds__(256, 1)
     Os[r * LD + c] = ok ? to_acc<A>(dout[gq]) : zero;
   }
   A lr[RM], dl[RM], dqa[RM][RD];
-  long long qp[RM];
+  long long rlo[RM], rhi[RM];
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
     const int row = q0 + ty + 16 * i;
     const bool ok = row < Sq;
     lr[i] = lse_natural<A>(ok ? lse[qrow0 + row] : zero, ok);
     dl[i] = ok ? delta[qrow0 + row] : zero;
-    qp[i] = ok ? q_pos[row] : RING_POS_MIN;
+    rlo[i] = RING_POS_MAX;
+    rhi[i] = RING_POS_MIN;
+    if (ok) row_range(row_lo, row_hi, q_pos, causal, row, rlo[i], rhi[i]);
 #pragma unroll
     for (int j = 0; j < RD; ++j) dqa[i][j] = zero;
   }
 
-  for (; kb < nkb; kb = next_kblock(kb + 1, nkb, causal, klo, qhi)) {
+  for (; kb < nkb; kb = next_kblock(kb + 1, nkb, bounds, nqb, qb)) {
     const int k0 = kb * BN;
     __syncthreads();  // previous block's readers are done (and Q/dO are stored)
     for (int i = tid; i < BN * DMAX; i += NTHREADS) {
@@ -685,14 +700,19 @@ __global__ void __launch_bounds__(256, 1)
           dp[i][j] += oa[i] * va[j];
         }
     }
-    const bool need_mask = causal && qlo < khi[kb];
+    const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
 #pragma unroll
     for (int i = 0; i < RM; ++i)
 #pragma unroll
       for (int j = 0; j < RN; ++j) {
         const int kj = k0 + tx + 16 * j;
         A p = exp_acc(s[i][j] * scale - lr[i]);
-        if (kj >= Sk || (need_mask && k_pos[kj] > qp[i])) p = zero;
+        if (kj >= Sk) {
+          p = zero;
+        } else if (need_mask) {
+          const long long kp = k_pos[kj];
+          if (kp < rlo[i] || kp > rhi[i]) p = zero;
+        }
         Ss[(ty + 16 * i) * LP + tx + 16 * j] = p * (dp[i][j] - dl[i]);
       }
     __syncthreads();

@@ -9,16 +9,25 @@
 //   m, l   : (B, H, Sq)        running max and softmax denominator, type A
 //   q_pos  : (Sq,)             int64 global token positions
 //   k_pos  : (Sk,)             int64 global token positions
-//   bounds : (2*nqb + 2*nkb,)  int64 [qlo(nqb), qhi(nqb), klo(nkb), khi(nkb)]:
-//            min/max position of each q block (BM rows) and k block (BN rows)
+//   row_lo, row_hi : (Sq,)     int64 or null: query i sees key j iff
+//            row_lo[i] <= k_pos[j] <= row_hi[i] (row_lo[i] > row_hi[i]: no key).
+//            Null: causal (key j visible iff k_pos[j] <= q_pos[i]) or, with
+//            causal = 0, every key.
+//   bounds : (4*nqb + 2*nkb,)  int64 block plan (ringmpi/gpu/plan.py):
+//            [lo_min, lo_max, hi_min, hi_max] per q block (nqb values each),
+//            then [klo, khi] per k block (nkb each). Over the non-empty rows of
+//            q block j, lo_min/hi_max bound what any row sees; over all its
+//            rows, lo_max/hi_min is what every row sees; klo/khi are the
+//            min/max key position of a block of BN keys.
 //
 // For one query row with scaled scores s_j over the visible keys:
 //   m'  = max(m, max_j s_j);  m_safe = (m' == -inf) ? 0 : m'
 //   acc = exp(m - m_safe) acc + sum_j exp(s_j - m_safe) v_j
 //   l   = exp(m - m_safe) l   + sum_j exp(s_j - m_safe)
-// Causal: key j is visible to query i iff k_pos[j] <= q_pos[i]. A key block
-// with min(k_pos) > max(q_pos of the CTA) is skipped; one with
-// max(k_pos) <= min(q_pos) needs no per-element mask.
+// A key block with hi_max < klo or khi < lo_min is skipped (no row sees any
+// of its keys); one with lo_max <= klo and khi <= hi_min needs no per-element
+// mask; any other is masked per element. A row that sees no key keeps m =
+// -inf, l = 0 and acc unchanged (m_safe = 0 avoids exp(-inf - -inf)).
 //
 // The file needs no header: fp16 and bf16 are 16-bit storage structs and all
 // conversions, tensor-core MMAs and async copies are inline PTX (sm_80+).
@@ -143,12 +152,38 @@ template <> struct Mma<bf16_t> {
   }
 };
 
-// First key block at or after kb that is not fully masked for this q block.
-__device__ __forceinline__ int next_kblock(int kb, int nkb, int causal, const long long* klo,
-                                           long long qhi) {
-  if (causal)
-    while (kb < nkb && klo[kb] > qhi) ++kb;
+#define RING_POS_MIN (-RING_POS_MAX - 1)
+
+// Block plan tests (see `bounds` above). env = bounds; q block qb of nqb.
+// Whether some row of q block qb may see a key with position in [klo, khi].
+__device__ __forceinline__ bool block_live(const long long* env, int nqb, int qb, long long klo,
+                                           long long khi) {
+  return env[qb] <= khi && klo <= env[3 * nqb + qb];
+}
+// Whether every row of q block qb sees every key with position in [klo, khi].
+__device__ __forceinline__ bool block_full(const long long* env, int nqb, int qb, long long klo,
+                                           long long khi) {
+  return env[nqb + qb] <= klo && khi <= env[2 * nqb + qb];
+}
+// First key block at or after kb that some row of q block qb sees.
+__device__ __forceinline__ int next_kblock(int kb, int nkb, const long long* env, int nqb,
+                                           int qb) {
+  const long long* klo = env + 4 * nqb;
+  while (kb < nkb && !block_live(env, nqb, qb, klo[kb], klo[nkb + kb])) ++kb;
   return kb;
+}
+// Visible key positions [lo, hi] of query row `row` (< Sq): row_lo/row_hi
+// when given, else causal (up to the query's own position) or every key.
+__device__ __forceinline__ void row_range(const long long* row_lo, const long long* row_hi,
+                                          const long long* q_pos, int causal, int row,
+                                          long long& lo, long long& hi) {
+  if (row_lo != nullptr) {
+    lo = row_lo[row];
+    hi = row_hi[row];
+  } else {
+    lo = RING_POS_MIN;
+    hi = causal ? q_pos[row] : RING_POS_MAX;
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -161,11 +196,12 @@ __device__ __forceinline__ int next_kblock(int kb, int nkb, int causal, const lo
 // Dynamic shared memory: (BM + 4 BN) * (HD + 8) * sizeof(T) bytes.
 // ----------------------------------------------------------------------------
 template <typename T, int HD>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, 1)
     attn_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  float* __restrict__ acc, float* __restrict__ m_state,
                  float* __restrict__ l_state, const long long* __restrict__ q_pos,
                  const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
+                 const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                  int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal) {
   constexpr int BM = 64, BN = 64, NTHREADS = 128;
   constexpr int LDS = HD + 8;    // smem row stride (elements): conflict-free fragment loads
@@ -182,12 +218,11 @@ __global__ void __launch_bounds__(128)
 
   const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
-  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
-  const long long* klo = bounds + 2 * nqb;
+  const long long* klo = bounds + 4 * nqb;
   const long long* khi = klo + nkb;
 
-  int kb = next_kblock(0, nkb, causal, klo, qhi);
-  if (kb >= nkb) return;  // every key is in the future: state unchanged
+  int kb = next_kblock(0, nkb, bounds, nqb, qb);
+  if (kb >= nkb) return;  // no row sees any key: state unchanged
 
   const int hk = h / (H / Hkv);
   const long long qrow0 = ((long long)b * H + h) * Sq;     // first row of (b, h) in q/acc/m/l
@@ -216,6 +251,14 @@ __global__ void __launch_bounds__(128)
   load_tile(Ks, kg, kb * BN, Sk, BN);
   load_tile(Vs, vg, kb * BN, Sk, BN);
   cp_commit();
+  // visible key range of each row of the block (padding rows see nothing)
+  __shared__ long long rlo_s[BM], rhi_s[BM];
+  for (int r = tid; r < BM; r += NTHREADS) {
+    long long lo = RING_POS_MAX, hi = RING_POS_MIN;
+    if (q0 + r < Sq) row_range(row_lo, row_hi, q_pos, causal, q0 + r, lo, hi);
+    rlo_s[r] = lo;
+    rhi_s[r] = hi;
+  }
   cp_wait<1>();  // Q has landed (the first K/V block may still be in flight)
   __syncthreads();
 
@@ -236,14 +279,12 @@ __global__ void __launch_bounds__(128)
   // row group at the end, so only lane tg == 0 starts from the stored value
   float o[NTO][4];
   float mrow[2], lrow[2];
-  long long qp[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = q0 + rl + 8 * r;
     const bool valid = row < Sq;
     mrow[r] = valid ? m_state[qrow0 + row] : neg_inf<float>();
     lrow[r] = (valid && tg == 0) ? l_state[qrow0 + row] : 0.f;
-    qp[r] = valid ? q_pos[row] : RING_POS_MAX;
 #pragma unroll
     for (int nt = 0; nt < NTO; ++nt) {
       const int col = nt * 8 + tg * 2;
@@ -254,7 +295,7 @@ __global__ void __launch_bounds__(128)
   }
 
   while (true) {
-    const int nxt = next_kblock(kb + 1, nkb, causal, klo, qhi);
+    const int nxt = next_kblock(kb + 1, nkb, bounds, nqb, qb);
     if (nxt < nkb) {  // prefetch the next visible block into the other stage
       load_tile(Ks + (stage ^ 1) * BN * LDS, kg, nxt * BN, Sk, BN);
       load_tile(Vs + (stage ^ 1) * BN * LDS, vg, nxt * BN, Sk, BN);
@@ -280,9 +321,10 @@ __global__ void __launch_bounds__(128)
       }
     }
 
-    // scale, then mask keys past Sk and (near the diagonal) future keys
+    // scale, then mask keys past Sk and, where the block plan says so, the
+    // keys outside each row's [lo, hi]
     const int k0 = kb * BN;
-    const bool need_mask = causal && qlo < khi[kb];
+    const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
     const bool partial = k0 + BN > Sk;
 #pragma unroll
     for (int nt = 0; nt < NTS; ++nt) {
@@ -291,7 +333,12 @@ __global__ void __launch_bounds__(128)
         float x = s[nt][e] * scale;
         if (partial || need_mask) {
           const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
-          const bool vis = kj < Sk && (!need_mask || k_pos[kj] <= qp[e >> 1]);
+          bool vis = kj < Sk;
+          if (vis && need_mask) {
+            const long long kp = k_pos[kj];
+            const int lr = rl + 8 * (e >> 1);
+            vis = rlo_s[lr] <= kp && kp <= rhi_s[lr];
+          }
           if (!vis) x = neg_inf<float>();
         }
         s[nt][e] = x;
@@ -389,10 +436,11 @@ __global__ void __launch_bounds__(128)
 //     head: packed row r of (b, hk) is position r / G of query head
 //     hk * G + r % G, so every K/V block loaded serves all G heads;
 //   * a 1-D grid walks the q blocks in the order given by `order` (the host
-//     puts the causal blocks with the most visible keys first, so the long
-//     CTAs start early and the short ones fill the tail).
-// Block bounds are over packed blocks: qlo/qhi of block j are the min/max
-// position of rows [128 j, 128 j + 128). The grid is nqb * B * Hkv CTAs with
+//     puts the blocks with the most computed keys first, so the long CTAs
+//     start early and the short ones fill the tail).
+// The block plan is over packed blocks: block j covers the query positions of
+// packed rows [128 j, 128 j + 128), and row_lo/row_hi (when given) are read at
+// position r / G. The grid is nqb * B * Hkv CTAs with
 // blockIdx.x = (j * B + b) * Hkv + hk and q block order[j].
 // Dynamic shared memory: (128 + 4 BN) * (HD + 8) * sizeof(T) bytes.
 // ----------------------------------------------------------------------------
@@ -402,6 +450,7 @@ __global__ void __launch_bounds__(128, 1)
                   float* __restrict__ acc, float* __restrict__ m_state,
                   float* __restrict__ l_state, const long long* __restrict__ q_pos,
                   const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
+                  const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                   const int* __restrict__ order, int B, int H, int Hkv, int Sq, int Sk, int D,
                   int ld, float scale_log2, int causal) {
   constexpr int BM = 128, NTHREADS = 128, MT = 2;
@@ -411,7 +460,7 @@ __global__ void __launch_bounds__(128, 1)
   static_assert(BN % 16 == 0 && BN <= 64, "BN must be 16, 32, 48 or 64");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ long long qps[BM];  // position of each packed row (max for padding rows)
+  __shared__ long long rlo_s[BM], rhi_s[BM];  // visible key range of each packed row
   __shared__ float m_in[BM];     // the max each row came in with (base 2)
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
   T* Ks = Qs + BM * LDS;                   // [2][BN][LDS]
@@ -425,12 +474,11 @@ __global__ void __launch_bounds__(128, 1)
   bid /= Hkv;
   const int b = bid % B;
   const int qb = order[bid / B];
-  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
-  const long long* klo = bounds + 2 * nqb;
+  const long long* klo = bounds + 4 * nqb;
   const long long* khi = klo + nkb;
 
-  int kb = next_kblock(0, nkb, causal, klo, qhi);
-  if (kb >= nkb) return;  // every key is in the future: state unchanged
+  int kb = next_kblock(0, nkb, bounds, nqb, qb);
+  if (kb >= nkb) return;  // no row sees any key: state unchanged
 
   const long long krow0 = ((long long)b * Hkv + hk) * Sk;
   const T* kg = k + krow0 * ld;
@@ -453,7 +501,10 @@ __global__ void __launch_bounds__(128, 1)
   cp_commit();
   for (int r = tid; r < BM; r += NTHREADS) {
     const bool ok = r0 + r < rows;
-    qps[r] = ok ? q_pos[(r0 + r) / G] : RING_POS_MAX;
+    long long lo = RING_POS_MAX, hi = RING_POS_MIN;  // padding rows see nothing
+    if (ok) row_range(row_lo, row_hi, q_pos, causal, (r0 + r) / G, lo, hi);
+    rlo_s[r] = lo;
+    rhi_s[r] = hi;
     m_in[r] = ok ? m_state[row_of(r0 + r)] * RING_LOG2E : neg_inf<float>();
   }
   auto load_kv = [&](int st, int kblock) {
@@ -476,7 +527,7 @@ __global__ void __launch_bounds__(128, 1)
   // (c0/c1 of m-tile mt are row r = 0, c2/c3 row r = 1). m is kept in base 2.
   float o[MT][NTO][4];
   float mrow[MT][2], lrow[MT][2];
-  __syncthreads();  // qps, m_in
+  __syncthreads();  // rlo_s, rhi_s, m_in
   // The loop starts from the incoming max (so m only grows) with o = l = 0; the
   // stored acc and l are folded in at the end, scaled by exp2(m_in - m_final).
 #pragma unroll
@@ -498,7 +549,7 @@ __global__ void __launch_bounds__(128, 1)
       smem_addr(Ks + ((lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8);
   const unsigned v_addr = smem_addr(Vs + (lane & 15) * LDS + (lane >> 4) * 8);
   while (true) {
-    const int nxt = next_kblock(kb + 1, nkb, causal, klo, qhi);
+    const int nxt = next_kblock(kb + 1, nkb, bounds, nqb, qb);
     if (nxt < nkb) {  // prefetch the next visible block into the other stage
       load_kv(stage ^ 1, nxt);
       cp_commit();
@@ -533,9 +584,10 @@ __global__ void __launch_bounds__(128, 1)
       }
     }
 
-    // base-2 scores; mask keys past Sk and (near the diagonal) future keys
+    // base-2 scores; mask keys past Sk and, where the block plan says so, the
+    // keys outside each row's [lo, hi]
     const int k0 = kb * BN;
-    const bool need_mask = causal && qlo < khi[kb];
+    const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
     const bool partial = k0 + BN > Sk;
 #pragma unroll
     for (int nt = 0; nt < NTS; ++nt) {
@@ -550,7 +602,8 @@ __global__ void __launch_bounds__(128, 1)
           for (int r = 0; r < 2; ++r) {
             float x = s[mt][nt][2 * r + e] * scale_log2;
             if (partial || need_mask) {
-              const bool vis = kj < Sk && (!need_mask || kp <= qps[warp * 32 + mt * 16 + r * 8 + gr]);
+              const int lr = warp * 32 + mt * 16 + r * 8 + gr;
+              const bool vis = kj < Sk && (!need_mask || (rlo_s[lr] <= kp && kp <= rhi_s[lr]));
               if (!vis) x = neg_inf<float>();
             }
             s[mt][nt][2 * r + e] = x;
@@ -660,11 +713,12 @@ __global__ void __launch_bounds__(128, 1)
 // ((BM + 2 BN) (DMAX + 1) + BM (BN + 1)) * sizeof(A) bytes.
 // ----------------------------------------------------------------------------
 template <typename T, typename A, int DMAX, int BM, int BN>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 1)
     attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   A* __restrict__ acc, A* __restrict__ m_state, A* __restrict__ l_state,
                   const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
-                  const long long* __restrict__ bounds, int H, int Hkv, int Sq, int Sk, int D,
+                  const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
+                  const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
                   int ld, A scale, int causal) {
   constexpr int NTHREADS = 256;
   constexpr int LD = DMAX + 1;  // odd stride: rows fall in different banks
@@ -680,11 +734,10 @@ __global__ void __launch_bounds__(256)
 
   const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int nqb = (Sq + BM - 1) / BM, nkb = (Sk + BN - 1) / BN;
-  const long long qlo = bounds[qb], qhi = bounds[nqb + qb];
-  const long long* klo = bounds + 2 * nqb;
+  const long long* klo = bounds + 4 * nqb;
   const long long* khi = klo + nkb;
 
-  int kb = next_kblock(0, nkb, causal, klo, qhi);
+  int kb = next_kblock(0, nkb, bounds, nqb, qb);
   if (kb >= nkb) return;
 
   const int hk = h / (H / Hkv);
@@ -703,14 +756,16 @@ __global__ void __launch_bounds__(256)
   }
 
   A o[RM][RD], mrow[RM], lrow[RM];
-  long long qp[RM];
+  long long rlo[RM], rhi[RM];  // visible key positions of each row (none for padding)
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
     const int row = q0 + ty + 16 * i;
     const bool valid = row < Sq;
     mrow[i] = valid ? m_state[qrow0 + row] : neg_inf<A>();
     lrow[i] = (valid && tx == 0) ? l_state[qrow0 + row] : zero;
-    qp[i] = valid ? q_pos[row] : RING_POS_MAX;
+    rlo[i] = RING_POS_MAX;
+    rhi[i] = RING_POS_MIN;
+    if (valid) row_range(row_lo, row_hi, q_pos, causal, row, rlo[i], rhi[i]);
 #pragma unroll
     for (int j = 0; j < RD; ++j) {
       const int c = tx + 16 * j;
@@ -718,7 +773,7 @@ __global__ void __launch_bounds__(256)
     }
   }
 
-  for (; kb < nkb; kb = next_kblock(kb + 1, nkb, causal, klo, qhi)) {
+  for (; kb < nkb; kb = next_kblock(kb + 1, nkb, bounds, nqb, qb)) {
     const int k0 = kb * BN;
     __syncthreads();  // previous block's readers are done (and Q is stored)
     for (int i = tid; i < BN * DMAX; i += NTHREADS) {
@@ -749,7 +804,7 @@ __global__ void __launch_bounds__(256)
         for (int j = 0; j < RN; ++j) s[i][j] += qa[i] * kb_[j];
     }
 
-    const bool need_mask = causal && qlo < khi[kb];
+    const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
     const bool partial = k0 + BN > Sk;
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
@@ -759,7 +814,11 @@ __global__ void __launch_bounds__(256)
         A x = s[i][j] * scale;
         if (partial || need_mask) {
           const int kj = k0 + tx + 16 * j;
-          const bool vis = kj < Sk && (!need_mask || k_pos[kj] <= qp[i]);
+          bool vis = kj < Sk;
+          if (vis && need_mask) {
+            const long long kp = k_pos[kj];
+            vis = rlo[i] <= kp && kp <= rhi[i];
+          }
           if (!vis) x = neg_inf<A>();
         }
         s[i][j] = x;

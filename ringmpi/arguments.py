@@ -272,9 +272,6 @@ def prepare(
     with watch(f"{what}: the argument agreement (allgather) with the other ranks"):
         agreed = agree(comm, meta, what)
     args = resolve(agreed, q, be)
-    if be.name == "gpu" and not args.mask.plain:  # the same decision on every rank
-        raise ValueError(f"{what}: windows, packed sequences and cross-attention run on the CPU "
-                         "tiles only for now; pass numpy arrays")  # fmt: skip
     return be, args, *(to_internal(be.xp, x, args.tile_dtype) for x in (q, k, v))
 
 

@@ -22,6 +22,7 @@ from ringmpi import gpu, softmax
 from ringmpi.cpu import numpy_tile as cpu
 from ringmpi.gpu import configs, device
 from ringmpi.gpu import tile as gpu_tile
+from ringmpi.mask import make_mask
 from ringmpi.partition import positions
 from ringmpi.reference import attention
 from ringmpi.testing import assert_all, dense, random_qkv
@@ -83,8 +84,11 @@ def kernel_for(dtype: str, d: int, causal: bool):
     return gpu_tile.chosen(storage_of(dtype), d, causal, device.current())
 
 
-def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
-    """Carry a state through one K/V block on the CPU, then fold a second block on both."""
+def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None):
+    """Carry a state through one K/V block on the CPU, then fold a second block on both.
+
+    ``bounds`` (lo, hi): the per-row mask of both blocks (the tiles' ``bounds``).
+    """
     sq, sk, sk0 = len(q_pos), len(k_pos), len(k_pos0)
     acc_t = np.float64 if dtype == "float64" else np.float32
     qn, qg = to_tile(rng.standard_normal((b, h, sq, d)), dtype)
@@ -94,14 +98,15 @@ def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
     v0, _ = to_tile(rng.standard_normal((b, hkv, sk0, d)), dtype)
     scale = 1.0 / np.sqrt(d)
     acc, m, l = softmax.init_state(qn.shape, acc_t)
+    kw = {} if bounds is None else {"bounds": bounds}
     if sk0:
-        cpu.forward_tile(qn, k0, v0, q_pos, k_pos0, acc, m, l, scale=scale, causal=causal)
+        cpu.forward_tile(qn, k0, v0, q_pos, k_pos0, acc, m, l, scale=scale, causal=causal, **kw)
     ga, gm, gl = (cupy.asarray(x) for x in (acc, m, l))
-    cpu.forward_tile(qn, kn, vn, q_pos, k_pos, acc, m, l, scale=scale, causal=causal)
+    cpu.forward_tile(qn, kn, vn, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, **kw)
     calls = []
     flops = gpu.forward_tile(
         qg, kg, vg, q_pos, k_pos, ga, gm, gl, scale=scale, causal=causal,
-        progress=lambda: calls.append(1),
+        progress=lambda: calls.append(1), **kw,
     )  # fmt: skip
     cupy.cuda.get_current_stream().synchronize()
     return (acc, m, l), tuple(cupy.asnumpy(x) for x in (ga, gm, gl)), flops, calls, vn
@@ -177,6 +182,81 @@ def test_fully_masked_tile_leaves_state():
         assert np.array_equal(x, y)
 
 
+# ---------------------------------------------------------------------------
+# masks beyond causal: per-row bounds (lo, hi) from ringmpi.mask, as the ring passes them
+# ---------------------------------------------------------------------------
+LENGTHS = (3, 97, 1, 139, 60)
+CU = np.concatenate(([0], np.cumsum(LENGTHS)))  # 300 tokens in 5 packed sequences
+CU_K = CU + 30 * np.arange(len(CU))  # 30 more keys per sequence: packed cross-attention
+
+# (name, nq, nk, causal, mask keywords of ring_attention)
+MASKS = [
+    ("window 30 causal", 400, 400, True, dict(window=(30, 0))),
+    ("window 9,4", 400, 400, False, dict(window=(9, 4))),
+    ("packed causal", 300, 300, True, dict(cu_seqlens=CU)),
+    ("packed window 20,20", 300, 300, False, dict(cu_seqlens=CU, window=(20, 20))),
+    ("cross 200x500 causal", 200, 500, True, {}),
+    ("cross 500x200 causal (empty rows)", 500, 200, True, {}),
+    ("cross packed window", 300, int(CU_K[-1]), True,
+     dict(cu_seqlens=CU, cu_seqlens_k=CU_K, window=(16, 0))),
+]  # fmt: skip
+
+
+def mask_tiles(layout: str, pairs=((0, 0), (1, 0), (0, 1)), p: int = 2):
+    """(what, q_pos, k_pos, k_pos0, bounds) of tile calls a P-rank masked ring makes."""
+    for name, nq, nk, causal, kw in MASKS:
+        mask = make_mask(nq, nk, causal, **kw)
+        for rq, rk in pairs:
+            q_pos = positions(nq, rq, p, layout, cu_seqlens=mask.cu_q)
+            k_pos = positions(nk, rk, p, layout, cu_seqlens=mask.cu_k)
+            k_pos0 = positions(nk, (rk + 1) % p, p, layout, cu_seqlens=mask.cu_k)
+            if len(q_pos) and len(k_pos):
+                yield f"{name} {layout} q{rq} k{rk}", q_pos, k_pos, k_pos0, mask.bounds(q_pos)
+    # random rows, a quarter of them empty (lo > hi), keys in shuffled runs of 50
+    rng = np.random.default_rng(4)
+    q_pos = np.arange(300, dtype=np.int64)
+    k_pos = (50 * rng.permutation(8)[:, None] + np.arange(50)).ravel().astype(np.int64)
+    lo = rng.integers(-50, 400, 300)
+    hi = lo + rng.integers(-40, 120, 300)
+    yield f"random rows {layout}", q_pos, k_pos, np.arange(400, 450, dtype=np.int64), (lo, hi)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_tile_masks(dtype, layout):
+    """Forward tile with bounds (windows, packed, cross, empty rows) against the numpy tile."""
+    rng = np.random.default_rng(31)
+    for d in (64, 200) if layout == "zigzag" else (64,):  # 200: the CUDA-core fp16/bf16 tile
+        kern = kernel_for(dtype, d, True)
+        for what, q_pos, k_pos, k_pos0, bounds in mask_tiles(layout):
+            what = f"{dtype} D={d} {kern.name} {what}"
+            c, g, flops, calls, vn = run_pair(rng, dtype, 1, 4, 2, d, q_pos, k_pos, k_pos0,
+                                              True, bounds)  # fmt: skip
+            check_state(c, g, dtype, np.abs(vn).max(), what)
+            assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d, bounds)
+            visible = int(visibility(q_pos, k_pos, True, bounds).sum())
+            assert 4 * visible * d * 4 <= flops <= 4 * len(q_pos) * len(k_pos) * d * 4, what
+            assert calls, "progress was never called"
+
+
+def test_fully_masked_bounds_leave_state():
+    """Bounds that hide every key: no flops, state and gradients untouched, no NaN."""
+    rng = np.random.default_rng(5)
+    q_pos, k_pos = np.arange(100, dtype=np.int64), np.arange(100, 250, dtype=np.int64)
+    for lo, hi in [(q_pos - 20, q_pos), (q_pos + 5, q_pos)]:  # keys outside / every row empty
+        for dtype in ("float16", "float32"):
+            c, g, flops, _, _ = run_pair(rng, dtype, 1, 2, 1, 64, q_pos, k_pos, q_pos, False,
+                                         (lo, hi))  # fmt: skip
+            assert flops == 0
+            for x, y in zip(c, g):
+                assert np.array_equal(x, y)
+            ref, got, flops, _, _, _ = run_backward(rng, dtype, 1, 2, 1, 64, q_pos, k_pos,
+                                                    q_pos, False, (lo, hi))  # fmt: skip
+            assert flops == 0
+            for r, x in zip(ref, got):
+                assert np.array_equal(r.astype(x.dtype), x)
+
+
 def test_bf16_bits_round_trip():
     """CuPy rounding is bit-identical to the numpy path (checked against a reference in
     tests/test_gpu_compile.py); the error is at most half a bfloat16 ulp, subnormals too."""
@@ -209,12 +289,16 @@ def test_every_configuration_that_fits(monkeypatch):
                 assert kernel_for(dtype, d, False) == kernel_for(dtype, d, True) == kern
                 q_pos = np.arange(150, dtype=np.int64) + 60
                 k_pos, k_pos0 = np.arange(190, dtype=np.int64), np.arange(70, dtype=np.int64)
-                for causal in (False, True):
+                # a window with empty rows (lo > hi) and rows past the keys
+                lo, hi = q_pos - 70, q_pos - 10
+                hi[::7] = lo[::7] - 1
+                for causal, bounds in ((False, None), (True, None), (False, (lo, hi))):
                     c, g, flops, _, vn = run_pair(rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0,
-                                                  causal)  # fmt: skip
-                    what = f"{kern.name} {dtype} D={d} causal={causal}"
+                                                  causal, bounds)  # fmt: skip
+                    what = f"{kern.name} {dtype} D={d} causal={causal} bounds={bounds is not None}"
                     check_state(c, g, dtype, np.abs(vn).max(), what)
-                    assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d)
+                    want = gpu_tile.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d, bounds)
+                    assert flops == want, what
     monkeypatch.setenv(gpu_tile.CONFIG_ENV, "no-such-config")
     with pytest.raises(ValueError, match="no-such-config"):
         kernel_for("float32", 64, False)
@@ -279,7 +363,17 @@ def grouped(x, g):
     return np.repeat(x, g, axis=1)
 
 
-def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
+def visibility(q_pos, k_pos, causal, bounds=None):
+    """(Sq, Sk) bool: which keys each query sees (the tile contract, element by element)."""
+    if bounds is not None:
+        lo, hi = bounds
+        return (lo[:, None] <= k_pos[None, :]) & (k_pos[None, :] <= hi[:, None])
+    if causal:
+        return k_pos[None, :] <= q_pos[:, None]
+    return np.ones((len(q_pos), len(k_pos)), bool)
+
+
+def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None):
     """(reference increments, GPU results, flops, progress calls, tolerance bounds)."""
     sq, sk = len(q_pos), len(k_pos)
     g = h // hkv
@@ -292,29 +386,32 @@ def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
     v0, _ = to_tile(rng.standard_normal((b, hkv, len(k_pos0), d)), dtype)
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (qn, kn, vn, don))
     scale = 1.0 / np.sqrt(d)
+    kw = {} if bounds is None else {"bounds": bounds}
     # lse and out of a real ring state: an earlier block, then this one
     acc, m, l = softmax.init_state(q64.shape, np.float64)
     for kk, vv, pp in ((k0, v0, k_pos0), (k64, v64, k_pos)):
         if len(pp):
             cpu.forward_tile(q64, kk.astype(np.float64), vv.astype(np.float64), q_pos, pp,
-                             acc, m, l, scale=scale, causal=causal)  # fmt: skip
+                             acc, m, l, scale=scale, causal=causal, **kw)  # fmt: skip
     out, lse = softmax.finalize(acc, m, l)
     delta = (do64 * out).sum(-1)
-    start = [rng.standard_normal(x.shape) for x in (q64, k64, v64)]  # += is checked too
+    # += is checked too; the starting values are exact in the accumulation dtype, so a
+    # block that adds nothing leaves the GPU accumulators equal to the reference
+    start = [rng.standard_normal(x.shape).astype(adt).astype(np.float64) for x in (q64, k64, v64)]
     ref = [x.copy() for x in start]
     cpu.backward_tile(q64, k64, v64, do64, lse, delta, q_pos, k_pos, *ref, scale=scale,
-                      causal=causal)  # fmt: skip
+                      causal=causal, **kw)  # fmt: skip
     got = [cupy.asarray(x.astype(adt)) for x in start]
     calls = []
     as_acc = [cupy.asarray(x.astype(adt)) for x in (qn, don, lse, delta)]
     flops = gpu.backward_tile(
         as_acc[0], kg, vg, as_acc[1], as_acc[2], as_acc[3], q_pos, k_pos, *got,
-        scale=scale, causal=causal, progress=lambda: calls.append(1),
+        scale=scale, causal=causal, progress=lambda: calls.append(1), **kw,
     )  # fmt: skip
     cupy.cuda.get_current_stream().synchronize()
     # dense |P| and |dS| bound what rounding P and dS to 16 bits can move
     kf, vf = grouped(k64, g), grouped(v64, g)
-    vis = (k_pos[None, :] <= q_pos[:, None]) if causal else np.ones((sq, sk), bool)
+    vis = visibility(q_pos, k_pos, causal, bounds)
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(vis, np.exp(scale * q64 @ np.swapaxes(kf, -1, -2) - lse[..., None]), 0.0)
     p = np.nan_to_num(p)
@@ -332,7 +429,9 @@ def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal):
 def check_backward(ref, got, bounds, dtype, what):
     eps = np.finfo(np.float64 if dtype == "float64" else np.float32).eps
     for name, r, x, bnd in zip(("dq", "dk", "dv"), ref, got, bounds):
-        tol = (3 * UNIT[dtype] + 128 * eps) * float(bnd.max(initial=0.0)) + 1e-6 * eps
+        # products (bounded by bnd) plus the final rounding of the accumulator (|r|)
+        tol = (3 * UNIT[dtype] + 128 * eps) * float(bnd.max(initial=0.0))
+        tol += eps * float(np.abs(r).max(initial=0.0)) + 1e-6 * eps
         err = float(np.abs(x - r).max(initial=0.0))
         assert err <= tol, f"{what} {name}: err {err:.3g} > tol {tol:.3g}"
 
@@ -390,6 +489,25 @@ def test_backward_tile_causal_offsets_every_layout(dtype, layout):
                 if visible == 0:  # nothing visible: the accumulators are untouched
                     for r, x in zip(ref, got):
                         assert np.array_equal(r.astype(x.dtype), x), what
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_backward_tile_masks(dtype, layout):
+    """Backward tiles with bounds (windows, packed, cross, empty rows) against the numpy tile."""
+    rng = np.random.default_rng(37)
+    for d in (64, 200) if layout == "zigzag" else (64,):  # 200: the CUDA-core fp16/bf16 tiles
+        _, k_dq = bwd_kernels(dtype, d)
+        for what, q_pos, k_pos, k_pos0, bounds in mask_tiles(layout, ((0, 0), (1, 0))):
+            ref, got, flops, calls, tol, visible = run_backward(
+                rng, dtype, 1, 4, 2, d, q_pos, k_pos, k_pos0, True, bounds
+            )
+            what = f"{dtype} D={d} {what}"
+            check_backward(ref, got, tol, dtype, what)
+            want = gpu.backward.backward_flops(k_dq, q_pos, k_pos, True, 1, 4, d, bounds)
+            assert flops == want, what
+            assert 10 * visible * d * 4 <= flops <= 10 * len(q_pos) * len(k_pos) * d * 4, what
+            assert calls, "progress was never called"
 
 
 def test_kernels_load_from_the_disk_cache():
@@ -527,3 +645,76 @@ def test_backward_ring_single_process(dtype, causal):
 def test_backward_ring_mpi(comm, layout, dtype, causal):
     gpu.bind_device(comm)
     ring_backward_case(comm, dtype, causal, layout)
+
+
+# ---------------------------------------------------------------------------
+# ring_attention and its backward with CuPy inputs and masks beyond causal
+# ---------------------------------------------------------------------------
+RING_MASKS = [
+    ("window 40 causal", 600, 600, True, dict(window=(40, 0))),
+    ("packed causal", 300, 300, True, dict(cu_seqlens=CU)),
+    ("packed window 20,5", 300, 300, False, dict(cu_seqlens=CU, window=(20, 5))),
+    ("cross 500x200 causal (empty rows)", 500, 200, True, {}),
+    ("cross packed causal", 300, int(CU_K[-1]), True, dict(cu_seqlens=CU, cu_seqlens_k=CU_K)),
+]
+
+
+def ring_mask_case(comm, dtype, layout, case, h=4, hkv=2, d=64):
+    """Forward and backward of one masked case on CuPy arrays against the dense references."""
+    from ringmpi.backward import ring_attention_backward
+    from ringmpi.reference import attention_backward
+    from ringmpi.testing import dense_backward
+
+    name, nq, nk, causal, kw = case
+    rng = np.random.default_rng(41)
+    data = None
+    if comm.rank == 0:
+        data = [rng.standard_normal(s) for s in ((nq, h, d), (nk, hkv, d), (nk, hkv, d))]
+        data.append(rng.standard_normal((nq, h, d)))
+    q, k, v, dout = (x.astype(dtype) for x in comm.bcast(data))
+    cu_q, cu_k = kw.get("cu_seqlens"), kw.get("cu_seqlens_k", kw.get("cu_seqlens"))
+    ql, dl = (cupy.asarray(ringmpi.shard(x, comm, layout, cu_seqlens=cu_q)) for x in (q, dout))
+    kl, vl = (cupy.asarray(ringmpi.shard(x, comm, layout, cu_seqlens=cu_k)) for x in (k, v))
+    stats = {}
+    out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=causal, layout=layout,
+                                      return_lse=True, stats=stats, **kw)  # fmt: skip
+    assert_all(comm, stats.get("backend") == "gpu", f"backend {stats.get('backend')}")
+    tag = f"{name} {layout} {np.dtype(dtype).name} P={comm.size}"
+    full = ringmpi.gather(cupy.asnumpy(out).astype(np.float64), nq, comm, layout, cu_seqlens=cu_q)
+    ref, _ = attention(q, k, v, causal, **kw)
+    peer, _ = dense(q, k, v, causal, **kw)
+    tol = 2 * np.abs(peer - ref).max() + 1e-6
+    if dtype == np.float16:  # output rounding + probability rounding (see module doc)
+        tol += UNIT["float16"] * (np.abs(ref).max() + np.abs(v.astype(np.float64)).max())
+    err = np.abs(full - ref).max()
+    assert_all(comm, err <= tol, f"{tag} out: err {err:.3g} > tol {tol:.3g}")
+    assert_all(comm, bool(cupy.isfinite(out).all()), f"{tag}: non-finite output")
+    grads = ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
+                                    layout=layout, **kw)  # fmt: skip
+    want = attention_backward(dout, q, k, v, causal, **kw)
+    other = dense_backward(dout, q, k, v, causal, **kw)
+    for nm, g, w, o, n, cu in zip("qkv", grads, want, other, (nq, nk, nk), (cu_q, cu_k, cu_k)):
+        got = ringmpi.gather(cupy.asnumpy(g).astype(np.float64), n, comm, layout, cu_seqlens=cu)
+        tol = 3 * np.abs(o - w).max() + 1e-6
+        if dtype == np.float16:  # output rounding and P, dS rounded to fp16 (module doc)
+            tol += 32 * UNIT["float16"] * np.abs(w).max()
+        err = np.abs(got - w).max()
+        assert_all(comm, err <= tol, f"{tag} d{nm}: err {err:.3g} > tol {tol:.3g}")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_ring_masks_single_process(dtype):
+    from mpi4py import MPI
+
+    for case in RING_MASKS:
+        ring_mask_case(MPI.COMM_SELF, dtype, "zigzag", case)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "layout, dtype", [(lay, np.float32) for lay in ringmpi.LAYOUTS] + [("striped", np.float16)]
+)
+def test_ring_masks_mpi(comm, layout, dtype):
+    gpu.bind_device(comm)
+    for case in RING_MASKS:
+        ring_mask_case(comm, dtype, layout, case)

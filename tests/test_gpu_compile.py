@@ -201,53 +201,8 @@ def test_check_finite_sees_bf16_bits():
 
 
 # ---------------------------------------------------------------------------
-# launch plan (block bounds, heaviest-first order, flops) and the autotune cache
+# the autotune cache (the launch plan is tested in tests/test_gpu_plan.py)
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
-@pytest.mark.parametrize("g", [1, 3, 8])
-def test_host_plan_against_brute_force(layout, g):
-    from ringmpi.gpu import plan
-    from ringmpi.partition import positions
-
-    n, p = 1000, 3
-    for rq, rk in [(0, 0), (1, 0), (0, 2), (2, 1)]:
-        q_pos, k_pos = positions(n, rq, p, layout), positions(n, rk, p, layout)
-        rowpos = np.repeat(q_pos, g)  # packed row r is position r // g
-        for bm, bn, causal in [(128, 64, True), (128, 32, False), (64, 64, True)]:
-            bounds, order, pairs = plan.host_plan(q_pos, k_pos, bm, bn, g, causal)
-            qb = [rowpos[i : i + bm] for i in range(0, len(rowpos), bm)]
-            kbk = [k_pos[i : i + bn] for i in range(0, len(k_pos), bn)]
-            nq, nk = len(qb), len(kbk)
-            assert np.array_equal(bounds[:nq], [b.min() for b in qb])
-            assert np.array_equal(bounds[nq : 2 * nq], [b.max() for b in qb])
-            assert np.array_equal(bounds[2 * nq : 2 * nq + nk], [b.min() for b in kbk])
-            assert np.array_equal(bounds[2 * nq + nk :], [b.max() for b in kbk])
-            keys = [sum(len(kb) for kb in kbk if not causal or kb.min() <= b.max()) for b in qb]
-            assert pairs == sum(len(b) * kk for b, kk in zip(qb, keys))
-            # a skipped block pair has no visible key; the computed ones cover every visible pair
-            visible = int((k_pos[None, :] <= rowpos[:, None]).sum()) if causal else None
-            if causal:
-                assert visible <= pairs
-            assert sorted(order) == list(range(nq))
-            assert [keys[j] for j in order] == sorted(keys, reverse=True)
-
-
-def test_tile_flops_matches_plan_for_each_kind():
-    from ringmpi.gpu import plan
-
-    q_pos, k_pos = np.arange(300, dtype=np.int64) + 50, np.arange(260, dtype=np.int64)
-    for storage, d in [("half_t", 64), ("float", 128)]:
-        for kern in configs.forward_all(storage, d):
-            for causal in (False, True):
-                f = plan.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 3, d)
-                dense = 4 * d * 2 * 6 * 300 * 260
-                assert (f == dense) if not causal else (0 < f < dense)
-    assert (
-        plan.tile_flops(configs.forward_all("float", 64)[0], q_pos[:0], k_pos, True, 1, 1, 1, 64)
-        == 0
-    )
-
-
 def test_autotune_times_once_and_caches(tmp_path, monkeypatch):
     from ringmpi.gpu import tune
 

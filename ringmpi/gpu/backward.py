@@ -8,6 +8,13 @@ contract in :mod:`ringmpi.tile`) for CuPy arrays in the head-major layout:
     k, v    (B, Hkv, Sk, D)   float16, bfloat16 (bits in uint16), float32 or float64
     lse, delta (B, H, Sq)     accumulation dtype (float32; float64 for float64 k)
     dq (B, H, Sq, D), dk, dv (B, Hkv, Sk, D)   accumulation dtype, C-contiguous, +=
+    bounds = (lo, hi), optional: numpy int64 arrays (Sq,); query i sees key j iff
+          lo[i] <= k_pos[j] <= hi[i] (lo[i] > hi[i]: no key, and lse[i] = -inf).
+          When given, ``causal`` is ignored; without it: causal or every key.
+
+A (query block, key block) pair no row of the block sees is skipped in both
+kernels; elements outside a row's [lo, hi] get P = 0 and so no gradient; a row
+with lse = -inf contributes nothing (never NaN).
 
 Two kernels run one after the other on the current stream: dK/dV (a CTA per
 key block, looping over the query blocks of every query head that shares the
@@ -33,7 +40,9 @@ from . import configs, device, loader
 from .tile import (
     _check_state,
     _device_pos,
+    _device_rows,
     _plan,
+    _rows,
     _rows16,
     _storage,
     acc_dtype,
@@ -75,13 +84,15 @@ def _as(x, dtype):
     return cupy.ascontiguousarray(x, dtype=dtype)
 
 
-def backward_flops(kern_dq, q_pos, k_pos, causal: bool, b: int, h: int, d: int) -> int:
+def backward_flops(kern_dq, q_pos, k_pos, causal: bool, b: int, h: int, d: int,
+                   bounds: Optional[tuple] = None) -> int:  # fmt: skip
     """Flops ``backward_tile`` reports: 10 * D per pair in the dQ kernel's computed blocks."""
     from .plan import host_plan
 
     if len(q_pos) == 0 or len(k_pos) == 0:
         return 0
-    return 10 * d * b * h * host_plan(q_pos, k_pos, kern_dq.bm, kern_dq.bn, 1, causal)[2]
+    pairs = host_plan(q_pos, k_pos, kern_dq.bm, kern_dq.bn, 1, causal, bounds)[2]
+    return 10 * d * b * h * pairs
 
 
 def backward_tile(
@@ -100,6 +111,7 @@ def backward_tile(
     scale: float,
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
 ) -> int:
     """Add one K/V block's gradient contributions on the GPU, in place.
 
@@ -114,9 +126,12 @@ def backward_tile(
         Accumulators in :func:`ringmpi.gpu.tile.acc_dtype` of k's dtype, C-contiguous.
     scale : float
     causal : bool
+        Key j visible to query i iff k_pos[j] <= q_pos[i] (ignored with ``bounds``).
     progress : callable, optional
         If given, called repeatedly until the kernels have finished (so MPI can
         progress a pending exchange); without it the launches are asynchronous.
+    bounds : (lo, hi), optional
+        numpy int64 arrays (Sq,): query i sees key j iff lo[i] <= k_pos[j] <= hi[i].
 
     Returns
     -------
@@ -136,6 +151,7 @@ def backward_tile(
         raise TypeError(f"GPU backward tile: k and v dtypes differ ({k.dtype}, {v.dtype})")
     if len(q_pos) != sq or len(k_pos) != sk:
         raise ValueError("GPU backward tile: q_pos/k_pos lengths do not match Sq/Sk")
+    rows = _rows(bounds, q_pos)
     storage = _storage(k.dtype)
     adt = acc_dtype(k.dtype)
     for name, x, shape in (("lse", lse, q.shape[:3]), ("delta", delta, q.shape[:3])):
@@ -160,17 +176,18 @@ def backward_tile(
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
     k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
     pos = (_device_pos(q_pos, dev), _device_pos(k_pos, dev))
+    row_lo, row_hi = _device_rows(rows, dev)
     fscale = np.float64(scale) if adt == np.float64 else np.float32(scale)
     tail = tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld)) + (fscale, np.int32(causal))
 
-    bounds, _, _ = _plan(q_pos, k_pos, k_dkdv, 1, bool(causal), dev)
+    env, _, _ = _plan(q_pos, k_pos, k_dkdv, 1, bool(causal), dev, rows)
     grid = (-(-sk // k_dkdv.bn), hkv, bsz)
-    args = (q, k, v, dout, lse, delta, dk, dv, *pos, bounds, *tail)
+    args = (q, k, v, dout, lse, delta, dk, dv, *pos, env, row_lo, row_hi, *tail)
     _function(k_dkdv, dev)(grid, (k_dkdv.threads,), args, shared_mem=k_dkdv.smem)
 
-    bounds, _, pairs = _plan(q_pos, k_pos, k_dq, 1, bool(causal), dev)
+    env, _, pairs = _plan(q_pos, k_pos, k_dq, 1, bool(causal), dev, rows)
     grid = (-(-sq // k_dq.bm), h, bsz)
-    args = (q, k, v, dout, lse, delta, dq, *pos, bounds, *tail)
+    args = (q, k, v, dout, lse, delta, dq, *pos, env, row_lo, row_hi, *tail)
     _function(k_dq, dev)(grid, (k_dq.threads,), args, shared_mem=k_dq.smem)
 
     if progress is not None:

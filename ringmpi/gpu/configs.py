@@ -99,8 +99,9 @@ def _mma128(storage: str, hd: int, bn: int) -> Config:
     return Config(f"m128n{bn}", expr, 128, bn, 128, smem, True, packed=True)
 
 
-# key blocks of the 128-row kernel per head dim (HD 128 with 64-key blocks spills registers)
-_MMA128_BN = {32: (64, 32), 64: (64, 32), 96: (64, 32), 128: (32,)}
+# key blocks of the 128-row kernel per head dim: HD 96 and 128 with 64-key blocks spill
+# registers (HD 96 did once the per-row mask bounds came in: 254 -> 255 registers + spills)
+_MMA128_BN = {32: (64, 32), 64: (64, 32), 96: (32,), 128: (32,)}
 
 
 # CUDA-core kernel: (BM, BN) per (acc, DMAX), largest first; smaller ones exist
@@ -184,7 +185,8 @@ def forward_names() -> tuple:
 # ---------------------------------------------------------------------------
 def _bwd_mma(storage: str, hd: int) -> tuple:
     bm = 64 if hd <= 64 else 32  # query rows per dK/dV iteration (registers: 16 x bm S^T, dP^T)
-    smem = (2 * 64 + 4 * bm) * (hd + 8) * 2 + 2 * bm * 16
+    # K, V; double-buffered Q, dO; per query row (two stages): lo, hi (8 B each), lse, delta
+    smem = (2 * 64 + 4 * bm) * (hd + 8) * 2 + 2 * bm * 24
     dkdv = [Config("mma", f"attn_bwd_dkdv_mma<{storage}, {hd}, {bm}>", bm, 64, 128, smem, True)]
     dq = []
     for bn in (64, 32):
@@ -210,7 +212,7 @@ def _bwd_simt(storage: str, dmax: int) -> tuple:
     dkdv, dq = [], []
     for bm, bn in _BWD_SIMT_TILES[(acc, dmax)]:
         tmpl = f"<{storage}, {acc}, {dmax}, {bm}, {bn}>"
-        smem = bm * 8 + ((2 * bn + 2 * bm) * (dmax + 1) + 2 * bn * (bm + 1) + 2 * bm) * size
+        smem = bm * 16 + ((2 * bn + 2 * bm) * (dmax + 1) + 2 * bn * (bm + 1) + 2 * bm) * size
         dkdv.append(Config(f"simt{bm}x{bn}", "attn_bwd_dkdv_simt" + tmpl, bm, bn, 256, smem, False))
         smem = ((2 * bm + 2 * bn) * (dmax + 1) + bm * (bn + 1)) * size
         dq.append(Config(f"simt{bm}x{bn}", "attn_bwd_dq_simt" + tmpl, bm, bn, 256, smem, False))

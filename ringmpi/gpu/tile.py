@@ -7,6 +7,16 @@
     k, v  (B, Hkv, Sk, D)   same dtype; query head h reads K/V head h // (H // Hkv)
     q_pos (Sq,), k_pos (Sk,)  numpy int64 global positions
     acc   (B, H, Sq, D), m, l (B, H, Sq)   CuPy, float32 (float64 for float64 inputs)
+    bounds = (lo, hi), optional: numpy int64 arrays (Sq,); query i sees key j iff
+          lo[i] <= k_pos[j] <= hi[i] (lo[i] > hi[i]: no key). Windows, packed
+          sequences and cross-attention arrive this way (:meth:`ringmpi.mask.Mask.bounds`);
+          when given, ``causal`` is ignored. Without it: causal (k_pos[j] <= q_pos[i])
+          or every key.
+
+A (query block, key block) pair that no row of the block can see is skipped;
+one that every row sees entirely runs without a per-element mask; the others
+are masked per element (:mod:`ringmpi.gpu.plan`). A row that sees no key keeps
+m = -inf, l = 0 and its acc (never NaN).
 
 bfloat16: CuPy arrays of dtype ``bfloat16`` (where CuPy has it) or ``uint16``
 arrays holding the bfloat16 bit patterns (:func:`to_bf16_bits` makes them) both
@@ -138,19 +148,44 @@ def _device_pos(pos: np.ndarray, dev: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, g: int, causal: bool):
+def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, g: int, causal: bool,
+                 lob: Optional[bytes], hib: Optional[bytes]):  # fmt: skip
     import cupy
 
     q_pos, k_pos = np.frombuffer(qb, dtype=np.int64), np.frombuffer(kb, dtype=np.int64)
-    bounds, order, pairs = plan.host_plan(q_pos, k_pos, bm, bn, g, causal)
-    return cupy.asarray(bounds), cupy.asarray(order), pairs
+    rows = None
+    if lob is not None:
+        rows = (np.frombuffer(lob, dtype=np.int64), np.frombuffer(hib, dtype=np.int64))
+    env, order, pairs = plan.host_plan(q_pos, k_pos, bm, bn, g, causal, rows)
+    return cupy.asarray(env), cupy.asarray(order), pairs
 
 
 def _plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: configs.Config, g: int, causal: bool,
-          dev: int):  # fmt: skip
-    """(device bounds, device order, computed pairs per row group) for a call, cached."""
+          dev: int, rows: Optional[tuple] = None):  # fmt: skip
+    """(device block plan, device order, computed pairs per row group) for a call, cached.
+
+    ``rows`` is the checked (lo, hi) pair of :func:`ringmpi.gpu.plan.row_bounds`, or None.
+    """
     g = g if kern.packed else 1
-    return _plan_cached(dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, g, causal)
+    lob, hib = (None, None) if rows is None else (rows[0].tobytes(), rows[1].tobytes())
+    return _plan_cached(dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, g, causal,
+                        lob, hib)  # fmt: skip
+
+
+# a null device pointer for the kernels' optional row_lo / row_hi arguments
+_NULL = np.uint64(0)
+
+
+def _rows(bounds: Optional[tuple], q_pos: np.ndarray) -> Optional[tuple]:
+    """``bounds`` checked and made contiguous int64 (ValueError if malformed), or None."""
+    return None if bounds is None else plan.row_bounds(q_pos, False, bounds)
+
+
+def _device_rows(rows: Optional[tuple], dev: int) -> tuple:
+    """Kernel arguments row_lo, row_hi: device copies (cached), or two null pointers."""
+    if rows is None:
+        return _NULL, _NULL
+    return _device_pos(rows[0], dev), _device_pos(rows[1], dev)
 
 
 @functools.cache
@@ -195,6 +230,7 @@ def forward_tile(
     scale: float,
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
 ) -> int:
     """Fold one K/V block into the online-softmax state on the GPU, in place.
 
@@ -208,10 +244,14 @@ def forward_tile(
         State in :func:`acc_dtype`, C-contiguous, updated in place.
     scale : float
     causal : bool
+        Key j visible to query i iff k_pos[j] <= q_pos[i] (ignored with ``bounds``).
     progress : callable, optional
         If given, called repeatedly until the kernel has finished (so MPI can
         progress a pending exchange); forward_tile then returns after the
         kernel. Without it the launch is asynchronous on the current stream.
+    bounds : (lo, hi), optional
+        numpy int64 arrays (Sq,): query i sees key j iff lo[i] <= k_pos[j] <= hi[i]
+        (lo[i] > hi[i]: no key; the row keeps m = -inf and l = 0).
 
     Returns
     -------
@@ -229,6 +269,7 @@ def forward_tile(
         raise TypeError(f"GPU tile: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if len(q_pos) != sq or len(k_pos) != sk:
         raise ValueError("GPU tile: q_pos/k_pos lengths do not match Sq/Sk")
+    rows = _rows(bounds, q_pos)
     adt = acc_dtype(q.dtype)
     _check_state("acc", acc, q.shape, adt)
     _check_state("m", m, q.shape[:3], adt)
@@ -237,7 +278,7 @@ def forward_tile(
         return 0
     dev = device.current()
     kern = chosen(_storage(q.dtype), d, bool(causal), dev)
-    flops = _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, bool(causal), dev)
+    flops = _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, bool(causal), dev, rows)
     if progress is not None:
         done = cupy.cuda.Event(block=False, disable_timing=True)
         done.record()
@@ -247,8 +288,11 @@ def forward_tile(
     return flops
 
 
-def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev) -> int:
-    """Enqueue configuration ``kern`` on the current stream; return the flops it computes."""
+def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=None) -> int:
+    """Enqueue configuration ``kern`` on the current stream; return the flops it computes.
+
+    ``rows``: the (lo, hi) per-row bounds from :func:`_rows`, or None.
+    """
     import cupy
 
     bsz, h, sq, d = q.shape
@@ -262,17 +306,18 @@ def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev) -> int:
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
     k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
     g = h // hkv
-    bounds, order, pairs = _plan(q_pos, k_pos, kern, g, causal, dev)
+    env, order, pairs = _plan(q_pos, k_pos, kern, g, causal, dev, rows)
     pos = (_device_pos(q_pos, dev), _device_pos(k_pos, dev))
     ints = tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld))
+    row_lo, row_hi = _device_rows(rows, dev)
     if kern.packed:  # 1-D grid over (q block in order, batch, K/V head); base-2 scale
-        args = (q, k, v, acc, m, l, *pos, bounds, order, np.int32(bsz), *ints)
+        args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, order, np.int32(bsz), *ints)
         args += (np.float32(scale * _LOG2E), np.int32(causal))
         grid = (len(order) * bsz * hkv,)
         flops = 4 * pairs * d * bsz * hkv
     else:
         fscale = np.float64(scale) if acc.dtype == np.float64 else np.float32(scale)
-        args = (q, k, v, acc, m, l, *pos, bounds, *ints, fscale, np.int32(causal))
+        args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, *ints, fscale, np.int32(causal))
         grid = (-(-sq // kern.bm), h, bsz)
         flops = 4 * pairs * d * bsz * h
     _function(kern, dev)(grid, (kern.threads,), args, shared_mem=kern.smem)
