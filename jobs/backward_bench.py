@@ -13,6 +13,20 @@ SDPA backward (autograd through ``torch.nn.functional.scaled_dot_product_attenti
 ISA variants are built from ``kernels/cpu_backward.c`` with the flags of
 ``ringmpi.cpu.build`` plus ``-mno-avx512f`` (avx2) or ``-mno-avx2 -mno-fma -mno-avx512f``
 (scalar); a variant the CPU cannot run is left out.
+
+Masks beyond causal (``--masks``): one tile over the whole sequence with per-row key ranges
+(``bounds``, :mod:`ringmpi.mask`): a causal sliding window (W, 0) and 16 packed causal
+sequences of mixed lengths, numpy tile vs fused tile (and the fused full causal tile for
+scale), interleaved, median process CPU time:
+
+    OMP_NUM_THREADS=1 .venv/bin/python jobs/backward_bench.py --masks --n 16384 --heads 4
+
+The ring backward (``--ring``, under MPI): ``ring_attention_backward`` with a causal window
+(W, 0) against full causal over the same inputs (contiguous layout), median of --repeat of
+the slowest rank's wall time:
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 .venv/bin/python -m mpi4py jobs/backward_bench.py \
+        --ring --n 32768 --heads 4 --window 256
 """
 
 from __future__ import annotations
@@ -88,7 +102,14 @@ def main(argv=None) -> int:
     ap.add_argument("--isa", nargs="+", default=["native", "avx2"], choices=list(ISA_FLAGS))
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy tile")
     ap.add_argument("--no-torch", action="store_true", help="skip torch")
+    ap.add_argument("--masks", action="store_true", help="window / packed tiles (see above)")
+    ap.add_argument("--ring", action="store_true", help="ring backward, window vs causal")
+    ap.add_argument("--window", type=int, default=256, help="left window size W (W, 0)")
     args = ap.parse_args(argv)
+    if args.masks:
+        return masks(args)
+    if args.ring:
+        return ring(args)
 
     libs = {}
     for isa in args.isa:
@@ -152,6 +173,111 @@ def main(argv=None) -> int:
                         f"{flops / t / 1e9:8.1f} {ratio} {statistics.median(walls[name]):8.3f}",
                         flush=True,
                     )
+    return 0
+
+
+def packed_lengths(n: int, count: int = 16, seed: int = 1) -> np.ndarray:
+    """``count`` mixed sequence lengths (spread over a factor ~30) summing to ``n``."""
+    w = np.random.default_rng(seed).uniform(1.0, 30.0, count)
+    lengths = np.maximum(1, np.floor(w / w.sum() * n)).astype(np.int64)
+    lengths[np.argmax(lengths)] += n - lengths.sum()
+    return lengths
+
+
+def _masked_inputs(n: int, d: int, heads: int, mask, seed: int = 0):
+    """q, k, v, dout (1, H, N, D) float32 and lse, delta from the dense masked forward."""
+    from ringmpi.reference import attention
+
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (rng.standard_normal((1, heads, n, d)).astype(np.float32) for _ in range(4))
+    kw = {"window": mask.window, "cu_seqlens": mask.cu_q}
+    t = [np.moveaxis(x, 1, 2) for x in (q, k, v)]  # (1, N, H, D)
+    out, lse = attention(*t, mask.causal, dtype=np.float32, block=1024, **kw)
+    out = np.ascontiguousarray(np.moveaxis(out, 1, 2))
+    delta = np.einsum("bhsd,bhsd->bhs", do, out)
+    return q, k, v, do, np.ascontiguousarray(lse), delta
+
+
+def masks(args) -> int:
+    """Numpy vs fused backward tile with window and packed bounds (one rank, whole sequence)."""
+    from ringmpi.mask import make_mask
+
+    lib = build_variant(args.isa[0])
+    print(
+        f"# OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} heads={args.heads} "
+        f"repeat={args.repeat} (median process CPU s), float32, fused ISA {args.isa[0]}"
+    )
+    print(f"{'N':>6} {'D':>4} {'mask':>24} {'numpy_s':>8} {'fused_s':>8} {'x numpy':>8}")
+    for n in args.n:
+        lengths = packed_lengths(n)
+        cases = {
+            f"window ({args.window},0) causal": make_mask(n, n, True, window=(args.window, 0)),
+            f"packed 16 ({lengths.min()}..{lengths.max()})": make_mask(
+                n, n, True, cu_seqlens=np.concatenate(([0], np.cumsum(lengths)))
+            ),
+        }
+        for d in args.d:
+            pos = np.arange(n, dtype=np.int64)
+            for name, mask in cases.items():
+                q, k, v, do, lse, delta = _masked_inputs(n, d, args.heads, mask)
+                bounds = mask.bounds(pos)
+                fused_tile = functools.partial(fused_backward.backward_tile_with, lib)
+                runs = {
+                    "numpy": functools.partial(backward.backward_tile, bounds=bounds),
+                    "fused": functools.partial(fused_tile, bounds=bounds),
+                    "fused causal": fused_tile,
+                }
+                times = {name: [] for name in runs}
+                for _ in range(args.repeat):
+                    for tile, fn in runs.items():
+                        t0 = time.process_time()
+                        _tile(fn, q, k, v, do, lse, delta, pos, d**-0.5, True)
+                        times[tile].append(time.process_time() - t0)
+                t = {tile: statistics.median(ts) for tile, ts in times.items()}
+                print(
+                    f"{n:>6} {d:>4} {name:>24} {t['numpy']:8.3f} {t['fused']:8.3f} "
+                    f"{t['numpy'] / t['fused']:8.2f}   (fused full causal {t['fused causal']:.3f})",
+                    flush=True,
+                )
+    return 0
+
+
+def ring(args) -> int:
+    """ring_attention_backward with a causal window vs full causal, same inputs (MPI)."""
+    from mpi4py import MPI
+
+    import ringmpi
+
+    comm = MPI.COMM_WORLD
+    n, h, d = args.n[0], args.heads, args.d[0]
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((n, h, d)).astype(np.float32) for _ in range(4))
+    loc = [ringmpi.shard(x, comm, "contiguous") for x in (q, k, v, do)]
+    masks_kw = {"causal": {}, f"window ({args.window},0)": {"window": (args.window, 0)}}
+    fwd, rows = {}, {}
+    for name, kw in masks_kw.items():  # the forward's out and lse, once per mask
+        fwd[name] = ringmpi.ring_attention(
+            *loc[:3], comm, causal=True, layout="contiguous", return_lse=True, **kw
+        )
+        rows[name] = []
+    for _ in range(args.repeat):  # interleaved: noise hits both alike
+        for name, kw in masks_kw.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            ringmpi.ring_attention_backward(
+                loc[3], *loc[:3], *fwd[name], comm, causal=True, layout="contiguous", **kw
+            )
+            rows[name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    if comm.rank == 0:
+        print(
+            f"# ring_attention_backward N={n} H={h} D={d} float32 contiguous P={comm.size} "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, median of {args.repeat} "
+            "(slowest rank wall s)"
+        )
+        t_full = statistics.median(rows["causal"])
+        for name, ts in rows.items():
+            t = statistics.median(ts)
+            print(f"{name:>16} {t:8.3f} s  x causal {t / t_full:6.3f}   runs {ts}", flush=True)
     return 0
 
 

@@ -7,6 +7,9 @@
  *   lse, delta (B, H, Sq)     saved log-sum-exp (-inf: row saw no key) and rowsum(dout * out)
  *   qpos (Sq,), kpos (Sk,)    int64 global token positions; causal: key j visible to query i
  *                             iff kpos[j] <= qpos[i]
+ *   qlo, qhi (Sq,) or NULL    int64 per-row bounds (windows, packed sequences, cross): key j
+ *                             visible to query i iff qlo[i] <= kpos[j] <= qhi[i] (causal is
+ *                             then ignored: the bounds include it); qlo > qhi: no visible key
  *   dq (B, H, Sq, D), dk, dv (B, Hkv, Sk, D)   accumulators, updated in place
  *
  * For one head, with Qs = scale Q:
@@ -28,8 +31,13 @@
  *   then over the whole block (reductions of Bq rows):
  *     4. dV (Bk x Dp) += P^T dO and dK += dS^T Qs with an R-keys x (NV W) register tile.
  * P and dS of one query block (Bq x Bk) are the only score-sized buffers; no (Sq x Sk) array.
- * Causal: block pairs whose keys are all in the future are skipped; on diagonal blocks with
- * increasing positions each strip only computes the panels that hold visible keys.
+ * Masks: every row sees one range of key positions [lo_i, hi_i] (causal: (-inf, qpos_i]).
+ * A (query block, key block) pair is skipped when no row's range meets the key block's
+ * [min, max] positions; a pair inside every row's range needs no per-element test. Else
+ * each strip counts its rows' visible keys in the block (binary search on the block's
+ * sorted positions) and is skipped when there are none; with increasing key positions a
+ * row's visible keys are one index range, so only the panels holding them are computed and
+ * the rest of the row is zeroed; otherwise every key is tested.
  *
  * exp: 2^t with t = x log2(e). float32 on AVX-512: f = t - floor(t) in [0, 1) by vreduceps,
  * 2^f by a degree-6 minimax polynomial (4e-9 relative), 2^floor(t) by vscalefps. Elsewhere
@@ -118,6 +126,36 @@ static int64_t rb_count_le(const int64_t *p, int64_t n, int64_t x) {
     }
     return lo;
 }
+
+/* Number of leading entries of the increasing array p[0..n) that are < x. */
+static int64_t rb_count_lt(const int64_t *p, int64_t n, int64_t x) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (p[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static int rb_cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Visible key range of query row i: [lo, hi] (bounds given), else (-inf, qpos] (causal) or
+ * everything. */
+static inline int64_t rb_row_lo(const int64_t *qlo, int64_t i) { return qlo ? qlo[i] : INT64_MIN; }
+static inline int64_t rb_row_hi(const int64_t *qhi, const int64_t *qpos, int causal, int64_t i) {
+    return qhi ? qhi[i] : causal ? qpos[i] : INT64_MAX;
+}
+
+/* Extremes of the rows' bounds over one query block. */
+typedef struct {
+    int64_t lo_min, lo_max, hi_min, hi_max;
+} rb_range;
 
 static void *rb_alloc(size_t bytes) {
     const size_t n = (bytes + RB_ALIGN - 1) / RB_ALIGN * RB_ALIGN;
@@ -514,19 +552,24 @@ static void FN(rb_outer)(const RB_T *restrict A, int64_t lda, const RB_T *restri
 
 /* Public entry point: add the gradients of all (query, key) pairs of the tile, in place.
  * qcuts/kcuts: ascending indices where runs of evenly spaced positions start (may be empty;
- * blocks never straddle them, so causal skipping has tight bounds). bq, bk: block sizes
- * (query rows, keys). progress, when given, is called whenever at least `chunk` (query row,
- * key) pairs of single heads have been computed since the last call; a nonzero return aborts
- * (result -2). Returns the flops of the computed blocks (10 nq nk D per block pair and query
- * head), or -1 when out of memory. */
+ * blocks never straddle them, so block skipping has tight bounds). qlo/qhi: per-row visible
+ * key ranges (both NULL: causal or no mask as `causal` says). bq, bk: block sizes (query
+ * rows, keys). progress, when given, is called whenever at least `chunk` (query row, key)
+ * pairs of single heads have been computed since the last call; a nonzero return aborts
+ * (result -2). Returns the flops of the computed blocks (10 nq nk D per block pair with a
+ * visible pair and query head), or -1 when out of memory. */
 int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const RB_T *dout,
                              const RB_T *lse, const RB_T *delta, const int64_t *qpos,
                              const int64_t *kpos, RB_T *dq, RB_T *dk, RB_T *dv, int64_t B,
                              int64_t H, int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D,
                              const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
-                             int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
+                             int64_t nkcuts, const int64_t *qlo, const int64_t *qhi,
+                             double scale, int causal, int64_t bq, int64_t bk,
                              int (*progress)(void), int64_t chunk) {
     if (Sq <= 0 || Sk <= 0 || B <= 0 || H <= 0) return 0;
+    if (!qlo || !qhi) qlo = qhi = NULL; /* bounds come in pairs */
+    const int bounded = qlo != NULL;
+    const int mask = bounded || causal; /* some pair may be hidden */
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RB_W - 1) / RB_W * RB_W;
     bq = bq < 1 ? R : (bq + R - 1) / R * R;
@@ -537,6 +580,8 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
     const int64_t ld = bk > bkr ? bk : bkr;
     rb_block *qb = malloc(sizeof(rb_block) * (size_t)Sq);
     rb_block *kb = malloc(sizeof(rb_block) * (size_t)Sk);
+    rb_range *qr = malloc(sizeof(rb_range) * (size_t)Sq);
+    int64_t *ksort = malloc(sizeof(int64_t) * (size_t)Sk);
     RB_T *kt = rb_alloc(sizeof(RB_T) * (size_t)(bk * D));
     RB_T *vt = rb_alloc(sizeof(RB_T) * (size_t)(bk * D));
     RB_T *kr = rb_alloc(sizeof(RB_T) * (size_t)(ld * Dp));
@@ -549,13 +594,29 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
     RB_T *lb = rb_alloc(sizeof(RB_T) * (size_t)bq);
     RB_T *deb = rb_alloc(sizeof(RB_T) * (size_t)bq);
     int64_t flops = 0;
-    if (!qb || !kb || !kt || !vt || !kr || !dkb || !dvb || !qs || !dob || !pb || !dsb || !lb ||
-        !deb) {
+    if (!qb || !kb || !qr || !ksort || !kt || !vt || !kr || !dkb || !dvb || !qs || !dob || !pb ||
+        !dsb || !lb || !deb) {
         flops = -1;
         goto done;
     }
     const int64_t nqb = rb_blocks(qpos, Sq, qcuts, nqcuts, bq, qb);
     const int64_t nkb = rb_blocks(kpos, Sk, kcuts, nkcuts, bk, kb);
+    for (int64_t iq = 0; iq < nqb; iq++) { /* extremes of the rows' visible ranges */
+        rb_range x = {INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
+        for (int64_t i = qb[iq].a; i < qb[iq].b; i++) {
+            const int64_t lo = rb_row_lo(qlo, i), hi = rb_row_hi(qhi, qpos, causal, i);
+            x.lo_min = lo < x.lo_min ? lo : x.lo_min;
+            x.lo_max = lo > x.lo_max ? lo : x.lo_max;
+            x.hi_min = hi < x.hi_min ? hi : x.hi_min;
+            x.hi_max = hi > x.hi_max ? hi : x.hi_max;
+        }
+        qr[iq] = x;
+    }
+    /* each key block's positions in ascending order, for counting a row's visible keys */
+    memcpy(ksort, kpos, sizeof(int64_t) * (size_t)Sk);
+    for (int64_t t = 0; t < nkb && mask; t++)
+        if (!kb[t].inc)
+            qsort(ksort + kb[t].a, (size_t)(kb[t].b - kb[t].a), sizeof(int64_t), rb_cmp_i64);
     const RB_T sc = (RB_T)scale;
     int64_t work = 0; /* (row, key) pairs since the last progress call */
     for (int64_t b = 0; b < B; b++) {
@@ -565,13 +626,15 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                 const rb_block K = kb[t];
                 const int64_t ka = K.a, nk = K.b - K.a;
                 const int64_t nkr = (nk + R - 1) / R * R;
-                const int64_t *kp = kpos + ka;
+                const int64_t *kp = kpos + ka, *ks = ksort + ka;
                 int live = 0;
-                for (int64_t iq = 0; iq < nqb && !live; iq++) live = !causal || qb[iq].hi >= K.lo;
-                if (!live) continue; /* every key is in the future of every query */
+                for (int64_t iq = 0; iq < nqb && !live; iq++)
+                    live = qr[iq].hi_max >= K.lo && qr[iq].lo_min <= K.hi;
+                if (!live) continue; /* no row sees any key of the block */
                 FN(rb_pack)(k + kvo, v + kvo, ka, nk, D, Dp, kt, vt, kr);
                 memset(dkb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
                 memset(dvb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
+                int touched = 0; /* dkb, dvb hold something to add */
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const RB_T *qh = q + (b * H + h) * Sq * D;
@@ -581,70 +644,97 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                     RB_T *dqh = dq + (b * H + h) * Sq * D;
                     for (int64_t iq = 0; iq < nqb; iq++) {
                         const rb_block Q = qb[iq];
-                        if (causal && Q.hi < K.lo) continue;
-                        const int masked = causal && Q.lo < K.hi;
+                        const rb_range X = qr[iq];
+                        if (X.hi_max < K.lo || X.lo_min > K.hi) continue;
+                        /* some pair hidden: per-strip counts and per-element masking */
+                        const int masked = mask && !(X.lo_max <= K.lo && K.hi <= X.hi_min);
                         const int64_t qa = Q.a, nq = Q.b - Q.a;
                         const int64_t nqp = (nq + R - 1) / R * R;
                         /* scaled queries, dO, lse (-inf -> +inf: p = 0) and delta; padded
                          * rows are zero with lse +inf, so their P and dS are 0 */
                         for (int64_t i = 0; i < nqp; i++) {
-                            RB_T *qr = qs + i * Dp, *dr = dob + i * Dp;
+                            RB_T *qrow = qs + i * Dp, *dr = dob + i * Dp;
                             if (i < nq) {
                                 const RB_T *qsrc = qh + (qa + i) * D;
-                                for (int64_t d = 0; d < D; d++) qr[d] = qsrc[d] * sc;
+                                for (int64_t d = 0; d < D; d++) qrow[d] = qsrc[d] * sc;
                                 memcpy(dr, doh + (qa + i) * D, (size_t)D * sizeof(RB_T));
                                 const RB_T l = lh[qa + i];
                                 lb[i] = l == -INFINITY ? INFINITY : l;
                                 deb[i] = dh[qa + i];
                             } else {
-                                memset(qr, 0, (size_t)D * sizeof(RB_T));
+                                memset(qrow, 0, (size_t)D * sizeof(RB_T));
                                 memset(dr, 0, (size_t)D * sizeof(RB_T));
                                 lb[i] = INFINITY;
                                 deb[i] = 0;
                             }
-                            for (int64_t d = D; d < Dp; d++) qr[d] = dr[d] = 0;
+                            for (int64_t d = D; d < Dp; d++) qrow[d] = dr[d] = 0;
                         }
+                        int64_t bmin = nk, bmax = 0; /* keys any strip of the block computed */
                         for (int64_t r0 = 0; r0 < nqp; r0 += R) {
                             RB_T *ps = pb + r0 * ld, *dss = dsb + r0 * ld;
-                            /* visible keys of each row: lim[r] leading keys when the block's
-                             * positions increase (then only the panels up to the longest
-                             * prefix are computed), else an explicit per-key test */
-                            int64_t lim[R], use = nk;
-                            const int prefix = masked && K.inc;
-                            if (prefix) {
-                                use = 0;
+                            /* visible keys of each row: the index range [jb, je) when the
+                             * block's positions increase, else all keys with an explicit
+                             * per-key test (each < je = nk); s0, s1: their union */
+                            int64_t jb[R], je[R], s0 = 0, s1 = nk;
+                            int64_t rlo[R], rhi[R];
+                            if (masked) {
+                                s0 = nk;
+                                s1 = 0;
                                 for (int r = 0; r < R; r++) {
-                                    lim[r] = r0 + r < nq ? rb_count_le(kp, nk, qpos[qa + r0 + r])
-                                                         : 0;
-                                    use = lim[r] > use ? lim[r] : use;
+                                    jb[r] = je[r] = 0;
+                                    if (r0 + r >= nq) continue;
+                                    const int64_t i = qa + r0 + r;
+                                    rlo[r] = rb_row_lo(qlo, i);
+                                    rhi[r] = rb_row_hi(qhi, qpos, causal, i);
+                                    const int64_t a = rb_count_lt(ks, nk, rlo[r]);
+                                    const int64_t e = rb_count_le(ks, nk, rhi[r]);
+                                    if (e <= a) continue; /* this row sees no key here */
+                                    jb[r] = K.inc ? a : 0;
+                                    je[r] = K.inc ? e : nk;
+                                    s0 = jb[r] < s0 ? jb[r] : s0;
+                                    s1 = je[r] > s1 ? je[r] : s1;
                                 }
                             } else {
-                                for (int r = 0; r < R; r++) lim[r] = nk;
+                                for (int r = 0; r < R; r++) jb[r] = 0, je[r] = nk;
                             }
-                            if (use == 0) { /* no row of the strip sees a key */
+                            if (s1 <= s0) { /* no row of the strip sees a key */
                                 memset(ps, 0, sizeof(RB_T) * (size_t)(R * ld));
                                 memset(dss, 0, sizeof(RB_T) * (size_t)(R * ld));
                                 continue;
                             }
-                            const int64_t np = (use + KW - 1) / KW;
-                            FN(rb_strip)(qs + r0 * Dp, Dp, kt, np, D, lb + r0, 0, NULL, ps, ld);
+                            bmin = s0 < bmin ? s0 : bmin;
+                            bmax = s1 > bmax ? s1 : bmax;
+                            const int64_t p0 = s0 / KW, np = (s1 + KW - 1) / KW - p0;
+                            FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0, 0,
+                                         NULL, ps + p0 * KW, ld);
                             for (int r = 0; r < R; r++) {
                                 RB_T *row = ps + r * ld;
-                                if (masked && !prefix && r0 + r < nq) {
-                                    const int64_t qp = qpos[qa + r0 + r];
+                                if (masked && !K.inc && je[r] > jb[r]) {
                                     for (int64_t j = 0; j < nk; j++)
-                                        if (kp[j] > qp) row[j] = 0;
+                                        if (kp[j] < rlo[r] || kp[j] > rhi[r]) row[j] = 0;
                                 }
-                                for (int64_t j = lim[r]; j < ld; j++) row[j] = 0;
+                                for (int64_t j = 0; j < jb[r]; j++) row[j] = 0;
+                                for (int64_t j = je[r]; j < ld; j++) row[j] = 0;
                             }
-                            FN(rb_strip)(dob + r0 * Dp, Dp, vt, np, D, deb + r0, 1, ps, dss, ld);
-                            for (int r = 0; r < R; r++)
-                                for (int64_t j = lim[r]; j < ld; j++) dss[r * ld + j] = 0;
+                            FN(rb_strip)(dob + r0 * Dp, Dp, vt + p0 * D * KW, np, D, deb + r0, 1,
+                                         ps + p0 * KW, dss + p0 * KW, ld);
+                            for (int r = 0; r < R; r++) {
+                                for (int64_t j = 0; j < jb[r]; j++) dss[r * ld + j] = 0;
+                                for (int64_t j = je[r]; j < ld; j++) dss[r * ld + j] = 0;
+                            }
                             const int nrows = nq - r0 < R ? (int)(nq - r0) : R;
-                            FN(rb_dq)(dss, ld, kr, use, Dp, D, sc, dqh + (qa + r0) * D, nrows);
+                            FN(rb_dq)(dss + s0, ld, kr + s0 * Dp, s1 - s0, Dp, D, sc,
+                                      dqh + (qa + r0) * D, nrows);
                         }
-                        FN(rb_outer)(pb, ld, dob, Dp, nq, nkr, Dp, dvb);
-                        FN(rb_outer)(dsb, ld, qs, Dp, nq, nkr, Dp, dkb);
+                        if (bmax <= bmin) continue; /* no visible pair in the block pair */
+                        /* dV, dK over the R-key tiles holding computed keys (the other
+                         * columns of P and dS are zero) */
+                        const int64_t j0 = bmin / R * R;
+                        const int64_t j1 = (bmax + R - 1) / R * R < nkr ? (bmax + R - 1) / R * R
+                                                                       : nkr;
+                        FN(rb_outer)(pb + j0, ld, dob, Dp, nq, j1 - j0, Dp, dvb + j0 * Dp);
+                        FN(rb_outer)(dsb + j0, ld, qs, Dp, nq, j1 - j0, Dp, dkb + j0 * Dp);
+                        touched = 1;
                         flops += 10 * nq * nk * D;
                         work += nq * nk;
                         if (progress && chunk > 0 && work >= chunk) {
@@ -656,6 +746,7 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                         }
                     }
                 }
+                if (!touched) continue;
                 for (int64_t j = 0; j < nk; j++) {
                     FN(rb_axpy)(dk + kvo + (ka + j) * D, dkb + j * Dp, D, (RB_T)1);
                     FN(rb_axpy)(dv + kvo + (ka + j) * D, dvb + j * Dp, D, (RB_T)1);
@@ -666,6 +757,8 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
 done:
     free(qb);
     free(kb);
+    free(qr);
+    free(ksort);
     free(kt);
     free(vt);
     free(kr);

@@ -190,6 +190,7 @@ def test_isa_path(isa):
     env = dict(os.environ)
     env["RINGMPI_CFLAGS"] = (env.get("RINGMPI_CFLAGS", "") + " " + flags).strip()
     env["RINGMPI_EXPECT_SIMD"] = str(width)
+    env["RINGMPI_CPU_ISA"] = "auto"  # the flags pick the path; a forced narrower one would win
     env["OMP_NUM_THREADS"] = "1"
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]

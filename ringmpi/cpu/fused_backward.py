@@ -10,7 +10,10 @@ and cache key scheme).
 
 :func:`backward_tile` has the signature of :func:`ringmpi.cpu.numpy_tile.backward_tile` (the
 specification) and falls back to it when the kernel is unavailable or the accumulators are
-not float32/float64 C-contiguous arrays.
+not float32/float64 C-contiguous arrays. Masks beyond causal (windows, packed sequences,
+cross-attention: per-row key ranges ``bounds=(lo, hi)``, see :mod:`ringmpi.mask`) run in the
+kernel too: block pairs outside every row's range are skipped, per-element tests only where
+a block pair is partly visible.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     for sfx in ("f32", "f64"):
         fn = getattr(lib, f"rm_backward_tile_{sfx}")
         fn.restype = i64
-        fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, ctypes.c_double]
+        fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, p, p, ctypes.c_double]
         fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
     lib.rm_backward_simd_width_bytes.restype = ctypes.c_int
     return lib
@@ -118,12 +121,20 @@ def simd_width() -> int:
 
 
 def spec_flops(
-    q_pos: np.ndarray, k_pos: np.ndarray, *, causal: bool, batch: int, heads: int, d: int
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    *,
+    causal: bool,
+    batch: int,
+    heads: int,
+    d: int,
+    bounds: Optional[tuple] = None,
 ) -> int:
     """Flops the numpy tile reports for these positions: 10 * nq * nk * D per live block pair.
 
-    Uses the numpy tile's own blocks (``ringmpi.backward`` BLOCK_Q x BLOCK_K inside runs of
-    evenly spaced positions), vectorised, so backends report identical work.
+    Uses the numpy tile's own blocks (``ringmpi.cpu.numpy_tile`` BLOCK_Q query rows, and
+    BLOCK_K keys or fewer under ``bounds``, inside runs of evenly spaced positions) and its
+    skipping rule, vectorised, so backends report identical work.
 
     Parameters
     ----------
@@ -132,15 +143,31 @@ def spec_flops(
     causal : bool
     batch, heads, d : int
         B, query heads H and head dimension D.
+    bounds : ((Sq,), (Sq,)) int64, optional
+        Per-row visible key ranges (they replace ``causal``, as in the numpy tile).
 
     Returns
     -------
     int
     """
     qb = np.array(list(_spec.blocks(q_pos, _spec.BLOCK_Q)), dtype=np.int64).reshape(-1, 4)
-    kb = np.array(list(_spec.blocks(k_pos, _spec.BLOCK_K)), dtype=np.int64).reshape(-1, 4)
+    kb = np.array(list(_spec.blocks(k_pos, _spec._key_block(bounds))), dtype=np.int64)
+    kb = kb.reshape(-1, 4)
     nq, nk = qb[:, 1] - qb[:, 0], kb[:, 1] - kb[:, 0]
-    if causal:
+    if len(nq) == 0 or len(nk) == 0:
+        return 0
+    if bounds is not None:
+        # a key block is skipped when every row's range ends before it or starts after it
+        lo_min = np.minimum.reduceat(np.asarray(bounds[0], dtype=np.int64), qb[:, 0])
+        hi_max = np.maximum.reduceat(np.asarray(bounds[1], dtype=np.int64), qb[:, 0])
+        live = np.empty(len(nq), dtype=np.int64)
+        step = max(1, (1 << 22) // len(nk))  # query blocks per pass: bounded temporaries
+        for a in range(0, len(nq), step):
+            hit = (hi_max[a : a + step, None] >= kb[None, :, 2]) & (
+                lo_min[a : a + step, None] <= kb[None, :, 3]
+            )
+            live[a : a + step] = hit.astype(np.int64) @ nk
+    elif causal:
         # keys of the blocks whose smallest position is <= the query block's largest
         order = np.argsort(kb[:, 2], kind="stable")
         csum = np.concatenate([[0], np.cumsum(nk[order])])
@@ -202,23 +229,21 @@ def backward_tile(
         single heads, and once at the end; an exception it raises stops the kernel and
         propagates (the accumulators are then partly updated).
 
+    bounds : ((Sq,), (Sq,)) int64, optional
+        Masks beyond causal: key j is visible to query i iff lo[i] <= k_pos[j] <= hi[i]
+        (global key positions; lo > hi: no visible key). They replace ``causal``, which
+        :meth:`ringmpi.mask.Mask.bounds` folds in.
+
     Returns
     -------
     int
         The numpy tile's flop count for the same call (:func:`spec_flops`: 10 * nq * nk * D
         per head and block pair the numpy tile computes). The kernel's own blocks are finer,
-        so it skips more of a causal tile than that count says.
-
-    ``bounds`` (masks beyond causal) runs the numpy tile.
+        so it skips more of a masked tile than that count says.
     """
-    if bounds is not None:  # windows / packed sequences / cross: the numpy tile for now
-        return _spec.backward_tile(
-            q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-            scale=scale, causal=causal, progress=progress, bounds=bounds,
-        )  # fmt: skip
     return backward_tile_with(
         _load(), q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-        scale=scale, causal=causal, progress=progress,
+        scale=scale, causal=causal, progress=progress, bounds=bounds,
     )  # fmt: skip
 
 
@@ -239,8 +264,17 @@ def backward_tile_with(
     scale: float,
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
+    count: str = "spec",
 ) -> int:
-    """:func:`backward_tile` with an explicit library (:func:`open_library`); None: numpy."""
+    """:func:`backward_tile` with an explicit library (:func:`open_library`); None: numpy.
+
+    ``count="kernel"`` returns the kernel's own flops instead of the numpy tile's
+    (:func:`spec_flops`): 10 * nq * nk * D per head over the kernel's block pairs that hold a
+    visible pair, which shows how much of a masked tile it skipped.
+    """
+    if count not in ("spec", "kernel"):
+        raise ValueError(f"count must be 'spec' or 'kernel', got {count!r}")
     dt = dq.dtype
     ok = (
         lib is not None
@@ -250,7 +284,7 @@ def backward_tile_with(
     if not ok:
         return _spec.backward_tile(
             q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-            scale=scale, causal=causal, progress=progress,
+            scale=scale, causal=causal, progress=progress, bounds=bounds,
         )  # fmt: skip
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -272,6 +306,18 @@ def backward_tile_with(
     for name, (a, want) in shapes.items():
         if tuple(a.shape) != want:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want}")
+    if bounds is not None:
+        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+            raise ValueError("bounds must be a pair (lo, hi) of int64 arrays over the queries")
+        lo, hi = (np.asarray(b) for b in bounds)
+        for name, b in (("lo", lo), ("hi", hi)):
+            if b.shape != (sq,) or not (b.dtype.kind in "iu" or b.size == 0):
+                raise ValueError(
+                    f"bounds {name} must be an integer array of shape ({sq},), got "
+                    f"{b.dtype} {b.shape}"
+                )
+        lo = np.ascontiguousarray(lo, dtype=np.int64)
+        hi = np.ascontiguousarray(hi, dtype=np.int64)
     if sq == 0 or sk == 0 or bsz == 0 or d == 0:
         return 0
     q, k, v, dout, lse, delta = (
@@ -296,8 +342,9 @@ def backward_tile_with(
     f = fn(
         _ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta), _ptr(q_pos),
         _ptr(k_pos), _ptr(dq), _ptr(dk), _ptr(dv), bsz, h, hkv, sq, sk, d,
-        _ptr(qc), len(qc), _ptr(kc), len(kc), float(scale), int(bool(causal)), BLOCK_Q, bk,
-        cb, CHUNK_PAIRS,
+        _ptr(qc), len(qc), _ptr(kc), len(kc),
+        None if bounds is None else _ptr(lo), None if bounds is None else _ptr(hi),
+        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS,
     )  # fmt: skip
     if errors:
         raise errors[0]
@@ -305,4 +352,7 @@ def backward_tile_with(
         raise MemoryError("fused backward tile: out of memory for its work buffers")
     if progress is not None:
         progress()
-    return spec_flops(q_pos, k_pos, causal=causal, batch=bsz, heads=h, d=d)
+    if count == "kernel":
+        return int(f)
+    masked = None if bounds is None else (lo, hi)
+    return spec_flops(q_pos, k_pos, causal=causal, batch=bsz, heads=h, d=d, bounds=masked)
