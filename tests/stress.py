@@ -99,6 +99,12 @@ def check_faults(tmp: Path, quick: bool):
         )
 
 
+# The kill and disk checks inspect OUT.h5.parts/ (markers, part files): they ask
+# for the part-file output also where h5py has MPI and the default is one file
+# (tests/test_mpio_job.py kills and resumes the one-file output).
+PARTS = ("--output-mode", "parts")
+
+
 # -- 2. kill and resume --------------------------------------------------------------------
 
 
@@ -116,7 +122,7 @@ def check_kill(tmp: Path, quick: bool):
     inp, nseq = _kill_input(tmp, quick)
     ref = tmp / "ref" / "out.h5"
     ref.parent.mkdir()
-    res = F.run_cli(2, "run", *inp, "-o", str(ref), "--quiet", timeout=300)
+    res = F.run_cli(2, "run", *inp, "-o", str(ref), "--quiet", *PARTS, timeout=300)
     if res.rc != 0:
         yield _line(False, f"kill: uninterrupted run failed: {_first_error(res)}")
         return
@@ -125,7 +131,7 @@ def check_kill(tmp: Path, quick: bool):
         name = signal.Signals(sig).name
         out = tmp / name / "out.h5"
         out.parent.mkdir()
-        args = ["-m", "ringmpi", "run", *inp, "-o", str(out), "--quiet", "--device", "cpu"]
+        args = ["-m", "ringmpi", "run", *inp, "-o", str(out), "--quiet", "--device", "cpu", *PARTS]
         watch = F.Watch(str(out))
         watch.start()
         t0 = time.perf_counter()
@@ -146,7 +152,7 @@ def check_kill(tmp: Path, quick: bool):
         # resume, still watching: the final file may appear, but only complete
         watch = F.Watch(str(out), validate=True)
         watch.start()
-        res = F.run_cli(2, "run", *inp, "-o", str(out), "--resume", timeout=300)
+        res = F.run_cli(2, "run", *inp, "-o", str(out), "--resume", *PARTS, timeout=300)
         w2 = watch.stop()
         got = F.digests(str(out)) if res.rc == 0 else {}
         skipped = f"({nmark} already done)" in res.out
@@ -213,7 +219,7 @@ def check_disk(tmp: Path, quick: bool):
     with F.limited_dir(str(mnt), 3 << 20) as mounted:
         out = mnt / "out.h5"
         lim = 0 if mounted else 600 << 10
-        res = F.run_cli(2, "run", grow, "-o", str(out), "--quiet", timeout=120, fsize=lim)
+        res = F.run_cli(2, "run", grow, "-o", str(out), "--quiet", *PARTS, timeout=120, fsize=lim)
         how = "tmpfs of 3 MiB" if mounted else "RLIMIT_FSIZE 600 KiB"
         words = ("No space left", "File too large", "Errno 28", "errno = 27", "errno = 28")
         yield _disk_verdict(f"disk-full ({how})", res, out, words, 8)
@@ -225,7 +231,7 @@ def check_disk(tmp: Path, quick: bool):
         out = mnt / "out.h5"
         parts = str(out) + ".parts"
         t0 = time.perf_counter()
-        args = ["-m", "ringmpi", "run", *inp, "-o", str(out), "--quiet", "--device", "cpu"]
+        args = ["-m", "ringmpi", "run", *inp, "-o", str(out), "--quiet", "--device", "cpu", *PARTS]
         proc = F.start(2, args)
         F.wait_for_markers(parts, 2, proc)
         if mounted:

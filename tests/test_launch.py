@@ -130,7 +130,8 @@ def test_innermost_launcher_wins():
 def _clean_env(extra: dict) -> dict:
     """This process's environment without any launcher variable, plus ``extra``."""
     drop = ("SLURM_", "PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "PALS_", "FLUX_", "JSM_", "MV2_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    keep = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_")  # Open MPI settings, not a launcher's
+    env = {k: v for k, v in os.environ.items() if k.startswith(keep) or not k.startswith(drop)}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
