@@ -1,4 +1,4 @@
-/* Fused CPU attention tile: scores, causal mask, online softmax and P.V in one pass.
+/* Fused CPU attention tile: scores, mask, online softmax and P.V in one pass.
  *
  * Loaded by ringmpi/fused.py (compiled on first use, cached on disk). Same semantics as
  * ringmpi.cpu.forward_tile, the numpy specification. Internal layout, head-major:
@@ -8,7 +8,8 @@
  *   acc  (B, H, Sq, D), m (B, H, Sq), l (B, H, Sq)   online-softmax state, updated in place
  *
  * For one query row with scores s_j = scale * q.k_j over its visible keys (kpos_j <= qpos_i when
- * causal) the state update over a block of keys is
+ * causal; lo_i <= kpos_j <= hi_i with per-row bounds, the masks beyond causal: windows, packed
+ * sequences, cross-attention) the state update over a block of keys is
  *
  *   m'  = max(m, max_j s_j)
  *   acc = exp(m - m') acc + sum_j exp(s_j - m') v_j
@@ -21,9 +22,12 @@
  * through L2 once per query block), each block over key blocks of Bk keys, in strips of R rows:
  *   1. S (R x Bk) = Qs K^T with an R x KW register tile (R*KW/W accumulators, broadcast FMAs);
  *      each row's maximum is taken from the registers before they are stored;
- *   2. mask (diagonal blocks only), the R rows' rescale factors by one vector exp, then
+ *   2. mask (partly visible blocks only), the R rows' rescale factors by one vector exp, then
  *      P = exp(S - m) by a vector polynomial over the R rows at once, row sums;
  *   3. O (R x D) = alpha O + P V with an R x (NV*W) register tile.
+ * A (query block, key block) pair that no row sees is skipped and one that every row sees
+ * fully is not masked; inside the others each strip scores only the panels from its first
+ * to its last visible key (a narrow window costs about its width, not the block's).
  * The strip of scores stays in L1, the K/V block in L2 (prefetched into L1 a few iterations
  * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
  * matrix product and no (Sq x Sk) array exists.
@@ -38,7 +42,10 @@
  * element one FMA chain over the keys in order, exp is the same sequence of IEEE operations,
  * row sums add the same numbers in the same order (see rm_softmax and the horizontal sums), and
  * fused.py cuts the same blocks for both (key blocks a multiple of 64, RM_R = 6 on both): the
- * two paths give bit-identical results. The scalar path (no FMA, libm exp) differs by rounding.
+ * two paths give bit-identical results. Under a mask a strip's scored keys start at a panel
+ * boundary, which differs (KW), but it is a multiple of 64 bytes on both, so every column
+ * keeps its row-sum lane; the extra masked columns one path scores add exact zeros (p = 0,
+ * and 0 * v for finite v) and leave the maxima alone. The scalar path (no FMA, libm exp) differs by rounding.
  * Compiled without -ffast-math, so inf and NaN keep their IEEE meaning everywhere.
  *
  * The file includes itself twice to instantiate float32 and float64 (RM_T selects the type).
@@ -135,7 +142,10 @@ static void *rm_alloc(size_t bytes) {
  *   qpos (Sq,), kpos (Sk,) int64 positions; qcuts (nqcuts,), kcuts (nkcuts,): ascending
  *   indices where runs of evenly spaced positions start (may be empty).
  * Query rows [q0, q1) are folded; bq, bk: block sizes (query rows, keys); progress (may be
- * NULL) is called every `chunk` query rows of single heads, nonzero aborts. */
+ * NULL) is called every `chunk` query rows of single heads, nonzero aborts.
+ * lo, hi (Sq,) int64 or both NULL: query row i sees key j iff lo[i] <= kpos[j] <= hi[i]
+ * (lo > hi: no key), the masks beyond causal (ringmpi.mask); they replace `causal`, which
+ * applies only without them (key j visible iff kpos[j] <= qpos[i]). */
 typedef struct {
     const void *q, *k, *v;
     const int64_t *qpos, *kpos;
@@ -147,7 +157,69 @@ typedef struct {
     int64_t causal, bq, bk;
     int (*progress)(void);
     int64_t chunk;
+    const int64_t *lo, *hi;
 } rm_tile_args;
+
+/* Which keys each query row sees: [lo[i], hi[i]] with bounds, else (-inf, qpos[i]] when
+ * causal, else every key. */
+typedef struct {
+    const int64_t *lo, *hi, *qpos;
+    int causal;
+} rm_vis;
+
+static inline void rm_row(const rm_vis *v, int64_t i, int64_t *lo, int64_t *hi) {
+    *lo = v->lo ? v->lo[i] : INT64_MIN;
+    *hi = v->lo ? v->hi[i] : v->causal ? v->qpos[i] : INT64_MAX;
+}
+
+/* Extremes of the rows' bounds over a range of rows. */
+typedef struct {
+    int64_t lo_min, lo_max, hi_min, hi_max;
+} rm_range;
+
+static rm_range rm_rows_range(const rm_vis *v, int64_t a, int64_t b) {
+    rm_range r = {INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
+    for (int64_t i = a; i < b; i++) {
+        int64_t lo, hi;
+        rm_row(v, i, &lo, &hi);
+        r.lo_min = lo < r.lo_min ? lo : r.lo_min;
+        r.lo_max = lo > r.lo_max ? lo : r.lo_max;
+        r.hi_min = hi < r.hi_min ? hi : r.hi_min;
+        r.hi_max = hi > r.hi_max ? hi : r.hi_max;
+    }
+    return r;
+}
+
+/* No row sees any key with a position in [klo, khi]. */
+static inline int rm_hidden(const rm_range *r, int64_t klo, int64_t khi) {
+    return r->hi_max < klo || r->lo_min > khi;
+}
+
+/* Every row sees every key with a position in [klo, khi] (never true with an empty row). */
+static inline int rm_full(const rm_range *r, int64_t klo, int64_t khi) {
+    return r->lo_max <= klo && khi <= r->hi_min;
+}
+
+/* First index j of increasing kp[0..n) with kp[j] >= x (rm_lower), > x (rm_upper). */
+static inline int64_t rm_lower(const int64_t *kp, int64_t n, int64_t x) {
+    int64_t a = 0, b = n;
+    while (a < b) {
+        const int64_t mid = a + (b - a) / 2;
+        if (kp[mid] < x) a = mid + 1;
+        else b = mid;
+    }
+    return a;
+}
+
+static inline int64_t rm_upper(const int64_t *kp, int64_t n, int64_t x) {
+    int64_t a = 0, b = n;
+    while (a < b) {
+        const int64_t mid = a + (b - a) / 2;
+        if (kp[mid] <= x) a = mid + 1;
+        else b = mid;
+    }
+    return a;
+}
 
 int64_t rm_tile_args_size(void) { return (int64_t)sizeof(rm_tile_args); }
 
@@ -625,58 +697,81 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
     }
 }
 
-/* Fold K/V into the state for query rows [q0, q1) of every (b, h) (rm_forward_tile_f32/_f64
- * below take the arguments as one rm_tile_args).
- * The K/V of one head are packed once and serve all its query heads (GQA) and rows; when
- * `progress` is given it is called ceil(B H (q1 - q0) / chunk) - 1 times, evenly spread over
- * the query rows of all heads; a nonzero return aborts the call (result -2).
- * qcuts/kcuts: ascending indices where runs of evenly spaced positions start (may be empty).
- * bq, bk: block sizes (rows of queries, keys), bk a multiple of the panel width.
- * Returns the flops of the computed blocks (4 nq nk D per block and head), or -1 when out
- * of memory. */
-static int64_t FN(rm_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const int64_t *qpos,
-                          const int64_t *kpos, RM_T *acc, RM_T *m, RM_T *l, int64_t B, int64_t H,
-                          int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, int64_t q0, int64_t q1,
-                          const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
-                          int64_t nkcuts, double scale, int causal, int64_t bq, int64_t bk,
-                          int (*progress)(void), int64_t chunk) {
+/* Fold K/V into the state for query rows [q0, q1) of every (b, h) (the fields of a).
+ * The K/V of one head are packed once (only the key blocks some query block sees) and serve
+ * all its query heads (GQA) and rows; when `progress` is given it is called
+ * ceil(B H (q1 - q0) / chunk) - 1 times, evenly spread over the query rows of all heads; a
+ * nonzero return aborts the call (result -2).
+ * Visibility (rm_vis): a key block is skipped for a query block when no row sees any of its
+ * positions, computed without a mask when every row sees all of them; otherwise each strip
+ * of RM_R rows is checked the same way and, when partly visible, scores only the keys from
+ * the first to the last one any of its rows sees ([j0, j1)): by binary search when the
+ * block's positions increase (each row's visible keys are one interval), else by a scan,
+ * then masked per row (interval fill) or per element.
+ * Returns the flops of the scored pairs: 4 D nr (j1 - j0) per computed strip of nr real rows
+ * and head (4 nq nk D per block when nothing is masked); every visible pair is counted, so
+ * this is at least 4 D times the visible pairs. -1 when out of memory. */
+static int64_t FN(rm_tile)(const rm_tile_args *a) {
+    const RM_T *q = a->q, *k = a->k, *v = a->v;
+    RM_T *acc = a->acc, *m = a->m, *l = a->l;
+    const int64_t *qpos = a->qpos, *kpos = a->kpos;
+    const int64_t B = a->B, H = a->H, Hkv = a->Hkv, Sq = a->Sq, Sk = a->Sk, D = a->D;
+    const int64_t q0 = a->q0, q1 = a->q1;
+    int64_t bq = a->bq, bk = a->bk;
     if (q1 <= q0 || Sk == 0) return 0;
+    const rm_vis vis = {a->lo, a->hi, qpos, a->lo ? 0 : (int)a->causal};
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
     bk = (bk + KW - 1) / KW * KW;
     bq = (bq + RM_R - 1) / RM_R * RM_R;
     rm_block *qb = malloc(sizeof(rm_block) * (size_t)(q1 - q0 + 1));
     rm_block *kb = malloc(sizeof(rm_block) * (size_t)(Sk + 1));
-    int64_t nqb = rm_blocks(qpos, q0, q1, qcuts, nqcuts, bq, qb);
-    int64_t nkb = rm_blocks(kpos, 0, Sk, kcuts, nkcuts, bk, kb);
-    /* packed offsets: block t uses whole panels */
-    int64_t *koff = malloc(sizeof(int64_t) * (size_t)(nkb + 1));
-    koff[0] = 0;
-    for (int64_t t = 0; t < nkb; t++)
-        koff[t + 1] = koff[t] + (kb[t].b - kb[t].a + KW - 1) / KW * KW;
-    RM_T *kt = rm_alloc(sizeof(RM_T) * (size_t)(koff[nkb] * D));
-    RM_T *vp = rm_alloc(sizeof(RM_T) * (size_t)(koff[nkb] * Dp));
-    RM_T *qs = rm_alloc(sizeof(RM_T) * (size_t)(bq * D));
-    RM_T *ob = rm_alloc(sizeof(RM_T) * (size_t)(bq * Dp));
-    RM_T *mb = rm_alloc(sizeof(RM_T) * (size_t)bq);
-    RM_T *lb = rm_alloc(sizeof(RM_T) * (size_t)bq);
-    RM_T *sb = rm_alloc(sizeof(RM_T) * (size_t)(RM_R * bk));
+    rm_range *qr = malloc(sizeof(rm_range) * (size_t)(q1 - q0 + 1));
+    char *need = malloc((size_t)(Sk + 1));
+    int64_t *koff = malloc(sizeof(int64_t) * (size_t)(Sk + 2));
+    RM_T *kt = NULL, *vp = NULL, *qs = NULL, *ob = NULL, *mb = NULL, *lb = NULL, *sb = NULL;
     int64_t flops = 0;
-    if (!qb || !kb || !koff || !kt || !vp || !qs || !ob || !mb || !lb || !sb) {
+    if (!qb || !kb || !qr || !need || !koff) {
         flops = -1;
         goto done;
     }
-    const RM_T sc = (RM_T)scale;
+    const int64_t nqb = rm_blocks(qpos, q0, q1, a->qcuts, a->nqcuts, bq, qb);
+    const int64_t nkb = rm_blocks(kpos, 0, Sk, a->kcuts, a->nkcuts, bk, kb);
+    for (int64_t iq = 0; iq < nqb; iq++) qr[iq] = rm_rows_range(&vis, qb[iq].a, qb[iq].b);
+    /* a key block no query block sees is neither packed nor visited */
+    for (int64_t t = 0; t < nkb; t++) {
+        need[t] = 0;
+        for (int64_t iq = 0; iq < nqb && !need[t]; iq++)
+            need[t] = !rm_hidden(&qr[iq], kb[t].lo, kb[t].hi);
+    }
+    /* packed offsets: block t uses whole panels */
+    koff[0] = 0;
+    for (int64_t t = 0; t < nkb; t++)
+        koff[t + 1] = koff[t] + (kb[t].b - kb[t].a + KW - 1) / KW * KW;
+    kt = rm_alloc(sizeof(RM_T) * (size_t)(koff[nkb] * D));
+    vp = rm_alloc(sizeof(RM_T) * (size_t)(koff[nkb] * Dp));
+    qs = rm_alloc(sizeof(RM_T) * (size_t)(bq * D));
+    ob = rm_alloc(sizeof(RM_T) * (size_t)(bq * Dp));
+    mb = rm_alloc(sizeof(RM_T) * (size_t)bq);
+    lb = rm_alloc(sizeof(RM_T) * (size_t)bq);
+    sb = rm_alloc(sizeof(RM_T) * (size_t)(RM_R * bk));
+    if (!kt || !vp || !qs || !ob || !mb || !lb || !sb) {
+        flops = -1;
+        goto done;
+    }
+    const RM_T sc = (RM_T)a->scale;
     RM_T rmax[RM_R * RM_W]; /* lane-wise row maxima of the current strip */
     const int64_t total = B * H * (q1 - q0); /* query rows of single heads */
-    const int64_t ntarget = chunk > 0 ? (total + chunk - 1) / chunk - 1 : 0;
+    const int64_t ntarget = a->chunk > 0 ? (total + a->chunk - 1) / a->chunk - 1 : 0;
     int64_t rows_done = 0, ncalls = 0;
     for (int64_t b = 0; b < B; b++) {
         for (int64_t hk = 0; hk < Hkv; hk++) {
             const RM_T *kh = k + (b * Hkv + hk) * Sk * D;
             const RM_T *vh = v + (b * Hkv + hk) * Sk * D;
             for (int64_t t = 0; t < nkb; t++)
-                FN(rm_pack)(kh, vh, kb[t].a, kb[t].b, D, Dp, kt + koff[t] * D, vp + koff[t] * Dp);
+                if (need[t])
+                    FN(rm_pack)(kh, vh, kb[t].a, kb[t].b, D, Dp, kt + koff[t] * D,
+                                vp + koff[t] * Dp);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t h = hk * G + g;
                 const RM_T *qh = q + (b * H + h) * Sq * D;
@@ -703,55 +798,82 @@ static int64_t FN(rm_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const in
                         }
                     }
                     for (int64_t t = 0; t < nkb; t++) {
-                        if (causal && qb[iq].hi < kb[t].lo) continue; /* all keys in the future */
-                        const int masked = causal && qb[iq].lo < kb[t].hi;
+                        const int64_t klo = kb[t].lo, khi = kb[t].hi;
+                        if (!need[t] || rm_hidden(&qr[iq], klo, khi)) continue;
+                        const int block_full = rm_full(&qr[iq], klo, khi);
                         const int64_t ka = kb[t].a, nk = kb[t].b - kb[t].a;
                         const RM_T *ktb = kt + koff[t] * D, *vpb = vp + koff[t] * Dp;
                         const int64_t *kp = kpos + ka;
-                        for (int64_t r0 = 0; r0 < nqp; r0 += RM_R) {
-                            /* visible keys of each row: a prefix of length cnt[r] when the
-                             * block's positions increase, else an explicit per-key test */
-                            int64_t cnt[RM_R], use = nk;
-                            if (masked && kb[t].inc) {
-                                use = 0;
-                                for (int r = 0; r < RM_R; r++) {
-                                    int64_t c = nk;
-                                    if (r0 + r < nq) { /* upper bound of qpos in kp */
-                                        const int64_t qp = qpos[qa + r0 + r];
-                                        int64_t lo_ = 0, hi_ = nk;
-                                        while (lo_ < hi_) {
-                                            int64_t mid = (lo_ + hi_) / 2;
-                                            if (kp[mid] <= qp) lo_ = mid + 1;
-                                            else hi_ = mid;
+                        for (int64_t r0 = 0; r0 < nq; r0 += RM_R) {
+                            const int64_t nr = nq - r0 < RM_R ? nq - r0 : RM_R; /* real rows */
+                            /* keys [j0, j1) are scored; mode 0: every real row sees all of
+                             * them, 1: row r sees [first[r], end[r]), 2: per-element test */
+                            int64_t j0 = 0, j1 = nk, first[RM_R], end[RM_R];
+                            int mode = 0;
+                            if (!block_full) {
+                                const rm_range sr = rm_rows_range(&vis, qa + r0, qa + r0 + nr);
+                                if (rm_hidden(&sr, klo, khi)) continue;
+                                if (!rm_full(&sr, klo, khi)) {
+                                    if (kb[t].inc) { /* each row's visible keys: an interval */
+                                        mode = 1;
+                                        j0 = nk;
+                                        j1 = 0;
+                                        for (int r = 0; r < nr; r++) {
+                                            int64_t lo, hi;
+                                            rm_row(&vis, qa + r0 + r, &lo, &hi);
+                                            int64_t f = rm_lower(kp, nk, lo);
+                                            int64_t e = rm_upper(kp, nk, hi);
+                                            if (f >= e) f = e = 0; /* sees none */
+                                            else {
+                                                j0 = f < j0 ? f : j0;
+                                                j1 = e > j1 ? e : j1;
+                                            }
+                                            first[r] = f;
+                                            end[r] = e;
                                         }
-                                        c = lo_;
-                                        use = c > use ? c : use;
+                                    } else { /* keys any row of the strip might see */
+                                        mode = 2;
+                                        j0 = -1;
+                                        for (int64_t j = 0; j < nk; j++)
+                                            if (sr.lo_min <= kp[j] && kp[j] <= sr.hi_max) {
+                                                if (j0 < 0) j0 = j;
+                                                j1 = j + 1;
+                                            }
+                                        if (j0 < 0) j0 = j1 = 0;
                                     }
-                                    cnt[r] = c;
+                                    if (j1 <= j0) continue; /* no row of the strip sees a key */
                                 }
-                                if (use == 0) continue; /* no row of the strip sees a key */
                             }
-                            const int64_t up = (use + KW - 1) / KW, ucol = up * KW;
-                            FN(rm_qk)(qs + r0 * D, ktb, up, D, sb, bk, rmax);
+                            /* panels from the one holding key j0 (a multiple of KW, so the
+                             * row sums' lanes see the same columns on every vector path) */
+                            const int64_t base = j0 / KW * KW, use = j1 - base;
+                            const int64_t ucol = (use + KW - 1) / KW * KW;
+                            FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol / KW, D, sb, bk, rmax);
                             for (int r = 0; r < RM_R; r++) {
                                 RM_T *row = sb + r * bk;
-                                int64_t c = use;
-                                if (masked && kb[t].inc) {
-                                    c = cnt[r] < use ? cnt[r] : use;
-                                } else if (masked && r0 + r < nq) {
-                                    const int64_t qp = qpos[qa + r0 + r];
+                                if (r < nr && mode == 1) {
+                                    int64_t f = first[r] - base, e = end[r] - base;
+                                    f = f < 0 ? 0 : f;
+                                    e = e > use ? use : e;
+                                    e = e < f ? f : e;
+                                    for (int64_t j = 0; j < f; j++) row[j] = -INFINITY;
+                                    for (int64_t j = e; j < use; j++) row[j] = -INFINITY;
+                                } else if (r < nr && mode == 2) {
+                                    int64_t lo, hi;
+                                    rm_row(&vis, qa + r0 + r, &lo, &hi);
+                                    const int64_t *kq = kp + base;
                                     for (int64_t j = 0; j < use; j++)
-                                        row[j] = kp[j] <= qp ? row[j] : -INFINITY;
+                                        row[j] = lo <= kq[j] && kq[j] <= hi ? row[j] : -INFINITY;
                                 }
-                                for (int64_t j = c; j < ucol; j++) row[j] = -INFINITY;
+                                for (int64_t j = use; j < ucol; j++) row[j] = -INFINITY;
                             }
                             /* the maxima from rm_qk hold unless keys were masked or padded */
-                            const int have_max = !masked && ucol == use;
+                            const int have_max = mode == 0 && ucol == use;
                             FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, ob + r0 * Dp, Dp, rmax,
                                            have_max);
-                            FN(rm_pv)(sb, bk, vpb, use, Dp, ob + r0 * Dp);
+                            FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp);
+                            flops += 4 * nr * (j1 - j0) * D;
                         }
-                        flops += 4 * nq * nk * D;
                     }
                     for (int64_t i = 0; i < nq; i++) {
                         memcpy(ah + (qa + i) * D, ob + i * Dp, (size_t)D * sizeof(RM_T));
@@ -760,10 +882,10 @@ static int64_t FN(rm_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const in
                     }
                     /* progress: ceil(total / chunk) - 1 calls spread evenly over the work */
                     rows_done += nq;
-                    while (progress && ncalls < ntarget &&
+                    while (a->progress && ncalls < ntarget &&
                            rows_done * (ntarget + 1) >= (ncalls + 1) * total) {
                         ncalls++;
-                        if (progress()) {
+                        if (a->progress()) {
                             flops = -2;
                             goto done;
                         }
@@ -775,6 +897,8 @@ static int64_t FN(rm_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const in
 done:
     free(qb);
     free(kb);
+    free(qr);
+    free(need);
     free(koff);
     free(kt);
     free(vp);
@@ -786,12 +910,7 @@ done:
     return flops;
 }
 
-int64_t FN(rm_forward_tile)(const rm_tile_args *a) {
-    return FN(rm_tile)((const RM_T *)a->q, (const RM_T *)a->k, (const RM_T *)a->v, a->qpos,
-                       a->kpos, (RM_T *)a->acc, (RM_T *)a->m, (RM_T *)a->l, a->B, a->H, a->Hkv,
-                       a->Sq, a->Sk, a->D, a->q0, a->q1, a->qcuts, a->nqcuts, a->kcuts,
-                       a->nkcuts, a->scale, (int)a->causal, a->bq, a->bk, a->progress, a->chunk);
-}
+int64_t FN(rm_forward_tile)(const rm_tile_args *a) { return FN(rm_tile)(a); }
 
 /* Normalise the state in one pass: out = acc / l, lse = m + log(l); rows with l == 0 (no
  * visible key) give out 0 and lse -inf; NaN stays NaN. Same as ringmpi.softmax.finalize

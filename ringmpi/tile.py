@@ -25,6 +25,22 @@ the flops of their matrix products over the blocks actually computed: 4 * pairs
 * D per head forward, 10 * pairs * D backward. Rows with no visible key keep
 l = 0 (forward) and get no gradient (backward, lse = -inf).
 
+Masks beyond causal (windows, packed sequences, cross-attention; built by
+:meth:`ringmpi.mask.Mask.bounds`) come as the keyword ``bounds=(lo, hi)``:
+
+    lo, hi (Sq,)   int64 numpy arrays over this rank's query rows, global key
+                   positions, inclusive: key j visible to query i iff
+                   lo[i] <= k_pos[j] <= hi[i]; lo[i] > hi[i]: no visible key
+
+``bounds`` replaces ``causal`` (it already holds the causal limit; the flag is
+then ignored); None (the default) means the ``causal`` flag alone. A tile
+skips any block whose key positions lie outside every row's range and need
+not mask one that every row sees fully; k_pos need not be sorted or
+contiguous (zigzag, striped and packed layouts). What "block" means, and so
+the flops returned, is the tile's own (the fused C tile counts per strip of
+rows, see :func:`ringmpi.cpu.fused.forward_tile`); every visible pair is
+always counted.
+
 :mod:`ringmpi.cpu.numpy_tile` is the specification; the other tiles are tested
 against it.
 """
@@ -42,6 +58,7 @@ class ForwardTile(Protocol):
     def __call__(
         self, q, k, v, q_pos, k_pos, acc, m, l, *,
         scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
+        bounds: Optional[tuple] = None,
     ) -> int: ...  # fmt: skip
 
 
@@ -51,4 +68,5 @@ class BackwardTile(Protocol):
     def __call__(
         self, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, *,
         scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
+        bounds: Optional[tuple] = None,
     ) -> int: ...  # fmt: skip

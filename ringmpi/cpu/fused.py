@@ -1,6 +1,6 @@
 """Fused CPU tile: a C kernel compiled on first use, same semantics as ``ringmpi.cpu.numpy_tile``.
 
-The kernel (``kernels/cpu_tile.c``) computes scores, the causal mask, the online
+The kernel (``kernels/cpu_tile.c``) computes scores, the mask, the online
 softmax and the P.V product in one pass over cache-sized blocks, so no (Sq, Sk)
 array is ever formed and exp runs as a vector polynomial. It is compiled and
 cached per ISA path by :mod:`ringmpi.cpu.build` (AVX-512, AVX2+FMA, scalar;
@@ -11,8 +11,8 @@ path the default kernel was compiled for.
 If the default kernel cannot be built (no compiler, no write access, ...),
 :func:`available` returns False, one line goes to stderr (once per process) and
 callers use the numpy tile (:func:`ringmpi.cpu.numpy_tile.forward_tile`);
-:func:`unavailable_reason` says why. Masks beyond causal (``bounds``) run on the
-numpy tile for now.
+:func:`unavailable_reason` says why. Masks beyond causal (``bounds``: per-row
+visible key ranges) run in the kernel too, with block and row-strip skipping.
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ class _TileArgs(ctypes.Structure):
         ("bk", ctypes.c_int64),
         ("progress", _PROGRESS),
         ("chunk", ctypes.c_int64),
+        ("lo", ctypes.c_void_p),
+        ("hi", ctypes.c_void_p),
     ]
 
 
@@ -145,6 +147,26 @@ def _cuts(pos: np.ndarray) -> np.ndarray:
 
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
+
+
+def _check_bounds(bounds: Optional[tuple], sq: int) -> tuple:
+    """``bounds`` as two C-contiguous int64 arrays of ``sq`` rows, or (None, None)."""
+    if bounds is None:
+        return None, None
+    try:
+        lo, hi = bounds
+    except (TypeError, ValueError):
+        raise ValueError("bounds must be a pair (lo, hi) of int64 arrays") from None
+    out = []
+    for name, a in (("lo", lo), ("hi", hi)):
+        a = np.asarray(a)
+        if a.shape != (sq,) or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(
+                f"bounds {name} must be an integer array of shape ({sq},) (one per query row), "
+                f"got {a.dtype} {a.shape}"
+            )
+        out.append(np.ascontiguousarray(a, dtype=np.int64))
+    return tuple(out)
 
 
 class Kernel:
@@ -197,6 +219,7 @@ class Kernel:
         scale: float,
         causal: bool,
         progress: Optional[Callable[[], None]] = None,
+        bounds: Optional[tuple] = None,
     ) -> int:
         """Fold one K/V block into the online-softmax state with this kernel.
 
@@ -211,8 +234,9 @@ class Kernel:
         )
         if not ok:
             return numpy_tile.forward_tile(
-                q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress
-            )
+                q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
+                bounds=bounds,
+            )  # fmt: skip
         bsz, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
         if h % hkv:
@@ -224,6 +248,7 @@ class Kernel:
         v = np.ascontiguousarray(v)
         q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
         k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
+        lo, hi = _check_bounds(bounds, sq)
         qc, kc = _cuts(q_pos), _cuts(k_pos)
         fn = self._lib.rm_forward_tile_f32 if dt == np.float32 else self._lib.rm_forward_tile_f64
         # keys per block: packed K and V blocks (2 * bk * D elements) well within L2; a
@@ -250,6 +275,7 @@ class Kernel:
             scale=float(scale), causal=int(bool(causal)), bq=BLOCK_Q, bk=bk,
             progress=_PROGRESS(_cb) if progress is not None else _PROGRESS(),
             chunk=CHUNK_Q * bsz * h,
+            lo=None if lo is None else _ptr(lo), hi=None if hi is None else _ptr(hi),
         )  # fmt: skip
         f = fn(ctypes.byref(args))
         if errors:
@@ -394,21 +420,29 @@ def forward_tile(
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (fused C kernel).
 
-    The tile contract of :mod:`ringmpi.tile`; the numpy tile runs instead for dtypes
-    other than float32/float64, when the kernel is unavailable, and for ``bounds``
-    (windows, packed sequences, cross-attention). ``progress`` is called from inside
-    the kernel every ``CHUNK_Q`` query rows of all heads, and once at the end.
-    Returns the flops of the blocks the kernel computed (4 nq nk D per block and head).
+    The tile contract of :mod:`ringmpi.tile`, masks beyond causal (``bounds``: windows,
+    packed sequences, cross-attention) included; the numpy tile runs instead for dtypes
+    other than float32/float64 and when the kernel is unavailable. ``progress`` is
+    called from inside the kernel every ``CHUNK_Q`` query rows of all heads, and once at
+    the end.
+
+    Returns the flops of the (query, key) pairs the kernel scored: per strip of query
+    rows (6 on the vector paths, 4 scalar) and key block, the strip's rows times the keys
+    from the first to the last one any of them sees; 4 D per pair and head. So every
+    visible pair is counted and, with no mask, the result is 4 B H Sq Sk D, as the
+    numpy tile's; under a mask it is usually below the numpy tile's count (which counts
+    whole 256 x 256 blocks).
     """
     kern = _default_kernel()
-    if kern is None or bounds is not None:
+    if kern is None:
         return numpy_tile.forward_tile(
             q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
             bounds=bounds,
         )  # fmt: skip
     return kern.forward_tile(
-        q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress
-    )
+        q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
+        bounds=bounds,
+    )  # fmt: skip
 
 
 def finalize(
