@@ -171,13 +171,31 @@ def counts(
 def runs(pos: np.ndarray) -> list[tuple[int, int]]:
     """Split a position array into maximal runs with a constant positive stride.
 
-    Returns a list of (start, stop) index pairs. Tiles cut inside one run have
-    tight [min, max] position bounds, which is what causal tile skipping needs.
+    Returns a list of (start, stop) index pairs covering ``pos`` in order. Greedy:
+    a run takes every following position that keeps its stride, so a run that ends
+    where the next begins (packed sequences under the striped layout) costs one
+    run, not one per token; the number of runs is about the number of stride
+    changes. Tiles cut inside one run have tight [min, max] position bounds,
+    which is what tile skipping needs. Positions that do not increase are runs of
+    one.
     """
+    pos = np.asarray(pos)
     n = len(pos)
-    if n <= 2:
+    if n <= 1:
         return [(0, n)] if n else []
     d = np.diff(pos)
-    cuts = np.flatnonzero(d != d[0]) + 1
-    bounds = [0, *cuts.tolist(), n]
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    chg = (np.flatnonzero(d[1:] != d[:-1]) + 1).tolist()
+    out, i = [], 0  # i: first position not yet in a run
+    for s, e in zip([0, *chg], [*chg, len(d)]):  # d[s:e] equal: points s..e evenly spaced
+        start = max(i, s)
+        if start >= e:  # at most point e is left: it starts the next run
+            continue
+        if d[s] <= 0:  # not increasing: each point on its own
+            out.extend((j, j + 1) for j in range(start, e))
+            i = e
+            continue
+        out.append((start, e + 1))
+        i = e + 1
+    if i < n:
+        out.append((i, n))
+    return out

@@ -72,3 +72,22 @@ def test_head_parallel_positions_cover_each_token_once(layout):
                     assert np.array_equal(grp, ringmpi.positions(n, g, size // u, layout))
     with pytest.raises(ValueError, match="head_parallel"):
         ringmpi.positions(10, 0, 4, layout, head_parallel=3)
+
+
+def test_runs_are_greedy_and_cover_any_positions():
+    """A stride change costs one cut, not one run per token; any positions are covered."""
+    assert runs(np.array([0, 3, 4, 5, 6])) == [(0, 2), (2, 5)]
+    assert runs(np.array([0, 2, 4, 5, 6, 7])) == [(0, 3), (3, 6)]
+    assert runs(np.array([5, 5, 4, 9])) == [(0, 1), (1, 2), (2, 4)]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        pos = np.cumsum(rng.choice([-1, 0, 1, 1, 2, 3], size=rng.integers(0, 40)))
+        got = runs(pos)
+        assert [i for a, b in got for i in range(a, b)] == list(range(len(pos)))
+        for a, b in got:
+            d = np.diff(pos[a:b])
+            assert (d > 0).all() and (d == d[0]).all() if len(d) else True
+    # packed sequences under striped: about one run per sequence
+    cu = np.array([0, 3, 257, 258, 697, 1010])
+    pos = ringmpi.positions(1010, 1, 4, "striped", cu_seqlens=cu)
+    assert len(runs(pos)) <= 2 * (len(cu) - 1)

@@ -45,6 +45,7 @@ from ..collective import run_everywhere, run_on_root
 from ..files import fsync_path, write_json
 from ..partition import positions
 from ..watchdog import watch
+from .reader import local_runs
 from .schema import InputError
 from .store import OutputStore, label_dims, write_offsets
 
@@ -148,15 +149,7 @@ def _crc(*arrays) -> int:
 
 def _runs(pos: np.ndarray) -> list:
     """Sorted positions as arithmetic runs (first, count, step)."""
-    out, i, n = [], 0, len(pos)
-    while i < n:
-        step = int(pos[i + 1] - pos[i]) if i + 1 < n else 1
-        j = i + 1
-        while j < n and pos[j] - pos[j - 1] == step:
-            j += 1
-        out.append((int(pos[i]), j - i, step))
-        i = j
-    return out
+    return [(first, cnt, step) for first, cnt, step, _ in local_runs(pos)]
 
 
 def _selection(dset, lead: tuple, pos: np.ndarray, axis: int):

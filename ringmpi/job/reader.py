@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..partition import positions
+from ..partition import positions, runs
 from ..rope import apply_rope, positions_in_sequence
 from .schema import Plan, SeqInfo, fail, open_input
 
@@ -27,31 +27,14 @@ UNION_RUNS = 64  # unit-stride hyperslabs OR-ed into one selection (measured bes
 def local_runs(pos: np.ndarray) -> list:
     """Increasing positions as (first_token, count, step, dest_offset) arithmetic runs.
 
-    Greedy: each run takes as many following positions as keep its stride, so
-    a strided run that ends where the next begins (packed sequences under the
-    striped layout) costs one run, not one per token. The number of runs is
-    about the number of stride changes.
+    The runs of :func:`ringmpi.partition.runs` (greedy: about one per stride change).
     """
     pos = np.asarray(pos, dtype=np.int64)
-    n = len(pos)
-    if n == 0:
-        return []
-    if n == 1:
-        return [(int(pos[0]), 1, 1, 0)]
-    d = np.diff(pos)
-    if (d <= 0).any():
+    if len(pos) > 1 and (np.diff(pos) <= 0).any():
         raise ValueError("local_runs needs strictly increasing positions")
-    chg = (np.flatnonzero(d[1:] != d[:-1]) + 1).tolist()
-    out, i = [], 0  # i: first position not yet in a run
-    for s, e in zip([0, *chg], [*chg, len(d)]):  # diffs d[s:e] equal: points s..e
-        start = max(i, s)
-        if start >= e:  # at most point e left: it starts the next segment's run
-            continue
-        out.append((int(pos[start]), e - start + 1, int(d[s]), start))
-        i = e + 1
-    if i < n:
-        out.append((int(pos[i]), 1, 1, i))
-    return out
+    return [
+        (int(pos[a]), b - a, int(pos[a + 1] - pos[a]) if b - a > 1 else 1, a) for a, b in runs(pos)
+    ]
 
 
 class Reader:

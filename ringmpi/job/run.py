@@ -235,18 +235,6 @@ def run(
         for w in plan.warnings:
             print(f"ringmpi: warning: {w}", file=sys.stderr, flush=True)
     budget = memory_budget(comm, max_memory)
-    # masks beyond plain causal run on the numpy CPU tile only (see README, Masks)
-    masked = window is not None or any(s.packed or s.cross for s in plan.sequences)
-    if masked and device == "gpu":
-        raise InputError(
-            "--device gpu: windows, packed sequences and cross-attention run on the CPU tiles "
-            "only for now; use --device cpu (or auto)"
-        )
-    if masked and device == "auto":
-        if rank == 0 and not quiet:
-            print("ringmpi: note: windows, packed sequences and cross-attention run on the CPU "
-                  "(numpy tile)", file=sys.stderr, flush=True)  # fmt: skip
-        device = "cpu"
     dev = pick_device(device, comm)
     rate = measure_rate(plan, dev) if rank == 0 and (ring_size == "auto" or not quiet) else 0.0
     rs = run_on_root(comm, choose_ring_size, ring_size, plan, size, layout, causal, budget, rate)
@@ -270,8 +258,6 @@ def run(
         meta["rope"] = list(masks["rope"]) if rope else None
         attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev, **masks)
         attrs["ring_size"] = rs
-        if masked and dev == "cpu":  # the fused tile hands these masks to the numpy tile
-            attrs["kernel"], attrs["isa"] = "numpy", "numpy"
         store = make_store(mode, output, comm, plan, meta, attrs=attrs, overwrite=overwrite,
                            compress=compress, ring=ring)  # fmt: skip
         done = store.open(resume)
