@@ -309,8 +309,8 @@ def test_job_run_in_process(comm, layout):
             try:
                 q, k, v = _read_inputs(sorted(glob.glob(f"{d}/in.part*.h5")))
                 check_against_reference(f"{d}/out.h5", q, k, v, True)
-            except AssertionError as e:
-                ok, msg = False, str(e)
+            except Exception as e:  # any failure must reach assert_all
+                ok, msg = False, repr(e)
         assert_all(comm, ok, msg)
         # a problem seen by one rank only becomes the same error on every rank
         with pytest.raises(CollectiveError) as e:

@@ -220,14 +220,24 @@ def test_verify_all_skipped_is_not_passed(tmp_path, capsys):
 
 
 def _corrupt(out, seq, token, head, how):
-    """Change one output row (token, head) of sequence ``seq`` inside its part file."""
-    for p in sorted(glob.glob(out + f".parts/s{seq:06d}.r*.h5")):
+    """Change one output row (token, head) of sequence ``seq`` inside its part file, or in
+    the output itself where it is one file (parallel HDF5)."""
+    parts = sorted(glob.glob(out + f".parts/s{seq:06d}.r*.h5"))
+    for p in parts:
         with h5py.File(p, "r+") as f:
             hit = np.flatnonzero(f["pos"][...] == token)
             if len(hit):
                 row = f["out"][hit[0], head]
                 f["out"][hit[0], head] = how(row)
                 return
+    if not parts:
+        with h5py.File(out, "r+") as f:
+            if "out" in f:  # batch axis
+                f["out"][seq, token, head] = how(f["out"][seq, token, head])
+            else:
+                g = f[sorted(k for k in f if isinstance(f[k], h5py.Group))[seq]]
+                g["out"][token, head] = how(g["out"][token, head])
+            return
     raise AssertionError("token not found")
 
 
@@ -432,10 +442,14 @@ def test_sampled_verify_on_all_ranks(comm):
                      quiet=True)  # fmt: skip
         assert_all(comm, res["ok"] and res["sampled"] == 2, str(res))
         assert_all(comm, res["sequences"][1]["rows_checked"] == 64 * H, str(res))
+        ok, msg = True, ""
         if comm.rank == 0:
-            _corrupt(f"{d}/out.h5", 1, int(sample_rows_of(500, 64, 0, 1, H - 1)[3]), H - 1,
-                     lambda r: r - 1e-3)  # fmt: skip
-        comm.Barrier()
+            try:  # any failure here must reach assert_all, not leave the others waiting
+                _corrupt(f"{d}/out.h5", 1, int(sample_rows_of(500, 64, 0, 1, H - 1)[3]), H - 1,
+                         lambda r: r - 1e-3)  # fmt: skip
+            except Exception as e:
+                ok, msg = False, repr(e)
+        assert_all(comm, ok, msg)
         res = verify(f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, max_tokens=100, sample_rows=64,
                      quiet=True)  # fmt: skip
         assert_all(comm, res["status"] == "failed" and res["failed"] == 1, str(res))
