@@ -103,3 +103,75 @@ def test_sigint_on_every_rank_stops_and_frees(comm):
     comm.Barrier()
     err = max(comm.allgather(_check_next_call_right(comm)))
     assert_all(comm, err < 1e-5, f"next call wrong: {err}")
+
+
+# -- the backstop: a signal the main thread cannot act on still ends the process ---------------
+
+_BLOCKED = """
+import os, signal, sys, time
+from ringmpi import interrupt
+r, w = os.pipe()
+with interrupt.catching((signal.SIGINT, signal.SIGTERM)):
+    print("ready", flush=True)
+    if sys.argv[1] == "blocked":
+        os.read(r, 1)  # like a rank stuck in MPI: the handler runs, nobody checks the flag
+    else:  # checks at safe points, takes the interrupt, then works on past the grace
+        try:
+            while True:
+                interrupt.check()
+                time.sleep(0.05)
+        except interrupt.Interrupted:
+            time.sleep(3)
+            print("cleaned up", flush=True)
+"""
+
+
+def _start_blocked(mode: str, grace: str):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RINGMPI_INTERRUPT_GRACE_S=grace)
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKED, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_not_acted_on_ends_the_process_after_the_grace(sig):
+    proc = _start_blocked("blocked", "1")
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert 0.9 < took < 10, took
+    assert f"{signal.Signals(sig).name} not acted on within 1 s" in err, err
+
+
+def test_signal_raised_at_a_safe_point_is_left_to_the_program():
+    proc = _start_blocked("checks", "1")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "cleaned up" in out, (proc.returncode, out, err)
+    assert "not acted on" not in err
+
+
+def test_backstop_off_and_wakeup_fd_given_back():
+    before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before)
+    with interrupt.catching():
+        mine = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(mine)
+        assert mine != -1, "the backstop holds the wakeup fd while catching"
+    after = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(after)
+    assert after == before
+    os.environ[interrupt.GRACE_ENV] = "0"
+    try:
+        with interrupt.catching():
+            held = signal.set_wakeup_fd(-1)
+            signal.set_wakeup_fd(held)
+            assert held == before, "RINGMPI_INTERRUPT_GRACE_S=0 turns the backstop off"
+    finally:
+        del os.environ[interrupt.GRACE_ENV]

@@ -258,3 +258,20 @@ def test_resolve_mode_without_mpi():
         resolve_mode("single", None, 1)
     with pytest.raises(InputError, match="output-mode must be one of"):
         resolve_mode("one", None, 1)
+
+
+@pytest.mark.parametrize("compress", [None, "gzip"])
+def test_single_on_a_full_disk_aborts_without_hanging(mpio, tmp_path, compress):
+    """A write that fails on one rank inside a collective HDF5 call (the others wait in it):
+    one line, non-zero exit in seconds, nothing under the final name. RLIMIT_FSIZE stands
+    in for the full disk (EFBIG instead of ENOSPC); the output is ~1.3 MiB, the limit 256 KiB."""
+    inp = make_data(str(tmp_path / "in.h5"), seq_len=1024, heads=4, kv_heads=2, head_dim=32,
+                    sequences=5, seed=2)  # fmt: skip
+    out = tmp_path / "out.h5"
+    extra = ["--compress", compress] if compress else []
+    res = F.run_cli(2, "run", *inp, "-o", str(out), "--quiet", "--output-mode", "single", *extra,
+                    timeout=120, fsize=256 << 10)  # fmt: skip
+    assert not res.hang, f"hang: {res.err[-2000:]}"
+    assert res.rc != 0 and res.secs < 60, (res.rc, res.secs, res.err[-2000:])
+    assert "ringmpi: error on rank" in res.err and "aborting the job" in res.err, res.err[-2000:]
+    assert not out.exists()

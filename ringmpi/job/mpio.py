@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 import zlib
 from typing import Optional
 
@@ -52,6 +54,7 @@ from .store import OutputStore, label_dims, write_offsets
 __all__ = ["MODES", "mpio_status", "resolve_mode", "SingleFileStore", "make_store"]
 
 MODES = ("auto", "parts", "single")
+EXIT_IO = 1  # exit status of a job aborted by a failed parallel-HDF5 step
 TMP_NAME = "single.h5.tmp"
 
 
@@ -374,12 +377,26 @@ class SingleFileStore(OutputStore):
 
     # -- one sequence ----------------------------------------------------------------------
     def _run_io(self, fn, what: str, *args):
+        """Run a collective parallel-HDF5 step; a failure on any rank aborts the job.
+
+        A failure cannot be agreed on like other errors: the other ranks may be
+        blocked inside the same collective HDF5 call (a full disk fails the fill of a
+        new dataset, or a write, on one rank only). So the failing rank prints one
+        line and calls MPI_Abort: non-zero exit, no hang, nothing under the final
+        name (the unfinished file stays in the parts folder for --resume).
+        """
         try:
-            return run_everywhere(self.comm, fn, *args)
-        except InputError:
-            raise
-        except Exception as e:
-            raise InputError(f"{self.path}: {what} ({e})") from e
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - any failure inside a collective HDF5 call
+            text = f"{type(e).__name__}: {e}".splitlines()[0]
+            sys.stderr.write(
+                f"ringmpi: error on rank {self.rank}: {self.path}: {what} ({text}); aborting "
+                f"the job: nothing under the final name, the unfinished file is {self.tmp}\n"
+            )
+            sys.stderr.flush()
+            time.sleep(0.3)  # let the launcher forward the line before the abort
+            self.comm.Abort(EXIT_IO)
+            raise  # pragma: no cover - Abort does not return
 
     def write(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
         """Write this rank's tokens of sequence ``i``, flush, then mark it done (collective).
