@@ -306,18 +306,7 @@ def backward_tile_with(
     for name, (a, want) in shapes.items():
         if tuple(a.shape) != want:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want}")
-    if bounds is not None:
-        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
-            raise ValueError("bounds must be a pair (lo, hi) of int64 arrays over the queries")
-        lo, hi = (np.asarray(b) for b in bounds)
-        for name, b in (("lo", lo), ("hi", hi)):
-            if b.shape != (sq,) or not (b.dtype.kind in "iu" or b.size == 0):
-                raise ValueError(
-                    f"bounds {name} must be an integer array of shape ({sq},), got "
-                    f"{b.dtype} {b.shape}"
-                )
-        lo = np.ascontiguousarray(lo, dtype=np.int64)
-        hi = np.ascontiguousarray(hi, dtype=np.int64)
+    lo, hi = fused._check_bounds(bounds, sq)  # the forward tile's check: (None, None) if none
     if sq == 0 or sk == 0 or bsz == 0 or d == 0:
         return 0
     q, k, v, dout, lse, delta = (
