@@ -29,7 +29,9 @@
  *     2. dP = dO V^T with the same tile, dS = P * (dP - delta) straight from the registers;
  *     3. dQ (R x Dp) = dS K over the block's keys, added to dq (times scale);
  *   then over the whole block (reductions of Bq rows):
- *     4. dV (Bk x Dp) += P^T dO and dK += dS^T Qs with an R-keys x (NV W) register tile.
+ *     4. dV (Bk x Dp) += P^T dO and dK += dS^T Qs with an R-keys x (NV W) register tile,
+ *        reduced over the block's rows from zero; every RB_FLUSH query blocks the key
+ *        block's sums go into dk, dv (no running total grows with the query count).
  * P and dS of one query block (Bq x Bk) are the only score-sized buffers; no (Sq x Sk) array.
  * Masks: every row sees one range of key positions [lo_i, hi_i] (causal: (-inf, qpos_i]).
  * A (query block, key block) pair is skipped when no row's range meets the key block's
@@ -64,6 +66,15 @@
 #define RB_PF 16 /* software prefetch distance (d steps) in the K^T / V^T panel loops */
 #endif
 #define RB_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+/* dK, dV of a key block are sums over every query row of the tile (all query heads of the
+ * K/V head). Each query block's part is reduced from zero in registers (rb_outer) and added
+ * to the block's accumulators; every RB_FLUSH query blocks these are added to dk, dv and
+ * start again from zero. So no running total takes more than RB_FLUSH additions, and dk,
+ * dv about Sq / (Bq RB_FLUSH) per call: the error stays that of a blocked dense product
+ * instead of growing with the query count. */
+#ifndef RB_FLUSH
+#define RB_FLUSH 16
+#endif
 
 /* register tile: R rows (or keys) x NK vectors (S, dP) / NV vectors (dQ, dK, dV) */
 #if defined(__AVX512F__)
@@ -184,7 +195,9 @@ typedef __m512 bvf;
 #define bvf_zero _mm512_setzero_ps
 #define bvf_fma _mm512_fmadd_ps
 #define bvf_sub _mm512_sub_ps
+#define bvf_add _mm512_add_ps
 #define bvf_mul _mm512_mul_ps
+#define bvf_nan0(x) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask((x), (x), _CMP_ORD_Q), (x))
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 bvf;
 #define BVF_W 8
@@ -194,7 +207,9 @@ typedef __m256 bvf;
 #define bvf_zero _mm256_setzero_ps
 #define bvf_fma _mm256_fmadd_ps
 #define bvf_sub _mm256_sub_ps
+#define bvf_add _mm256_add_ps
 #define bvf_mul _mm256_mul_ps
+#define bvf_nan0(x) _mm256_and_ps(_mm256_cmp_ps((x), (x), _CMP_ORD_Q), (x))
 #else
 typedef float bvf;
 #define BVF_W 1
@@ -202,9 +217,11 @@ typedef float bvf;
 #define bvf_store(p, x) (*(p) = (x))
 #define bvf_set1(x) (x)
 #define bvf_zero() 0.0f
-#define bvf_fma(a, b, c) ((a) * (b) + (c))
+#define bvf_fma(a, b, c) ((float)((double)(a) * (double)(b) + (double)(c)))
 #define bvf_sub(a, b) ((a) - (b))
+#define bvf_add(a, b) ((a) + (b))
 #define bvf_mul(a, b) ((a) * (b))
+#define bvf_nan0(x) ((x) == (x) ? (x) : 0.0f)
 #endif
 
 /* exp(x), accurate for x <= 0 (the only arguments here: scores minus their log-sum-exp);
@@ -254,7 +271,9 @@ typedef __m512d bvd;
 #define bvd_zero _mm512_setzero_pd
 #define bvd_fma _mm512_fmadd_pd
 #define bvd_sub _mm512_sub_pd
+#define bvd_add _mm512_add_pd
 #define bvd_mul _mm512_mul_pd
+#define bvd_nan0(x) _mm512_maskz_mov_pd(_mm512_cmp_pd_mask((x), (x), _CMP_ORD_Q), (x))
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256d bvd;
 #define BVD_W 4
@@ -264,7 +283,9 @@ typedef __m256d bvd;
 #define bvd_zero _mm256_setzero_pd
 #define bvd_fma _mm256_fmadd_pd
 #define bvd_sub _mm256_sub_pd
+#define bvd_add _mm256_add_pd
 #define bvd_mul _mm256_mul_pd
+#define bvd_nan0(x) _mm256_and_pd(_mm256_cmp_pd((x), (x), _CMP_ORD_Q), (x))
 #else
 typedef double bvd;
 #define BVD_W 1
@@ -274,7 +295,9 @@ typedef double bvd;
 #define bvd_zero() 0.0
 #define bvd_fma(a, b, c) ((a) * (b) + (c))
 #define bvd_sub(a, b) ((a) - (b))
+#define bvd_add(a, b) ((a) + (b))
 #define bvd_mul(a, b) ((a) * (b))
+#define bvd_nan0(x) ((x) == (x) ? (x) : 0.0)
 #endif
 
 static inline bvd bvd_exp(bvd x) {
@@ -327,6 +350,8 @@ static inline bvd bvd_exp(bvd x) {
 #define V_ZERO bvf_zero
 #define V_FMA bvf_fma
 #define V_SUB bvf_sub
+#define V_ADD bvf_add
+#define V_NAN0 bvf_nan0
 #define V_MUL bvf_mul
 #define V_EXP bvf_exp
 #include "cpu_backward.c" /* this file again, now with RB_T defined */
@@ -340,6 +365,8 @@ static inline bvd bvd_exp(bvd x) {
 #undef V_ZERO
 #undef V_FMA
 #undef V_SUB
+#undef V_ADD
+#undef V_NAN0
 #undef V_MUL
 #undef V_EXP
 
@@ -353,6 +380,8 @@ static inline bvd bvd_exp(bvd x) {
 #define V_ZERO bvd_zero
 #define V_FMA bvd_fma
 #define V_SUB bvd_sub
+#define V_ADD bvd_add
+#define V_NAN0 bvd_nan0
 #define V_MUL bvd_mul
 #define V_EXP bvd_exp
 #include "cpu_backward.c" /* this file again, now with RB_T defined */
@@ -449,6 +478,17 @@ static inline void FN(rb_axpy)(RB_T *restrict dst, const RB_T *restrict src, int
     for (; d < n; d++) dst[d] += s * src[d];
 }
 
+/* dk, dv rows [0, nk) (row stride D) += dkb, dvb (row stride Dp); then dkb, dvb = 0. */
+static void FN(rb_flush)(RB_T *restrict dk, RB_T *restrict dv, RB_T *restrict dkb,
+                         RB_T *restrict dvb, int64_t nk, int64_t nkr, int64_t D, int64_t Dp) {
+    for (int64_t j = 0; j < nk; j++) {
+        FN(rb_axpy)(dk + j * D, dkb + j * Dp, D, (RB_T)1);
+        FN(rb_axpy)(dv + j * D, dvb + j * Dp, D, (RB_T)1);
+    }
+    memset(dkb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
+    memset(dvb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
+}
+
 /* dq rows [0, nrows) (row stride D) += sc * dS (R x nk, row stride ld) K (nk x Dp). */
 static inline void FN(rb_dq)(const RB_T *restrict ds, int64_t ld, const RB_T *restrict kr,
                              int64_t nk, int64_t Dp, int64_t D, RB_T sc, RB_T *restrict dq,
@@ -506,7 +546,9 @@ static inline void FN(rb_dq)(const RB_T *restrict ds, int64_t ld, const RB_T *re
 
 /* out (nkr x Dp, nkr a multiple of R) += A^T X: A (nq x nkr, row stride lda; P or dS),
  * X (nq x Dp, row stride ldx; dO or Qs). Register tile: R keys x TW columns, reducing over
- * the nq rows of the query block. */
+ * the nq rows of the query block from zero; the block's sum is then added to out once.
+ * Chaining from out instead would add every query row's term to a total over all the rows
+ * seen so far: an error growing with the query count (see RB_FLUSH for the rest). */
 static void FN(rb_outer)(const RB_T *restrict A, int64_t lda, const RB_T *restrict X,
                          int64_t ldx, int64_t nq, int64_t nkr, int64_t Dp, RB_T *restrict out) {
     for (int64_t j0 = 0; j0 < nkr; j0 += R) {
@@ -518,7 +560,7 @@ static void FN(rb_outer)(const RB_T *restrict A, int64_t lda, const RB_T *restri
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) acc[r][c] = V_LOAD(o + r * Dp + d0 + c * RB_W);
+                for (int c = 0; c < NV; c++) acc[r][c] = V_ZERO();
             for (int64_t i = 0; i < nq; i++) {
                 RB_V xv[NV];
 #pragma GCC unroll 8
@@ -533,19 +575,22 @@ static void FN(rb_outer)(const RB_T *restrict A, int64_t lda, const RB_T *restri
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) V_STORE(o + r * Dp + d0 + c * RB_W, acc[r][c]);
+                for (int c = 0; c < NV; c++) {
+                    RB_T *op = o + r * Dp + d0 + c * RB_W;
+                    V_STORE(op, V_ADD(V_LOAD(op), acc[r][c]));
+                }
         }
         for (; d0 < Dp; d0 += RB_W) { /* tail: one vector of columns */
             RB_V acc[R];
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) acc[r] = V_LOAD(o + r * Dp + d0);
+            for (int r = 0; r < R; r++) acc[r] = V_ZERO();
             for (int64_t i = 0; i < nq; i++) {
                 const RB_V xv = V_LOAD(X + i * ldx + d0);
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) acc[r] = V_FMA(V_SET1(a[i * lda + r]), xv, acc[r]);
             }
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) V_STORE(o + r * Dp + d0, acc[r]);
+            for (int r = 0; r < R; r++) V_STORE(o + r * Dp + d0, V_ADD(V_LOAD(o + r * Dp + d0), acc[r]));
         }
     }
 }
@@ -634,7 +679,7 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                 FN(rb_pack)(k + kvo, v + kvo, ka, nk, D, Dp, kt, vt, kr);
                 memset(dkb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
                 memset(dvb, 0, sizeof(RB_T) * (size_t)(nkr * Dp));
-                int touched = 0; /* dkb, dvb hold something to add */
+                int held = 0; /* query blocks summed in dkb, dvb since they were last added */
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const RB_T *qh = q + (b * H + h) * Sq * D;
@@ -734,7 +779,11 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                                                                        : nkr;
                         FN(rb_outer)(pb + j0, ld, dob, Dp, nq, j1 - j0, Dp, dvb + j0 * Dp);
                         FN(rb_outer)(dsb + j0, ld, qs, Dp, nq, j1 - j0, Dp, dkb + j0 * Dp);
-                        touched = 1;
+                        if (++held == RB_FLUSH) {
+                            FN(rb_flush)(dk + kvo + ka * D, dv + kvo + ka * D, dkb, dvb, nk, nkr,
+                                         D, Dp);
+                            held = 0;
+                        }
                         flops += 10 * nq * nk * D;
                         work += nq * nk;
                         if (progress && chunk > 0 && work >= chunk) {
@@ -746,11 +795,7 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                         }
                     }
                 }
-                if (!touched) continue;
-                for (int64_t j = 0; j < nk; j++) {
-                    FN(rb_axpy)(dk + kvo + (ka + j) * D, dkb + j * Dp, D, (RB_T)1);
-                    FN(rb_axpy)(dv + kvo + (ka + j) * D, dvb + j * Dp, D, (RB_T)1);
-                }
+                if (held) FN(rb_flush)(dk + kvo + ka * D, dv + kvo + ka * D, dkb, dvb, nk, nkr, D, Dp);
             }
         }
     }

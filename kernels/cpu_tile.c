@@ -24,7 +24,10 @@
  *      each row's maximum is taken from the registers before they are stored;
  *   2. mask (partly visible blocks only), the R rows' rescale factors by one vector exp, then
  *      P = exp(S - m) by a vector polynomial over the R rows at once, row sums;
- *   3. O (R x D) = alpha O + P V with an R x (NV*W) register tile.
+ *   3. O (R x D) = alpha O + P V with an R x (NV*W) register tile, reduced over the block's
+ *      keys from zero and added to O (and P's row sums to l) by compensated summation, so
+ *      float32 rounding does not grow with the row's key count (values with a mean make a
+ *      running total grow, and each term added to it rounds against the total).
  * A (query block, key block) pair that no row sees is skipped and one that every row sees
  * fully is not masked; inside the others each strip scores only the panels from its first
  * to its last visible key (a narrow window costs about its width, not the block's).
@@ -39,7 +42,8 @@
  * gives exactly 0; NaN propagates. The scalar path calls libm's expf/exp.
  *
  * Same answers on AVX2 and AVX-512: every score is one FMA chain over d = 0..D-1, every output
- * element one FMA chain over the keys in order, exp is the same sequence of IEEE operations,
+ * element one FMA chain over a key block's keys in order, added to the state by the same
+ * compensated sum (rm_kadd), exp is the same sequence of IEEE operations,
  * row sums add the same numbers in the same order (see rm_softmax and the horizontal sums), and
  * fused.py cuts the same blocks for both (key blocks a multiple of 64, RM_R = 6 on both): the
  * two paths give bit-identical results. Under a mask a strip's scored keys start at a panel
@@ -264,6 +268,7 @@ static inline double rm_hsum4d(__m256d x) {
 /* ------------------------------------------------------------ float32 vector layer --- */
 #if defined(__AVX512F__)
 typedef __m512 vf;
+typedef vf vf_sum; /* row sums of rm_softmax */
 #define VF_W 16
 #define vf_load _mm512_loadu_ps
 #define vf_store _mm512_storeu_ps
@@ -271,16 +276,19 @@ typedef __m512 vf;
 #define vf_zero _mm512_setzero_ps
 #define vf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
 #define vf_mul _mm512_mul_ps
 #define vf_div _mm512_div_ps
 #define vf_max _mm512_max_ps
 #define vf_hmax _mm512_reduce_max_ps
+#define vf_nan0(x) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask((x), (x), _CMP_ORD_Q), (x))
 static inline float vf_hsum(vf x) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
     return rm_hsum8f(_mm256_add_ps(_mm512_castps512_ps256(x), hi));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 vf;
+typedef vf vf_sum;
 #define VF_W 8
 #define vf_load _mm256_loadu_ps
 #define vf_store _mm256_storeu_ps
@@ -288,9 +296,11 @@ typedef __m256 vf;
 #define vf_zero _mm256_setzero_ps
 #define vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
 #define vf_mul _mm256_mul_ps
 #define vf_div _mm256_div_ps
 #define vf_max _mm256_max_ps
+#define vf_nan0(x) _mm256_and_ps(_mm256_cmp_ps((x), (x), _CMP_ORD_Q), (x))
 static inline float vf_hmax(vf x) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -300,18 +310,23 @@ static inline float vf_hmax(vf x) {
 #define vf_hsum rm_hsum8f
 #else
 typedef float vf;
+/* one lane: a row's sum of up to Bk terms is one chain; in double its rounding stays below
+ * that of the vector paths' (Bk / W terms a lane, then a tree) */
+typedef double vf_sum;
 #define VF_W 1
 #define vf_load(p) (*(p))
 #define vf_store(p, x) (*(p) = (x))
 #define vf_set1(x) (x)
 #define vf_zero() 0.0f
-#define vf_fma(a, b, c) ((a) * (b) + (c))
+#define vf_fma(a, b, c) ((float)((double)(a) * (double)(b) + (double)(c)))
 #define vf_add(a, b) ((a) + (b))
+#define vf_sub(a, b) ((a) - (b))
 #define vf_mul(a, b) ((a) * (b))
 #define vf_div(a, b) ((a) / (b))
 #define vf_max(a, b) ((a) > (b) ? (a) : (b))
 #define vf_hmax(x) (x)
 #define vf_hsum(x) (x)
+#define vf_nan0(x) ((x) == (x) ? (x) : 0.0f)
 #endif
 
 /* exp(x) for x <= 0 (x = -inf -> 0, NaN -> NaN). */
@@ -367,10 +382,12 @@ typedef __m512d vd;
 #define vd_zero _mm512_setzero_pd
 #define vd_fma(a, b, c) _mm512_fmadd_pd(a, b, c)
 #define vd_add _mm512_add_pd
+#define vd_sub _mm512_sub_pd
 #define vd_mul _mm512_mul_pd
 #define vd_div _mm512_div_pd
 #define vd_max _mm512_max_pd
 #define vd_hmax _mm512_reduce_max_pd
+#define vd_nan0(x) _mm512_maskz_mov_pd(_mm512_cmp_pd_mask((x), (x), _CMP_ORD_Q), (x))
 static inline double vd_hsum(vd x) {
     return rm_hsum4d(_mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1)));
 }
@@ -383,9 +400,11 @@ typedef __m256d vd;
 #define vd_zero _mm256_setzero_pd
 #define vd_fma(a, b, c) _mm256_fmadd_pd(a, b, c)
 #define vd_add _mm256_add_pd
+#define vd_sub _mm256_sub_pd
 #define vd_mul _mm256_mul_pd
 #define vd_div _mm256_div_pd
 #define vd_max _mm256_max_pd
+#define vd_nan0(x) _mm256_and_pd(_mm256_cmp_pd((x), (x), _CMP_ORD_Q), (x))
 static inline double vd_hmax(vd x) {
     __m128d h = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
     h = _mm_max_sd(h, _mm_unpackhi_pd(h, h));
@@ -401,11 +420,13 @@ typedef double vd;
 #define vd_zero() 0.0
 #define vd_fma(a, b, c) ((a) * (b) + (c))
 #define vd_add(a, b) ((a) + (b))
+#define vd_sub(a, b) ((a) - (b))
 #define vd_mul(a, b) ((a) * (b))
 #define vd_div(a, b) ((a) / (b))
 #define vd_max(a, b) ((a) > (b) ? (a) : (b))
 #define vd_hmax(x) (x)
 #define vd_hsum(x) (x)
+#define vd_nan0(x) ((x) == (x) ? (x) : 0.0)
 #endif
 
 static inline vd vd_exp(vd x) {
@@ -453,6 +474,7 @@ static inline vd vd_exp(vd x) {
 /* ----------------------------------------------------------- instantiate both types --- */
 #define RM_T float
 #define RM_V vf
+#define RM_VSUM vf_sum
 #define RM_W VF_W
 #define RM_SFX f32
 #define RM_LOG1 logf
@@ -464,6 +486,8 @@ static inline vd vd_exp(vd x) {
 #define V_FMA vf_fma
 #define V_MUL vf_mul
 #define V_ADD vf_add
+#define V_SUB vf_sub
+#define V_NAN0 vf_nan0
 #define V_MAX vf_max
 #define V_HMAX vf_hmax
 #define V_HSUM vf_hsum
@@ -471,6 +495,7 @@ static inline vd vd_exp(vd x) {
 #include "cpu_tile.c" /* this file again, now with RM_T defined */
 #undef RM_T
 #undef RM_V
+#undef RM_VSUM
 #undef RM_W
 #undef RM_SFX
 #undef RM_EXP1
@@ -483,6 +508,8 @@ static inline vd vd_exp(vd x) {
 #undef V_FMA
 #undef V_MUL
 #undef V_ADD
+#undef V_SUB
+#undef V_NAN0
 #undef V_MAX
 #undef V_HMAX
 #undef V_HSUM
@@ -490,6 +517,7 @@ static inline vd vd_exp(vd x) {
 
 #define RM_T double
 #define RM_V vd
+#define RM_VSUM vd
 #define RM_W VD_W
 #define RM_SFX f64
 #define RM_LOG1 log
@@ -501,6 +529,8 @@ static inline vd vd_exp(vd x) {
 #define V_FMA vd_fma
 #define V_MUL vd_mul
 #define V_ADD vd_add
+#define V_SUB vd_sub
+#define V_NAN0 vd_nan0
 #define V_MAX vd_max
 #define V_HMAX vd_hmax
 #define V_HSUM vd_hsum
@@ -588,16 +618,31 @@ static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, i
     }
 }
 
-/* O (RM_R x Dp) += P (RM_R x nk) V (nk x Dp). */
+/* o + x by compensated (Kahan) summation: *c holds the rounding error of o so far, to be
+ * subtracted from it; a NaN compensation (from an infinite o) is replaced by 0, so inf and
+ * NaN in o behave as in plain summation. */
+static inline RM_V FN(rm_kadd)(RM_V o, RM_V x, RM_V *c) {
+    const RM_V y = V_SUB(x, *c);
+    const RM_V t = V_ADD(o, y);
+    const RM_V e = V_SUB(V_SUB(t, o), y);
+    *c = V_NAN0(e);
+    return t;
+}
+
+/* O (RM_R x Dp) += P (RM_R x nk) V (nk x Dp), with compensation oc (RM_R x Dp). The block's
+ * product is accumulated from zero in registers and added to O once, compensated: a chain
+ * that started from O would add every key's term to the row's ever larger running total,
+ * an error growing with the row's key count (about sqrt(N) ulps of O for values with a
+ * mean); this way it is that of one chain of at most Bk keys, whatever the key count. */
 static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *restrict vp,
-                             int64_t nk, int64_t Dp, RM_T *restrict o) {
+                             int64_t nk, int64_t Dp, RM_T *restrict o, RM_T *restrict oc) {
     int64_t d0 = 0;
     for (; d0 + NV * RM_W <= Dp; d0 += NV * RM_W) {
         RM_V acc[RM_R][NV];
 #pragma GCC unroll 16
         for (int r = 0; r < RM_R; r++)
 #pragma GCC unroll 4
-            for (int c = 0; c < NV; c++) acc[r][c] = V_LOAD(o + r * Dp + d0 + c * RM_W);
+            for (int c = 0; c < NV; c++) acc[r][c] = V_ZERO();
         for (int64_t j = 0; j < nk; j++) {
             RM_V vv[NV];
 #pragma GCC unroll 4
@@ -615,30 +660,42 @@ static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *r
 #pragma GCC unroll 16
         for (int r = 0; r < RM_R; r++)
 #pragma GCC unroll 4
-            for (int c = 0; c < NV; c++) V_STORE(o + r * Dp + d0 + c * RM_W, acc[r][c]);
+            for (int c = 0; c < NV; c++) {
+                const int64_t off = r * Dp + d0 + c * RM_W;
+                RM_V cv = V_LOAD(oc + off);
+                V_STORE(o + off, FN(rm_kadd)(V_LOAD(o + off), acc[r][c], &cv));
+                V_STORE(oc + off, cv);
+            }
     }
     for (; d0 < Dp; d0 += RM_W) { /* tail: one vector of columns */
         RM_V acc[RM_R];
 #pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++) acc[r] = V_LOAD(o + r * Dp + d0);
+        for (int r = 0; r < RM_R; r++) acc[r] = V_ZERO();
         for (int64_t j = 0; j < nk; j++) {
             RM_V vv = V_LOAD(vp + j * Dp + d0);
 #pragma GCC unroll 16
             for (int r = 0; r < RM_R; r++) acc[r] = V_FMA(V_SET1(pm[r * ldp + j]), vv, acc[r]);
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++) V_STORE(o + r * Dp + d0, acc[r]);
+        for (int r = 0; r < RM_R; r++) {
+            const int64_t off = r * Dp + d0;
+            RM_V cv = V_LOAD(oc + off);
+            V_STORE(o + off, FN(rm_kadd)(V_LOAD(o + off), acc[r], &cv));
+            V_STORE(oc + off, cv);
+        }
     }
 }
 
 /* Online softmax over one strip: s (RM_R x ncol, ncol a multiple of RM_W, -inf past the
- * valid keys) becomes P in place; m, l, and the rows of o (RM_R x Dp) are rescaled.
+ * valid keys) becomes P in place; m, l, and the rows of o (RM_R x Dp) are rescaled, with
+ * their compensations lc and oc (see rm_kadd); the strip's row sums go into l compensated.
  * rmax (RM_R x RM_W): lane-wise row maxima of s from rm_qk when have_max, else scratch.
  * The per-row statistics go through one vector exp, and the exp pass runs over the RM_R
  * rows at once (independent chains, one running sum per row). */
 static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, RM_T *restrict m,
-                                  RM_T *restrict l, RM_T *restrict o, int64_t Dp,
-                                  RM_T *restrict rmax, int have_max) {
+                                  RM_T *restrict l, RM_T *restrict lc, RM_T *restrict o,
+                                  RM_T *restrict oc, int64_t Dp, RM_T *restrict rmax,
+                                  int have_max) {
     enum { NR = (RM_R + RM_W - 1) / RM_W * RM_W }; /* rows padded to whole vectors */
     RM_T arg[NR], alpha[NR], neg[RM_R];
     for (int r = 0; r < RM_R; r++) {
@@ -666,7 +723,8 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
      * = c W + i mod NS W, in increasing j), adds them up and reduces by V_HSUM's fixed tree:
      * the same additions in the same order on AVX2 (NS = 2) and AVX-512 (NS = 1). ncol is a
      * multiple of KW, hence of NS W. */
-    RM_V vneg[RM_R], sum[RM_R][NS];
+    RM_V vneg[RM_R];
+    RM_VSUM sum[RM_R][NS];
 #pragma GCC unroll 16
     for (int r = 0; r < RM_R; r++) {
         vneg[r] = V_SET1(neg[r]);
@@ -688,11 +746,19 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
     for (int r = 0; r < RM_R; r++) {
 #pragma GCC unroll 4
         for (int c = 1; c < NS; c++) sum[r][0] = V_ADD(sum[r][0], sum[r][c]);
-        l[r] = l[r] * alpha[r] + V_HSUM(sum[r][0]);
+        {
+            const RM_T x = V_HSUM(sum[r][0]), ls = l[r] * alpha[r], y = x - lc[r] * alpha[r];
+            const RM_T t = ls + y, e = (t - ls) - y;
+            lc[r] = e == e ? e : 0;
+            l[r] = t;
+        }
         if (alpha[r] != 1) {
             RM_V va = V_SET1(alpha[r]);
-            RM_T *orow = o + r * Dp;
-            for (int64_t d = 0; d < Dp; d += RM_W) V_STORE(orow + d, V_MUL(V_LOAD(orow + d), va));
+            RM_T *orow = o + r * Dp, *crow = oc + r * Dp;
+            for (int64_t d = 0; d < Dp; d += RM_W) {
+                V_STORE(orow + d, V_MUL(V_LOAD(orow + d), va));
+                V_STORE(crow + d, V_MUL(V_LOAD(crow + d), va));
+            }
         }
     }
 }
@@ -730,6 +796,7 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     char *need = malloc((size_t)(Sk + 1));
     int64_t *koff = malloc(sizeof(int64_t) * (size_t)(Sk + 2));
     RM_T *kt = NULL, *vp = NULL, *qs = NULL, *ob = NULL, *mb = NULL, *lb = NULL, *sb = NULL;
+    RM_T *oc = NULL, *lc = NULL; /* compensations of ob and lb (rm_kadd) */
     int64_t flops = 0;
     if (!qb || !kb || !qr || !need || !koff) {
         flops = -1;
@@ -754,8 +821,10 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     ob = rm_alloc(sizeof(RM_T) * (size_t)(bq * Dp));
     mb = rm_alloc(sizeof(RM_T) * (size_t)bq);
     lb = rm_alloc(sizeof(RM_T) * (size_t)bq);
+    oc = rm_alloc(sizeof(RM_T) * (size_t)(bq * Dp));
+    lc = rm_alloc(sizeof(RM_T) * (size_t)bq);
     sb = rm_alloc(sizeof(RM_T) * (size_t)(RM_R * bk));
-    if (!kt || !vp || !qs || !ob || !mb || !lb || !sb) {
+    if (!kt || !vp || !qs || !ob || !mb || !lb || !sb || !oc || !lc) {
         flops = -1;
         goto done;
     }
@@ -782,6 +851,8 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                     const int64_t qa = qb[iq].a, nq = qb[iq].b - qb[iq].a;
                     const int64_t nqp = (nq + RM_R - 1) / RM_R * RM_R;
                     /* load the state and the scaled queries; padded rows stay harmless */
+                    memset(oc, 0, sizeof(RM_T) * (size_t)(nqp * Dp));
+                    memset(lc, 0, sizeof(RM_T) * (size_t)nqp);
                     for (int64_t i = 0; i < nqp; i++) {
                         if (i < nq) {
                             const RM_T *qrow = qh + (qa + i) * D;
@@ -869,16 +940,25 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                             }
                             /* the maxima from rm_qk hold unless keys were masked or padded */
                             const int have_max = mode == 0 && ucol == use;
-                            FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, ob + r0 * Dp, Dp, rmax,
-                                           have_max);
-                            FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp);
+                            FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, lc + r0, ob + r0 * Dp,
+                                           oc + r0 * Dp, Dp, rmax, have_max);
+                            FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp,
+                                      oc + r0 * Dp);
                             flops += 4 * nr * (j1 - j0) * D;
                         }
                     }
+                    /* the state goes back with its compensation applied (o - c: one
+                     * rounding); a NaN difference (inf - inf) keeps o itself */
                     for (int64_t i = 0; i < nq; i++) {
-                        memcpy(ah + (qa + i) * D, ob + i * Dp, (size_t)D * sizeof(RM_T));
+                        const RM_T *orow = ob + i * Dp, *crow = oc + i * Dp;
+                        RM_T *arow = ah + (qa + i) * D;
+                        for (int64_t d = 0; d < D; d++) {
+                            const RM_T x = orow[d] - crow[d];
+                            arow[d] = x == x ? x : orow[d];
+                        }
                         mh[qa + i] = mb[i];
-                        lh[qa + i] = lb[i];
+                        const RM_T x = lb[i] - lc[i];
+                        lh[qa + i] = x == x ? x : lb[i];
                     }
                     /* progress: ceil(total / chunk) - 1 calls spread evenly over the work */
                     rows_done += nq;
@@ -907,6 +987,8 @@ done:
     free(mb);
     free(lb);
     free(sb);
+    free(oc);
+    free(lc);
     return flops;
 }
 

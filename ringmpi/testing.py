@@ -46,6 +46,7 @@ __all__ = [
     "assert_all",
     "raises_everywhere",
     "random_qkv",
+    "REALISTIC",
 ]
 
 #: eps added to the peer-derived tolerance, by dtype
@@ -153,10 +154,49 @@ def raises_everywhere(comm, fn: Callable[[], object], *words: str) -> str:
     return msg
 
 
-def random_qkv(rng, n: int, h: int, hkv: int, d: int, batch=None, dtype=np.float64):
-    """Global q (n, h, d), k and v (n, hkv, d), with a leading batch axis if given."""
+#: means and spreads of q, k, v shaped like a trained model's activations (biases, positive
+#: features): ``random_qkv(..., realistic=True)``. Zero-mean normals let float32 rounding
+#: errors cancel; these do not (a value mean makes every row's running sums grow).
+REALISTIC = {"means": (0.0, 0.5, 1.0), "spreads": (1.0, 1.0, 0.1), "sinks": 2}
+
+
+def random_qkv(
+    rng, n: int, h: int, hkv: int, d: int, batch=None, dtype=np.float64, *,
+    realistic: bool = False, means=None, spreads=None, sinks=None, nk=None,
+):  # fmt: skip
+    """Global q (n, h, d), k and v (nk, hkv, d), with a leading batch axis if given.
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+    n, h, hkv, d : int
+        Query tokens, query heads, key/value heads, head size.
+    batch : int, optional
+        Leading batch axis.
+    dtype : numpy dtype
+    realistic : bool
+        Default ``means``, ``spreads`` and ``sinks`` from :data:`REALISTIC` instead of
+        standard normals (0, 1, no sinks).
+    means, spreads : (float, float, float), optional
+        Mean and standard deviation of q, k, v (each entry normal).
+    sinks : int, optional
+        Keys (evenly spread, the first at position 0) scaled to 8 times their norm, as the
+        large-norm "attention sink" keys of trained models.
+    nk : int, optional
+        Key/value tokens, default n (cross-attention when different).
+
+    Returns
+    -------
+    q : (n, h, d), k, v : (nk, hkv, d), or with the batch axis first.
+    """
+    preset = REALISTIC if realistic else {"means": (0.0,) * 3, "spreads": (1.0,) * 3, "sinks": 0}
+    means = preset["means"] if means is None else means
+    spreads = preset["spreads"] if spreads is None else spreads
+    sinks = preset["sinks"] if sinks is None else int(sinks)
+    nk = n if nk is None else int(nk)
     lead = () if batch is None else (batch,)
-    q = rng.standard_normal((*lead, n, h, d))
-    k = rng.standard_normal((*lead, n, hkv, d))
-    v = rng.standard_normal((*lead, n, hkv, d))
+    shapes = ((*lead, n, h, d), (*lead, nk, hkv, d), (*lead, nk, hkv, d))
+    q, k, v = (mu + sd * rng.standard_normal(shp) for mu, sd, shp in zip(means, spreads, shapes))
+    if sinks and nk:
+        k[..., np.linspace(0, nk - 1, min(sinks, nk)).astype(int), :, :] *= 8.0
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
