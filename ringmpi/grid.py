@@ -17,7 +17,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from .collective import raise_first
+from .collective import agree_views
 
 __all__ = ["grid", "cart2"]
 
@@ -63,11 +63,8 @@ def grid(comm: Optional[MPI.Comm] = None, ring_size: Optional[int] = None) -> tu
     size = comm.Get_size()
     r = size if ring_size is None else ring_size
     err = None
-    if not isinstance(r, int) or r < 1 or size % r:
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or size % r:
         err = f"ring_size={r!r} must be a positive divisor of the {size} ranks"
-    views = comm.allgather(r)
-    if err is None and len(set(views)) > 1:
-        err = f"ranks disagree on ring_size: {views}"
-    raise_first(comm, err, "grid")
+    agree_views(comm, {"error": err, "ring_size": r}, "grid", ("ring_size",))
     across, ring = cart2(comm, (size // r, r))
     return ring, across
