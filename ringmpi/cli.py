@@ -345,6 +345,9 @@ def _cmd_info() -> int:
             lines.append(f"gpu       unavailable ({type(e).__name__}: {e}) (CPU will be used)")
     lines.append(f"cpu tile  {_cpu_kernel()}")
     lines.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}")
+    from . import env
+
+    lines += [f"env       {x}" for x in env.current()] or ["env       (no ringmpi variable set)"]
     if rank == 0:
         print("\n".join(lines))
     return 0

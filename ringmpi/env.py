@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["Var", "REGISTRY", "get", "table", "current"]
+__all__ = ["Var", "REGISTRY", "get", "table", "current", "readme_block"]
 
 
 def _choice(*values: str) -> Callable[[str], str]:
@@ -126,6 +126,8 @@ _VARS = [
         "SIGKILL rank 0 after this many sequences of a run", tests=True),
     Var("RINGMPI_TEST_MPIO_KILL", None, _text,
         "SIGKILL rank 0 after writing this sequence of a one-file output", tests=True),
+    Var("RINGMPI_KEEP", None, _text,
+        "set: the cluster test scripts keep their work folder", tests=True),
 ]  # fmt: skip
 
 REGISTRY: dict = {v.name: v for v in _VARS}
@@ -170,7 +172,10 @@ def current() -> list:
     return [f"{v.name}={os.environ[v.name]}" for v in _VARS if os.environ.get(v.name)]
 
 
+def readme_block() -> str:
+    """The README's generated block: the user table, then the test-only one."""
+    return f"{table()}\n\nOnly for the test suite and the stress checks:\n\n{table(tests=True)}"
+
+
 if __name__ == "__main__":
-    print(table())
-    print()
-    print(table(tests=True))
+    print(readme_block())
