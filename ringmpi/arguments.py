@@ -7,8 +7,7 @@ checks its own arrays and asks the backend whether its tiles can run the call
 a small dict; one ``allgather`` later every rank knows every rank's view and
 raises the identical ``ValueError``, naming the field and the rank. A rank
 that raised alone would leave the others waiting in the ring forever.
-:func:`to_internal` / :func:`to_external` convert to and from the tiles'
-head-major layout.
+:func:`to_internal` converts arrays to the tiles' head-major layout.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from .mask import Mask
 from .partition import counts
 from .spec import AttentionSpec
 
-__all__ = ["agree", "to_internal", "to_external", "report", "RingArgs"]
+__all__ = ["agree", "to_internal", "report", "RingArgs"]
 
 
 @dataclass(frozen=True)
@@ -291,13 +290,6 @@ def to_internal(xp, x, dtype):
     """(B?, S, H, D) -> (B, H, S, D), ``dtype``, C-contiguous."""
     x = x if x.ndim == 4 else x[None]
     return xp.ascontiguousarray(xp.moveaxis(x, -3, -2), dtype=dtype)
-
-
-def to_external(x, like, cast=None):
-    """(B, H, S, D) -> the layout (B?, S, H, D) and dtype of ``like`` (``cast(x, dtype)``)."""
-    x = x.swapaxes(-2, -3)
-    x = x.astype(like.dtype, order="C") if cast is None else cast(x, like.dtype)
-    return x if like.ndim == 4 else x[0]
 
 
 def report(stats: Optional[dict], t_start: float, **fields) -> None:

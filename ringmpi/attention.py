@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from mpi4py import MPI
 
-from . import interrupt, softmax
+from . import cost, interrupt, softmax
 from .arguments import RingArgs, agree, report, to_internal
 from .hybrid import HeadGroups
 from .mask import plan_steps
@@ -71,7 +71,9 @@ def ring_attention(
         Raise ValueError on every rank if any input holds NaN or Inf.
         Without it, NaN in an input propagates to the outputs it touches.
     stats : dict, optional
-        Filled with compute_s, wait_s, total_s, flops, steps (run), steps_computed
+        Filled with compute_s, wait_s, total_s, flops (of the visible pairs, the
+        same on every backend: :mod:`ringmpi.cost`), tile_flops (what the tiles
+        computed, masked parts of their blocks included), steps (run), steps_computed
         (by this rank), steps_skipped (ring size - steps), bytes_sent (K/V, this
         rank), alltoall_bytes (heads x ring), backend and tile (what ran:
         :meth:`ringmpi.backend.Backend.describe`).
@@ -155,7 +157,8 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick) -> tuple:
     plan = plan_steps(mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
-    flops, compute_s, computed = 0, 0.0, 0
+    b, h, _, d = qi.shape
+    flops, tile_flops, compute_s, computed = 0, 0, 0.0, 0
     with interrupt.catching(), KVRing(comm, be, ki, vi, args.counts_k, plan.nsteps) as kv:
         del ki, vi
         progress = kv.ring.test
@@ -169,16 +172,19 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick) -> tuple:
             if plan.compute[step]:
                 t0 = time.perf_counter()
                 k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k)
-                flops += be.forward_tile(
+                tile_flops += be.forward_tile(
                     qi, kb, vb, plan.q_pos, k_pos, acc, m, l,
                     scale=args.scale, causal=args.causal, progress=progress, **masked,
                 )  # fmt: skip
                 compute_s += time.perf_counter() - t0
+                pairs = cost.visible_pairs(plan.q_pos, k_pos, args.causal, plan.bounds)
+                flops += cost.flops(pairs, d, h, b)
                 computed += 1
             if on_step is not None:
                 on_step(step + 1, plan.nsteps)
     out, lse = be.finish(acc, m, l)
-    stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, steps=plan.nsteps,
+    stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, tile_flops=tile_flops,
+                 steps=plan.nsteps,
                  steps_computed=computed, steps_skipped=size - plan.nsteps,
                  bytes_sent=kv.bytes_sent)  # fmt: skip
     return out, lse, stats

@@ -27,7 +27,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from . import interrupt
+from . import cost, interrupt
 from .arguments import RingArgs, agree, report, to_internal
 from .hybrid import HeadGroups
 from .mask import plan_steps
@@ -83,8 +83,9 @@ def ring_attention_backward(
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
         (or lse holds NaN or +Inf).
     stats : dict, optional
-        Filled with compute_s, wait_s, total_s, flops, steps, steps_computed,
-        steps_skipped, bytes_sent, alltoall_bytes, backend and tile (as the forward).
+        Filled with compute_s, wait_s, total_s, flops, tile_flops, steps,
+        steps_computed, steps_skipped, bytes_sent, alltoall_bytes, backend and tile
+        (as the forward; flops: 10 D per visible pair and query head).
     spec : ringmpi.spec.AttentionSpec, optional
         The forward's options as one value (then leave their keywords at the defaults).
 
@@ -172,7 +173,8 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta) -> tuple:
     dsize = 2 * b * hkv * max(cnt) * d
     d_bufs = [xp.zeros(dsize, dtype=acc), xp.zeros(dsize, dtype=acc)]
     scratch = xp.empty(dsize, dtype=acc) if plan.nsteps > 1 else None
-    flops, compute_s, computed = 0, 0.0, 0
+    h = qa.shape[1]
+    flops, tile_flops, compute_s, computed = 0, 0, 0.0, 0
     with interrupt.catching(), KVRing(comm, be, ki, vi, cnt, plan.nsteps) as kv:
         del ki, vi
         ring_d = be.ring(comm)
@@ -193,12 +195,14 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta) -> tuple:
                         mine[...] = 0
                     t0 = time.perf_counter()
                     k_pos = positions(args.nk, src, size, layout, cu_seqlens=args.mask.cu_k)
-                    flops += be.backward_tile(
+                    tile_flops += be.backward_tile(
                         qa, kb, vb, do, lse_i, delta, plan.q_pos, k_pos, dq, mine[0], mine[1],
                         scale=args.scale, causal=causal, progress=progress, **masked,
                     )  # fmt: skip
                     compute_s += time.perf_counter() - t0
                     computed += 1
+                    pairs = cost.visible_pairs(plan.q_pos, k_pos, causal, plan.bounds)
+                    flops += cost.flops(pairs, d, h, b, backward=True)
                 if plan.nsteps == 1:
                     continue  # our own block only: its accumulator is already home
                 with watch(f"ring step {step}: the dK/dV block from rank {ring_d.prev}"):
@@ -221,6 +225,7 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta) -> tuple:
             ring_d.free(abandon=stopped)
     dkv = kv.view(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
     stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s + ring_d.wait_s, flops=flops,
+                 tile_flops=tile_flops,
                  steps=plan.nsteps, steps_computed=computed, steps_skipped=size - plan.nsteps,
                  bytes_sent=kv.bytes_sent)  # fmt: skip
     return dq, dkv[0], dkv[1], stats
