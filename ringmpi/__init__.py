@@ -14,6 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# grid() is bound now, not on use: importing the submodule ringmpi.grid later (the
+# loops do) would otherwise set the attribute `grid` to the module. grid.py imports
+# mpi4py.MPI only when called.
+from .grid import grid as grid
+
 __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY = {
@@ -21,13 +26,12 @@ _LAZY = {
     "LAYOUTS": "partition",
     "decode_attention": "decode",
     "gather": "sharding",
-    "grid": "grid",
     "positions": "partition",
     "ring_attention": "attention",
     "ring_attention_backward": "backward",
     "shard": "sharding",
 }
-__all__ = sorted([*_LAZY, "reference", "__version__"])
+__all__ = sorted([*_LAZY, "grid", "reference", "__version__"])
 
 
 def __getattr__(name: str) -> Any:

@@ -13,11 +13,12 @@ sequences run at once, one per ring::
 
 from __future__ import annotations
 
-from typing import Optional
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Optional
 
 from .collective import agree_views
+
+if TYPE_CHECKING:  # mpi4py.MPI is imported on use: `import ringmpi` binds grid() eagerly
+    from mpi4py import MPI
 
 __all__ = ["grid", "cart2"]
 
@@ -59,7 +60,10 @@ def grid(comm: Optional[MPI.Comm] = None, ring_size: Optional[int] = None) -> tu
     ValueError
         On every rank, when the ranks disagree on R or R does not divide P.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
     size = comm.Get_size()
     r = size if ring_size is None else ring_size
     err = None

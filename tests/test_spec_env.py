@@ -99,6 +99,7 @@ def test_public_names_load_on_use():
         "assert 'ringmpi.attention' not in sys.modules\n"
         "f = ringmpi.ring_attention\n"
         "assert f.__module__ == 'ringmpi.attention' and 'mpi4py.MPI' in sys.modules\n"
+        "assert callable(ringmpi.grid)  # not shadowed by the submodule the loops import\n"
         "assert sorted(ringmpi.__all__) == ringmpi.__all__ and all(hasattr(ringmpi, n) "
         "for n in ringmpi.__all__)\n"
         "print(ringmpi.partition.counts(10, 2).tolist())\n"
