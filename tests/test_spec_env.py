@@ -57,6 +57,8 @@ def test_info_lists_the_variables_that_are_set():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "env       RINGMPI_LINK_GBPS=25" in lines and "env       RINGMPI_POLL=0" in lines
+    tiles = [x for x in lines if x.startswith("cpu tiles ")]
+    assert len(tiles) == 1 and "forward" in tiles[0] and "backward" in tiles[0], lines
 
 
 _PROBE = """
