@@ -163,7 +163,7 @@ def _view(comm, spec, arrays: dict, be, check_finite: bool, decode: bool) -> dic
         err, spec = err or str(e), None
     if err is None:
         backward = "dout" in arrays
-        why = be.supports(spec, q.dtype, int(q.shape[-1]), backward=backward)
+        why = be.supports(spec, q.dtype, int(q.shape[-1]), backward=backward, tiles=not decode)
         if why:
             err = f"the {be.name} backend cannot run this call: {'; '.join(why)}"
     if err is None and spec.head_parallel > 1:

@@ -51,7 +51,7 @@ class Backend:
     notes: tuple = ()  # what runs: ("forward: ...", "backward: ...")
     backward_missing: str = "no backward tile"  # why backward_tile is None
 
-    def supports(self, spec, dtype, d: int, *, backward: bool = False) -> list:
+    def supports(self, spec, dtype, d: int, *, backward: bool = False, tiles: bool = True) -> list:
         """The reasons this backend cannot run a call (empty: it can).
 
         Parameters
@@ -64,6 +64,8 @@ class Backend:
             The head dim D.
         backward : bool
             The call is a backward pass.
+        tiles : bool
+            The call runs the tiles (False: decode, plain array operations).
         """
         why = []
         try:
@@ -72,7 +74,7 @@ class Backend:
             name = getattr(dtype, "name", str(dtype))
         if name not in self.dtypes:
             why.append(f"dtype {name} (it takes {', '.join(self.dtypes)})")
-        if self.max_d and not 1 <= d <= self.max_d:
+        if tiles and self.max_d and not 1 <= d <= self.max_d:
             why.append(f"head dim D={d} (its tiles take 1..{self.max_d})")
         if backward and self.backward_tile is None:
             why.append(self.backward_missing)

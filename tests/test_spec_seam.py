@@ -134,6 +134,7 @@ def test_supports_lists_every_reason():
     assert be.supports(spec, np.float32, 64) == []
     why = be.supports(spec, np.int32, 65, backward=True)
     assert len(why) == 3 and "dtype int32" in why[0] and "D=65" in why[1], why
+    assert be.supports(spec, np.float32, 65, tiles=False) == []  # decode runs no tile
     gpu_like = dataclasses.replace(be, xp=object())
     assert "head_parallel" in gpu_like.supports(spec, np.float32, 8)[0]
 
