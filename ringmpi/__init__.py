@@ -3,26 +3,50 @@
 The sequence is split over the ranks of an MPI communicator; K/V blocks travel
 around a ring while each rank folds them into the attention of its own queries.
 numpy arrays run on the CPU, CuPy arrays on the GPU.
+
+Importing the package initialises nothing: the public names are loaded on first
+use (a module ``__getattr__``), so ``import ringmpi``, ``ringmpi --help``,
+``ringmpi make-data`` and ``ringmpi pack`` never initialise MPI.
 """
 
-from . import reference
-from .attention import ring_attention
-from .backward import ring_attention_backward
-from .decode import decode_attention
-from .grid import grid
-from .partition import LAYOUTS, positions
-from .sharding import gather, shard
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# grid() is bound now, not on use: importing the submodule ringmpi.grid later (the
+# loops do) would otherwise set the attribute `grid` to the module. grid.py imports
+# mpi4py.MPI only when called.
+from .grid import grid as grid
 
 __version__ = "0.1.0"
-__all__ = [
-    "LAYOUTS",
-    "decode_attention",
-    "gather",
-    "grid",
-    "positions",
-    "reference",
-    "ring_attention",
-    "ring_attention_backward",
-    "shard",
-    "__version__",
-]
+# public name -> the module that defines it
+_LAZY = {
+    "AttentionSpec": "spec",
+    "LAYOUTS": "partition",
+    "decode_attention": "decode",
+    "gather": "sharding",
+    "positions": "partition",
+    "ring_attention": "attention",
+    "ring_attention_backward": "backward",
+    "shard": "sharding",
+}
+__all__ = sorted([*_LAZY, "grid", "reference", "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # once: later look-ups skip this function
+        return value
+    if not name.startswith("__"):  # a submodule, as `import ringmpi` used to load them all
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -1,42 +1,30 @@
-"""The arguments of a ring call, agreed by every rank before the first message.
+"""The arguments of an attention call, agreed by every rank before the first message.
 
-:func:`prepare` is the entry of both ring loops: it checks the arguments on
-every rank together and converts q, k, v to the tiles' head-major layout;
-:func:`to_external` converts results back.
-
-
-Each rank describes its own arguments in a small dict and notes anything
-locally wrong; one ``allgather`` later every rank knows every rank's view and
+:func:`agree` is the one agreement of every entry point (forward, backward,
+heads x ring, decode): each rank validates the :class:`ringmpi.spec.AttentionSpec`,
+checks its own arrays and asks the backend whether its tiles can run the call
+(:meth:`ringmpi.backend.Backend.supports`), and notes anything locally wrong in
+a small dict; one ``allgather`` later every rank knows every rank's view and
 raises the identical ``ValueError``, naming the field and the rank. A rank
 that raised alone would leave the others waiting in the ring forever.
+:func:`to_internal` converts arrays to the tiles' head-major layout.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 from mpi4py import MPI
 
-from .backend import Backend, select
-from .collective import first_error
-from .mask import Mask, check_window, make_mask
-from .partition import LAYOUTS, counts
-from .watchdog import watch
+from .backend import Backend, is_cupy, select
+from .collective import agree_views
+from .mask import Mask
+from .partition import counts
+from .spec import AttentionSpec
 
-__all__ = [
-    "describe",
-    "agree",
-    "resolve",
-    "prepare",
-    "to_internal",
-    "to_external",
-    "report",
-    "RingArgs",
-]
+__all__ = ["agree", "to_internal", "report", "RingArgs"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +48,13 @@ class RingArgs:
         Input dtype, dtype the tile computes in, dtype of the accumulated state.
     mask : ringmpi.mask.Mask
         Causal flag, window, packed-sequence offsets.
+    spec : ringmpi.spec.AttentionSpec
+        The validated spec every rank agreed on.
+    backend : ringmpi.backend.Backend
+        The tiles that run the call (the same kind on every rank).
+    members, members_k : list of int
+        Query / key tokens of each rank of this rank's head group (heads x ring;
+        ``[own count]`` without); ``counts`` and ``counts_k`` are then per ring position.
     """
 
     n: int
@@ -74,9 +69,13 @@ class RingArgs:
     nk: int  # keys in all (n unless cross-attention)
     counts_k: list
     mask: Mask
+    spec: AttentionSpec
+    backend: Backend
+    members: list
+    members_k: list
 
 
-def _shape_errors(q, k, v, dtypes: tuple) -> Optional[str]:
+def _shape_errors(q, k, v) -> Optional[str]:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             return f"{name} must be an array, got {type(x).__name__}"
@@ -85,9 +84,6 @@ def _shape_errors(q, k, v, dtypes: tuple) -> Optional[str]:
     for name, x in (("k", k), ("v", v)):
         if x.ndim != q.ndim:
             return f"{name} has ndim={x.ndim} but q has ndim={q.ndim}"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if str(x.dtype) not in dtypes:
-            return f"{name} has dtype {x.dtype}; supported: {', '.join(dtypes)}"
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
     if k.shape != v.shape:
@@ -117,175 +113,183 @@ def _nonfinite(xp, arrays: dict) -> Optional[str]:
     return None
 
 
-def _cu(name: str, cu) -> tuple:
-    """Packed-sequence offsets as a tuple (compared across ranks); ValueError if malformed."""
-    if cu is None:
-        return None
-    a = np.asarray(cu.get() if hasattr(cu, "get") else cu)
-    if a.ndim != 1 or len(a) < 2 or a.dtype.kind not in "iu" or a[0] != 0 or (np.diff(a) < 0).any():
-        raise ValueError(f"{name} must be 1-D integer offsets [0, ..., N], never decreasing")
-    return tuple(int(x) for x in a)
+def _extra_errors(be, q, dout, out, lse, check_finite: bool) -> Optional[str]:
+    """This rank's complaint about the backward's dout, out and lse (q is checked already)."""
+    shape = tuple(q.shape)
+    want_lse = shape[:-3] + (shape[-2], shape[-3])
+    for name, x, want in (("dout", dout, shape), ("out", out, shape), ("lse", lse, want_lse)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            return f"{name} must be an array, got {type(x).__name__}"
+        if tuple(x.shape) != want:
+            return f"{name} has shape {tuple(x.shape)}, expected {want}"
+        ok = be.dtypes if name != "lse" else ("float16", "float32", "float64")
+        if str(x.dtype) not in ok:
+            return f"{name} has dtype {x.dtype}; supported: {', '.join(ok)}"
+        if is_cupy(x) != is_cupy(q):
+            return f"{name} is a {type(x).__name__} but q is a {type(q).__name__}"
+    xp = be.xp
+    if check_finite:
+        for name, x in (("dout", dout), ("out", out)):
+            if x.size and not bool(xp.isfinite(be.decode(x)).all()):
+                return f"{name} contains NaN or Inf (check_finite=True)"
+        if lse.size and bool(xp.isnan(lse).any() or xp.isposinf(lse).any()):
+            return "lse contains NaN or +Inf (check_finite=True)"
+    return None
 
 
-def describe(
-    q, k, v, *, causal, layout, scale, backend, check_finite=False, extra=None,
-    window=None, cu_seqlens=None, cu_seqlens_k=None,
-) -> dict:  # fmt: skip
-    """This rank's view of the call, with a local error message or None."""
-    meta: dict[str, Any] = {"error": None}
-    err = _shape_errors(q, k, v, backend.dtypes)
+def _head_errors(u: int, size: int, h: int, hkv: int) -> Optional[str]:
+    """Heads x ring: U must divide the ranks and H, and Hkv and U one the other."""
+    if size % u:
+        return f"head_parallel={u!r} must be a positive divisor of the {size} ranks"
+    if h % u:
+        return f"H={h} query heads is not a multiple of head_parallel={u}"
+    if hkv % u and u % hkv:
+        return f"Hkv={hkv} and head_parallel={u}: one must divide the other"
+    return None
+
+
+# view entries every rank must hold equal (the spec's fields are added to them)
+_SAME = ("ndim", "q shape", "kv shape", "dtype", "tile dtype", "device")
+_FIELDS = tuple(AttentionSpec.__dataclass_fields__)
+
+
+def _view(comm, spec, arrays: dict, be, check_finite: bool, decode: bool) -> dict:
+    """This rank's description of the call, with its local error message or None."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    err = _shape_errors(q, k, v)
     try:
-        masks = (check_window(window), _cu("cu_seqlens", cu_seqlens),
-                 _cu("cu_seqlens_k", cu_seqlens_k))  # fmt: skip
+        spec = spec.validate()
     except ValueError as e:
-        err, masks = err or str(e), (None, None, None)
-    if err is None and layout not in LAYOUTS:
-        err = f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}"
-    if err is None and scale is not None:
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            err = f"scale must be a number, got {scale!r}"
-        else:
-            if not math.isfinite(scale):
-                err = f"scale must be finite, got {scale}"
-    if err is None and check_finite:
-        arrays = {"q": q, "k": k, "v": v, **(extra or {})}
-        err = _nonfinite(backend.xp, arrays)
-    meta["error"] = err
+        err, spec = err or str(e), None
     if err is None:
-        meta.update(
-            ndim=q.ndim,
-            s_local=int(q.shape[-3]),
-            s_local_k=int(k.shape[-3]),
-            window=masks[0],
-            cu_seqlens=masks[1],
-            cu_seqlens_k=masks[2],
-            q_shape=tuple(q.shape[:-3]) + tuple(q.shape[-2:]),
-            kv_shape=tuple(k.shape[:-3]) + tuple(k.shape[-2:]),
-            dtype=str(q.dtype),
-            tile_dtype=str(backend.xp.dtype(backend.tile_dtype(q.dtype))),
-            device="gpu" if backend.name == "gpu" else "cpu",
-            layout=layout,
-            causal=bool(causal),
-            scale=scale,
-        )
-    return meta
+        backward = "dout" in arrays
+        why = be.supports(spec, q.dtype, int(q.shape[-1]), backward=backward, tiles=not decode)
+        if why:
+            err = f"the {be.name} backend cannot run this call: {'; '.join(why)}"
+    if err is None and spec.head_parallel > 1:
+        err = _head_errors(spec.head_parallel, comm.Get_size(), q.shape[-2], k.shape[-2])
+    if err is None and check_finite:
+        err = _nonfinite(be.xp, {"q": q, "k": k, "v": v})
+    if err is None and "dout" in arrays:
+        err = _extra_errors(be, q, arrays["dout"], arrays["out"], arrays["lse"], check_finite)
+    if err is not None:
+        return {"error": err}
+    q_rest = tuple(q.shape) if decode else tuple(q.shape[:-3]) + tuple(q.shape[-2:])
+    view = {
+        "error": None,
+        "s_local": int(q.shape[-3]),
+        "s_local_k": int(k.shape[-3]),
+        "ndim": q.ndim,
+        "q shape": q_rest,
+        "kv shape": tuple(k.shape[:-3]) + tuple(k.shape[-2:]),
+        "dtype": str(q.dtype),
+        "tile dtype": str(be.xp.dtype(be.tile_dtype(q.dtype))),
+        "device": "gpu" if be.name == "gpu" else "cpu",
+    }
+    view.update((f, getattr(spec, f)) for f in _FIELDS)
+    return view
 
 
-_AGREE = (
-    "ndim",
-    "q_shape",
-    "kv_shape",
-    "dtype",
-    "tile_dtype",
-    "device",
-    "layout",
-    "causal",
-    "scale",
-    "window",
-    "cu_seqlens",
-    "cu_seqlens_k",
-)
-
-
-def agree(comm: MPI.Comm, meta: dict, what: str = "ring_attention") -> dict:
-    """Gather every rank's view; raise the same ValueError everywhere on any problem.
-
-    Returns the agreed view of rank 0 plus ``n`` and ``counts``.
-    """
-    views = comm.allgather(meta)
-    msg = first_error([m["error"] for m in views], what)
-    if msg is not None:
-        raise ValueError(msg)
-    first = views[0]
-    for key in _AGREE:
-        for r, m in enumerate(views[1:], start=1):
-            if m[key] != first[key]:
-                raise ValueError(
-                    f"{what}: ranks disagree on {key.replace('_', ' ')}: "
-                    f"rank 0 has {first[key]!r}, rank {r} has {m[key]!r}"
-                )
-    size, layout = comm.Get_size(), first["layout"]
-    n, nk = sum(m["s_local"] for m in views), sum(m["s_local_k"] for m in views)
-    try:
-        mask = make_mask(n, nk, first["causal"], first["window"], first["cu_seqlens"],
-                         first["cu_seqlens_k"])  # fmt: skip
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
+def _counts(views: list, size: int, spec, mask, what: str) -> dict:
+    """Every rank's q and k/v token counts, checked against what the layout gives it."""
+    u, layout = spec.head_parallel, spec.layout
     got = {}
     for key, name, total, cu in (
-        ("s_local", "q", n, mask.cu_q),
-        ("s_local_k", "k/v", nk, mask.cu_k),
+        ("s_local", "q", mask.nq, mask.cu_q),
+        ("s_local_k", "k/v", mask.nk, mask.cu_k),
     ):
-        expected = counts(total, size, layout, cu_seqlens=cu)
+        expected = [int(c) for c in counts(total, size, layout, u, cu_seqlens=cu)]
         for r in range(size):
             if views[r][key] != expected[r]:
+                how = f"layout={layout!r}" + (f", head_parallel={u}" if u > 1 else "")
                 raise ValueError(
-                    f"{what}: rank {r} holds {views[r][key]} {name} tokens, but layout {layout!r} "
-                    f"puts {int(expected[r])} of the n={total} tokens on it; cut the sequence "
-                    "with ringmpi.shard(x, comm, layout=...) (and cu_seqlens=... if packed)"
+                    f"{what}: rank {r} holds {views[r][key]} {name} tokens, but {how} "
+                    f"puts {expected[r]} of the n={total} tokens on it; cut the sequence "
+                    f"with ringmpi.shard(x, comm, {how}) (and cu_seqlens=... if packed)"
                 )
-        got[key] = [int(c) for c in expected]
-    return dict(first, n=n, nk=nk, counts=got["s_local"], counts_k=got["s_local_k"], mask=mask)
+        got[key] = expected
+    return got
 
 
-def resolve(agreed: dict, q, backend) -> RingArgs:
-    """The typed call arguments from the agreed view and this rank's q."""
-    d = q.shape[-1]
-    scale = agreed["scale"]
-    return RingArgs(
-        n=agreed["n"],
-        counts=agreed["counts"],
-        layout=agreed["layout"],
-        causal=agreed["causal"],
-        scale=1.0 / float(np.sqrt(d)) if scale is None else float(scale),
-        batched=q.ndim == 4,
-        in_dtype=q.dtype,
-        tile_dtype=backend.tile_dtype(q.dtype),
-        acc_dtype=backend.acc_dtype(q.dtype),
-        nk=agreed["nk"],
-        counts_k=agreed["counts_k"],
-        mask=agreed["mask"],
-    )
+def agree(
+    comm: MPI.Comm, spec: AttentionSpec, arrays: dict, *, what: str = "ring_attention",
+    check_finite: bool = False, decode: bool = False,
+) -> RingArgs:  # fmt: skip
+    """Check the call on every rank together (one ``allgather``) and return what they agreed.
 
-
-def prepare(
-    q, k, v, comm, *, causal, layout, scale, check_finite, what, extra=None,
-    window=None, cu_seqlens=None, cu_seqlens_k=None,
-):  # fmt: skip
-    """Agree on the call across ranks and bring q, k, v to the tiles' layout.
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm
+        The ranks of the call.
+    spec : ringmpi.spec.AttentionSpec
+        The options, validated here (a bad field raises on every rank).
+    arrays : dict of arrays
+        ``q`` (B?, S_local, H, D), ``k`` and ``v`` (B?, S_local_k, Hkv, D); for the
+        backward also ``dout`` and ``out`` (shape of q) and ``lse`` (B?, H, S_local).
+    what : str
+        The caller's name, the prefix of every error message.
+    check_finite : bool
+        Also reject NaN or Inf in the arrays.
+    decode : bool
+        Decode: q is the same on every rank, any number of cached keys per rank,
+        no layout and no mask.
 
     Returns
     -------
-    backend : Backend
-    args : ringmpi.arguments.RingArgs
-    qi : (B, H, S, D) ; ki, vi : (B, Hkv, S, D)
-        Contiguous, in the backend's tile dtype.
+    RingArgs
+
+    Raises
+    ------
+    ValueError
+        The same message on every rank: the first rank's local problem, a field
+        the ranks disagree on, or token counts the layout does not give.
     """
+    q = arrays["q"]
     be: Backend = select(q)
-    meta = describe(
-        q, k, v, causal=causal, layout=layout, scale=scale, backend=be,
-        check_finite=check_finite, extra=extra, window=window, cu_seqlens=cu_seqlens,
-        cu_seqlens_k=cu_seqlens_k,
-    )  # fmt: skip
-    with watch(f"{what}: the argument agreement (allgather) with the other ranks"):
-        agreed = agree(comm, meta, what)
-    args = resolve(agreed, q, be)
-    return be, args, *(to_internal(be.xp, x, args.tile_dtype) for x in (q, k, v))
+    view = _view(comm, spec, arrays, be, check_finite, decode)
+    views = agree_views(comm, view, what, _SAME + _FIELDS)
+    first, size, rank = views[0], comm.Get_size(), comm.Get_rank()
+    spec = AttentionSpec(**{f: first[f] for f in _FIELDS})
+    u = spec.head_parallel
+    nk = sum(m["s_local_k"] for m in views)
+    n = first["s_local"] if decode else sum(m["s_local"] for m in views)
+    try:
+        mask = spec.mask(n, nk)
+        if decode:
+            cnt = {"s_local": [n] * size, "s_local_k": [m["s_local_k"] for m in views]}
+        else:
+            cnt = _counts(views, size, spec, mask, what)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith(f"{what}: ") else f"{what}: {msg}") from None
+    g0 = rank - rank % u
+    per_ring = {
+        key: [sum(c[g * u : (g + 1) * u]) for g in range(size // u)] for key, c in cnt.items()
+    }
+    return RingArgs(
+        n=n,
+        counts=per_ring["s_local"],
+        layout=spec.layout,
+        causal=spec.causal,
+        scale=spec.scale_for(q.shape[-1]),
+        batched=q.ndim == 4,
+        in_dtype=q.dtype,
+        tile_dtype=be.tile_dtype(q.dtype),
+        acc_dtype=be.acc_dtype(q.dtype),
+        nk=nk,
+        counts_k=per_ring["s_local_k"],
+        mask=mask,
+        spec=spec,
+        backend=be,
+        members=cnt["s_local"][g0 : g0 + u],
+        members_k=cnt["s_local_k"][g0 : g0 + u],
+    )
 
 
 def to_internal(xp, x, dtype):
     """(B?, S, H, D) -> (B, H, S, D), ``dtype``, C-contiguous."""
     x = x if x.ndim == 4 else x[None]
     return xp.ascontiguousarray(xp.moveaxis(x, -3, -2), dtype=dtype)
-
-
-def to_external(x, like, cast=None):
-    """(B, H, S, D) -> the layout (B?, S, H, D) and dtype of ``like`` (``cast(x, dtype)``)."""
-    x = x.swapaxes(-2, -3)
-    x = x.astype(like.dtype, order="C") if cast is None else cast(x, like.dtype)
-    return x if like.ndim == 4 else x[0]
 
 
 def report(stats: Optional[dict], t_start: float, **fields) -> None:

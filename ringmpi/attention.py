@@ -17,11 +17,13 @@ from typing import Callable, Optional
 
 from mpi4py import MPI
 
-from . import interrupt, softmax
-from .arguments import prepare, report
+from . import cost, interrupt, softmax
+from .arguments import RingArgs, agree, report, to_internal
+from .hybrid import HeadGroups
 from .mask import plan_steps
 from .partition import positions
 from .ring import KVRing
+from .spec import AttentionSpec
 
 __all__ = ["ring_attention"]
 
@@ -44,6 +46,7 @@ def ring_attention(
     cu_seqlens=None,
     cu_seqlens_k=None,
     on_tick: Optional[Callable[[int], None]] = None,
+    spec: Optional[AttentionSpec] = None,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
 
@@ -68,8 +71,12 @@ def ring_attention(
         Raise ValueError on every rank if any input holds NaN or Inf.
         Without it, NaN in an input propagates to the outputs it touches.
     stats : dict, optional
-        Filled with compute_s, wait_s, total_s, flops, steps (run), steps_computed
-        (by this rank), steps_skipped (P - steps), bytes_sent (K/V, this rank), backend.
+        Filled with compute_s, wait_s, total_s, flops (of the visible pairs, the
+        same on every backend: :mod:`ringmpi.cost`), tile_flops (what the tiles
+        computed, masked parts of their blocks included), steps (run), steps_computed
+        (by this rank), steps_skipped (ring size - steps), bytes_sent (K/V, this
+        rank), alltoall_bytes (heads x ring), backend and tile (what ran:
+        :meth:`ringmpi.backend.Backend.describe`).
     on_step : callable, optional
         Called as on_step(step, nsteps) after each ring step.
     on_tick : callable, optional
@@ -93,6 +100,9 @@ def ring_attention(
         all-to-all inside each group of U consecutive ranks turns sequence shards
         into head shards, the ring runs over the R groups. Cut the inputs with
         ``shard(..., head_parallel=U)``. numpy arrays only.
+    spec : ringmpi.spec.AttentionSpec, optional
+        All of causal, layout, scale, head_parallel, window, cu_seqlens and
+        cu_seqlens_k as one value (then leave those keywords at their defaults).
 
     Returns
     -------
@@ -108,25 +118,47 @@ def ring_attention(
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
-    if head_parallel != 1:
-        from .hybrid import ring_attention_hp
+    spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
+                            cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
+                            head_parallel=head_parallel)  # fmt: skip
+    arrays = {"q": q, "k": k, "v": v}
+    args = agree(comm, spec, arrays, what="ring_attention", check_finite=check_finite)
+    be = args.backend
+    with HeadGroups(comm, args, q.shape[-2], k.shape[-2]) as groups:
+        qi, ki, vi = (
+            to_internal(be.xp, groups.scatter(_batched(x), kind), args.tile_dtype)
+            for x, kind in ((q, "q"), (k, "kv"), (v, "kv"))
+        )
+        del arrays
+        out, lse, st = _loop(groups.ring, args, qi, ki, vi, on_step, on_tick)
+        out, lse = groups.gather(out, "q"), groups.gather(lse, "lse")
+    out = be.cast_out(out, args.in_dtype)
+    if not args.batched:
+        out, lse = out[0], lse[0]
+    report(stats, t_start, **st, alltoall_bytes=groups.alltoall_bytes, backend=be.name,
+           tile=be.describe())  # fmt: skip
+    return (out, lse) if return_lse else out
 
-        return ring_attention_hp(
-            q, k, v, comm, head_parallel, layout=layout, causal=causal, scale=scale,
-            return_lse=return_lse, check_finite=check_finite, stats=stats, on_step=on_step,
-            window=window, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-        )  # fmt: skip
-    be, args, qi, ki, vi = prepare(
-        q, k, v, comm, causal=causal, layout=layout, scale=scale,
-        check_finite=check_finite, what="ring_attention", window=window,
-        cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-    )  # fmt: skip
+
+def _batched(x):
+    return x if x.ndim == 4 else x[None]
+
+
+def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick) -> tuple:
+    """The forward ring over ``comm``: (out (B, S, H, D) in the accumulation dtype, lse, stats).
+
+    Parameters
+    ----------
+    qi : (B, H, S, D) ; ki, vi : (B, Hkv, S_k, D)
+        This ring position's queries and K/V block, in the tile layout and dtype.
+    """
+    be, mask, layout = args.backend, args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
-    mask = args.mask
     plan = plan_steps(mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
-    flops, compute_s, computed = 0, 0.0, 0
+    b, h, _, d = qi.shape
+    flops, tile_flops, compute_s, computed = 0, 0, 0.0, 0
     with interrupt.catching(), KVRing(comm, be, ki, vi, args.counts_k, plan.nsteps) as kv:
         del ki, vi
         progress = kv.ring.test
@@ -140,19 +172,19 @@ def ring_attention(
             if plan.compute[step]:
                 t0 = time.perf_counter()
                 k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k)
-                flops += be.forward_tile(
+                tile_flops += be.forward_tile(
                     qi, kb, vb, plan.q_pos, k_pos, acc, m, l,
-                    scale=args.scale, causal=causal, progress=progress, **masked,
+                    scale=args.scale, causal=args.causal, progress=progress, **masked,
                 )  # fmt: skip
                 compute_s += time.perf_counter() - t0
+                pairs = cost.visible_pairs(plan.q_pos, k_pos, args.causal, plan.bounds)
+                flops += cost.flops(pairs, d, h, b)
                 computed += 1
             if on_step is not None:
                 on_step(step + 1, plan.nsteps)
     out, lse = be.finish(acc, m, l)
-    out = be.cast_out(out, args.in_dtype)
-    if not args.batched:
-        out, lse = out[0], lse[0]
-    report(stats, t_start, compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops,
-           steps=plan.nsteps, steps_computed=computed, steps_skipped=size - plan.nsteps,
-           bytes_sent=kv.bytes_sent, backend=be.name)  # fmt: skip
-    return (out, lse) if return_lse else out
+    stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, tile_flops=tile_flops,
+                 steps=plan.nsteps,
+                 steps_computed=computed, steps_skipped=size - plan.nsteps,
+                 bytes_sent=kv.bytes_sent)  # fmt: skip
+    return out, lse, stats

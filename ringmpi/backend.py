@@ -1,21 +1,27 @@
-"""Choosing the tile backend from the array type.
+"""Choosing the tile backend from the array type; what its tiles can and cannot run.
 
-numpy arrays run on the CPU: the fused C tile when it can be built and loaded,
-the numpy tile otherwise (``RINGMPI_CPU_KERNEL=numpy|fused|auto`` forces one).
+numpy arrays run on the CPU: the fused C tiles when they can be built and loaded,
+the numpy tiles otherwise (``RINGMPI_CPU_KERNEL=numpy|fused|auto`` forces one).
 CuPy arrays run the CUDA tiles. There is no global switch inside the library.
-A new kernel (a fused backward, a CUDA backward) is one more tile here and
-nothing else: both ring loops only talk to :class:`Backend`.
+The ring loops only talk to :class:`Backend`.
+
+No silent fallback: :meth:`Backend.supports` lists the reasons a backend cannot
+run a call (the agreement raises them on every rank before any message), and
+:meth:`Backend.describe` says which tile runs each pass. Where the fused forward
+tile loads but the fused backward does not, ``auto`` takes the numpy backward
+tile and says so in ``describe()`` (and ``stats["tile"]``); ``fused`` refuses
+the backward with the reason. The fused tiles are wrapped so that arrays they
+would hand to the numpy tile (float16, non-contiguous state) raise instead.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import softmax
+from . import env, softmax
 from .cpu import numpy_tile
 from .ring import Ring
 from .tile import BackwardTile, ForwardTile
@@ -41,6 +47,44 @@ class Backend:
     finalize: Optional[Callable[..., Any]] = None
     # input array -> floating values (bfloat16 bit patterns held as uint16 -> float32)
     decode: Callable[[Any], Any] = lambda x: x
+    max_d: int = 0  # largest head dim the tiles take (0: any)
+    notes: tuple = ()  # what runs: ("forward: ...", "backward: ...")
+    backward_missing: str = "no backward tile"  # why backward_tile is None
+
+    def supports(self, spec, dtype, d: int, *, backward: bool = False, tiles: bool = True) -> list:
+        """The reasons this backend cannot run a call (empty: it can).
+
+        Parameters
+        ----------
+        spec : ringmpi.spec.AttentionSpec
+            The validated options of the call.
+        dtype : dtype
+            The dtype of q, k and v.
+        d : int
+            The head dim D.
+        backward : bool
+            The call is a backward pass.
+        tiles : bool
+            The call runs the tiles (False: decode, plain array operations).
+        """
+        why = []
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:  # e.g. a CuPy-only bfloat16 type
+            name = getattr(dtype, "name", str(dtype))
+        if name not in self.dtypes:
+            why.append(f"dtype {name} (it takes {', '.join(self.dtypes)})")
+        if tiles and self.max_d and not 1 <= d <= self.max_d:
+            why.append(f"head dim D={d} (its tiles take 1..{self.max_d})")
+        if backward and self.backward_tile is None:
+            why.append(self.backward_missing)
+        if spec.head_parallel > 1 and self.xp is not np:
+            why.append("head_parallel > 1 (the heads x ring all-to-all takes numpy arrays only)")
+        return why
+
+    def describe(self) -> str:
+        """The tiles this backend runs, e.g. 'fused: forward fused C (avx512); backward ...'."""
+        return f"{self.name}: " + "; ".join(self.notes) if self.notes else self.name
 
     def finish(self, acc, m, l):
         """Normalised output in sequence-major layout and the lse."""
@@ -58,14 +102,39 @@ def is_cupy(x) -> bool:
 _CPU_DTYPES = ("float16", "float32", "float64")
 
 
-def _numpy_backend() -> Backend:
+def _numpy_backend(why: str = "") -> Backend:
     cd = numpy_tile.compute_dtype
+    note = "forward and backward: numpy tiles" + (f" ({why})" if why else "")
     return Backend(
-        "numpy", np, numpy_tile.forward_tile, numpy_tile.backward_tile, cd, cd, Ring, _CPU_DTYPES
-    )
+        "numpy", np, numpy_tile.forward_tile, numpy_tile.backward_tile, cd, cd, Ring, _CPU_DTYPES,
+        notes=(note,),
+    )  # fmt: skip
 
 
-def _fused_backend() -> Optional[Backend]:
+_ISA = {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}
+_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _strict(tile: Callable, name: str, state: tuple) -> Callable:
+    """``tile`` refusing the arrays it would silently hand to the numpy tile."""
+
+    def run(*args, **kwargs):
+        dt = args[0].dtype
+        held = [args[i] for i in state if i < len(args)]
+        bad = [a for a in held if a.dtype != dt or not a.flags.c_contiguous]
+        if dt not in _FUSED_DTYPES or bad:
+            raise TypeError(
+                f"{name}: takes float32/float64 q and C-contiguous state of the same dtype "
+                f"(got {dt}); convert with Backend.tile_dtype instead of a silent numpy fallback"
+            )
+        return tile(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = getattr(tile, "__name__", "tile")
+    run.__doc__ = tile.__doc__
+    return run
+
+
+def _fused_backend(forced: bool) -> Optional[Backend]:
     try:
         from .cpu import fused
     except ImportError:
@@ -75,23 +144,29 @@ def _fused_backend() -> Optional[Backend]:
     from .cpu import fused_backward
 
     cd = numpy_tile.compute_dtype
+    fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7))
+    notes = [f"forward: fused C ({fused.isa()})"]
+    if fused_backward.available():
+        bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10))
+        notes.append(f"backward: fused C ({_ISA.get(fused_backward.simd_width(), '?')})")
+        missing = ""
+    else:
+        reason = str(fused_backward.unavailable_reason()).strip().splitlines()[0]
+        missing = f"the fused backward tile is unavailable ({reason})"
+        bwd = None if forced else numpy_tile.backward_tile
+        notes.append(f"backward: {'none' if forced else 'numpy tile'} ({missing})")
     return Backend(
-        "fused",
-        np,
-        fused.forward_tile,
-        fused_backward.backward_tile,  # falls back to the numpy tile where it cannot run
-        cd,
-        cd,
-        Ring,
-        _CPU_DTYPES,
+        "fused", np, fwd, bwd, cd, cd, Ring, _CPU_DTYPES,
         finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
-    )
+        notes=tuple(notes), backward_missing=missing or "no backward tile",
+    )  # fmt: skip
 
 
 def _gpu_backend() -> Backend:
     import cupy
 
     from . import gpu
+    from .gpu.configs import MAX_D
 
     return Backend(
         "gpu",
@@ -105,6 +180,8 @@ def _gpu_backend() -> Backend:
         ("float16", "bfloat16", "uint16", "float32", "float64"),
         _gpu_cast_out,
         decode=_gpu_decode,
+        max_d=MAX_D,
+        notes=("forward and backward: CUDA tiles",),
     )
 
 
@@ -126,13 +203,20 @@ def select(x) -> Backend:
     """Backend for array ``x``: GPU for CuPy arrays, otherwise a CPU tile."""
     if is_cupy(x):
         return _gpu_backend()
-    choice = os.environ.get("RINGMPI_CPU_KERNEL", "auto").lower()
-    if choice not in ("auto", "fused", "numpy"):
-        raise ValueError(f"RINGMPI_CPU_KERNEL must be auto, fused or numpy, not {choice!r}")
+    choice = env.get("RINGMPI_CPU_KERNEL")
     if choice != "numpy":
-        fused = _fused_backend()
+        fused = _fused_backend(forced=choice == "fused")
         if fused is not None:
             return fused
         if choice == "fused":
             raise RuntimeError("RINGMPI_CPU_KERNEL=fused but the fused CPU tile is unavailable")
-    return _numpy_backend()
+        return _numpy_backend(f"fused unavailable: {_fused_reason()}")
+    return _numpy_backend("RINGMPI_CPU_KERNEL=numpy")
+
+
+def _fused_reason() -> str:
+    try:
+        from .cpu import fused
+    except ImportError as e:
+        return f"ImportError: {e}"
+    return str(fused.unavailable_reason()).strip().splitlines()[0]

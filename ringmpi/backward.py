@@ -27,42 +27,18 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from . import interrupt
-from .arguments import prepare, report, to_external, to_internal
-from .backend import is_cupy
-from .collective import raise_first
+from . import cost, interrupt
+from .arguments import RingArgs, agree, report, to_internal
+from .hybrid import HeadGroups
 from .mask import plan_steps
 from .partition import positions
 from .ring import KVRing
+from .spec import AttentionSpec
 from .watchdog import watch
 
 __all__ = ["ring_attention_backward", "TAG_DKV"]
 
 TAG_DKV = 7302
-
-
-def _extra_errors(be, q, dout, out, lse, check_finite: bool) -> Optional[str]:
-    """This rank's complaint about dout, out and lse (q is checked by prepare)."""
-    shape = tuple(q.shape)
-    want_lse = shape[:-3] + (shape[-2], shape[-3])
-    for name, x, want in (("dout", dout, shape), ("out", out, shape), ("lse", lse, want_lse)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            return f"{name} must be an array, got {type(x).__name__}"
-        if tuple(x.shape) != want:
-            return f"{name} has shape {tuple(x.shape)}, expected {want}"
-        ok = be.dtypes if name != "lse" else ("float16", "float32", "float64")
-        if str(x.dtype) not in ok:
-            return f"{name} has dtype {x.dtype}; supported: {', '.join(ok)}"
-        if is_cupy(x) != is_cupy(q):
-            return f"{name} is a {type(x).__name__} but q is a {type(q).__name__}"
-    xp = be.xp
-    if check_finite:
-        for name, x in (("dout", dout), ("out", out)):
-            if x.size and not bool(xp.isfinite(be.decode(x)).all()):
-                return f"{name} contains NaN or Inf (check_finite=True)"
-        if lse.size and bool(xp.isnan(lse).any() or xp.isposinf(lse).any()):
-            return "lse contains NaN or +Inf (check_finite=True)"
-    return None
 
 
 def ring_attention_backward(
@@ -83,6 +59,7 @@ def ring_attention_backward(
     window: Optional[tuple] = None,
     cu_seqlens=None,
     cu_seqlens_k=None,
+    spec: Optional[AttentionSpec] = None,
 ):
     """Exact gradients of ring attention for this rank's shards.
 
@@ -106,7 +83,11 @@ def ring_attention_backward(
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
         (or lse holds NaN or +Inf).
     stats : dict, optional
-        Filled with compute_s, wait_s, total_s, flops, steps.
+        Filled with compute_s, wait_s, total_s, flops, tile_flops, steps,
+        steps_computed, steps_skipped, bytes_sent, alltoall_bytes, backend and tile
+        (as the forward; flops: 10 D per visible pair and query head).
+    spec : ringmpi.spec.AttentionSpec, optional
+        The forward's options as one value (then leave their keywords at the defaults).
 
     Returns
     -------
@@ -116,46 +97,74 @@ def ring_attention_backward(
     Notes
     -----
     Runs on every backend (numpy, fused C, CUDA); bfloat16 held as uint16 bits on
-    the GPU comes back as uint16 bits. Every argument
-    problem raises the same ValueError on all ranks before any message is
-    exchanged.
+    the GPU comes back as uint16 bits. Every argument problem (also a backend
+    without a backward tile: :meth:`ringmpi.backend.Backend.supports`) raises the
+    same ValueError on all ranks before any message is exchanged.
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
-    if head_parallel != 1:
-        from .hybrid import ring_attention_backward_hp
+    spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
+                            cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
+                            head_parallel=head_parallel)  # fmt: skip
+    # every array and option in one allgather: identical errors everywhere
+    arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+    args = agree(comm, spec, arrays, what="ring_attention_backward", check_finite=check_finite)
+    be = args.backend
+    xp, acc = be.xp, args.acc_dtype
+    with HeadGroups(comm, args, q.shape[-2], k.shape[-2]) as groups:
+        qs = [groups.scatter(_batched(x), "q") for x in (q, dout, out)]
+        ki, vi = (
+            to_internal(xp, groups.scatter(_batched(x), "kv"), args.tile_dtype) for x in (k, v)
+        )
+        qa = be.decode(to_internal(xp, qs[0], args.tile_dtype)).astype(acc, copy=False)
+        do = to_internal(xp, be.decode(qs[1]), acc)
+        # delta_i = dO_i . O_i, from the output the forward pass delivered
+        delta = (do * to_internal(xp, be.decode(qs[2]), acc)).sum(axis=-1)
+        lse_i = xp.asarray(groups.scatter(lse if lse.ndim == 3 else lse[None], "lse"), dtype=acc)
+        del arrays, qs
+        dq, dk, dv, st = _loop(groups.ring, args, qa, ki, vi, do, lse_i, delta)
+        # a K/V head replicated over the group got gradient from several members: summed
+        # here, in the accumulation dtype
+        grads = tuple(
+            groups.gather(g.swapaxes(-2, -3), kind, add=kind == "kv")
+            for g, kind in ((dq, "q"), (dk, "kv"), (dv, "kv"))
+        )
+    grads = tuple(_external(be.cast_out(g, like.dtype), like) for g, like in zip(grads, (q, k, v)))
+    report(stats, t_start, **st, alltoall_bytes=groups.alltoall_bytes, backend=be.name,
+           tile=be.describe())  # fmt: skip
+    return grads
 
-        return ring_attention_backward_hp(
-            dout, q, k, v, out, lse, comm, head_parallel, layout=layout, causal=causal,
-            scale=scale, check_finite=check_finite, stats=stats,
-            window=window, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-        )  # fmt: skip
-    # q, k, v and the options: one allgather, identical errors everywhere
-    be, args, qi, ki, vi = prepare(
-        q, k, v, comm, causal=causal, layout=layout, scale=scale,
-        check_finite=check_finite, what="ring_attention_backward", window=window,
-        cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-    )  # fmt: skip
-    # dout, out, lse: a second allgather, so a local problem raises everywhere
-    err = None
-    if be.backward_tile is None:
-        err = f"the {be.name} backend has no backward tile yet; pass numpy arrays"
-    if err is None:
-        err = _extra_errors(be, q, dout, out, lse, check_finite)
-    with watch("ring_attention_backward: the argument agreement with the other ranks"):
-        raise_first(comm, err, "ring_attention_backward")
 
+def _batched(x):
+    return x if x.ndim == 4 else x[None]
+
+
+def _external(x, like):
+    return x if like.ndim == 4 else x[0]
+
+
+def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta) -> tuple:
+    """The backward ring over ``comm``: (dq, dk, dv) in the tile layout and accumulation dtype.
+
+    Parameters
+    ----------
+    qa, do : (B, H, S, D)
+        Queries and dO in the accumulation dtype.
+    ki, vi : (B, Hkv, S_k, D)
+        This ring position's K/V block in the tile dtype.
+    lse_i, delta : (B, H, S)
+        The forward's log-sum-exp and the row sums of dO * O.
+
+    Returns
+    -------
+    dq : (B, H, S, D) ; dk, dv : (B, Hkv, S_k, D) ; stats : dict
+    """
+    be, acc, layout, causal = args.backend, args.acc_dtype, args.layout, args.causal
     xp = be.xp
-    acc = args.acc_dtype
     rank, size = comm.Get_rank(), comm.Get_size()
     cnt = args.counts_k
     plan = plan_steps(args.mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
-    qa = be.decode(qi).astype(acc, copy=False)
-    do = to_internal(xp, be.decode(dout), acc)
-    # delta_i = dO_i . O_i, from the output the forward pass delivered
-    delta = (do * to_internal(xp, be.decode(out), acc)).sum(axis=-1)
-    lse_i = xp.asarray(lse if lse.ndim == 3 else lse[None], dtype=acc)
     dq = xp.zeros(qa.shape, dtype=acc)
 
     # dK/dV accumulators: two travelling buffers and one scratch for this
@@ -164,7 +173,8 @@ def ring_attention_backward(
     dsize = 2 * b * hkv * max(cnt) * d
     d_bufs = [xp.zeros(dsize, dtype=acc), xp.zeros(dsize, dtype=acc)]
     scratch = xp.empty(dsize, dtype=acc) if plan.nsteps > 1 else None
-    flops, compute_s, computed = 0, 0.0, 0
+    h = qa.shape[1]
+    flops, tile_flops, compute_s, computed = 0, 0, 0.0, 0
     with interrupt.catching(), KVRing(comm, be, ki, vi, cnt, plan.nsteps) as kv:
         del ki, vi
         ring_d = be.ring(comm)
@@ -185,12 +195,14 @@ def ring_attention_backward(
                         mine[...] = 0
                     t0 = time.perf_counter()
                     k_pos = positions(args.nk, src, size, layout, cu_seqlens=args.mask.cu_k)
-                    flops += be.backward_tile(
+                    tile_flops += be.backward_tile(
                         qa, kb, vb, do, lse_i, delta, plan.q_pos, k_pos, dq, mine[0], mine[1],
                         scale=args.scale, causal=causal, progress=progress, **masked,
                     )  # fmt: skip
                     compute_s += time.perf_counter() - t0
                     computed += 1
+                    pairs = cost.visible_pairs(plan.q_pos, k_pos, causal, plan.bounds)
+                    flops += cost.flops(pairs, d, h, b, backward=True)
                 if plan.nsteps == 1:
                     continue  # our own block only: its accumulator is already home
                 with watch(f"ring step {step}: the dK/dV block from rank {ring_d.prev}"):
@@ -212,10 +224,8 @@ def ring_attention_backward(
         finally:
             ring_d.free(abandon=stopped)
     dkv = kv.view(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
-    grads = tuple(
-        to_external(g, like, be.cast_out) for g, like in ((dq, q), (dkv[0], k), (dkv[1], v))
-    )
-    report(stats, t_start, compute_s=compute_s, wait_s=kv.ring.wait_s + ring_d.wait_s,
-           flops=flops, steps=plan.nsteps, steps_computed=computed,
-           steps_skipped=size - plan.nsteps, bytes_sent=kv.bytes_sent, backend=be.name)  # fmt: skip
-    return grads
+    stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s + ring_d.wait_s, flops=flops,
+                 tile_flops=tile_flops,
+                 steps=plan.nsteps, steps_computed=computed, steps_skipped=size - plan.nsteps,
+                 bytes_sent=kv.bytes_sent)  # fmt: skip
+    return dq, dkv[0], dkv[1], stats

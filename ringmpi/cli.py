@@ -344,7 +344,16 @@ def _cmd_info() -> int:
         except Exception as e:  # noqa: BLE001 - a broken driver must not break `info`
             lines.append(f"gpu       unavailable ({type(e).__name__}: {e}) (CPU will be used)")
     lines.append(f"cpu tile  {_cpu_kernel()}")
+    try:
+        from .backend import select
+
+        lines.append(f"cpu tiles {select(np.zeros(1, np.float32)).describe()}")
+    except Exception as e:  # noqa: BLE001 - e.g. a bad RINGMPI_CPU_KERNEL: report it, do not fail
+        lines.append(f"cpu tiles ({type(e).__name__}: {e})")
     lines.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}")
+    from . import env
+
+    lines += [f"env       {x}" for x in env.current()] or ["env       (no ringmpi variable set)"]
     if rank == 0:
         print("\n".join(lines))
     return 0

@@ -13,7 +13,14 @@ from typing import Any, Callable, Optional
 
 from .watchdog import watch
 
-__all__ = ["CollectiveError", "first_error", "raise_first", "run_everywhere", "run_on_root"]
+__all__ = [
+    "CollectiveError",
+    "agree_views",
+    "first_error",
+    "raise_first",
+    "run_everywhere",
+    "run_on_root",
+]
 
 
 class CollectiveError(ValueError):
@@ -51,6 +58,49 @@ def raise_first(comm, err: Optional[str], what: str, error: type = ValueError) -
     msg = first_error(errors, what)
     if msg is not None:
         raise error(msg)
+
+
+def agree_views(comm, view: dict, what: str, keys: tuple = ()) -> list:
+    """One ``allgather`` of every rank's view; the same ValueError everywhere on any problem.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm or None
+        None: a single process (no MPI call).
+    view : dict
+        This rank's description of the call; ``view["error"]`` is its local
+        problem (a str) or None.
+    what : str
+        The caller's name, the prefix of every message.
+    keys : tuple of str
+        Entries every rank must hold equal (named as they are in the message).
+
+    Returns
+    -------
+    list of dict
+        Every rank's view, in rank order (only when nothing is wrong).
+    """
+    with watch(f"{what}: the argument agreement (allgather) with the other ranks"):
+        views = [view] if comm is None else comm.allgather(view)
+    msg = first_error([v.get("error") for v in views], what)
+    if msg is None:
+        first = views[0]
+        for key in keys:
+            bad = [r for r, v in enumerate(views) if v.get(key) != first.get(key)]
+            if bad:
+                msg = (
+                    f"{what}: ranks disagree on {key}: rank 0 has {_short(first.get(key))}, "
+                    f"rank {bad[0]} has {_short(views[bad[0]].get(key))}"
+                )
+                break
+    if msg is not None:
+        raise ValueError(msg)
+    return views
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 4] + " ..."
 
 
 def run_everywhere(comm, fn: Callable, *args, **kwargs) -> Any:

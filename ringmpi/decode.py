@@ -21,29 +21,12 @@ import numpy as np
 from mpi4py import MPI
 
 from . import softmax
-from .backend import is_cupy, select
-from .collective import first_error
+from .arguments import agree
+from .backend import is_cupy
+from .spec import AttentionSpec
 from .watchdog import watch
 
 __all__ = ["decode_attention"]
-
-
-def _check(q, k, v, dtypes) -> Optional[str]:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            return f"{name} must be an array, got {type(x).__name__}"
-    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
-        return f"q, k, v must all be (S, H, D) or (B, S, H, D); got {q.shape}, {k.shape}, {v.shape}"
-    if str(q.dtype) not in dtypes or not (q.dtype == k.dtype == v.dtype):
-        return f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of {', '.join(dtypes)}"
-    if k.shape != v.shape:
-        return f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}"
-    h, hkv = q.shape[-2], k.shape[-2]
-    if q.shape[-1] != k.shape[-1] or hkv < 1 or h % hkv:
-        return f"q {tuple(q.shape)} does not fit k/v {tuple(k.shape)} (D equal, H % Hkv == 0)"
-    if q.ndim == 4 and q.shape[0] != k.shape[0]:
-        return f"batch sizes differ: q has B={q.shape[0]}, k/v have B={k.shape[0]}"
-    return None
 
 
 def decode_attention(
@@ -72,21 +55,10 @@ def decode_attention(
     lse : array (..., H, Sq), float32 (float64 for float64 inputs); with ``return_lse``.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    be = select(q)
-    err = _check(q, k, v, be.dtypes)
-    view = (
-        None if err else (tuple(q.shape), tuple(k.shape[:-3]) + tuple(k.shape[-2:]), str(q.dtype))
-    )
-    with watch("decode_attention: the argument agreement with the other ranks"):
-        views = comm.allgather((err, view, scale))
-    msg = first_error([e for e, _, _ in views], "decode_attention")
-    if msg is None and len({(vw, sc) for _, vw, sc in views}) > 1:
-        msg = "decode_attention: ranks disagree on q's shape, the K/V geometry, dtype or scale"
-    if msg is not None:
-        raise ValueError(msg)
-    d = q.shape[-1]
-    sc = 1.0 / float(np.sqrt(d)) if scale is None else float(scale)
-    out, lse = _partial(be.xp, q, k, v, sc, be.acc_dtype(q.dtype))  # (B, H, Sq, D), (B, H, Sq)
+    spec = AttentionSpec(scale=scale)
+    args = agree(comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention", decode=True)
+    be, d, sc = args.backend, q.shape[-1], args.scale
+    out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype)  # (B, H, Sq, D), (B, H, Sq)
     if is_cupy(out):
         out, lse = out.get(), lse.get()
     sq = out.shape[2]

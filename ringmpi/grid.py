@@ -13,11 +13,12 @@ sequences run at once, one per ring::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from mpi4py import MPI
+from .collective import agree_views
 
-from .collective import raise_first
+if TYPE_CHECKING:  # mpi4py.MPI is imported on use: `import ringmpi` binds grid() eagerly
+    from mpi4py import MPI
 
 __all__ = ["grid", "cart2"]
 
@@ -59,15 +60,15 @@ def grid(comm: Optional[MPI.Comm] = None, ring_size: Optional[int] = None) -> tu
     ValueError
         On every rank, when the ranks disagree on R or R does not divide P.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
     size = comm.Get_size()
     r = size if ring_size is None else ring_size
     err = None
-    if not isinstance(r, int) or r < 1 or size % r:
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or size % r:
         err = f"ring_size={r!r} must be a positive divisor of the {size} ranks"
-    views = comm.allgather(r)
-    if err is None and len(set(views)) > 1:
-        err = f"ranks disagree on ring_size: {views}"
-    raise_first(comm, err, "grid")
+    agree_views(comm, {"error": err, "ring_size": r}, "grid", ("ring_size",))
     across, ring = cart2(comm, (size // r, r))
     return ring, across

@@ -25,22 +25,10 @@ from typing import Optional
 
 import numpy as np
 
-from .partition import check_cu_seqlens, positions
+from .partition import positions
+from .spec import AttentionSpec, check_window
 
 __all__ = ["Mask", "make_mask", "check_window", "StepPlan", "plan_steps"]
-
-
-def check_window(window) -> Optional[tuple]:
-    """``window`` as (left, right) ints >= -1, or None; ValueError otherwise."""
-    if window is None:
-        return None
-    try:
-        left, right = (int(x) for x in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be None or (left, right), got {window!r}") from None
-    if left < -1 or right < -1 or (left, right) != tuple(window):
-        raise ValueError(f"window sizes must be integers >= -1 (-1: unbounded), got {window!r}")
-    return None if (left, right) == (-1, -1) else (left, right)
 
 
 @dataclass(frozen=True)
@@ -91,19 +79,14 @@ class Mask:
 
 
 def make_mask(nq: int, nk: int, causal: bool, window=None, cu_seqlens=None, cu_seqlens_k=None):
-    """Validate the mask arguments (ValueError) and build the :class:`Mask`."""
-    window = check_window(window)
-    cu_q = cu_k = None
-    if cu_seqlens is not None or cu_seqlens_k is not None:
-        if cu_seqlens is None:
-            raise ValueError("cu_seqlens_k needs cu_seqlens (the query offsets)")
-        cu_q = check_cu_seqlens(cu_seqlens, nq)
-        cu_k = check_cu_seqlens(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, nk)
-        if len(cu_q) != len(cu_k):
-            raise ValueError(
-                f"cu_seqlens has {len(cu_q) - 1} sequences but cu_seqlens_k has {len(cu_k) - 1}"
-            )
-    return Mask(int(nq), int(nk), bool(causal), window, cu_q, cu_k)
+    """Validate the mask arguments (ValueError) and build the :class:`Mask`.
+
+    Shorthand for ``AttentionSpec(causal, window, cu_seqlens, cu_seqlens_k).mask(nq, nk)``:
+    the rules live in :mod:`ringmpi.spec`.
+    """
+    spec = AttentionSpec(causal=causal, window=window, cu_seqlens=cu_seqlens,
+                         cu_seqlens_k=cu_seqlens_k)  # fmt: skip
+    return spec.mask(nq, nk)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from typing import Optional
 
 import numpy as np
 
+from . import cost
+
 __all__ = ["predict", "recommend", "measure_compute", "measure_link", "main"]
 
 DEFAULT_GFLOPS = 100.0  # per rank, when neither measured nor given
@@ -76,8 +78,8 @@ def predict(
     heads = h / u
     kvh = hkv / u if hkv >= u else 1
     frac = 0.5 if causal else 1.0
-    flops_step = 4.0 * block * block * d * heads * frac
-    bytes_step = 2.0 * block * kvh * d * e
+    flops_step = cost.flops(block * block * frac, d, heads)
+    bytes_step = cost.kv_bytes(block, kvh, d, e)
     rate, link = gflops * 1e9, link_gbps * 1e9 / 8
     compute = flops_step / rate
     transfer = bytes_step / link + latency_s if ring > 1 else 0.0
@@ -174,7 +176,7 @@ def measure_compute(d: int, h: int = 4, hkv: int = 4, n_local: int = 2048, dtype
     # the rate of useful work: visible pairs only (a causal tile also computes the
     # masked half of its diagonal blocks), which is what predict() counts
     pairs = n_local * (n_local + 1) / 2 if causal else n_local * n_local
-    return 4.0 * pairs * d * h / float(np.median(times)) / 1e9
+    return cost.flops(pairs, d, h) / float(np.median(times)) / 1e9
 
 
 def measure_link(comm, nbytes: int = 8 << 20, repeat: int = 5) -> Optional[tuple]:

@@ -41,6 +41,12 @@ the flops returned, is the tile's own (the fused C tile counts per strip of
 rows, see :func:`ringmpi.cpu.fused.forward_tile`); every visible pair is
 always counted.
 
+The ring loops report ``stats["flops"]`` from :mod:`ringmpi.cost` (the visible
+pairs, the same on every backend); the tiles' own counts go to
+``stats["tile_flops"]``. What a backend's tiles cannot run (a dtype, a head dim,
+a missing backward, an option) it lists in :meth:`ringmpi.backend.Backend.supports`
+and the agreement raises on every rank: no tile hands a call to another silently.
+
 :mod:`ringmpi.cpu.numpy_tile` is the specification; the other tiles are tested
 against it.
 """

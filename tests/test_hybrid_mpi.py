@@ -163,3 +163,30 @@ def test_head_parallel_masks_disagree(comm, rng):
         lambda: ringmpi.ring_attention(*loc, comm, head_parallel=2, cu_seqlens=cu),
         "cu_seqlens",
     )
+
+
+def test_head_parallel_ticks_and_stats(comm, rng):
+    """The heads x ring path runs the same loops: on_step, on_tick and stats work there too."""
+    if comm.size % 2:
+        pytest.skip("needs an even P")
+    u, n = 2, 80 * comm.size + 3
+    q, k, v = random_qkv(rng, n, 4, 2, 16)
+    kw = dict(layout="zigzag", head_parallel=u)
+    sl = [ringmpi.shard(x, comm, **kw) for x in (q, k, v)]
+    steps, ticks, st, st_b = [], set(), {}, {}
+
+    def on_step(s, t):
+        steps.append((s, t))
+
+    out, lse = ringmpi.ring_attention(
+        *sl, comm, causal=True, return_lse=True, stats=st, on_step=on_step, on_tick=ticks.add, **kw
+    )
+    ring = comm.size // u
+    assert_all(comm, steps == [(s + 1, ring) for s in range(ring)], f"on_step calls {steps}")
+    assert_all(comm, ticks == set(range(ring)), f"on_tick steps {sorted(ticks)}")
+    assert_all(comm, st["steps"] == ring and st["alltoall_bytes"] > 0, f"stats {st}")
+    assert_all(comm, st["flops"] > 0 and st["backend"] in st["tile"], f"stats {st}")
+    ringmpi.ring_attention_backward(sl[0], *sl, out, lse, comm, causal=True, stats=st_b, **kw)
+    assert_all(comm, st_b["steps"] == ring and st_b["alltoall_bytes"] > 0, f"stats {st_b}")
+    assert_close(comm, ringmpi.gather(out, n, comm, **kw), attention(q, k, v, True)[0], None,
+                 "out")  # fmt: skip

@@ -1,0 +1,70 @@
+"""The cost model in one place: flops of visible pairs, bytes on the wire.
+
+What a tile computes depends on its blocking (the numpy tile scores whole 256 x
+1024 blocks of a masked tile, the fused C tile strips of 6 rows, the CUDA tile
+its own blocks), so the flops a tile returns differ between backends for the
+same call. The numbers here count the work the mask asks for, the same on every
+backend:
+
+    forward:   4 D per visible (query, key) pair and query head   (QK^T and PV)
+    backward: 10 D per visible pair and query head                (five products)
+    ring step: 2 Sk Hkv D elements of K/V (backward: the dK/dV accumulators too)
+
+``stats["flops"]`` of :func:`ringmpi.ring_attention` and of the backward is this
+count; ``stats["tile_flops"]`` is what the tiles reported (>= flops: it includes
+the masked part of the blocks they scored).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["visible_pairs", "FORWARD_PER_PAIR", "BACKWARD_PER_PAIR", "flops", "kv_bytes"]
+
+FORWARD_PER_PAIR = 4  # x D per query head: s = q.k (2 D) and acc += p v (2 D)
+BACKWARD_PER_PAIR = 10  # x D per query head: s, dP = dO.v, dV, dQ, dK (2 D each)
+
+
+def visible_pairs(
+    q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, bounds: Optional[tuple] = None
+) -> int:
+    """Number of (query, key) pairs a tile call must score.
+
+    Parameters
+    ----------
+    q_pos : (Sq,) int ; k_pos : (Sk,) int
+        Global token positions of the queries and of the visiting keys (any order).
+    causal : bool
+        Key j visible to query i iff k_pos[j] <= q_pos[i] (when ``bounds`` is None).
+    bounds : ((Sq,), (Sq,)) int, optional
+        The tile contract's ``bounds=(lo, hi)``: key j visible to query i iff
+        lo[i] <= k_pos[j] <= hi[i]; replaces ``causal``.
+    """
+    sq, sk = len(q_pos), len(k_pos)
+    if sq == 0 or sk == 0:
+        return 0
+    if bounds is None and not causal:
+        return sq * sk
+    ks = np.sort(np.asarray(k_pos, dtype=np.int64))
+    if bounds is None:
+        return int(np.searchsorted(ks, np.asarray(q_pos, dtype=np.int64), side="right").sum())
+    lo, hi = (np.asarray(b, dtype=np.int64) for b in bounds)
+    n = np.searchsorted(ks, hi, side="right") - np.searchsorted(ks, lo, side="left")
+    return int(np.maximum(n, 0).sum())
+
+
+def flops(pairs: float, d: int, heads: int, batch: int = 1, backward: bool = False) -> float:
+    """Model flops of ``pairs`` visible pairs for ``batch`` x ``heads`` query heads of dim ``d``.
+
+    An int when the arguments are ints (what ``stats`` reports), else a float
+    (the planner's averages).
+    """
+    per = BACKWARD_PER_PAIR if backward else FORWARD_PER_PAIR
+    return per * pairs * d * heads * batch
+
+
+def kv_bytes(sk: int, hkv: int, d: int, itemsize: int, batch: int = 1) -> int:
+    """Bytes of one travelling K/V block: 2 Sk Hkv D elements (K and V packed)."""
+    return 2 * batch * sk * hkv * d * itemsize

@@ -1,0 +1,215 @@
+"""One call's attention options as one value: :class:`AttentionSpec`.
+
+Every option a user can set on an attention call (the mask, the score scale,
+the token layout, the heads x ring degree) travels as one frozen
+``AttentionSpec`` from the public functions through the cross-rank agreement
+(:func:`ringmpi.arguments.agree`) to the tiles. The rules for each field exist
+here once: :meth:`AttentionSpec.validate` checks and normalises them, so two
+ranks' specs compare equal exactly when they describe the same call.
+
+A new option is one more field here (with its rule in ``validate`` and its
+attribute form in ``to_attrs``/``from_attrs``), one reason in
+:meth:`ringmpi.backend.Backend.supports` for the tiles that cannot run it, and
+the tiles that can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .partition import check_cu_seqlens, check_layout
+
+__all__ = ["AttentionSpec", "check_window", "check_offsets"]
+
+
+def check_window(window) -> Optional[tuple]:
+    """``window`` as (left, right) ints >= -1, or None (also for (-1, -1)); ValueError otherwise."""
+    if window is None:
+        return None
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be None or (left, right), got {window!r}") from None
+    if left < -1 or right < -1 or (left, right) != tuple(window):
+        raise ValueError(f"window sizes must be integers >= -1 (-1: unbounded), got {window!r}")
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def check_offsets(name: str, cu) -> Optional[tuple]:
+    """Packed-sequence offsets as a tuple of ints (comparable across ranks), or None.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the error message.
+    cu : int array (n_seq + 1,), list, CuPy array or None
+        Offsets [0, n1, n1 + n2, ..., N]; their sum N is checked later, against the
+        sequence length (:meth:`AttentionSpec.mask`).
+    """
+    if cu is None:
+        return None
+    try:
+        a = np.asarray(cu.get() if hasattr(cu, "get") else cu)
+    except (TypeError, ValueError):
+        a = np.zeros(0)
+    if a.ndim != 1 or len(a) < 2 or a.dtype.kind not in "iu" or a[0] != 0 or (np.diff(a) < 0).any():
+        raise ValueError(f"{name} must be 1-D integer offsets [0, ..., N], never decreasing")
+    return tuple(int(x) for x in a)
+
+
+def _check_scale(scale) -> Optional[float]:
+    if scale is None:
+        return None
+    try:
+        x = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a number, got {scale!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"scale must be finite, got {x}")
+    return x
+
+
+def _check_head_parallel(u) -> int:
+    if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1:
+        raise ValueError(f"head_parallel={u!r} must be a positive integer (a divisor of the ranks)")
+    return int(u)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The options of one attention call, the same on every rank.
+
+    Attributes
+    ----------
+    causal : bool
+        Query at global position i sees keys at positions <= i (bottom-right
+        aligned for cross-attention).
+    window : (left, right) or None
+        Query i sees keys i - left <= j <= i + right within its sequence; -1 is
+        unbounded (``(-1, -1)`` normalises to None).
+    cu_seqlens : tuple of int (n_seq + 1,) or None
+        Offsets of packed query sequences; tokens attend only within their sequence.
+    cu_seqlens_k : tuple of int (n_seq + 1,) or None
+        Offsets of packed key/value sequences (cross-attention; default ``cu_seqlens``).
+    scale : float or None
+        Score scale; None means 1/sqrt(D) (:meth:`scale_for`).
+    layout : {"zigzag", "striped", "contiguous"}
+        How tokens are spread over the ranks.
+    head_parallel : int
+        U > 1: heads x ring on P = U x R ranks (:mod:`ringmpi.hybrid`).
+    """
+
+    causal: bool = False
+    window: Optional[tuple] = None
+    cu_seqlens: Optional[tuple] = None
+    cu_seqlens_k: Optional[tuple] = None
+    scale: Optional[float] = None
+    layout: str = "zigzag"
+    head_parallel: int = 1
+
+    @classmethod
+    def of(cls, spec: Optional[AttentionSpec] = None, **options) -> AttentionSpec:
+        """``spec`` itself, or a spec from the keyword options (not both: ValueError).
+
+        The public functions call ``AttentionSpec.of(spec, causal=causal, ...)``
+        with their keywords; a keyword that differs from its default next to an
+        explicit ``spec`` is an error rather than a silent choice between them.
+        """
+        if spec is None:
+            return cls(**options)
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+        default = cls()
+        clash = [k for k, v in options.items() if _differs(v, getattr(default, k))]
+        if clash:
+            raise ValueError(f"pass either spec= or the keyword(s) {', '.join(clash)}, not both")
+        return spec
+
+    def validate(self) -> AttentionSpec:
+        """The spec with every field checked and normalised; ValueError names the bad field.
+
+        Normal form: ``causal`` a bool, ``window`` None or a tuple of two ints,
+        the offsets tuples of ints (``cu_seqlens_k`` without ``cu_seqlens`` is an
+        error; the two must count the same sequences), ``scale`` None or a finite
+        float, ``layout`` a known layout, ``head_parallel`` a positive int.
+        Idempotent: ``s.validate().validate() == s.validate()``.
+        """
+        cu_q = check_offsets("cu_seqlens", self.cu_seqlens)
+        cu_k = check_offsets("cu_seqlens_k", self.cu_seqlens_k)
+        if cu_k is not None and cu_q is None:
+            raise ValueError("cu_seqlens_k needs cu_seqlens (the query offsets)")
+        if cu_k is not None and len(cu_k) != len(cu_q):
+            raise ValueError(
+                f"cu_seqlens has {len(cu_q) - 1} sequences but cu_seqlens_k has {len(cu_k) - 1}"
+            )
+        return AttentionSpec(
+            causal=bool(self.causal),
+            window=check_window(self.window),
+            cu_seqlens=cu_q,
+            cu_seqlens_k=cu_k,
+            scale=_check_scale(self.scale),
+            layout=check_layout(self.layout),
+            head_parallel=_check_head_parallel(self.head_parallel),
+        )
+
+    def scale_for(self, d: int) -> float:
+        """The score scale in use for head dim ``d``: ``scale``, or 1/sqrt(d)."""
+        return 1.0 / float(np.sqrt(d)) if self.scale is None else float(self.scale)
+
+    def mask(self, nq: int, nk: int):
+        """The :class:`ringmpi.mask.Mask` of this spec for ``nq`` queries and ``nk`` keys.
+
+        Checks the offsets against the lengths (ValueError: they must end at nq / nk).
+        """
+        from .mask import Mask  # mask.py builds on this module, not the other way round
+
+        s = self.validate()
+        cu_q = cu_k = None
+        if s.cu_seqlens is not None:
+            cu_q = check_cu_seqlens(s.cu_seqlens, nq)
+            cu_k = check_cu_seqlens(s.cu_seqlens_k or s.cu_seqlens, nk)
+        return Mask(int(nq), int(nk), s.causal, s.window, cu_q, cu_k)
+
+    def to_attrs(self) -> dict:
+        """The spec as HDF5/JSON-friendly attributes (None fields left out).
+
+        ``window`` and the offsets become lists of ints; :meth:`from_attrs` reads
+        them back (from a dict or an ``h5py`` attribute set) to an equal spec.
+        """
+        s = self.validate()
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(s):
+            v = getattr(s, f.name)
+            if v is None:
+                continue
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_attrs(cls, attrs) -> AttentionSpec:
+        """The validated spec :meth:`to_attrs` wrote; other keys in ``attrs`` are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {}
+        for key in names & set(attrs.keys()):
+            v = attrs[key]
+            if isinstance(v, np.ndarray):
+                v = v.tolist()
+            elif isinstance(v, np.generic):
+                v = v.item()
+            if isinstance(v, bytes):
+                v = v.decode()
+            kw[key] = tuple(v) if isinstance(v, list) else v
+        return cls(**kw).validate()
+
+
+def _differs(value, default) -> bool:
+    if value is None or default is None:
+        return (value is None) != (default is None)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return True  # offsets or a window given: never a default
+    return value != default

@@ -1,0 +1,172 @@
+"""The seam between calls and tiles: spec=, Backend.supports/describe, no silent fallback."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringmpi
+from ringmpi import backend
+from ringmpi.reference import attention, attention_backward
+from ringmpi.spec import AttentionSpec
+
+SELF = MPI.COMM_SELF
+PKG = Path(ringmpi.__file__).parent
+
+
+def _qkv(n=150, nk=None, h=4, hkv=2, d=16, dtype=np.float32, seed=0):
+    """Values shaped like projections: a mean per channel, a small spread."""
+    rng = np.random.default_rng(seed)
+    nk = n if nk is None else nk
+    mean = rng.standard_normal(d)
+    q = (mean + 0.2 * rng.standard_normal((n, h, d))).astype(dtype)
+    k = (mean + 0.2 * rng.standard_normal((nk, hkv, d))).astype(dtype)
+    v = (1.5 + 0.3 * rng.standard_normal((nk, hkv, d))).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "fused"])
+def test_spec_keyword_equals_the_keywords_and_the_reference(monkeypatch, kernel):
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", kernel)
+    cu = np.array([0, 40, 41, 150])
+    q, k, v = _qkv(dtype=np.float64)
+    kw = dict(causal=True, window=(30, 0), cu_seqlens=cu, layout="striped", scale=0.3)
+    spec = AttentionSpec(**kw)
+    a, lse_a = ringmpi.ring_attention(q, k, v, SELF, return_lse=True, **kw)
+    b, lse_b = ringmpi.ring_attention(q, k, v, SELF, return_lse=True, spec=spec)
+    assert a.tobytes() == b.tobytes() and lse_a.tobytes() == lse_b.tobytes()
+    ref, ref_lse = attention(q, k, v, True, scale=0.3, window=(30, 0), cu_seqlens=cu)
+    np.testing.assert_allclose(b, ref, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(lse_b, ref_lse, rtol=1e-11, atol=1e-12)
+    dout = np.random.default_rng(1).standard_normal(q.shape)
+    g1 = ringmpi.ring_attention_backward(dout, q, k, v, b, lse_b, SELF, **kw)
+    g2 = ringmpi.ring_attention_backward(dout, q, k, v, b, lse_b, SELF, spec=spec)
+    want = attention_backward(dout, q, k, v, True, scale=0.3, window=(30, 0), cu_seqlens=cu)
+    for x, y, w in zip(g1, g2, want):
+        assert x.tobytes() == y.tobytes()
+        np.testing.assert_allclose(y, w, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match="either spec= or"):
+        ringmpi.ring_attention(q, k, v, SELF, causal=True, spec=spec)
+
+
+def test_stats_say_which_tiles_ran(monkeypatch):
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
+    q, k, v = _qkv()
+    st = {}
+    ringmpi.ring_attention(q, k, v, SELF, stats=st)
+    assert st["backend"] == "numpy" and st["tile"].startswith("numpy: ")
+    assert st["flops"] == 4 * 150 * 150 * 16 * 4 and st["alltoall_bytes"] == 0
+
+
+def _fused():
+    be = backend.select(np.zeros(1, np.float32))
+    if be.name != "fused":
+        pytest.skip(f"the fused CPU tile is unavailable here ({be.describe()})")
+    return be
+
+
+def test_fused_describe_names_both_passes():
+    be = _fused()
+    text = be.describe()
+    assert "forward: fused C" in text and "backward: fused C" in text, text
+
+
+def test_fused_tiles_refuse_what_they_would_hand_to_numpy():
+    """float16 arrays (or non-contiguous state) raise instead of running the numpy tile."""
+    be = _fused()
+    q = np.zeros((1, 2, 8, 16), np.float16)
+    acc, m, l = np.zeros(q.shape, np.float32), np.zeros((1, 2, 8)), np.zeros((1, 2, 8))
+    pos = np.arange(8)
+    with pytest.raises(TypeError, match="silent numpy fallback"):
+        be.forward_tile(q, q, q, pos, pos, acc, m, l, scale=1.0, causal=False)
+    q32 = q.astype(np.float32)
+    acc_t = np.zeros((1, 2, 16, 8), np.float32).transpose(0, 1, 3, 2)  # not C-contiguous
+    m32 = np.zeros((1, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="float32/float64"):
+        be.forward_tile(q32, q32, q32, pos, pos, acc_t, m32, m32.copy(), scale=1.0, causal=False)
+
+
+def _no_fused_backward(monkeypatch, kernel):
+    from ringmpi.cpu import fused_backward
+
+    _fused()
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", kernel)
+    monkeypatch.setattr(fused_backward, "available", lambda: False)
+    monkeypatch.setattr(fused_backward, "unavailable_reason", lambda: "no compiler (test)")
+
+
+def test_missing_fused_backward_is_reported_not_silent(monkeypatch):
+    """auto: the numpy backward tile runs, and describe()/stats say so; results stay exact."""
+    _no_fused_backward(monkeypatch, "auto")
+    be = backend.select(np.zeros(1))
+    assert be.backward_tile is ringmpi.cpu.numpy_tile.backward_tile
+    assert "backward: numpy tile (the fused backward tile is unavailable" in be.describe()
+    q, k, v = _qkv(dtype=np.float64)
+    out, lse = ringmpi.ring_attention(q, k, v, SELF, causal=True, return_lse=True)
+    st = {}
+    dout = np.full(q.shape, 0.5) + np.random.default_rng(2).standard_normal(q.shape) * 0.1
+    grads = ringmpi.ring_attention_backward(dout, q, k, v, out, lse, SELF, causal=True, stats=st)
+    assert "numpy tile" in st["tile"] and "no compiler (test)" in st["tile"]
+    for g, w in zip(grads, attention_backward(dout, q, k, v, True)):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-10)
+
+
+def test_missing_fused_backward_under_fused_is_an_error(monkeypatch):
+    """RINGMPI_CPU_KERNEL=fused: the backward refuses with the reason, the forward still runs."""
+    _no_fused_backward(monkeypatch, "fused")
+    be = backend.select(np.zeros(1))
+    assert be.backward_tile is None
+    spec = AttentionSpec().validate()
+    assert be.supports(spec, np.float32, 16) == []
+    assert "no compiler (test)" in be.supports(spec, np.float32, 16, backward=True)[0]
+    q, k, v = _qkv()
+    out, lse = ringmpi.ring_attention(q, k, v, SELF, return_lse=True)
+    with pytest.raises(ValueError, match="fused backend cannot run this call: the fused backward"):
+        ringmpi.ring_attention_backward(out, q, k, v, out, lse, SELF)
+
+
+def test_supports_lists_every_reason():
+    be = dataclasses.replace(backend.select(np.zeros(1)), max_d=64, backward_tile=None)
+    spec = AttentionSpec(head_parallel=2).validate()
+    assert be.supports(spec, np.float32, 64) == []
+    why = be.supports(spec, np.int32, 65, backward=True)
+    assert len(why) == 3 and "dtype int32" in why[0] and "D=65" in why[1], why
+    assert be.supports(spec, np.float32, 65, tiles=False) == []  # decode runs no tile
+    gpu_like = dataclasses.replace(be, xp=object())
+    assert "head_parallel" in gpu_like.supports(spec, np.float32, 8)[0]
+
+
+def _imports(path: Path) -> set:
+    """ringmpi modules imported at module level (not inside functions) by ``path``."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(a.name for a in node.names)
+    return found
+
+
+def test_no_import_cycle_among_the_core_modules():
+    """The module-level import graph of ringmpi/*.py has no cycle (hybrid imports no loop)."""
+    graph = {p.stem: _imports(p) for p in PKG.glob("*.py")}
+    assert not ({"attention", "backward"} & graph["hybrid"])
+    state: dict = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                raise AssertionError(f"import cycle: {' -> '.join(path + [nxt])}")
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
