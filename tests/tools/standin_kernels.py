@@ -17,7 +17,9 @@ import numpy as np
 from ringmpi.cpu import numpy_tile
 from ringmpi.gpu import configs
 
-__all__ = ["install", "CONFIGS"]
+__all__ = ["install", "CONFIGS", "geometry"]
+
+geometry: list = []  # (expression, D, ld) of every launch checked here, in order
 
 LOG2E = 1.4426950408889634
 _STORAGE = {"half_t": "float16", "bf16_t": "uint16", "float": "float32", "double": "float64"}
@@ -110,6 +112,12 @@ def _decode(a: np.ndarray, d: int, storage: str) -> np.ndarray:
     return a.astype(np.float64 if storage == "double" else np.float32)
 
 
+def _padding_zero(expr, d: int, **arrays) -> None:
+    """Tensor-core kernels multiply the padded columns too: they must hold zeros."""
+    for name, a in arrays.items():
+        _need(not a[..., d:].view(np.uint8).any(), expr, f"{name}: padding columns not zero")
+
+
 def _geometry(expr, kern, storage, args_i, q, k) -> tuple:
     """(h, hkv, sq, sk, d, ld) from the int arguments, checked against the arrays."""
     h, hkv, sq, sk, d, ld = (_int(x, expr, n) for x, n in zip(args_i, "H Hkv Sq Sk D ld".split()))
@@ -120,6 +128,8 @@ def _geometry(expr, kern, storage, args_i, q, k) -> tuple:
         _need(ld % 8 == 0 and d <= ld <= hd, expr, f"ld={ld} for D={d}, HD={hd} (16-byte rows)")
     else:
         _need(ld == d <= t[0], expr, f"ld={ld} != D={d} or D > DMAX={t[0]}")
+    geometry.append((expr, d, ld))
+    del geometry[:-1000]
     return h, hkv, sq, sk, d, ld
 
 
@@ -162,6 +172,7 @@ def _forward(expr, grid, block, args, smem):
     else:
         _need(grid == (nqb, h, bsz), expr, f"grid {grid}, expected {(nqb, h, bsz)}")
         scale = float(scale)
+    _padding_zero(expr, d, q=qa, k=ka, v=va)
     _check_plan(expr, env, _visible(q_pos, k_pos, rows, causal), kern.bm, kern.bn, g)
     numpy_tile.forward_tile(
         _decode(qa, d, storage), _decode(ka, d, storage), _decode(va, d, storage), q_pos,
@@ -205,6 +216,7 @@ def _backward(expr, grid, block, args, smem):
         dk_a = np.zeros((bsz, hkv, sk, d), dtype=adt)
         dv_a = np.zeros_like(dk_a)
         _need(grid == (-(-sq // kern.bm), h, bsz), expr, f"grid {grid}")
+    _padding_zero(expr, d, q=qa, k=ka, v=va, dout=doa)
     _check_plan(expr, env, _visible(q_pos, k_pos, rows, causal), kern.bm, kern.bn, 1)
     dec = [_decode(x, d, storage) for x in (qa, ka, va, doa)]
     numpy_tile.backward_tile(
