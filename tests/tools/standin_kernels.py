@@ -12,12 +12,11 @@ Python side of the GPU path, never the kernels (tests/test_gpu.py does, on a GPU
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from ringmpi.cpu import numpy_tile
-from ringmpi.gpu import configs
-
-__all__ = ["install", "CONFIGS", "geometry"]
+__all__ = ["install", "configs_by_expr", "geometry"]
 
 geometry: list = []  # (expression, D, ld) of every launch checked here, in order
 
@@ -25,7 +24,11 @@ LOG2E = 1.4426950408889634
 _STORAGE = {"half_t": "float16", "bf16_t": "uint16", "float": "float32", "double": "float64"}
 
 
-def _all_configs() -> dict:
+@functools.cache
+def configs_by_expr() -> dict:
+    """Name expression -> Config of every kernel configuration (ringmpi imported lazily)."""
+    from ringmpi.gpu import configs
+
     out = {}
     for s in configs.STORAGES:
         for d in range(1, configs.MAX_D + 1):
@@ -35,9 +38,6 @@ def _all_configs() -> dict:
                 for c in lst:
                     out[c.expr] = c
     return out
-
-
-CONFIGS = _all_configs()  # name expression -> Config
 
 
 def _targs(expr: str) -> list:
@@ -134,7 +134,7 @@ def _geometry(expr, kern, storage, args_i, q, k) -> tuple:
 
 
 def _forward(expr, grid, block, args, smem):
-    kern = CONFIGS[expr]
+    kern = configs_by_expr()[expr]
     ta = _targs(expr)
     storage = ta[0]
     sdt = _STORAGE[storage]
@@ -174,6 +174,8 @@ def _forward(expr, grid, block, args, smem):
         scale = float(scale)
     _padding_zero(expr, d, q=qa, k=ka, v=va)
     _check_plan(expr, env, _visible(q_pos, k_pos, rows, causal), kern.bm, kern.bn, g)
+    from ringmpi.cpu import numpy_tile
+
     numpy_tile.forward_tile(
         _decode(qa, d, storage), _decode(ka, d, storage), _decode(va, d, storage), q_pos,
         k_pos, acc_a, m_a, l_a, scale=scale, causal=causal, bounds=rows,
@@ -181,7 +183,7 @@ def _forward(expr, grid, block, args, smem):
 
 
 def _backward(expr, grid, block, args, smem):
-    kern = CONFIGS[expr]
+    kern = configs_by_expr()[expr]
     storage = _targs(expr)[0]
     sdt = _STORAGE[storage]
     adt = np.float64 if storage == "double" else np.float32
@@ -219,6 +221,8 @@ def _backward(expr, grid, block, args, smem):
     _padding_zero(expr, d, q=qa, k=ka, v=va, dout=doa)
     _check_plan(expr, env, _visible(q_pos, k_pos, rows, causal), kern.bm, kern.bn, 1)
     dec = [_decode(x, d, storage) for x in (qa, ka, va, doa)]
+    from ringmpi.cpu import numpy_tile
+
     numpy_tile.backward_tile(
         dec[0], dec[1], dec[2], dec[3], lse_a, delta_a, q_pos, k_pos, dq_a, dk_a, dv_a,
         scale=float(scale), causal=causal, bounds=rows,

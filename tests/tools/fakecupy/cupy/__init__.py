@@ -76,3 +76,24 @@ def get_default_pinned_memory_pool():
 __all__ = ["ndarray", "asnumpy", "get_array_module", "cuda", "random", "RawKernel",
            "RawModule", "register", "launches", "STANDIN"]  # fmt: skip
 del _n
+
+
+def _register_standin_kernels() -> None:
+    """``CUPY_STANDIN_KERNELS=1`` (the emulated node of jobs/gpu_check.sh): register the CPU
+    kernels of tests/tools/standin_kernels.py at import, as standin.installed() does."""
+    import importlib.util
+    import os
+    import sys
+
+    if os.environ.get("CUPY_STANDIN_KERNELS") != "1":
+        return
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                        "standin_kernels.py")  # fmt: skip
+    spec = importlib.util.spec_from_file_location("ringmpi_standin_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    mod.install(sys.modules[__name__])
+
+
+_register_standin_kernels()
