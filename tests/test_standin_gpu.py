@@ -247,7 +247,9 @@ def test_bench_table_survives_a_failing_row(cupy, monkeypatch, tmp_path, capsys)
     rc = bench.main(["--n", "64", "--heads", "2", "--min-time", "0", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 1 and "FAILED: RuntimeError: injected failure" in text
-    rows = json.loads(out.read_text())["rows"]
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is True and saved["failed"] == 1
+    rows = saved["rows"]
     assert len(rows) == len(bench.cases(False, (64,)))
     bad = [r for r in rows if "error" in r]
     assert len(bad) == 1 and bad[0]["pass"] == "bwd", bad

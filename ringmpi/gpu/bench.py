@@ -169,10 +169,16 @@ def _fmt_failed(row: dict) -> str:
             f"{str(row['causal']):>6} FAILED: {row['error']}")  # fmt: skip
 
 
-def run_row(rows: list, dtype: str, d: int, n: int, causal: bool, **kw) -> bool:
-    """Run one row, print it and append it to ``rows``; a failure is a row too. True if ok."""
+def run_row(rows: list, dtype: str, d: int, n: int, causal: bool, save=None, forced: str = "",
+            **kw) -> bool:  # fmt: skip
+    """Run one row, print it and append it to ``rows``; a failure is a row too. True if ok.
+
+    ``save``, if given, is called after the row was appended (the JSON so far).
+    """
     try:
         row = bench_case(dtype, d, n, causal, **kw)
+        if forced:
+            row["forced"] = forced
         ok = True
     except Exception as exc:  # one broken row must not cost the rest of the table
         row = {"pass": kw.get("direction", "fwd"), "dtype": dtype, "D": d, "N": n,
@@ -180,6 +186,8 @@ def run_row(rows: list, dtype: str, d: int, n: int, causal: bool, **kw) -> bool:
         ok = False
     rows.append(row)
     print(_fmt(row) if ok else _fmt_failed(row), flush=True)
+    if save is not None:
+        save()
     return ok
 
 
@@ -194,7 +202,11 @@ def cases(quick: bool, ns: Optional[tuple] = None) -> list:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Print the table; ``--quick`` for a smoke run, ``--json PATH`` to save the rows."""
+    """Print the table; ``--quick`` for a smoke run, ``--json PATH`` to save the rows.
+
+    The JSON is rewritten after every row, so a run stopped by a time limit keeps
+    the rows it finished.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1024 only")
     ap.add_argument("--json", help="write the rows to this file")
@@ -219,7 +231,14 @@ def main(argv: Optional[list] = None) -> int:
     print(f"device: {name}; {versions}")
     print(HEAD, flush=True)
     rows: list = []
-    kw = {"h": args.heads, "torch_mod": torch, "min_s": args.min_time}
+    head = {"device": name, "cupy": cupy.__version__, "complete": False}
+
+    def save() -> None:
+        if args.json:
+            failed = sum("error" in r for r in rows)
+            write_json(args.json, {**head, "rows": rows, "failed": failed})
+
+    kw = {"h": args.heads, "torch_mod": torch, "min_s": args.min_time, "save": save}
     ok = True
     for direction, dtype, d, n, causal in cases(args.quick, tuple(args.n or ())):
         ok &= run_row(rows, dtype, d, n, causal, direction=direction, **kw)
@@ -234,8 +253,7 @@ def main(argv: Optional[list] = None) -> int:
                 for cfg in configs.forward_candidates("bf16_t", d, device.smem_optin(dev)):
                     os.environ[tile.CONFIG_ENV] = cfg.name
                     for causal in (False, True):
-                        ok &= run_row(rows, "bfloat16", d, n, causal, **kw)
-                        rows[-1]["forced"] = cfg.name
+                        ok &= run_row(rows, "bfloat16", d, n, causal, forced=cfg.name, **kw)
         finally:
             if old is None:
                 os.environ.pop(tile.CONFIG_ENV, None)
@@ -244,8 +262,8 @@ def main(argv: Optional[list] = None) -> int:
     failed = sum("error" in r for r in rows)
     if failed:
         print(f"{failed} of {len(rows)} rows FAILED")
-    if args.json:
-        write_json(args.json, {"device": name, "rows": rows, "failed": failed})
+    head["complete"] = True
+    save()
     return 0 if ok else 1
 
 
