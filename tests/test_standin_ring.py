@@ -124,6 +124,28 @@ def test_free_abandon_cancels_a_pending_exchange(comm, kind, aware, cupy, monkey
     assert_all(comm, np.array_equal(got, expected((comm.rank - 1) % comm.size, 8)), kind)
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, aware", KINDS)
+def test_free_abandon_alone_is_bounded(comm, kind, aware, cupy, monkeypatch):
+    """Only rank 0 posts an exchange (its peers stopped before): free(abandon=True) still
+    returns within ABANDON_S; the staged ring never posts a send whose copy is pending."""
+    import time
+
+    from ringmpi import ring as ring_mod
+
+    ring, xp = make(kind, aware, comm, cupy, monkeypatch)
+    if comm.rank == 0:
+        ring.start(xp.zeros(16, dtype=np.float32), xp.zeros(16, dtype=np.float32))
+        if aware == "0":
+            assert ring._unsent is not None  # its copy has not been seen to finish yet
+    t0 = time.monotonic()
+    ring.free(abandon=True)
+    took = time.monotonic() - t0
+    assert_all(comm, took < ring_mod.ABANDON_S + 1.0, f"{kind}: free(abandon) took {took:.1f} s")
+    assert_all(comm, not ring.requests, f"{kind}: requests kept on the ring")
+    comm.Barrier()
+
+
 def test_staged_ring_waits_for_its_copy(cupy, monkeypatch):
     """The staged send is posted only once the device-to-host copy has run.
 
