@@ -260,5 +260,7 @@ class KVRing:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        # on error, do not wait for a peer that may have stopped too
-        self.ring.free(abandon=exc_type is not None)
+        if exc_type is not None:
+            self.ring.free(abandon=True)  # do not wait for a peer that may have stopped too
+        else:
+            self.ring.free()
