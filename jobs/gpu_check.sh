@@ -16,6 +16,13 @@
 #
 #   GPU_CHECK_OUT=$OUT GPU_CHECK_STAGES="tests1 staged" GPU_CHECK_BUDGET=200 timeout 260 bash jobs/gpu_check.sh
 #
+# (.whl/ must travel with the checkout: with the project's device tool, carry [".whl"].)
+# Emulated without a GPU (a venv with numpy + mpi4py only, a loopback-only network
+# namespace, the CuPy stand-in; every stage runs, results say nothing about CUDA):
+#   ip netns add gc && ip netns exec gc ip link set lo up && ip netns exec gc env \
+#     PYTHON=/tmp/node/bin/python PYTHONPATH=$PWD/tests/tools/fakecupy CUPY_STANDIN_KERNELS=1 \
+#     RINGMPI_KERNEL_CACHE=0 bash jobs/gpu_check.sh; ip netns del gc
+#
 # Stages (every one under `timeout`; GPU_CHECK_BUDGET seconds in all, default 480, a
 # global deadline shortens the later ones; GPU_CHECK_STAGES names a subset):
 #   setup     pip install --no-index .whl/* --prefix into a private directory (--target would
