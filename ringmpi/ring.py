@@ -62,6 +62,13 @@ def settle(requests: list, seconds: float = ABANDON_S) -> bool:
     same step finishes its side), then what is left is cancelled and the cancels
     get the rest. Requests still pending after that are kept referenced (see
     :func:`abandoned`), so MPI never writes into freed memory.
+
+    Parameters
+    ----------
+    requests : list of mpi4py.MPI.Request
+        The transfers of an exchange that is being abandoned.
+    seconds : float
+        The time they get in all (default ``ABANDON_S``).
     """
     end = time.monotonic() + seconds
     done = MPI.Request.Testall(requests)

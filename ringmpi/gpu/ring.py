@@ -178,7 +178,14 @@ class GpuRing:
         self._t0 = time.perf_counter()
 
     def reserve(self, nbytes: int) -> None:
-        """Allocate both pairs of pinned staging buffers for exchanges up to ``nbytes``."""
+        """Allocate both pairs of pinned staging buffers for exchanges up to ``nbytes``.
+
+        Parameters
+        ----------
+        nbytes : int
+            Size of the largest send or receive buffer to come (a no-op when
+            CUDA-aware: MPI then reads and writes the device buffers).
+        """
         if not self.cuda_aware:
             for slot in self._slots:
                 self._alloc(slot, nbytes)
