@@ -85,6 +85,11 @@ def test_exchange_contract_one_process(kind, aware, cupy, monkeypatch):
     got = exchange(ring, xp, comm, 33, dest=0, source=0, tag=7302)
     assert np.array_equal(got, expected(0, 33)), f"{kind}: dest/source"
     assert ring.ticks >= 8 and ring.wait_s >= 0.0
+    if aware is not None:  # GpuRing's overlap report: one row per exchange
+        rep = ring.overlap_report()
+        assert rep["steps"] == 4 and rep["cuda_aware"] == (aware == "1"), rep
+        assert 0.0 <= rep["hidden_fraction"] <= 1.0 and rep["exchange_s"] >= 0.0, rep
+        assert [r["bytes"] for r in rep["per_step"]] == [4, 4 * 4097, 4 * 300, 4 * 33]
     ring.free()
 
 
