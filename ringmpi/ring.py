@@ -7,6 +7,10 @@ next rank, both non-blocking, so the transfer overlaps the tile compute.
 :class:`KVRing` is the scaffolding both ring loops share: K and V packed in one
 buffer, double-buffered, the next exchange posted before the compute of the
 current block, and the communicator freed on exit (a context manager).
+:class:`Exchanger` is the contract every exchanger implements (this module's
+:class:`Ring` for host buffers, :class:`ringmpi.gpu.ring.GpuRing` for device
+buffers); the ring loops (:mod:`ringmpi.attention`, :mod:`ringmpi.backward`)
+use nothing else.
 
 Progress: MPI libraries move a large (rendezvous) message only while some
 call into the library runs, unless they have an asynchronous progress thread.
@@ -27,14 +31,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from mpi4py import MPI
 
 from . import interrupt
 from .watchdog import watch
 
-__all__ = ["Ring", "KVRing", "TAG_KV", "abandoned"]
+__all__ = ["Exchanger", "Ring", "KVRing", "TAG_KV", "abandoned", "settle"]
 
 TAG_KV = 7301
 # Test-only fault injection: "RANK:STEP" raises on that rank before that step.
@@ -49,6 +53,69 @@ _ABANDONED: list = []
 def abandoned() -> int:
     """Number of transfers an interrupted ring left in flight (0: MPI may finalize)."""
     return len(_ABANDONED)
+
+
+def settle(requests: list, seconds: float = ABANDON_S) -> bool:
+    """Complete or cancel ``requests`` within ``seconds``; True if none is left in flight.
+
+    Three quarters of the time go to completing them (a peer that stopped in the
+    same step finishes its side), then what is left is cancelled and the cancels
+    get the rest. Requests still pending after that are kept referenced (see
+    :func:`abandoned`), so MPI never writes into freed memory.
+
+    Parameters
+    ----------
+    requests : list of mpi4py.MPI.Request
+        The transfers of an exchange that is being abandoned.
+    seconds : float
+        The time they get in all (default ``ABANDON_S``).
+    """
+    end = time.monotonic() + seconds
+    done = MPI.Request.Testall(requests)
+    while not done and time.monotonic() < end - seconds / 4:
+        done = MPI.Request.Testall(requests)
+    if not done:
+        for r in requests:
+            try:
+                r.Cancel()
+            except MPI.Exception:
+                pass
+    while not done and time.monotonic() < end:
+        done = MPI.Request.Testall(requests)
+    if not done:
+        _ABANDONED.extend(requests)
+    return bool(done)
+
+
+@runtime_checkable
+class Exchanger(Protocol):
+    """What the ring loops need from an exchanger (:class:`Ring`, ``GpuRing``).
+
+    ``prev``/``next`` are the neighbour ranks; ``wait_s`` the seconds blocked in
+    :meth:`wait`; ``polls`` and ``ticks`` count :meth:`test` calls that polled MPI
+    and all of them. One exchange (the posts of one :meth:`start`) is completed by
+    :meth:`wait` before the next may start.
+    """
+
+    prev: int
+    next: int
+    wait_s: float
+    polls: int
+    ticks: int
+
+    def start(self, send_buf, recv_buf, tag: int = TAG_KV, dest: Optional[int] = None,
+              source: Optional[int] = None) -> None:  # fmt: skip
+        """Post the receive into ``recv_buf`` (from ``source``, default ``prev``) and the
+        send of ``send_buf`` (to ``dest``, default ``next``); return at once."""
+
+    def test(self) -> None:
+        """Progress pending transfers without blocking; raise a recorded interrupt."""
+
+    def wait(self) -> None:
+        """Block until the posted exchange is complete (``recv_buf`` holds the block)."""
+
+    def free(self, abandon: bool = False) -> None:
+        """Finish (or, with ``abandon``, cancel within ABANDON_S) and release the ring."""
 
 
 class Ring:
@@ -116,25 +183,10 @@ class Ring:
         :func:`abandoned`) rather than waited for.
         """
         if abandon and self.requests:
-            # first let matching transfers finish (a peer that stopped in the same step
-            # completes its side), then cancel what is left and let the cancels settle
-            end = time.monotonic() + ABANDON_S
-            done = MPI.Request.Testall(self.requests)
-            while not done and time.monotonic() < end - ABANDON_S / 4:
-                done = MPI.Request.Testall(self.requests)
-            if not done:
-                for r in self.requests:
-                    try:
-                        r.Cancel()
-                    except MPI.Exception:
-                        pass
-            while not done and time.monotonic() < end:
-                done = MPI.Request.Testall(self.requests)
-            if not done:
-                _ABANDONED.extend(self.requests)
-                self.requests = []
-                return  # the communicator stays: its transfers are not finished
+            settled = settle(self.requests)
             self.requests = []
+            if not settled:
+                return  # the communicator stays: its transfers are not finished
         self.wait()
         if self.cart != MPI.COMM_NULL:
             self.cart.Free()
@@ -215,7 +267,7 @@ class KVRing:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None and isinstance(self.ring, Ring):
+        if exc_type is not None:
             self.ring.free(abandon=True)  # do not wait for a peer that may have stopped too
         else:
             self.ring.free()

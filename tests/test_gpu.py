@@ -130,7 +130,7 @@ def check_state(cpu_state, gpu_state, dtype, vmax, what):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128, 40, 200, 256, 8])
+@pytest.mark.parametrize("d", [64, 128, 40, 200, 256, 8, 59, 111])
 def test_tile_random_shapes(dtype, d):
     rng = np.random.default_rng(d)
     for trial in range(3):
@@ -444,7 +444,7 @@ def bwd_kernels(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128, 40, 200, 8])
+@pytest.mark.parametrize("d", [64, 128, 40, 200, 8, 59, 111])
 def test_backward_tile_random_shapes(dtype, d):
     _, k_dq = bwd_kernels(dtype, d)
     rng = np.random.default_rng(100 + d)
@@ -563,6 +563,16 @@ def test_ring_single_process(dtype, causal):
     ring_case(MPI.COMM_SELF, dtype, causal, "zigzag", batch=2)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("d", [59, 111])
+def test_ring_odd_head_dims(dtype, d):
+    """Head dims that are no multiple of 8: the tensor-core tiles pad rows to 16 bytes."""
+    from mpi4py import MPI
+
+    ring_case(MPI.COMM_SELF, dtype, True, "zigzag", n=300, d=d)
+    ring_backward_case(MPI.COMM_SELF, dtype, True, "zigzag", n=300, d=d)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -570,6 +580,15 @@ def test_ring_single_process(dtype, causal):
 def test_ring_mpi(comm, layout, dtype, causal):
     gpu.bind_device(comm)
     ring_case(comm, dtype, causal, layout)
+
+
+@pytest.mark.mpi
+def test_gpu_ring_odd_head_dims_mpi(comm):
+    """D = 59 and 111 over the ring (staged or CUDA-aware, as the stage sets it)."""
+    gpu.bind_device(comm)
+    for d in (59, 111):
+        ring_case(comm, np.float16, True, "zigzag", n=301, d=d)
+        ring_backward_case(comm, np.float16, True, "striped", n=301, d=d)
 
 
 @pytest.mark.mpi
@@ -581,6 +600,7 @@ def test_gpu_ring_exchange_and_overlap(comm):
         ring.cuda_aware = aware
         send = cupy.full(1 << 16, comm.rank, dtype=cupy.float32)
         recv = cupy.empty_like(send)
+        ring.reserve(send.nbytes)  # pinned buffers now, not inside the timed start
         ring.start(send, recv)
         ring.test()
         ring.wait()

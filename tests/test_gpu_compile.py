@@ -274,3 +274,29 @@ def test_kernel_cache_compiles_once(tmp_path, monkeypatch):
     assert loader._lookup(code + "\n", exprs[1], "sm_80") is None  # and the source
     bad = loader.precompile(gpu.KERNEL_FILE, ("attn_fwd_mma<float, 64>",), 0)
     assert "could not compile" in bad["attn_fwd_mma<float, 64>"]
+
+
+@needs_nvrtc
+def test_builtins_load_from_the_directory_of_libnvrtc(tmp_path):
+    """libnvrtc has no RUNPATH: its builtins are loaded from its own directory first."""
+    import glob
+
+    lib = nvrtc.find_library()
+    folder = os.path.dirname(os.path.realpath(lib))
+    beside = [
+        p for p in glob.glob(os.path.join(folder, "libnvrtc-builtins.so*")) if ".alt." not in p
+    ]
+    nvrtc.version()  # loads libnvrtc (and the builtins)
+    if not beside:  # a system CUDA: the loader's own search path finds them
+        assert nvrtc.BUILTINS is None
+    else:
+        assert nvrtc.BUILTINS in beside, (nvrtc.BUILTINS, beside)
+        with open("/proc/self/maps") as f:
+            mapped = {ln.split()[-1] for ln in f if "libnvrtc-builtins" in ln}
+        assert os.path.realpath(nvrtc.BUILTINS) in {os.path.realpath(p) for p in mapped}
+    # a directory without builtins: nothing is loaded from elsewhere
+    alone = tmp_path / "libnvrtc.so.13"
+    alone.write_bytes(b"")
+    assert nvrtc.preload_builtins(str(alone)) is None
+    (tmp_path / "libnvrtc-builtins.so.13.0").write_bytes(b"not an ELF file")
+    assert nvrtc.preload_builtins(str(alone)) is None  # unloadable: skipped, no error

@@ -10,6 +10,9 @@ of the two results (the output, or dQ). Useful flops only: 4 N^2 D H B forward,
 10 N^2 D H B backward, half of that (N(N+1)/2 pairs) when causal. torch is
 used for comparison only, never required. ``--configs`` adds a row per forward
 configuration (forced through ``RINGMPI_GPU_CONFIG``) for bf16 at N = 4096.
+A row that fails (an exception in the kernel, the comparison or torch) is
+printed as FAILED with the error and kept in the JSON; the table goes on, and
+the exit status is 1 when any row failed.
 """
 
 from __future__ import annotations
@@ -67,8 +70,21 @@ def _storage_dtype(dtype: str):
 
 
 def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, torch_mod=None,
-               direction: str = "fwd") -> dict:  # fmt: skip
-    """One benchmark row (dict) for inputs (b, h, n, d) of ``dtype``; direction fwd or bwd."""
+               direction: str = "fwd", min_s: float = 0.3) -> dict:  # fmt: skip
+    """One benchmark row (dict) for inputs (b, h, n, d) of ``dtype``; direction fwd or bwd.
+
+    Parameters
+    ----------
+    dtype : {"bfloat16", "float16", "float32", "float64"}
+    d, n, h, b : int
+        Head dim, tokens, heads and batch: q, k, v, dout are (b, h, n, d).
+    causal : bool
+    torch_mod : module, optional
+        torch, for the SDPA columns.
+    direction : {"fwd", "bwd"}
+    min_s : float
+        Seconds each timing runs at least.
+    """
     import cupy
 
     shape = (b, h, n, d)
@@ -91,7 +107,7 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
     if direction == "fwd":
         row["config"] = tile.chosen(storage, d, causal, dev).name
         useful = 4.0 * b * h * d * pairs
-        t_ours = _time(forward, cupy.cuda.Device().synchronize)
+        t_ours = _time(forward, cupy.cuda.Device().synchronize, min_s)
         mine = out
     else:
         row["config"] = "+".join(c.name for c in backward.chosen(storage, d, dev))
@@ -106,7 +122,7 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
 
         bwd()
         mine = grads[0].copy()  # dQ of one call
-        t_ours = _time(bwd, cupy.cuda.Device().synchronize)
+        t_ours = _time(bwd, cupy.cuda.Device().synchronize, min_s)
     row.update(ms=t_ours * 1e3, tflops=useful / t_ours / 1e12)
     if torch_mod is not None and dtype in ("float16", "bfloat16"):
         sdpa = torch_mod.nn.functional.scaled_dot_product_attention
@@ -124,7 +140,7 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
             def theirs():
                 res["x"] = torch_mod.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True)[0]
 
-        t_torch = _time(theirs, torch_mod.cuda.synchronize)
+        t_torch = _time(theirs, torch_mod.cuda.synchronize, min_s)
         ref = cupy.asarray(res["x"].float().contiguous())
         row.update(torch_ms=t_torch * 1e3, torch_tflops=useful / t_torch / 1e12)
         row.update(ratio=t_torch / t_ours, max_diff=float(cupy.abs(mine - ref).max()))
@@ -148,9 +164,36 @@ def _fmt(row: dict) -> str:
     return s
 
 
-def cases(quick: bool) -> list:
-    """(pass, dtype, D, N, causal) of the table."""
-    ns = (1024,) if quick else (4096, 16384)
+def _fmt_failed(row: dict) -> str:
+    return (f"{row['pass']:>4} {row['dtype']:>9} {row['D']:>4} {row['N']:>6} "
+            f"{str(row['causal']):>6} FAILED: {row['error']}")  # fmt: skip
+
+
+def run_row(rows: list, dtype: str, d: int, n: int, causal: bool, save=None, forced: str = "",
+            **kw) -> bool:  # fmt: skip
+    """Run one row, print it and append it to ``rows``; a failure is a row too. True if ok.
+
+    ``save``, if given, is called after the row was appended (the JSON so far).
+    """
+    try:
+        row = bench_case(dtype, d, n, causal, **kw)
+        if forced:
+            row["forced"] = forced
+        ok = True
+    except Exception as exc:  # one broken row must not cost the rest of the table
+        row = {"pass": kw.get("direction", "fwd"), "dtype": dtype, "D": d, "N": n,
+               "causal": causal, "error": f"{type(exc).__name__}: {exc}"[:500]}  # fmt: skip
+        ok = False
+    rows.append(row)
+    print(_fmt(row) if ok else _fmt_failed(row), flush=True)
+    if save is not None:
+        save()
+    return ok
+
+
+def cases(quick: bool, ns: Optional[tuple] = None) -> list:
+    """(pass, dtype, D, N, causal) of the table (``ns``: the sequence lengths, if given)."""
+    ns = ns or ((1024,) if quick else (4096, 16384))
     out = [(p, t, d, n, c) for p in ("fwd", "bwd") for t in ("bfloat16", "float16")
            for d in (64, 128) for n in ns for c in (False, True)]  # fmt: skip
     out += [(p, t, 64, ns[0], c) for p in ("fwd", "bwd") for t in ("float32", "float64")
@@ -159,13 +202,19 @@ def cases(quick: bool) -> list:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Print the table; ``--quick`` for a smoke run, ``--json PATH`` to save the rows."""
+    """Print the table; ``--quick`` for a smoke run, ``--json PATH`` to save the rows.
+
+    The JSON is rewritten after every row, so a run stopped by a time limit keeps
+    the rows it finished.
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1024 only")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--configs", action="store_true",
                     help="also time every forward configuration (bf16, N=4096)")  # fmt: skip
+    ap.add_argument("--n", type=int, action="append", help="sequence length (repeatable)")
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds per timing")
     args = ap.parse_args(argv)
     import cupy
 
@@ -181,14 +230,21 @@ def main(argv: Optional[list] = None) -> int:
     versions = f"CuPy {cupy.__version__}" + (f"; torch {torch.__version__}" if torch else "")
     print(f"device: {name}; {versions}")
     print(HEAD, flush=True)
-    rows = []
-    for direction, dtype, d, n, causal in cases(args.quick):
-        row = bench_case(dtype, d, n, causal, args.heads, torch_mod=torch, direction=direction)
-        rows.append(row)
-        print(_fmt(row), flush=True)
+    rows: list = []
+    head = {"device": name, "cupy": cupy.__version__, "complete": False}
+
+    def save() -> None:
+        if args.json:
+            failed = sum("error" in r for r in rows)
+            write_json(args.json, {**head, "rows": rows, "failed": failed})
+
+    kw = {"h": args.heads, "torch_mod": torch, "min_s": args.min_time, "save": save}
+    ok = True
+    for direction, dtype, d, n, causal in cases(args.quick, tuple(args.n or ())):
+        ok &= run_row(rows, dtype, d, n, causal, direction=direction, **kw)
         cupy.get_default_memory_pool().free_all_blocks()
     if args.configs:
-        n = 1024 if args.quick else 4096
+        n = args.n[0] if args.n else 1024 if args.quick else 4096
         print("\nevery forward configuration (RINGMPI_GPU_CONFIG), bf16, N =", n)
         print(HEAD, flush=True)
         old = os.environ.get(tile.CONFIG_ENV)
@@ -197,17 +253,18 @@ def main(argv: Optional[list] = None) -> int:
                 for cfg in configs.forward_candidates("bf16_t", d, device.smem_optin(dev)):
                     os.environ[tile.CONFIG_ENV] = cfg.name
                     for causal in (False, True):
-                        row = bench_case("bfloat16", d, n, causal, args.heads, torch_mod=torch)
-                        rows.append(dict(row, forced=True))
-                        print(_fmt(row), flush=True)
+                        ok &= run_row(rows, "bfloat16", d, n, causal, forced=cfg.name, **kw)
         finally:
             if old is None:
                 os.environ.pop(tile.CONFIG_ENV, None)
             else:
                 os.environ[tile.CONFIG_ENV] = old
-    if args.json:
-        write_json(args.json, {"device": name, "rows": rows})
-    return 0
+    failed = sum("error" in r for r in rows)
+    if failed:
+        print(f"{failed} of {len(rows)} rows FAILED")
+    head["complete"] = True
+    save()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

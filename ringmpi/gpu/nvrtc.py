@@ -6,7 +6,11 @@ in order: ``$RINGMPI_NVRTC`` (a file), the NVIDIA pip wheels
 (``nvidia-cuda-nvrtc-cu12`` -> ``nvidia/cuda_nvrtc/lib``, ``nvidia-cuda-nvrtc``
 -> ``nvidia/cu13/lib``), ``$CUDA_PATH``/``$CUDA_HOME``, ``/usr/local/cuda*``,
 then the system loader. The kernels include no header, so no include path is
-needed.
+needed. NVRTC loads ``libnvrtc-builtins.so.<version>`` by name when it compiles;
+libnvrtc from a wheel has no RUNPATH, so that lookup fails unless the directory
+is on ``LD_LIBRARY_PATH``: :func:`preload_builtins` loads the builtins from the
+directory of the libnvrtc found first (a library already loaded is found by its
+soname).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = [
     "NvrtcError",
     "CompileResult",
     "find_library",
+    "preload_builtins",
     "version",
     "compile_source",
     "sources",
@@ -114,13 +119,43 @@ def find_library() -> str:
     )
 
 
+def preload_builtins(libnvrtc: str) -> Optional[str]:
+    """Load ``libnvrtc-builtins`` from the directory of ``libnvrtc``; its path, or None.
+
+    The builtins matching the library's version come first (``libnvrtc.so.13`` ->
+    ``libnvrtc-builtins.so.13.*``); ``.alt`` variants are skipped. None when the
+    directory holds none (a system CUDA, where the loader finds them).
+    """
+    real = os.path.realpath(libnvrtc)
+    folder = os.path.dirname(real)
+    if not os.path.isabs(libnvrtc) or not os.path.isdir(folder):
+        return None
+    major = re.search(r"\.so\.(\d+)", os.path.basename(real))
+    pats = [f"libnvrtc-builtins.so.{major.group(1)}*"] if major else []
+    pats.append("libnvrtc-builtins.so*")
+    mode = getattr(os, "RTLD_GLOBAL", 0)
+    for pat in pats:
+        for path in sorted(glob.glob(os.path.join(folder, pat)), reverse=True):
+            if ".alt." in path:
+                continue
+            try:
+                ctypes.CDLL(path, mode=mode)
+            except OSError:
+                continue
+            return path
+    return None
+
+
 _LIB = None
+BUILTINS: Optional[str] = None  # the builtins preloaded beside libnvrtc (diagnostics)
 
 
 def _lib():
-    global _LIB
+    global _LIB, BUILTINS
     if _LIB is None:
-        lib = ctypes.CDLL(find_library(), mode=getattr(os, "RTLD_GLOBAL", 0))
+        path = find_library()
+        BUILTINS = preload_builtins(path)
+        lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_GLOBAL", 0))
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         _LIB = lib
     return _LIB
@@ -263,7 +298,8 @@ def check(archs: Sequence[str] = ARCHS, files: Optional[dict] = None) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print NVRTC's verdict and per-kernel registers/spills; exit 1 on a compile error."""
     archs = tuple(argv) if argv else ARCHS
-    print(f"libnvrtc: {find_library()} (version {'.'.join(map(str, version()))})")
+    ver = ".".join(map(str, version()))
+    print(f"libnvrtc: {find_library()} (version {ver}); builtins: {BUILTINS or 'system loader'}")
     status = 0
     for arch, res in check(archs).items():
         print(f"{arch}: {'ok' if res.ok else 'FAILED'}, {len(res.lowered)} kernels")

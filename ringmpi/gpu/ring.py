@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import interrupt
 from .tile import kernel_names
 
 __all__ = ["GpuRing", "bind_device", "cuda_aware", "info", "TAG_KV"]
@@ -104,15 +105,18 @@ def info() -> dict:
     return out
 
 
-TAG_KV = 7301
+TAG_KV = 7301  # ringmpi.ring.TAG_KV (that module imports mpi4py.MPI; this one lazily)
 _MAX_RECORDS = 4096
+# pinned buffers of exchanges an abandoned ring could not settle: MPI may still touch them
+_KEEP: list = []
 
 
 class GpuRing:
     """Non-blocking neighbour exchange of device buffers on a periodic ring.
 
-    Same methods as :class:`ringmpi.ring.Ring` (``start``, ``test``, ``wait``,
-    ``free``, ``wait_s``); one exchange is in flight at a time.
+    Implements :class:`ringmpi.ring.Exchanger`, like :class:`ringmpi.ring.Ring`
+    (``start`` with ``dest``/``source``, ``test``, ``wait``, ``free(abandon=)``,
+    ``wait_s``, ``polls``, ``ticks``); one exchange is in flight at a time.
 
     CUDA-aware MPI: ``start`` synchronises the current stream (the producer of
     the send buffer and the last reader of the receive buffer) and hands both
@@ -127,7 +131,13 @@ class GpuRing:
     ``wait`` completes the transfers and enqueues the host-to-device upload on
     the copy stream; the current stream waits for it. Two pairs of pinned
     buffers alternate, so a receive never lands in a buffer an upload is still
-    reading.
+    reading; :meth:`reserve` allocates them ahead (an allocation of pinned memory
+    synchronises the device, so it should not happen inside a timed step).
+
+    Interrupts and errors: ``test`` and ``wait`` raise a recorded Ctrl-C
+    (:mod:`ringmpi.interrupt`); ``free(abandon=True)`` posts no staged send that
+    is still waiting for its copy and cancels the transfers in flight, as
+    :meth:`ringmpi.ring.Ring.free` does.
 
     Parameters
     ----------
@@ -151,12 +161,13 @@ class GpuRing:
         self.requests: list = []
         self.wait_s = 0.0
         self.polls = 0
+        self.ticks = 0
         self.poll = os.environ.get("RINGMPI_POLL", "1") != "0"
         self._copy = cupy.cuda.Stream(non_blocking=True)
         # per slot: [send host buffer, recv host buffer, event of the last upload out of it]
         self._slots = [[None, None, None], [None, None, None]]
         self._slot = 0
-        self._unsent = None  # (copy-done event, host send buffer, tag) until the Isend is posted
+        self._unsent = None  # (copy-done event, host send buffer, dest, tag) until the Isend
         self._pending = None  # (device recv buffer, host recv buffer, slot) to upload after wait
         self._cur = None  # record of the exchange in flight
         self.records: list = []
@@ -166,22 +177,45 @@ class GpuRing:
         self._ev0.synchronize()
         self._t0 = time.perf_counter()
 
-    def _host_buffers(self, nbytes: int):
-        """Pinned (send, recv) buffers of the next slot, free for a new exchange."""
+    def reserve(self, nbytes: int) -> None:
+        """Allocate both pairs of pinned staging buffers for exchanges up to ``nbytes``.
+
+        Parameters
+        ----------
+        nbytes : int
+            Size of the largest send or receive buffer to come (a no-op when
+            CUDA-aware: MPI then reads and writes the device buffers).
+        """
+        if not self.cuda_aware:
+            for slot in self._slots:
+                self._alloc(slot, nbytes)
+
+    @staticmethod
+    def _alloc(slot: list, nbytes: int) -> None:
         import cupy
 
+        if slot[0] is None or slot[0].nbytes < nbytes:
+            mk = cupy.cuda.alloc_pinned_memory
+            slot[0] = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
+            slot[1] = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
+
+    def _host_buffers(self, nbytes: int):
+        """Pinned (send, recv) buffers of the next slot, free for a new exchange."""
         slot = self._slots[self._slot]
         if slot[2] is not None:
             slot[2].synchronize()  # the upload out of this recv buffer (two exchanges ago)
             slot[2] = None
         if slot[0] is None or slot[0].nbytes < nbytes:
-            mk = cupy.cuda.alloc_pinned_memory
-            slot[0] = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
-            slot[1] = np.frombuffer(mk(nbytes), dtype=np.uint8, count=nbytes)
+            for other in self._slots:  # both pairs at once: one allocation pause, not two
+                if other is not slot and other[2] is not None:
+                    other[2].synchronize()
+                    other[2] = None
+                self._alloc(other, nbytes)
         return slot[0], slot[1]
 
-    def start(self, send_buf, recv_buf, tag: int = TAG_KV) -> None:
-        """Post the receive of the next block from the previous rank and the send of ``send_buf``.
+    def start(self, send_buf, recv_buf, tag: int = TAG_KV, dest: Optional[int] = None,
+              source: Optional[int] = None) -> None:  # fmt: skip
+        """Post the receive of the next block and the send of ``send_buf``.
 
         Parameters
         ----------
@@ -189,6 +223,9 @@ class GpuRing:
             Contiguous device buffers (any dtype); ``send_buf`` is produced by work
             already enqueued on the current stream.
         tag : int
+        dest, source : int, optional
+            Ranks of ``cart`` to send to and receive from (default ``next`` and
+            ``prev``; the backward ring's last hop sends every block straight home).
         """
         import cupy
         from cupy.cuda import runtime
@@ -196,6 +233,8 @@ class GpuRing:
         if self._cur is not None:
             raise RuntimeError("GpuRing.start: the previous exchange has not been waited for")
         MPI = self._MPI
+        src = self.prev if source is None else source
+        dst = self.next if dest is None else dest
         stream = cupy.cuda.get_current_stream()
         ev_post = cupy.cuda.Event()
         ev_post.record(stream)  # everything that produces send_buf is before this event
@@ -203,41 +242,46 @@ class GpuRing:
         if self.cuda_aware:
             # the producer of send_buf and the last reader of recv_buf run on this stream
             stream.synchronize()
-            self.requests.append(self.cart.Irecv([recv_buf, MPI.BYTE], self.prev, tag))
-            self.requests.append(self.cart.Isend([send_buf, MPI.BYTE], self.next, tag))
+            self.requests.append(self.cart.Irecv([recv_buf, MPI.BYTE], src, tag))
+            self.requests.append(self.cart.Isend([send_buf, MPI.BYTE], dst, tag))
         else:
             hs, hr = self._host_buffers(max(send_buf.nbytes, recv_buf.nbytes))
-            self.requests.append(self.cart.Irecv([hr[: recv_buf.nbytes], MPI.BYTE], self.prev, tag))
+            self.requests.append(self.cart.Irecv([hr[: recv_buf.nbytes], MPI.BYTE], src, tag))
             self._copy.wait_event(ev_post)
             d2h = runtime.memcpyDeviceToHost
             runtime.memcpyAsync(hs.ctypes.data, send_buf.data.ptr, send_buf.nbytes, d2h,
                                 self._copy.ptr)  # fmt: skip
             copied = cupy.cuda.Event(block=False, disable_timing=True)
             copied.record(self._copy)
-            self._unsent = (copied, hs[: send_buf.nbytes], tag)
+            self._unsent = (copied, hs[: send_buf.nbytes], dst, tag)
             self._pending = (recv_buf, hr, self._slot)
             self._slot ^= 1
         self._cur = {"t_post": t_post, "ev_post": ev_post, "bytes": int(send_buf.nbytes)}
 
     def _post_send(self, block: bool) -> None:
         """Post the staged Isend once its device-to-host copy is complete."""
-        copied, hs, tag = self._unsent
+        copied, hs, dst, tag = self._unsent
         if block:
             copied.synchronize()
         elif not copied.done:
             return
-        self.requests.append(self.cart.Isend([hs, self._MPI.BYTE], self.next, tag))
+        self.requests.append(self.cart.Isend([hs, self._MPI.BYTE], dst, tag))
         self._unsent = None
         if self._cur is not None:
             self._cur["t_send"] = time.perf_counter()
 
     def test(self) -> None:
-        """Give MPI a chance to progress pending transfers (cheap, non-blocking)."""
+        """Give MPI a chance to progress pending transfers (cheap, non-blocking).
+
+        Also the place where a recorded Ctrl-C/SIGTERM is raised (:mod:`ringmpi.interrupt`).
+        """
+        self.ticks += 1
         if self._unsent is not None:
             self._post_send(block=False)
         if self.poll and self.requests:
             self.polls += 1
             self._MPI.Request.Testall(self.requests)
+        interrupt.check()
 
     def wait(self) -> None:
         """Complete the exchange; recv_buf then holds the block (in current-stream order)."""
@@ -252,7 +296,11 @@ class GpuRing:
         t0 = time.perf_counter()
         if self._unsent is not None:
             self._post_send(block=True)
-        self._MPI.Request.Waitall(self.requests)
+        if interrupt.active():  # poll instead of Waitall, which no signal can leave
+            while not self._MPI.Request.Testall(self.requests):
+                interrupt.check()
+        else:
+            self._MPI.Request.Waitall(self.requests)
         t_done = time.perf_counter()
         self.wait_s += t_done - t0
         self.requests = []
@@ -271,8 +319,26 @@ class GpuRing:
             del self.records[:-_MAX_RECORDS]
             self._cur = None
 
-    def free(self) -> None:
-        """Complete pending transfers and release the communicator (if made here)."""
+    def free(self, abandon: bool = False) -> None:
+        """Complete pending transfers and release the communicator (if made here).
+
+        With ``abandon`` (the ring stops early: an error or an interrupt, perhaps
+        on the peers too) a staged send still waiting for its copy is not posted,
+        nothing is uploaded, and the transfers in flight are settled as
+        :func:`ringmpi.ring.settle` does (completed or cancelled within
+        ``ABANDON_S``); buffers of transfers that did not settle stay referenced.
+        """
+        if abandon and (self.requests or self._unsent is not None or self._cur is not None):
+            self._unsent = self._pending = self._cur = None
+            from ..ring import settle
+
+            self._copy.synchronize()  # the device-to-host copy into a pinned buffer
+            settled = settle(self.requests) if self.requests else True
+            self.requests = []
+            if not settled:
+                _KEEP.append(self._slots)  # MPI may still write into a pinned buffer
+                self._slots = [[None, None, None], [None, None, None]]
+                return  # the communicator stays: its transfers are not finished
         self.wait()
         self._copy.synchronize()
         if self._own and self.cart != self._MPI.COMM_NULL:
