@@ -198,3 +198,13 @@ def test_percent_in_output_name_maps_the_right_parts(tmp_path, name):
         a, b = f["out"][()], g["out"][()]
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a, b)
+
+
+def test_resume_under_another_cpu_kernel_is_refused(data, capsys, monkeypatch):
+    paths, out, victim = data
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
+    assert _run(paths, out) == 0
+    out.unlink()
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
+    assert _run(paths, out, "--resume") == 2
+    assert "made by a different run (differs in compute)" in capsys.readouterr().err
