@@ -294,16 +294,14 @@ class SingleFileStore(OutputStore):
 
     def _marker_ok(self, marker, i: int) -> bool:
         """Is ``marker`` a one-file marker of sequence ``i`` with one entry per rank?"""
-        ranks = marker.get("ranks") if isinstance(marker, dict) else None
+        if not isinstance(marker, dict):
+            return False
+        ranks = marker.get("ranks")
         return (
-            (
-                marker.get("sequence") == self.plan.sequences[i].name
-                and marker.get("output") == "single"
-                and isinstance(ranks, list)
-                and len(ranks) == self.size
-            )
-            if isinstance(marker, dict)
-            else False
+            marker.get("sequence") == self.plan.sequences[i].name
+            and marker.get("output") == "single"
+            and isinstance(ranks, list)
+            and len(ranks) == self.size
         )
 
     def _new_tmp(self) -> None:
