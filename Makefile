@@ -22,7 +22,7 @@ export MKL_NUM_THREADS ?= 1
 TEST_TIMEOUT ?= 1200
 RANKS ?= 1 2 3 4
 
-.PHONY: venv install lint test test-serial test-mpi test-site test-cluster run bench stress gpu-check clean
+.PHONY: venv install lint test test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,12 @@ gpu-check:
 test-cluster: $(VENV)/.installed
 	PYTHON=$(abspath $(PY)) timeout 900 tests/cluster/slurm.sh
 	PYTHON=$(abspath $(PY)) timeout 900 tests/cluster/two_hosts.sh
+
+# Attacks by a second user (needs root; prints SKIP otherwise): two throwaway users, one
+# plants kernels, cubins, symlinks and crafted inputs for the other's job, which must
+# refuse each; then the hostile-input set (tests/security/hostile.py) as that user.
+test-security: $(VENV)/.installed
+	PYTHON=$(abspath $(PY)) timeout 1500 tests/security/run.sh
 
 clean:
 	rm -rf build dist *.egg-info data/sample .pytest_cache .ruff_cache

@@ -37,11 +37,43 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export OPENBLAS_NUM_THREADS="$OMP_NUM_THREADS"
 export MKL_NUM_THREADS="$OMP_NUM_THREADS"
-export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/cupy-cache-${USER:-$(id -u)}}"
-mkdir -p "$CUPY_CACHE_DIR"
+# The cache holds code that runs in this job: only a directory of this user that
+# nobody else can write (made here with mkdir -m 700, which fails on an existing
+# name, or checked when it exists). A CUPY_CACHE_DIR set by the user that fails the
+# check stops the job; the default one falls back to a fresh mktemp -d directory.
+private_cache() {  # private_cache DIR: 0 if DIR is (now) ours and mode 700
+    local dir="$1" info
+    mkdir -m 700 "$dir" 2>/dev/null && return 0
+    [[ -d "$dir" && ! -L "$dir" ]] || return 1
+    info="$(stat -c '%u %a' "$dir")" || return 1
+    [[ "$info" == "$(id -u) 700" ]]
+}
+if [[ -n "${CUPY_CACHE_DIR:-}" ]]; then
+    if ! private_cache "$CUPY_CACHE_DIR"; then
+        echo "ringmpi: CUPY_CACHE_DIR=$CUPY_CACHE_DIR is not a directory of $(id -un) with" \
+            "mode 700 (another user could plant kernels in it): fix it or unset it" >&2
+        exit 2
+    fi
+else
+    CUPY_CACHE_DIR="${TMPDIR:-/tmp}/cupy-cache-$(id -u)"
+    if ! private_cache "$CUPY_CACHE_DIR"; then
+        echo "ringmpi: $CUPY_CACHE_DIR is not this user's private directory: using a" \
+            "fresh one for this job" >&2
+        CUPY_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/cupy-cache-XXXXXXXX")"
+    fi
+fi
+export CUPY_CACHE_DIR
+# python -m ... would import from the working directory first (a planted numpy/
+# there would run in the job): Python >= 3.11 leaves it off sys.path with this.
+export PYTHONSAFEPATH=1
 
-# ARGS is one string from `qsub -v`; split it like a shell command line would.
-eval "set -- ${ARGS:?set ARGS, e.g. qsub -v ARGS=\"in.h5 -o out.h5\" jobs/pbs.sh}"
+# ARGS is one string from `qsub -v`: split it with shell quoting rules (shlex), but
+# never evaluate it (no $(...), no globbing, no variable expansion).
+: "${ARGS:?set ARGS, e.g. qsub -v ARGS=\"in.h5 -o out.h5\" jobs/pbs.sh}"
+mapfile -d '' -t args < <("$PYTHON" -c \
+    'import shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(sys.argv[1])))' \
+    "$ARGS")
+set -- "${args[@]}"
 
 echo "ringmpi: $nranks ranks, device ${DEVICE:-auto}"
 exec "$MPIEXEC" -n "$nranks" "$PYTHON" -m mpi4py -m ringmpi run --device "${DEVICE:-auto}" "$@"

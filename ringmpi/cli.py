@@ -134,8 +134,12 @@ def _int(text: str):
 
 def _cmd_run(args, comm) -> int:
     from .files import write_json
+    from .job.outdir import check_side_file
     from .job.run import format_summary, run
 
+    if args.summary_json:  # refused before anything is computed, on every rank alike
+        inputs = list(args.inputs) + ([args.weights] if args.weights else [])
+        check_side_file(args.summary_json, "--summary-json", args.output, inputs)
     summary = run(
         args.inputs,
         args.output,

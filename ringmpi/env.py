@@ -85,7 +85,14 @@ _VARS = [
         "ISA path of the fused CPU kernels: `auto` (widest the host runs), `avx512`, `avx2`, "
         "`scalar`; a path the host cannot run is an error"),
     Var("RINGMPI_CACHE_DIR", None, _text,
-        "where compiled kernels and GPU tuning are cached (default `~/.cache/ringmpi`)"),
+        "where compiled kernels (CPU libraries, GPU cubins) and GPU tuning are cached (default "
+        "`~/.cache/ringmpi`); must be private: created 0700, refused when another user's or "
+        "group/other-writable"),
+    Var("RINGMPI_BUILD_LOCK_S", "600", _positive,
+        "longest wait for another process's kernel build lock before a clear error"),
+    Var("RINGMPI_ALLOW_VDS", "0", _flag,
+        "`1` accepts virtual datasets in inputs (their source files must exist); refused by "
+        "default"),
     Var("CC", None, _text, "C compiler for the CPU kernels (default `cc`, `gcc`, `clang`; part "
         "of the cache key)"),
     Var("RINGMPI_CFLAGS", "", _text, "extra compiler flags for the CPU kernels (part of the "
@@ -101,7 +108,8 @@ _VARS = [
     Var("RINGMPI_POLL", "1", _flag,
         "`0` stops polling MPI between tiles (for measuring overlap)"),
     Var("RINGMPI_WATCHDOG_S", "600", _seconds,
-        "seconds a rank waits on another rank before it aborts the job with one line (`0` off)"),
+        "seconds a rank waits on another rank before it aborts the job with one line (`0` off; "
+        "more than a week is clamped to a week; `nan`, `inf`, negative: an error at start)"),
     Var("RINGMPI_INTERRUPT_GRACE_S", "30", _seconds,
         "seconds a SIGINT/SIGTERM may wait for a safe point before the rank exits anyway "
         "(`0` off)"),
@@ -114,14 +122,17 @@ _VARS = [
     Var("RINGMPI_KERNEL_CACHE", "1", _flag, "`0` bypasses ringmpi's own CUDA module cache"),
     Var("RINGMPI_NVRTC", None, _text, "the NVRTC library the compile check loads (a file)"),
     Var("CUPY_CACHE_DIR", None, _text,
-        "CuPy's kernel cache (set it to node-local or shared scratch in jobs)"),
+        "CuPy's kernel cache: a private directory (yours, mode 0700), never a shared one; "
+        "`jobs/` use `$TMPDIR/cupy-cache-$UID` made with `mkdir -m 700`, else a fresh "
+        "`mktemp -d`"),
     Var("RINGMPI_REQUIRE_MPIO", "0", _flag,
         "`1` turns the skip of the parallel-HDF5 tests into a failure (CI)", tests=True),
     Var("RINGMPI_SKIP_NVRTC", "0", _flag, "`1` skips the NVRTC compile tests", tests=True),
     Var("RINGMPI_EXPECT_SIMD", None, _text,
         "vector width in bytes (64, 32, 0) the fused backward build must have", tests=True),
     Var("RINGMPI_TEST_FAULT", None, _text,
-        "`RANK:STEP`: that rank raises before that ring step", tests=True),
+        "`RANK:STEP`: that rank raises before that ring step (never set it in production)",
+        tests=True),
     Var("RINGMPI_TEST_KILL_AFTER", None, _text,
         "SIGKILL rank 0 after this many sequences of a run", tests=True),
     Var("RINGMPI_TEST_MPIO_KILL", None, _text,

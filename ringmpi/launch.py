@@ -175,6 +175,53 @@ def launch_problem(env: Mapping[str, str], world_size: int) -> Optional[str]:
     )
 
 
+def settings_problem(env: Mapping[str, str]) -> Optional[str]:
+    """The one-line error for an invalid safety setting (checked before any file), else None."""
+    from . import watchdog
+
+    saved = os.environ.get(watchdog.ENV)
+    try:
+        if watchdog.ENV in env:
+            os.environ[watchdog.ENV] = env[watchdog.ENV]
+        watchdog.limit()
+    except ValueError as e:
+        return str(e)
+    finally:
+        if saved is None:
+            os.environ.pop(watchdog.ENV, None)
+        else:
+            os.environ[watchdog.ENV] = saved
+    return path_problem()
+
+
+def path_problem() -> Optional[str]:
+    """The error for a working directory others can write that Python searches first, else None.
+
+    ``python -m ringmpi`` (and ``python -m mpi4py -m ringmpi``) puts the working
+    directory first on ``sys.path``: in a shared job directory another user could
+    plant a module (``numpy/``) that the job imports. Python >= 3.11 leaves it off
+    with ``-P`` or ``PYTHONSAFEPATH=1``; where it is searched and others can write
+    it, the job stops.
+    """
+    if getattr(sys.flags, "safe_path", False):
+        return None
+    try:
+        cwd = os.getcwd()
+        st = os.stat(cwd)
+    except OSError:
+        return None
+    searched = any(p in ("", cwd) for p in sys.path[:1])
+    if not searched:
+        return None
+    if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+        return None
+    return (
+        f"the working directory {cwd} is first on Python's module path and other users can "
+        "write it (a planted module would run in this job): run python -P, set "
+        "PYTHONSAFEPATH=1, or start the job from a private directory"
+    )
+
+
 def check_launch(comm=None, env: Optional[Mapping[str, str]] = None, *, exit: bool = False):
     """Stop when the launcher started several tasks but ``comm`` has one rank.
 
@@ -202,7 +249,7 @@ def check_launch(comm=None, env: Optional[Mapping[str, str]] = None, *, exit: bo
 
         comm = MPI.COMM_WORLD
     env = os.environ if env is None else env
-    msg = launch_problem(env, comm.Get_size())
+    msg = settings_problem(env) or launch_problem(env, comm.Get_size())
     if msg is None:
         return
     if not exit:

@@ -11,6 +11,7 @@ where it does not, every other waiting rank's own watchdog ends it.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -18,23 +19,33 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
-__all__ = ["ENV", "DEFAULT_S", "EXIT_STATUS", "limit", "watch"]
+__all__ = ["ENV", "DEFAULT_S", "MAX_S", "EXIT_STATUS", "limit", "watch"]
 
 ENV = "RINGMPI_WATCHDOG_S"
 DEFAULT_S = 600.0
+MAX_S = 7 * 86400.0  # longer limits are clamped to a week
 EXIT_STATUS = 124
 
 
 def limit() -> Optional[float]:
-    """The limit in seconds from ``RINGMPI_WATCHDOG_S``, or None when disabled (0)."""
+    """The limit in seconds from ``RINGMPI_WATCHDOG_S``, or None when disabled (0).
+
+    A finite number >= 0 is accepted; values above ``MAX_S`` (one week) are clamped
+    to it. ``nan``, ``inf``, negative numbers and text are refused with a ValueError
+    (they would otherwise switch the watchdog off silently or crash its thread).
+    """
     text = os.environ.get(ENV, "").strip()
     if not text:
         return DEFAULT_S
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{ENV} must be a number of seconds (0 disables), not {text!r}") from None
-    return value if value > 0 else None
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{ENV} must be a finite number of seconds >= 0 (0 disables), not {text!r}"
+        ) from None
+    return min(value, MAX_S) if value > 0 else None
 
 
 class _Dog:

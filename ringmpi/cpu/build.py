@@ -19,8 +19,14 @@ directory on a heterogeneous cluster gets one build per CPU type. One compile pe
 cache file: the builder holds an exclusive ``flock`` on ``<library>.lock`` while it
 compiles to a private temporary name and renames it into place; every other process
 (the other MPI ranks of the node, other jobs sharing the cache) waits on that lock
-and then loads the finished file. No MPI collective is involved, so the build may be
-triggered lazily by any subset of ranks.
+(at most ``$RINGMPI_BUILD_LOCK_S``, 600 s) and then loads the finished file. No MPI
+collective is involved, so the build may be triggered lazily by any subset of ranks.
+
+The cache holds code that will run: it must be private. The directory is created
+0700 and refused when it belongs to another user or is writable by group or others;
+files in it are opened relative to its descriptor without following symlinks; the
+build records the library's SHA-256 in the lock file and a cached library is used
+only when its owner, mode and hash (computed on the opened descriptor) match.
 """
 
 from __future__ import annotations
@@ -28,14 +34,17 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
+from ..files import UnsafePathError, exclusive_temp, open_private_dir, open_private_file, sha256_fd
 from ..kernel_files import kernel_path
 
 try:
@@ -150,35 +159,108 @@ def _cache_dir() -> Path:
     return Path(d) if d else Path.home() / ".cache" / "ringmpi"
 
 
-class _FileLock:
-    """Exclusive flock on ``path`` for the duration of a ``with`` block.
+_HINT = (
+    "compiled kernels are only loaded from a directory only you can change: chmod 700 it "
+    "(after checking its contents) or set RINGMPI_CACHE_DIR to a private directory"
+)
 
-    Where the file system refuses locks (some network mounts) the block runs unlocked:
-    builds stay correct through the atomic rename, at worst compiling more than once.
+
+def _lock_wait_s() -> float:
+    """``$RINGMPI_BUILD_LOCK_S``: the longest wait for another process's build (default 600)."""
+    raw = os.environ.get("RINGMPI_BUILD_LOCK_S", "600").strip()
+    try:
+        val = float(raw)
+    except ValueError:
+        val = math.nan
+    if not math.isfinite(val) or val <= 0:
+        raise ValueError(f"RINGMPI_BUILD_LOCK_S must be a positive number of seconds, not {raw!r}")
+    return min(val, 86400.0)
+
+
+class _FileLock:
+    """Exclusive flock on file ``name`` in directory ``dirfd`` for a ``with`` block.
+
+    The lock file is opened with ``O_NOFOLLOW`` (mode 0600) in the private cache
+    directory and must belong to this user. The wait is bounded by
+    ``$RINGMPI_BUILD_LOCK_S``: after 10 s one line says who is waiting for what, at the
+    end a ``TimeoutError`` names the lock. Where the file system refuses locks (some
+    network mounts) the block runs unlocked: builds stay correct through the atomic
+    rename, at worst compiling more than once. While held, :attr:`fd` is the lock
+    file's descriptor (it also records the content hash of the built library).
     """
 
-    def __init__(self, path: Path):
-        self.path, self.fd = path, None
+    def __init__(self, dirfd: int, name: str, what: str):
+        self.dirfd, self.name, self.what, self.fd = dirfd, name, what, None
 
     def __enter__(self):
+        self.fd = open_private_file(self.dirfd, self.name, self.what, os.O_RDWR | os.O_CREAT)
         if fcntl is None:
             return self
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EACCES):
+        deadline, warned = time.monotonic() + _lock_wait_s(), False
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EACCES):
+                    return self
+                self._close()
                 raise
-        return self
+            now = time.monotonic()
+            if now >= deadline:
+                self._close()
+                raise TimeoutError(
+                    f"{self.what}: still locked by another build after {now - start:.0f} s "
+                    "(RINGMPI_BUILD_LOCK_S); remove the lock file if no build is running"
+                )
+            if not warned and now - start > 10:
+                print(f"ringmpi: waiting for another build's lock {self.what}", file=sys.stderr)
+                warned = True
+            time.sleep(0.05)
 
-    def __exit__(self, *exc):
+    def _close(self):
         if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+    def __exit__(self, *exc):
+        if self.fd is not None and fcntl is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+        self._close()
+
+
+def _recorded(dirfd: int, lock_name: str, what: str) -> Optional[str]:
+    """The content hash recorded in the lock file at build time, or None."""
+    try:
+        fd = open_private_file(dirfd, lock_name, what)
+    except (OSError, UnsafePathError):
+        return None
+    try:
+        text = os.pread(fd, 256, 0).decode("ascii", "replace").split()
+    finally:
+        os.close(fd)
+    return text[0] if text and len(text[0]) == 64 else None
+
+
+def _verified(dirfd: int, name: str, lock_name: str, what: str) -> bool:
+    """True if library ``name`` is ours, private, and hashes to what its build recorded."""
+    want = _recorded(dirfd, lock_name, what + ".lock")
+    if want is None:
+        return False
+    try:
+        fd = open_private_file(dirfd, name, what)
+    except (OSError, UnsafePathError):
+        return False
+    try:
+        return sha256_fd(fd) == want
+    finally:
+        os.close(fd)
 
 
 def build_library(source_name: str, isa: Optional[str] = None) -> Path:
@@ -188,7 +270,11 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
     ``$RINGMPI_CACHE_DIR/<stem>-<isa>-<key>.so`` where the key hashes the source, the
     compiler's identity, the flags and the host CPU flags. The first process to need it
     compiles while holding ``<library>.lock``; the others (ranks of the node, other jobs)
-    wait on the lock and use the finished file. A ready file is used without compiling.
+    wait on the lock and use the finished file. A ready file is used without compiling
+    only when it is what the build produced: the cache directory is this user's and
+    not writable by group or others (created 0700), the library is a regular file of
+    this user (not a symlink) and its SHA-256, computed on the opened descriptor,
+    equals the one the build recorded in the lock file. Otherwise it is rebuilt.
 
     Parameters
     ----------
@@ -210,6 +296,11 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
         No source or no C compiler.
     RuntimeError
         The compiler failed (its error output is in the message).
+    PermissionError
+        (:class:`ringmpi.files.UnsafePathError`) the cache directory belongs to another
+        user or is writable by group or others.
+    TimeoutError
+        Another process held the build lock longer than ``$RINGMPI_BUILD_LOCK_S``.
     """
     name = resolve_isa(isa)
     src = kernel_path(source_name)
@@ -224,27 +315,54 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
         key.update(b"\0")
     out_dir = _cache_dir()
     target = out_dir / f"{Path(source_name).stem}-{name}-{key.hexdigest()[:20]}.so"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _FileLock(target.with_name(target.name + ".lock")):
-        if target.is_file():  # built by another process while this one waited
+    lock_name = target.name + ".lock"
+    dirfd = open_private_dir(str(out_dir), create=True, hint=_HINT)
+    try:
+        if _verified(dirfd, target.name, lock_name, str(target)):
             return target
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            proc = subprocess.run(
-                [*cc.split(), *flags, "-o", tmp, str(src), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"compiling {src} with {cc} {' '.join(flags)} failed:\n{proc.stderr[-4000:]}"
-                )
-            os.replace(tmp, target)  # atomic: readers see a complete file or none
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with _FileLock(dirfd, lock_name, str(target) + ".lock") as lock:
+            if _verified(dirfd, target.name, lock_name, str(target)):
+                return target  # built by another process while this one waited
+            _compile(cc, flags, src, dirfd, out_dir, target, lock.fd)
+    finally:
+        os.close(dirfd)
     return target
+
+
+def _compile(cc, flags, src, dirfd: int, out_dir: Path, target: Path, lock_fd) -> None:
+    """Compile into an exclusive temporary, record its hash in the lock file, rename it."""
+    fd, tmp = exclusive_temp(str(target), 0o700)
+    os.close(fd)
+    tmp_name = os.path.basename(tmp)
+    try:
+        proc = subprocess.run(
+            [*cc.split(), *flags, "-o", tmp, str(src), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"compiling {src} with {cc} {' '.join(flags)} failed:\n{proc.stderr[-4000:]}"
+            )
+        # the linker recreates the output with its own mode (0775 under umask 002)
+        fd = os.open(tmp_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise UnsafePathError(f"{tmp}: the compiler's output is not this user's")
+            os.fchmod(fd, 0o700)
+            digest = sha256_fd(fd)
+        finally:
+            os.close(fd)
+        record = f"{digest}  {target.name}\n".encode()
+        if lock_fd is not None:
+            os.ftruncate(lock_fd, 0)
+            os.pwrite(lock_fd, record, 0)
+            os.fsync(lock_fd)
+        # atomic: readers see a complete file or none
+        os.replace(tmp_name, target.name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    finally:
+        try:
+            os.unlink(tmp_name, dir_fd=dirfd)
+        except FileNotFoundError:
+            pass

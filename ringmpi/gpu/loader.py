@@ -12,7 +12,11 @@ exact architecture (:mod:`ringmpi.gpu.nvrtc`), and the cubin is kept in the
 cache directory (``$RINGMPI_CACHE_DIR``, else ``$CUPY_CACHE_DIR``, else
 ``~/.cupy/kernel_cache``) under a hash of the source, options, name, arch and
 NVRTC version, so later processes (every rank, every run) load it in
-milliseconds. (CuPy's own cache is bypassed for name expressions: a
+milliseconds. The cache directory must be private (this user's, not writable by
+group or others; created 0700) and a cubin is loaded only when its SHA-256 matches
+the one recorded beside it at compile time and the recorded symbol names the
+requested kernel (:func:`_lookup`); an unsafe cache costs a compile per process.
+(CuPy's own cache is bypassed for name expressions: a
 ``cupy.RawModule`` with them recompiles in every process.) If that path fails
 (no standalone libnvrtc, an arch this NVRTC does not know, a cubin the driver
 refuses), the kernel is compiled by ``cupy.RawModule`` instead.
@@ -25,10 +29,12 @@ import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Union
 
+from ..files import open_private_dir, open_private_file, sha256_fd, write_private
 from ..kernel_files import kernel_path
 
 __all__ = ["OPTIONS", "source", "get_function", "precompile", "cache_dir", "last_path"]
@@ -53,11 +59,30 @@ def cache_dir() -> Path:
     return Path(base or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
 
 
-def _write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".ringmpi.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+_HINT = (
+    "cubins are only loaded from a directory only you can change: chmod 700 it or set "
+    "RINGMPI_CACHE_DIR to a private directory"
+)
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _symbol_ok(expr: str, mangled: str) -> bool:
+    """True if ``mangled`` can be the lowered name of name expression ``expr``.
+
+    The symbol of a cached kernel comes from its metadata file; it must name the
+    function the expression names (``f<...>`` lowers to ``_Z<len>f...``, ``ns::f<...>`` to
+    ``_ZN<len>ns<len>f...``, a plain ``extern "C"`` kernel to its own name), so a
+    metadata file cannot pick another kernel of the module.
+    """
+    if not isinstance(mangled, str) or not _SYMBOL.fullmatch(mangled):
+        return False
+    parts = expr.split("<", 1)[0].strip().split("::")
+    if not all(_SYMBOL.fullmatch(p) for p in parts):
+        return False
+    if len(parts) == 1 and mangled == parts[0]:
+        return True
+    enc = "".join(f"{len(p)}{p}" for p in parts)
+    return mangled.startswith(("_Z" if len(parts) == 1 else "_ZN") + enc)
 
 
 def _paths(code: str, expr: str, arch: str) -> tuple:
@@ -71,13 +96,45 @@ def _paths(code: str, expr: str, arch: str) -> tuple:
 
 
 def _lookup(code: str, expr: str, arch: str):
-    """(cubin path, mangled name) if cached, else None."""
+    """(cubin path, mangled name) if cached, else None.
+
+    A cached cubin is used only from a private cache directory (this user's, not
+    writable by group or others), when both files are this user's regular files
+    (symlinks are not followed), the metadata names this ``expr`` and ``arch`` with
+    a symbol that :func:`_symbol_ok` accepts, and the cubin's SHA-256 (computed on
+    the opened descriptor) is the one recorded at compile time.
+
+    Raises
+    ------
+    ringmpi.files.UnsafePathError
+        The cache directory belongs to another user or is group/other-writable.
+    """
     cubin, meta = _paths(code, expr, arch)
     try:
-        mangled = json.loads(meta.read_text())["mangled"]
-    except (OSError, ValueError, KeyError):
+        dirfd = open_private_dir(str(cubin.parent), create=False, hint=_HINT)
+    except FileNotFoundError:
         return None
-    return (cubin, mangled) if cubin.is_file() else None
+    try:
+        fd = open_private_file(dirfd, meta.name, str(meta))
+        try:
+            info = json.loads(os.pread(fd, 1 << 16, 0))
+        finally:
+            os.close(fd)
+        if not isinstance(info, dict) or (info.get("expr"), info.get("arch")) != (expr, arch):
+            return None
+        mangled, want = info.get("mangled"), info.get("sha256")
+        if not _symbol_ok(expr, mangled) or not isinstance(want, str):
+            return None
+        fd = open_private_file(dirfd, cubin.name, str(cubin))
+        try:
+            ok = sha256_fd(fd) == want
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):  # absent, a symlink, another owner's, not JSON
+        return None
+    finally:
+        os.close(dirfd)
+    return (cubin, mangled) if ok else None
 
 
 def _compile(code: str, expr: str, arch: str) -> tuple:
@@ -89,15 +146,23 @@ def _compile(code: str, expr: str, arch: str) -> tuple:
     if not res.ok or expr not in res.lowered:
         raise RuntimeError(f"NVRTC could not compile {expr} for {arch}:\n{res.log}")
     mangled = res.lowered[expr]
+    if not _symbol_ok(expr, mangled):
+        raise RuntimeError(f"NVRTC lowered {expr} to an unexpected symbol {mangled!r}")
     cubin, meta = _paths(code, expr, arch)
+    digest = hashlib.sha256(res.cubin).hexdigest()
+    info = {"expr": expr, "arch": arch, "mangled": mangled, "sha256": digest}
     try:
-        cubin.parent.mkdir(parents=True, exist_ok=True)
-        _write(cubin, res.cubin)
-        _write(meta, json.dumps({"expr": expr, "arch": arch, "mangled": mangled}).encode())
-    except OSError:  # a read-only cache: keep a private copy, compile again next time
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        dirfd = open_private_dir(str(cubin.parent), create=True, hint=_HINT)
+        try:
+            write_private(dirfd, cubin.name, res.cubin)
+            write_private(dirfd, meta.name, json.dumps(info).encode())
+        finally:
+            os.close(dirfd)
+    except OSError:  # a read-only or unsafe cache: a private copy, compile again next time
+        fd, name = tempfile.mkstemp(suffix=".cubin")  # 0600, O_EXCL
+        with os.fdopen(fd, "wb") as f:
             f.write(res.cubin)
-        cubin = Path(f.name)
+        cubin = Path(name)
     return cubin, mangled
 
 
@@ -132,9 +197,9 @@ def precompile(names: Union[str, tuple], exprs: tuple, dev: int, workers: int = 
     nvrtc.version()  # load libnvrtc before the threads start
 
     def one(expr):
-        if _lookup(code, expr, arch):
-            return "cache"
         try:
+            if _lookup(code, expr, arch):
+                return "cache"
             _compile(code, expr, arch)
             return "compiled"
         except Exception as exc:

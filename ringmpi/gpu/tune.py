@@ -5,7 +5,9 @@ that fits the device (:func:`choose` with a ``measure`` callable) and keeps the
 fastest. The choice lives in memory and in a small JSON file
 (``$RINGMPI_TUNE_FILE``, else ``ringmpi_gpu_tune.json`` in ``$RINGMPI_CACHE_DIR``,
 else ``$CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``), so later processes on
-the same kind of device skip the timing. ``RINGMPI_GPU_TUNE=0`` turns timing off (the preferred
+the same kind of device skip the timing. The file is read only when it is this
+user's regular file, not writable by group or others, and written through an
+exclusive temporary. ``RINGMPI_GPU_TUNE=0`` turns timing off (the preferred
 configuration runs); ``RINGMPI_GPU_CONFIG`` forces one (see :mod:`.tile`).
 
 Nothing here needs CuPy: the caller passes the timing function.
@@ -16,11 +18,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
+
+from ..files import check_owned, exclusive_temp, open_private_dir
 
 __all__ = [
     "CACHE_ENV",
@@ -67,10 +71,27 @@ def key(device_name: str, dtype: str, d: int, causal: bool, kind: str = "fwd") -
 
 
 def _load(path: Path) -> dict:
+    """The stored choices, or {} when absent, unreadable or not trustworthy.
+
+    The file is read only if it is a regular file of this user (a symlink is not
+    followed) that group and others cannot write: a choice planted by another user
+    could not run code (names are checked against the candidates) but could force
+    a slow configuration.
+    """
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+    except OSError:
         return {}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > (1 << 22):
+            return {}
+        check_owned(st, str(path))
+        data = json.loads(os.pread(fd, st.st_size, 0))
+    except (OSError, ValueError):  # UnsafePathError is an OSError
+        return {}
+    finally:
+        os.close(fd)
     if not isinstance(data, dict) or data.get("version") != _VERSION:
         return {}
     choices = data.get("choices")
@@ -78,17 +99,25 @@ def _load(path: Path) -> dict:
 
 
 def _save(path: Path, k: str, entry: dict) -> None:
-    """Merge one entry into the file (write to a temporary name, then rename)."""
+    """Merge one entry into the file (an exclusive temporary next to it, then rename)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if os.environ.get(FILE_ENV):
+            os.makedirs(path.parent, exist_ok=True)
+        else:  # the shared cache directory: private, like the cubins
+            os.close(open_private_dir(str(path.parent), create=True))
         choices = _load(path)
         choices[k] = entry
-        fd, tmp = tempfile.mkstemp(prefix=".ringmpi_tune.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": _VERSION, "choices": choices}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        fd, tmp = exclusive_temp(str(path), 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": _VERSION, "choices": choices}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
     except OSError:
-        pass  # a read-only cache directory costs a re-tune per process, nothing else
+        pass  # a read-only or unsafe cache directory costs a re-tune per process, nothing else
 
 
 def cached(k: str, names: Sequence[str]):

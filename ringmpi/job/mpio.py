@@ -47,6 +47,7 @@ from ..collective import run_everywhere, run_on_root
 from ..files import fsync_path, write_json
 from ..partition import positions
 from ..watchdog import watch
+from .outdir import unlock_output
 from .reader import local_runs
 from .schema import InputError
 from .store import OutputStore, label_dims, write_offsets
@@ -291,13 +292,33 @@ class SingleFileStore(OutputStore):
         seq = self.plan.sequences[i]
         return positions(seq.length, self.rank, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
 
+    def _marker_ok(self, marker, i: int) -> bool:
+        """Is ``marker`` a one-file marker of sequence ``i`` with one entry per rank?"""
+        if not isinstance(marker, dict):
+            return False
+        ranks = marker.get("ranks")
+        return (
+            marker.get("sequence") == self.plan.sequences[i].name
+            and marker.get("output") == "single"
+            and isinstance(ranks, list)
+            and len(ranks) == self.size
+        )
+
+    def _new_tmp(self) -> None:
+        """Create the (empty) temporary file exclusively: HDF5 then opens this file, ours."""
+        if os.path.lexists(self.tmp):
+            os.remove(self.tmp)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        os.close(os.open(self.tmp, flags, 0o644))
+
     def _state_root(self, resume: bool) -> tuple:
         """Rank 0: prepare the directory (as for part files); what exists of the file."""
         markers = self._prepare_root(resume)
         if not resume:
-            if os.path.lexists(self.tmp):
-                os.remove(self.tmp)
+            self._new_tmp()
             return {}, "create"
+        if os.path.islink(self.tmp):
+            os.remove(self.tmp)  # never reopen through a symlink
         if os.path.exists(self.tmp):
             return markers, "reopen"
         n = len(self.plan.sequences)
@@ -306,6 +327,7 @@ class SingleFileStore(OutputStore):
         # no temporary file (or no complete output): nothing written survives
         for i in markers:
             os.remove(os.path.join(self.parts, f"s{i:06d}.done"))
+        self._new_tmp()
         return {}, "create"
 
     def open(self, resume: bool = False) -> set:
@@ -433,6 +455,7 @@ class SingleFileStore(OutputStore):
     def finish(self) -> None:
         """Close the file collectively; rank 0 fsyncs it and renames it into place."""
         if self.complete:
+            unlock_output(self.parts)
             return
         self._run_io(self.f.close, "cannot close output")
         self.f = None
@@ -446,6 +469,7 @@ class SingleFileStore(OutputStore):
                 raise InputError(f"{self.path}: cannot write output ({e.strerror or e})") from e
 
         run_on_root(self.comm, rename)
+        unlock_output(self.parts)  # a no-op where this process holds no lock
 
 
 def _test_kill(rank: int, i: int) -> None:

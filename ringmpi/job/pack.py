@@ -17,7 +17,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import interrupt
-from ..files import fsync_path
+from ..files import exclusive_temp, fsync_path
+from .outdir import check_side_file
 from .schema import InputError
 from .store import COMPRESSION
 
@@ -109,11 +110,12 @@ def pack(
         raise InputError(f"{target}: exists; use --overwrite to replace it")
     if os.path.exists(target) and os.path.samefile(output, target):
         raise InputError(f"{target}: is the output itself")
+    check_side_file(target, "pack -o", output)
     try:
         src = h5py.File(output, "r", locking=False)
     except OSError as e:
         raise InputError(f"{output}: cannot open as HDF5 ({e})") from e
-    tmp = target + ".tmp"
+    tmp = None
     try:
         names = _datasets(src)
         if not names or "format" not in src.attrs:
@@ -127,6 +129,8 @@ def pack(
             )
         total = sum(src[n].size * src[n].dtype.itemsize for n in names)
         done = 0
+        fd, tmp = exclusive_temp(target)  # a new file in the target's folder, never a planted name
+        os.close(fd)
         with h5py.File(tmp, "w", locking="best-effort") as dst:
             for k, v in src.attrs.items():
                 dst.attrs[k] = v
@@ -168,6 +172,6 @@ def pack(
         raise InputError(f"{target}: cannot write ({e})") from e
     finally:
         src.close()
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
     return {"datasets": len(names), "bytes": total, "file_bytes": os.path.getsize(target)}

@@ -258,6 +258,8 @@ def run(
         meta["rope"] = list(masks["rope"]) if rope else None
         attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev, **masks)
         attrs["ring_size"] = rs
+        # what computes: a resume under another device, tile or CPU ISA would mix results
+        meta["compute"] = [attrs.get(k) for k in ("device", "kernel", "isa")]
         store = make_store(mode, output, comm, plan, meta, attrs=attrs, overwrite=overwrite,
                            compress=compress, ring=ring)  # fmt: skip
         done = store.open(resume)

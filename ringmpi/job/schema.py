@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from ..collective import CollectiveError, run_on_root
+from . import trust
 
 __all__ = [
     "InputError", "SeqInfo", "Plan", "expand_inputs", "open_input", "scan", "make_plan",
@@ -41,6 +42,7 @@ __all__ = [
 FLOAT_DTYPES = ("float16", "float32", "float64")
 # Any declared dimension above this is treated as corrupt rather than merely large.
 MAX_DIM = 1 << 40
+MAX_PACKED = 1 << 22  # packed sequences per group: cu_seqlens is read whole on rank 0
 
 
 class InputError(CollectiveError):
@@ -161,11 +163,34 @@ def open_input(path: str):
         fail(path, "no such file")
     if os.path.isdir(path):
         fail(path, "is a directory, not an HDF5 file")
+    why = trust.check_regular(path)
+    if why:
+        fail(path, why)
+    trust.disable_plugins()
     try:
-        return h5py.File(path, "r", locking=False)
+        f = h5py.File(path, "r", locking=False)
     except OSError as e:
         reason = str(e).split("(", 1)[-1].rstrip(")") if "(" in str(e) else str(e)
         fail(path, f"cannot open as HDF5 (truncated or not an HDF5 file: {reason})")
+    try:
+        why = trust.check_links(f)
+    except Exception as e:  # noqa: BLE001 - damaged link metadata
+        first = str(e).splitlines()[0] if str(e) else ""
+        why = f"unreadable HDF5 links ({type(e).__name__}: {first})"
+    if why:
+        f.close()
+        fail(path, why)
+    return f
+
+
+def _trusted(path: str, ds) -> None:
+    """Refuse a dataset that reads another file or was not written in full (see trust)."""
+    try:
+        why = trust.check_layout(ds) or trust.check_written(ds)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        why = f"dataset '{ds.name}' has unreadable storage metadata ({e})"
+    if why:
+        fail(path, why)
 
 
 def _check_storage(path: str, ds, size: int) -> None:
@@ -205,6 +230,7 @@ def _dataset(path: str, f, name: str, ndim: int, fsize: int):
     if obj.ndim != ndim:
         fail(path, f"dataset '{name}' has shape {obj.shape}, expected {ndim} dimensions")
     _check_storage(path, obj, fsize)
+    _trusted(path, obj)
     return obj
 
 
@@ -246,16 +272,26 @@ def _scan_file(path: str, structure_hint: Optional[str]) -> dict:
                     if structure == "batch":
                         what = f"'{name}' (packed sequences) cannot be combined with a batch axis"
                         fail(path, f"{what} (4-D q): store one group per sequence instead")
-                    info[name] = _read_cu(path, node, name, fsize)
+                    # the tokens it splits: q (x), or k (x_kv) for the key offsets
+                    q_name, kv_name = ("q", "k") if mode == "qkv" else ("x", "x_kv")
+                    data = q_name if name == "cu_seqlens" else kv_name
+                    tokens = info.get(data, info[q_name])[0][extra]
+                    info[name] = _read_cu(path, node, name, fsize, tokens)
             seqs.append((g, info))
         return {"mode": mode, "structure": structure, "seqs": seqs}
     finally:
         f.close()
 
 
-def _read_cu(path: str, node, name: str, fsize: int) -> np.ndarray:
-    """The packed-sequence offsets ``name`` of a group, checked to be a 1-D integer dataset."""
+def _read_cu(path: str, node, name: str, fsize: int, tokens: int) -> np.ndarray:
+    """The packed-sequence offsets ``name`` of a group, checked to be a 1-D integer dataset.
+
+    At most ``tokens + 1`` entries (``tokens``: the length of the data it splits) are
+    accepted, checked before anything is read; they are read in slabs of 1 Mi.
+    """
     import h5py
+
+    from .. import interrupt
 
     ds = node[name]
     where = f"dataset '{ds.name}'"
@@ -265,18 +301,28 @@ def _read_cu(path: str, node, name: str, fsize: int) -> np.ndarray:
         fail(path, f"{where} has dtype {ds.dtype}, expected integer offsets [0, ..., S]")
     if ds.ndim != 1 or ds.shape[0] < 2:
         fail(path, f"{where} has shape {ds.shape}, expected (n+1,) offsets [0, ..., S]")
+    if ds.shape[0] > MAX_PACKED + 1:
+        fail(path, f"{where} declares {ds.shape[0] - 1} packed sequences (at most {MAX_PACKED})")
+    if ds.shape[0] > tokens + 1:
+        fail(path, f"{where} has {ds.shape[0]} offsets for {tokens} tokens (at most {tokens + 1})")
     _check_storage(path, ds, fsize)
-    cu = ds[...]
-    if ds.dtype.kind == "u" and cu.size and int(cu.max()) > MAX_DIM:
-        fail(path, f"{where} holds an offset above {MAX_DIM}")
-    return cu.astype(np.int64)
+    _trusted(path, ds)
+    cu = np.empty(ds.shape[0], dtype=np.int64)
+    step = 1 << 20
+    for a in range(0, ds.shape[0], step):
+        interrupt.check()
+        part = ds[a : a + step]
+        if part.size and (int(part.max()) > MAX_DIM or int(part.min()) < -MAX_DIM):
+            fail(path, f"{where} holds an offset beyond +-{MAX_DIM}")
+        cu[a : a + step] = part
+    return cu
 
 
 def check_offsets(path: str, where: str, name: str, cu: np.ndarray, n: int) -> None:
     """Refuse packed-sequence offsets that do not start at 0, decrease or do not end at ``n``."""
     if cu[0] != 0:
         fail(path, f"{where}'{name}' starts at {cu[0]}, expected 0")
-    down = np.flatnonzero(np.diff(cu) < 0)
+    down = np.flatnonzero(cu[1:] < cu[:-1])  # neighbours compared: np.diff wraps near 2**63
     if len(down):
         i = int(down[0])
         fail(path, f"{where}'{name}' decreases at index {i + 1} ({cu[i]} -> {cu[i + 1]})")

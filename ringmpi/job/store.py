@@ -32,14 +32,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import zlib
 from typing import Optional
 
 import numpy as np
 
 from ..collective import run_everywhere, run_on_root
-from ..files import fsync_path, write_json
+from ..files import exclusive_temp, fsync_path, write_json
 from ..partition import positions
+from .outdir import lock_output, open_parts_dir, unlock_output, valid_marker, vds_name
 from .reader import local_runs
 from .schema import InputError, Plan
 
@@ -47,8 +49,11 @@ __all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims
 
 FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 COMPRESSION = ("gzip", "lzf")
-# single.h5.tmp: the one-file output being written (ringmpi.job.mpio)
-_OURS = re.compile(r"^(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json|single\.h5)(\.tmp)?$")
+# single.h5.tmp: the one-file output being written (ringmpi.job.mpio); .NAME.<hex>.tmp: the
+# exclusive temporaries of ringmpi.files.exclusive_temp
+_NAMES = r"(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json|single\.h5)"
+_OURS = re.compile(rf"^({_NAMES}(\.tmp)?|\.{_NAMES}\.[0-9a-f]{{12}}\.tmp)$")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def part_name(seq_index: int, rank: int) -> str:
@@ -108,19 +113,34 @@ def _write_h5(path: str, fill) -> None:
         fill(f)
         f.flush()
         image = f.id.get_file_image()
-    with open(path, "wb") as fh:
-        fh.write(image)
-        fh.flush()
-        os.fsync(fh.fileno())
+    fd, tmp = exclusive_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(image)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
+def _crc32(path: str) -> Optional[tuple]:
+    """(size, CRC32) of regular file ``path`` (a symlink is not followed), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return None
+    crc, size = 0, 0
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         while True:
             b = fh.read(1 << 22)
             if not b:
-                return crc
+                return size, crc
+            size += len(b)
             crc = zlib.crc32(b, crc)
 
 
@@ -130,8 +150,8 @@ def fingerprint(
     """What must match for --resume to reuse finished sequences."""
 
     def stamp(p):
-        st = os.stat(p)
-        return [os.path.abspath(p), st.st_size, st.st_mtime_ns]
+        st = os.stat(p)  # ctime too: a file rewritten with its mtime reset is a new input
+        return [os.path.abspath(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
     return {
         "format": FORMAT,
@@ -213,57 +233,85 @@ class OutputStore:
         for p in self.plan.files + ([self.plan.weights] if self.plan.weights else []):
             if os.path.exists(self.path) and os.path.samefile(p, self.path):
                 raise InputError(f"{self.path}: output would overwrite input {p}")
+            if os.path.isdir(self.parts) and os.path.samefile(os.path.dirname(p), self.parts):
+                raise InputError(f"{self.path}: input {p} is inside the output's parts folder")
         try:
             manifest = os.path.join(self.parts, "manifest.json")
-            if resume and os.path.exists(manifest):
-                try:
-                    with open(manifest) as fh:
-                        old = json.load(fh)
-                except (OSError, ValueError) as e:
-                    raise InputError(f"{manifest}: unreadable ({e}); rerun without --resume") from e
-                diff = [
-                    k for k in sorted(set(old) | set(self.meta)) if old.get(k) != self.meta.get(k)
-                ]
-                if diff:
+            existed = os.path.lexists(self.parts)
+            if existed and not (resume or self.overwrite) and not os.path.isdir(self.parts):
+                raise InputError(f"{self.parts}: exists and is not the job's parts folder")
+            dfd = open_parts_dir(self.parts, create=not existed)
+            try:
+                lock_output(self.parts, dfd)
+                names = os.listdir(dfd)
+                if resume and "manifest.json" in names:
+                    return self._resume_markers(dfd, manifest)
+                # fresh start: never replace an earlier result unasked
+                if not self.overwrite and os.path.lexists(self.path):
                     raise InputError(
-                        f"{manifest}: made by a different run (differs in {', '.join(diff)}); "
-                        "rerun without --resume"
+                        f"{self.path}: output exists; use --overwrite to replace it, or another -o"
                     )
-                done = {}
-                for name in sorted(os.listdir(self.parts)):
-                    m = re.fullmatch(r"s(\d{6})\.done", name)
-                    if m:
-                        try:
-                            with open(os.path.join(self.parts, name)) as fh:
-                                done[int(m.group(1))] = json.load(fh)
-                        except (OSError, ValueError):
-                            pass  # an unreadable marker means: redo that sequence
-                return done
-            # fresh start: never replace an earlier result unasked
-            if not self.overwrite and os.path.lexists(self.path):
-                raise InputError(
-                    f"{self.path}: output exists; use --overwrite to replace it, or another -o"
-                )
-            if not self.overwrite and os.path.exists(manifest):
-                raise InputError(
-                    f"{self.parts}: holds an unfinished run; use --resume to continue it, "
-                    "--overwrite to start again, or another -o"
-                )
-            # nothing stale may survive under a final name
-            if os.path.lexists(self.path):
-                os.remove(self.path)
-            if os.path.isdir(self.parts):
-                for name in os.listdir(self.parts):
+                if not self.overwrite and "manifest.json" in names:
+                    raise InputError(
+                        f"{self.parts}: holds an unfinished run; use --resume to continue it, "
+                        "--overwrite to start again, or another -o"
+                    )
+                # nothing stale may survive under a final name (unlink never follows a symlink)
+                if os.path.lexists(self.path):
+                    os.remove(self.path)
+                for name in names:
                     if _OURS.match(name):
-                        os.remove(os.path.join(self.parts, name))
-            os.makedirs(self.parts, exist_ok=True)
-            probe = os.path.join(self.parts, "manifest.json.tmp")
-            with open(probe, "w") as fh:
-                fh.write("")
+                        os.unlink(name, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            fd, probe = exclusive_temp(manifest)  # can we write here at all?
+            os.close(fd)
+            os.unlink(probe)
             write_json(manifest, self.meta)
             return {}
         except OSError as e:
             raise InputError(f"{self.path}: cannot write output ({e.strerror or e})") from e
+
+    def _resume_markers(self, dfd: int, manifest: str) -> dict:
+        """The run's manifest must match; {index: marker} of the well-formed markers."""
+
+        def load(name):
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dfd)
+            with os.fdopen(fd) as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError("not a regular file")
+                return json.loads(fh.read(1 << 24))
+
+        try:
+            old = load("manifest.json")
+        except (OSError, ValueError) as e:
+            raise InputError(f"{manifest}: unreadable ({e}); rerun without --resume") from e
+        if not isinstance(old, dict):
+            raise InputError(f"{manifest}: not a manifest; rerun without --resume")
+        diff = [k for k in sorted(set(old) | set(self.meta)) if old.get(k) != self.meta.get(k)]
+        if diff:
+            raise InputError(
+                f"{manifest}: made by a different run (differs in {', '.join(diff)}); "
+                "rerun without --resume"
+            )
+        done = {}
+        seqs = self.plan.sequences
+        for name in sorted(os.listdir(dfd)):
+            m = re.fullmatch(r"s(\d{6})\.done", name)
+            if not m or int(m.group(1)) >= len(seqs):
+                continue
+            i = int(m.group(1))
+            try:
+                marker = load(name)
+            except (OSError, ValueError):
+                continue  # an unreadable marker means: redo that sequence
+            if self._marker_ok(marker, i):
+                done[i] = marker
+        return done
+
+    def _marker_ok(self, marker, i: int) -> bool:
+        """Does ``marker`` describe sequence ``i`` of this plan, in this store's format?"""
+        return valid_marker(marker, self.plan.sequences[i].name, self.size)
 
     def open(self, resume: bool = False) -> set:
         """Create (or, with ``resume``, reopen) the output; return the indices already done."""
@@ -279,8 +327,7 @@ class OutputStore:
             ok = []
             for i, marker in sorted(done.items()):  # every rank checks its ring rank's part
                 p = os.path.join(self.parts, part_name(i, self.rank))
-                size, crc = marker["parts"][self.rank]
-                ok.append(os.path.exists(p) and os.path.getsize(p) == size and _crc32(p) == crc)
+                ok.append(_crc32(p) == tuple(marker["parts"][self.rank]) and self._attrs_ok(p, i))
             return ok
 
         ok = np.array(run_everywhere(comm, visible), dtype=np.int32)
@@ -290,10 +337,25 @@ class OutputStore:
             comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
         return {i for i, good in zip(sorted(done), ok.tolist()) if good}
 
+    def _attrs_ok(self, path: str, i: int) -> bool:
+        """Does part file ``path`` say it is this rank's part of sequence ``i`` in this plan?"""
+        import h5py
+
+        try:
+            with h5py.File(path, "r", locking=False) as f:
+                a = f.attrs
+                return (
+                    a.get("sequence") == self.plan.sequences[i].name
+                    and int(a.get("rank", -1)) == self.rank
+                    and int(a.get("nranks", -1)) == self.size
+                    and a.get("layout") == self.layout
+                )
+        except (OSError, ValueError, TypeError):
+            return False
+
     # -- one sequence --------------------------------------------------------
     def _write_part(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> list:
         final = os.path.join(self.parts, part_name(i, self.rank))
-        tmp = final + ".tmp"
 
         def fill(f):
             for name, a in (("out", out), ("lse", lse), ("pos", pos)):
@@ -304,10 +366,9 @@ class OutputStore:
             f.attrs["layout"] = self.layout
 
         try:
-            _write_h5(tmp, fill)
-            os.replace(tmp, final)
+            _write_h5(final, fill)
             fsync_path(self.parts)
-            return [os.path.getsize(final), _crc32(final)]
+            return list(_crc32(final))
         except (OSError, RuntimeError, ValueError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             errno = getattr(e, "errno", None)
@@ -349,7 +410,7 @@ class OutputStore:
     def _sources(self, i: int):
         """Yield (relative part file, runs) for each rank of sequence ``i``."""
         seq = self.plan.sequences[i]
-        rel = os.path.basename(self.parts)
+        rel = vds_name(os.path.basename(self.parts))
         for r in range(self.size):
             pos = positions(seq.length, r, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
             yield f"{rel}/{part_name(i, r)}", len(pos), local_runs(pos)
@@ -361,7 +422,19 @@ class OutputStore:
         h, d = plan.heads, plan.head_dim
         dt = np.dtype(plan.dtype)
         lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
-        tmp = self.path + ".tmp"
+        fd, tmp = exclusive_temp(self.path)  # a new file: never a planted name
+        os.close(fd)
+        try:
+            self._fill_vds(tmp, h5py, plan, h, d, dt, lt)
+            fsync_path(tmp)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        fsync_path(os.path.dirname(self.path))
+
+    def _fill_vds(self, tmp, h5py, plan, h, d, dt, lt) -> None:
         with h5py.File(tmp, "w", locking="best-effort") as f:
             for key, val in self.attrs.items():
                 f.attrs[key] = val
@@ -395,9 +468,6 @@ class OutputStore:
                 _virtual_dataset(f, "lse", lays[0][1])
                 label_dims(f, batch=True)
             write_offsets(f, plan)
-        fsync_path(tmp)
-        os.replace(tmp, self.path)
-        fsync_path(os.path.dirname(self.path))
 
     def finish(self) -> None:
         """Rank 0 writes the virtual-dataset file and renames it into place (collective)."""
@@ -409,3 +479,4 @@ class OutputStore:
                 raise InputError(f"{self.path}: cannot write output ({e})") from e
 
         run_on_root(self.comm, vds)
+        unlock_output(self.parts)  # a no-op where this process holds no lock

@@ -1,0 +1,187 @@
+"""What an input file may make the job do: read itself, and only what was written.
+
+The contents of an input are not trusted (see README, "Security model"). Before a
+dataset is used the scan checks that
+
+* no link on the way is an HDF5 external link (or a user-defined link): the file
+  would make the job open another file (:func:`check_links`);
+* the dataset keeps its data in the file: no external raw storage, no virtual
+  dataset unless ``RINGMPI_ALLOW_VDS=1`` (:func:`check_layout`);
+* its storage is allocated in full: a dataset created but never (or only partly)
+  written would be computed on fill values (:func:`check_written`);
+* it is not stored in so many tiny chunks that reading it costs more memory and
+  time than the data (``MAX_CHUNKS``).
+
+HDF5 filter plugins are never loaded (:func:`disable_plugins`): the built-in
+filters (deflate, shuffle, fletcher32, szip where built, LZF from h5py) are all the
+job needs, and an unknown filter id must not make HDF5 dlopen what lies on
+``HDF5_PLUGIN_PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+
+__all__ = [
+    "MAX_CHUNKS",
+    "MAX_LINKS",
+    "VDS_ENV",
+    "disable_plugins",
+    "check_regular",
+    "check_links",
+    "check_layout",
+    "check_written",
+]
+
+MAX_CHUNKS = 1_000_000  # chunks per dataset
+# many chunks this small cost HDF5 far more memory and time than their data
+TINY_CHUNK_BYTES, TINY_CHUNKS = 1024, 65536
+MAX_LINKS = 1_000_000  # links walked per file
+VDS_ENV = "RINGMPI_ALLOW_VDS"
+_plugins_off = False
+
+
+class _Refused(Exception):
+    """Internal: carries the one-line reason to the caller, which names the file."""
+
+
+def disable_plugins() -> None:
+    """Remove every HDF5 plugin search path of this process, so no filter plugin is loaded."""
+    global _plugins_off
+    if _plugins_off:
+        return
+    os.environ["HDF5_PLUGIN_PATH"] = os.devnull + "/none"  # for libraries not yet loaded
+    try:
+        from h5py import h5pl
+
+        while h5pl.size():
+            h5pl.remove(0)
+    except (ImportError, AttributeError):  # HDF5 < 1.10.1: no plugin table to empty
+        pass
+    _plugins_off = True
+
+
+def check_regular(path: str) -> str:
+    """A reason to refuse ``path`` (a FIFO, a device: reading could block forever), or ''."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+        return ""
+    return "is not a regular file (a FIFO, socket or device): refusing to read it"
+
+
+def check_links(f) -> str:
+    """Walk every link of the open file ``f`` without following one; a reason to refuse, or ''.
+
+    Hard and soft links stay inside the file; an external link or a user-defined
+    link would make HDF5 open another file, so it is refused, named by its path.
+    """
+    import h5py
+
+    seen, todo, count = set(), [("", f)], 0
+    while todo:
+        prefix, group = todo.pop()
+        for name in group:  # H5Literate: names only, nothing is opened
+            count += 1
+            if count > MAX_LINKS:
+                return f"holds more than {MAX_LINKS} links"
+            where = f"{prefix}/{name}"
+            link = group.get(name, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                return (
+                    f"'{where}' is an external link to {link.filename}:{link.path}: "
+                    "inputs are read only from themselves"
+                )
+            if isinstance(link, h5py.SoftLink):
+                continue  # a path inside this file: its links are walked from the root
+            if not isinstance(link, h5py.HardLink):
+                return f"'{where}' is a user-defined link: inputs are read only from themselves"
+            if group.get(name, getclass=True) is h5py.Group:
+                sub = group[name]
+                addr = h5py.h5o.get_info(sub.id).addr
+                if addr not in seen:
+                    seen.add(addr)
+                    todo.append((where, sub))
+    return ""
+
+
+def check_layout(ds) -> str:
+    """A reason to refuse dataset ``ds`` (external raw storage; a VDS unless allowed), or ''."""
+    from h5py import h5d
+
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_external_count() > 0:
+        name = dcpl.get_external(0)[0].decode(errors="replace")
+        return (
+            f"dataset '{ds.name}' keeps its data in external file {name}: "
+            "inputs are read only from themselves"
+        )
+    from h5py import h5z
+
+    for i in range(dcpl.get_nfilters()):
+        fid = dcpl.get_filter(i)[0]
+        if not h5z.filter_avail(fid):  # plugins are off: only the built-in filters count
+            return (
+                f"dataset '{ds.name}' needs HDF5 filter {fid}, which is not built in "
+                "(filter plugins are never loaded)"
+            )
+    if dcpl.get_layout() == h5d.VIRTUAL:
+        if os.environ.get(VDS_ENV, "0") == "1":
+            return _vds_sources(ds, dcpl)
+        return (
+            f"dataset '{ds.name}' is a virtual dataset (its data lives in other files): "
+            f"refused unless {VDS_ENV}=1"
+        )
+    return ""
+
+
+def _vds_sources(ds, dcpl) -> str:
+    """With VDS allowed: every source file must exist (missing ones read as fill values)."""
+    base = os.path.dirname(os.path.abspath(ds.file.filename))
+    for i in range(dcpl.get_virtual_count()):
+        src = dcpl.get_virtual_filename(i)
+        if src == ".":
+            continue
+        full = src if os.path.isabs(src) else os.path.join(base, src)
+        if "%" not in src and not os.path.isfile(full):
+            return f"virtual dataset '{ds.name}' maps missing source file {src}"
+    return ""
+
+
+def check_written(ds) -> str:
+    """A reason to refuse ``ds`` (storage short of its logical size, too many chunks), or ''."""
+    from h5py import h5d
+
+    if ds.size == 0:
+        return ""
+    layout = ds.id.get_create_plist().get_layout()
+    if layout == h5d.COMPACT or layout == h5d.VIRTUAL:
+        return ""
+    if ds.chunks is None:
+        have, want = ds.id.get_storage_size(), ds.size * ds.dtype.itemsize
+        if have < want:
+            return (
+                f"dataset '{ds.name}' has {have} of its {want} bytes written "
+                "(created but not filled?): refusing to compute on fill values"
+            )
+        return ""
+    grid = [int(-(-n // c)) for n, c in zip(ds.shape, ds.chunks)]
+    want = int(np.prod(grid, dtype=object))
+    chunk_bytes = int(np.prod(ds.chunks, dtype=object)) * ds.dtype.itemsize
+    if want > MAX_CHUNKS or (want > TINY_CHUNKS and chunk_bytes < TINY_CHUNK_BYTES):
+        return (
+            f"dataset '{ds.name}' is stored in {want} chunks of {ds.chunks} ({chunk_bytes} "
+            "bytes each): too many, too small; rechunk it (h5repack -l)"
+        )
+    have = ds.id.get_num_chunks()
+    if have < want:
+        return (
+            f"dataset '{ds.name}' has {have} of its {want} chunks written "
+            "(half written?): refusing to compute on fill values"
+        )
+    return ""

@@ -1,0 +1,178 @@
+"""The kernel cache loads only what this user built (issue 22, item 1), single-user part.
+
+The attacks by a second user (a cache directory or library of another owner) run in
+``make test-security`` (tests/security/); here the same checks are driven by the
+user's own hand: a group-writable directory, a library replaced after its build, a
+symlink in place of the library or of its lock, a lock held for too long.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ringmpi.cpu import build
+from ringmpi.files import UnsafePathError
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="no C compiler"
+)
+ISA = build.host_isas()[-1]  # scalar: the quickest build
+
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(getenv("PLANT_MARK"), "w");
+    if (f) { fputs("ran\n", f); fclose(f); }
+}
+int answer(void) { return 666; }
+"""
+
+
+def _kernel_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "kernels"
+    d.mkdir()
+    (d / "answer.c").write_text("int answer(void) { return 42; }\n")
+    return d
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGMPI_KERNEL_DIR", str(_kernel_dir(tmp_path)))
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PLANT_MARK", str(tmp_path / "planted-ran"))
+    return tmp_path / "cache"
+
+
+def _planted_so(tmp_path: Path) -> Path:
+    src = tmp_path / "planted.c"
+    src.write_text(PLANTED)
+    out = tmp_path / "planted.so"
+    subprocess.run([build._compiler(), "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return out
+
+
+@needs_compiler
+def test_new_cache_dir_is_private_under_a_loose_umask(cache):
+    old = os.umask(0o002)
+    try:
+        path = build.build_library("answer.c", ISA)
+    finally:
+        os.umask(old)
+    assert (cache.stat().st_mode & 0o777) == 0o700
+    assert (path.stat().st_mode & 0o022) == 0, oct(path.stat().st_mode)
+    assert ctypes.CDLL(str(path)).answer() == 42
+
+
+@needs_compiler
+def test_group_writable_cache_dir_is_refused(cache):
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o775)
+    with pytest.raises(UnsafePathError, match="writable by group or others.*RINGMPI_CACHE_DIR"):
+        build.build_library("answer.c", ISA)
+    assert list(cache.iterdir()) == []  # nothing built into it
+
+
+@needs_compiler
+def test_group_writable_cache_falls_back_to_the_numpy_tile(tmp_path):
+    """The fused tile refuses the cache with one warning and the job still runs (numpy tile)."""
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(0o777)
+    env = dict(os.environ, RINGMPI_CACHE_DIR=str(cache))
+    code = (
+        "from ringmpi.cpu import fused\n"
+        "assert not fused.available()\n"
+        "print(fused.unavailable_reason())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "writable by group or others" in proc.stdout
+    assert list(cache.iterdir()) == []
+
+
+@needs_compiler
+def test_replaced_library_is_rebuilt_not_loaded(cache, tmp_path):
+    """A file put under the library's name after the build never runs: its hash differs."""
+    path = build.build_library("answer.c", ISA)
+    planted = _planted_so(tmp_path)
+    os.replace(planted, path)
+    path.chmod(0o700)
+    again = build.build_library("answer.c", ISA)
+    assert again == path
+    assert ctypes.CDLL(str(again)).answer() == 42
+    assert not (tmp_path / "planted-ran").exists()
+
+
+@needs_compiler
+def test_library_without_a_recorded_hash_is_rebuilt(cache, tmp_path):
+    """A library whose build recorded nothing (an older cache, a planted pair) is rebuilt."""
+    path = build.build_library("answer.c", ISA)
+    lock = path.with_name(path.name + ".lock")
+    lock.write_text("")
+    shutil.copyfile(_planted_so(tmp_path), path)
+    assert ctypes.CDLL(str(build.build_library("answer.c", ISA))).answer() == 42
+    assert not (tmp_path / "planted-ran").exists()
+    assert len(lock.read_text().split()[0]) == 64
+
+
+@needs_compiler
+def test_symlinked_library_is_replaced_not_followed(cache, tmp_path):
+    path = build.build_library("answer.c", ISA)
+    planted = _planted_so(tmp_path)
+    path.unlink()
+    path.symlink_to(planted)
+    again = build.build_library("answer.c", ISA)
+    assert not again.is_symlink()
+    assert ctypes.CDLL(str(again)).answer() == 42
+    assert not (tmp_path / "planted-ran").exists()
+    assert planted.read_bytes().startswith(b"\x7fELF")  # the symlink's target is untouched
+
+
+@needs_compiler
+def test_symlinked_lock_is_refused_and_its_target_untouched(cache, tmp_path):
+    path = build.build_library("answer.c", ISA)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    lock = path.with_name(path.name + ".lock")
+    lock.unlink()
+    lock.symlink_to(victim)
+    path.unlink()
+    with pytest.raises(UnsafePathError, match="symlink"):
+        build.build_library("answer.c", ISA)
+    assert victim.read_text() == "precious\n"
+
+
+@needs_compiler
+def test_lock_wait_is_bounded_with_a_message(cache, monkeypatch):
+    path = build.build_library("answer.c", ISA)
+    path.unlink()  # the next call must build, so it needs the lock
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    monkeypatch.setenv("RINGMPI_BUILD_LOCK_S", "0.5")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="still locked by another build.*BUILD_LOCK_S"):
+            build.build_library("answer.c", ISA)
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("val", ["nan", "inf", "-1", "0", "soon"])
+def test_lock_wait_setting_is_validated(monkeypatch, val):
+    monkeypatch.setenv("RINGMPI_BUILD_LOCK_S", val)
+    with pytest.raises(ValueError, match="RINGMPI_BUILD_LOCK_S"):
+        build._lock_wait_s()
