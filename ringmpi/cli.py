@@ -264,6 +264,7 @@ def _cmd_make_data(args) -> int:
                 seed=args.seed,
                 packed=args.packed,
                 kv_tokens=args.kv_tokens,
+                bias=args.bias,
             )
         except ValueError as e:
             sys.stderr.write(f"ringmpi: error: make-data: {e}\n")

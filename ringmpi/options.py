@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--features", type=int, default=0, help="write raw features x (S, F) + weights")
     m.add_argument("--weights", help="weights file name (default STEM-weights.h5)")
     m.add_argument(
+        "--bias", action="store_true", help="with --features: also write biases bq, bk, bv"
+    )
+    m.add_argument(
         "--packed",
         type=parse_packed,
         metavar="N|L1,L2,...",

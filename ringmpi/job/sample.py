@@ -76,6 +76,7 @@ def make_data(
     seed: int = 0,
     packed=None,
     kv_tokens: Optional[int] = None,
+    bias: bool = False,
 ) -> list:
     """Write sample input file(s) and return their paths (weights file last, if any).
 
@@ -104,9 +105,14 @@ def make_data(
         Cross-attention: k and v (``x_kv`` for features) get this many tokens, q
         ``seq_len``; each is split over the shards along its own axis. With
         ``packed``, ``cu_seqlens_k`` splits them in proportion to the q lengths.
+    bias : bool
+        With ``features``: also write projection biases bq (H*D,), bk and bv
+        (Hkv*D,) (nonzero means, like a trained model's): q = x @ wq + bq.
     """
     import h5py
 
+    if bias and not features:
+        raise ValueError("bias needs features > 0 (biases belong to the projection weights)")
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
     cu = cu_k = None
@@ -170,6 +176,11 @@ def make_data(
             for name, h in (("wq", heads), ("wk", kv_heads), ("wv", kv_heads)):
                 w = rng.standard_normal((features, h * head_dim)) / np.sqrt(features)
                 f.create_dataset(name, data=w.astype(dt))
+            if bias:  # a stream of its own: the weights stay those of a file without biases
+                brng = np.random.default_rng([seed, 1 << 20, 1])
+                for name, h in (("bq", heads), ("bk", kv_heads), ("bv", kv_heads)):
+                    b = 0.3 + 0.5 * brng.standard_normal(h * head_dim)
+                    f.create_dataset(name, data=b.astype(dt))
         os.replace(wpath + ".tmp", wpath)
         paths.append(wpath)
     return paths

@@ -140,9 +140,10 @@ def sample_rows_of(length: int, count: int, seed: int, seq_index: int, head: int
 def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
     """Whole-sequence inputs of one head: q (S, D) for query head ``head`` or k, v (S_k, D).
 
-    Features inputs are projected in float64 (keys and values from ``x_kv`` when
-    the sequence has it), rotated by ``rope`` = (theta, scale) at the positions
-    within each packed sequence (q and k only), then rounded to the input dtype.
+    Features inputs are projected in float64, x @ w + b (biases when the weights
+    file has them; keys and values from ``x_kv`` when the sequence has it), rotated
+    by ``rope`` = (theta, scale) at the positions within each packed sequence (q
+    and k only), then rounded to the input dtype.
     """
     import h5py
 
@@ -153,7 +154,9 @@ def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
     if plan.mode == "features":
         with h5py.File(plan.weights, "r", locking=False) as f:
             d = plan.head_dim
-            w = {n: np.asarray(f["w" + n][:, head * d : (head + 1) * d], np.float64) for n in names}
+            cut = slice(head * d, (head + 1) * d)
+            w = {n: np.asarray(f["w" + n][:, cut], np.float64) for n in names}
+            bias = {n: np.asarray(f["b" + n][cut], np.float64) for n in names if "b" + n in f}
     src = "x_kv" if (kv and seq.x_kv) else "x"
     for path in plan.files:
         with h5py.File(path, "r", locking=False) as f:
@@ -163,7 +166,8 @@ def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
                 if w is None:
                     parts[n].append(node[n][b + (slice(None), head)])
                 else:
-                    parts[n].append(np.asarray(node[src][b], np.float64) @ w[n])
+                    y = np.asarray(node[src][b], np.float64) @ w[n]
+                    parts[n].append(y + bias[n] if n in bias else y)
     full = {n: np.concatenate(parts[n]) for n in names}
     if rope is not None and w is not None:
         cu = (seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k) if kv else (
