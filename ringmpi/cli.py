@@ -167,7 +167,7 @@ def _cmd_run(args, comm) -> int:
         try:
             res = verify(
                 args.output, args.inputs, args.weights, comm, max_tokens=args.verify_max_tokens,
-                sample_rows=args.verify_sample_rows, quiet=args.quiet,
+                sample_rows=args.verify_sample_rows, quiet=args.quiet, full=args.verify_full,
             )  # fmt: skip
         except interrupt.Interrupted as e:
             e.where = "the verify step (the output is complete)"
@@ -198,7 +198,7 @@ def _cmd_verify(args, comm) -> int:
 
     res = verify(
         args.output, args.inputs, args.weights, comm, max_tokens=args.max_tokens,
-        sample_rows=args.sample_rows, seed=args.seed, quiet=args.quiet,
+        sample_rows=args.sample_rows, seed=args.seed, quiet=args.quiet, full=args.full,
     )  # fmt: skip
     if comm.Get_rank() == 0:
         print(format_verify(res))

@@ -216,7 +216,7 @@ def test_verify_all_skipped_is_not_passed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["verify", "--help"])
     help_text = capsys.readouterr().out
-    assert "default 65536" in help_text and "--sample-rows" in help_text
+    assert "default 4096" in help_text and "--sample-rows" in help_text
 
 
 def _corrupt(out, seq, token, head, how):
