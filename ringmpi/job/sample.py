@@ -8,6 +8,7 @@ any size can be written without holding a sequence in memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -58,6 +59,17 @@ def _write_family(node, widths, total, lo, hi, seed, gi, stream, dt, sequences, 
             for name, arr in vals.items():
                 sel = (b,) if batch_axis else ()
                 dsets[name][sel + (slice(s0 - lo, s1 - lo),)] = arr[s0 - a : s1 - a]
+
+
+@contextlib.contextmanager
+def _removed_on_error(tmp: str):
+    """Remove the temporary file ``tmp`` when the block fails (a full disk): no .tmp left."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def make_data(
@@ -154,7 +166,7 @@ def make_data(
         groups = [""] if batch_axis else [f"seq{i:03d}" for i in range(sequences)]
     for j, p in enumerate(paths):
         tmp = p + ".tmp"
-        with h5py.File(tmp, "w") as f:
+        with _removed_on_error(tmp), h5py.File(tmp, "w") as f:
             for gi, g in enumerate(groups):
                 node = f.require_group(g) if g else f
                 if j == 0 and cu is not None:
@@ -170,7 +182,7 @@ def make_data(
     if features:
         wpath = weights or os.path.splitext(path)[0] + "-weights.h5"
         rng = np.random.default_rng([seed, 1 << 20])
-        with h5py.File(wpath + ".tmp", "w") as f:
+        with _removed_on_error(wpath + ".tmp"), h5py.File(wpath + ".tmp", "w") as f:
             f.attrs["num_heads"] = heads
             f.attrs["num_kv_heads"] = kv_heads
             for name, h in (("wq", heads), ("wk", kv_heads), ("wv", kv_heads)):
