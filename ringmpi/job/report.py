@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .budget import rank_bytes, seq_counts
+from .budget import rank_bytes, resident_bytes, seq_counts
 from .progress import duration
 from .store import FORMAT
 
@@ -185,8 +185,10 @@ def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=No
     ring = size if ring is None else ring
     seqs = [plan.sequences[i] for i in todo]
     tokens = sum(s.length for s in seqs)
-    mem = max((rank_bytes(plan, n, n_local_k=nk) for n, nk in
-               (seq_counts(s, ring, layout) for s in seqs)), default=0) / 2**30  # fmt: skip
+    ahead = len(seqs) > size // ring  # read-ahead of a next sequence on some ring
+    mem = max((rank_bytes(plan, n, prefetch=ahead, n_local_k=nk, ranks=ring) for n, nk in
+               (seq_counts(s, ring, layout) for s in seqs)), default=0)  # fmt: skip
+    mem = (mem + resident_bytes()) / 2**30  # the peak resident memory it should match
     where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
     text = (
         f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
