@@ -49,7 +49,6 @@ def test_progress_lines_within_one_head(job, monkeypatch):
     """A head's check reports while it runs, not only when it ends (every LOG_EVERY s)."""
     x, out = job
     monkeypatch.setattr(verify_mod, "LOG_EVERY", 0.0)
-    monkeypatch.setattr(verify_mod, "SCORES", 1 << 16)  # blocks of 13 rows of 5000 keys
     stream = io.StringIO()
     monkeypatch.setattr(verify_mod.sys, "stderr", stream)
     verify(out, [x], full=True)
