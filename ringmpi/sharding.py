@@ -55,7 +55,8 @@ def shard(
     comm = MPI.COMM_WORLD if comm is None else comm
     ax = _token_axis(x, axis, "shard")
     n = x.shape[ax]
-    if x.ndim >= 3 and ax == x.ndim - 3 and n < x.shape[-2]:
+    # (H, S, D) given as (S, H, D): "heads" many times the "tokens" (tiny test inputs aside)
+    if x.ndim >= 3 and ax == x.ndim - 3 and x.shape[-2] >= max(64, 4 * n):
         warnings.warn(
             f"shard: x {tuple(x.shape)} has {n} tokens but {x.shape[-2]} heads: ringmpi "
             "is token-major, (S, H, D); if the data is head-major (H, S, D), transpose it "
