@@ -171,7 +171,7 @@ def _cmd_run(args, comm) -> int:
         try:
             res = verify(
                 args.output, args.inputs, args.weights, comm, max_tokens=args.verify_max_tokens,
-                sample_rows=args.verify_sample_rows, quiet=args.quiet,
+                sample_rows=args.verify_sample_rows, quiet=args.quiet, full=args.verify_full,
             )  # fmt: skip
         except interrupt.Interrupted as e:
             e.where = "the verify step (the output is complete)"
@@ -202,7 +202,7 @@ def _cmd_verify(args, comm) -> int:
 
     res = verify(
         args.output, args.inputs, args.weights, comm, max_tokens=args.max_tokens,
-        sample_rows=args.sample_rows, seed=args.seed, quiet=args.quiet,
+        sample_rows=args.sample_rows, seed=args.seed, quiet=args.quiet, full=args.full,
     )  # fmt: skip
     if comm.Get_rank() == 0:
         print(format_verify(res))
@@ -268,6 +268,7 @@ def _cmd_make_data(args) -> int:
                 seed=args.seed,
                 packed=args.packed,
                 kv_tokens=args.kv_tokens,
+                bias=args.bias,
             )
         except ValueError as e:
             sys.stderr.write(f"ringmpi: error: make-data: {e}\n")

@@ -121,6 +121,12 @@ _VARS = [
         "where the chosen GPU configurations are cached (default in `RINGMPI_CACHE_DIR`)"),
     Var("RINGMPI_KERNEL_CACHE", "1", _flag, "`0` bypasses ringmpi's own CUDA module cache"),
     Var("RINGMPI_NVRTC", None, _text, "the NVRTC library the compile check loads (a file)"),
+    Var("RINGMPI_BLAS_THREADS", None, _text,
+        "BLAS/OpenMP threads per rank in `ringmpi run` and `verify` (default: the cores the rank "
+        "owns, never more than `OMP_NUM_THREADS` asks; `0` leaves them alone)"),
+    Var("RINGMPI_TEST_AGREE_S", "10", _positive,
+        "seconds `ringmpi.pytest_plugin` waits for every rank to finish a test before a rank "
+        "that failed prints its error and aborts the job"),
     Var("CUPY_CACHE_DIR", None, _text,
         "CuPy's kernel cache: a private directory (yours, mode 0700), never a shared one; "
         "`jobs/` use `$TMPDIR/cupy-cache-$UID` made with `mkdir -m 700`, else a fresh "

@@ -19,7 +19,7 @@ EXIT_VERIFY = 3  # verify found a wrong result
 EXIT_UNCHECKED = 4  # verify checked nothing (every sequence skipped)
 # seconds an interrupted rank waits for the others to be interrupted too before it aborts
 ALL_RANKS_S = 2.0
-MAX_TOKENS = 65536  # = ringmpi.job.verify.MAX_TOKENS (not imported: keeps --help fast)
+MAX_TOKENS = 4096  # = ringmpi.job.verify.MAX_TOKENS (not imported: keeps --help fast)
 SAMPLE_ROWS = 2048  # = ringmpi.job.verify.SAMPLE_ROWS
 
 SCHEMA = """input schema (full contract: data/README.md):
@@ -57,7 +57,7 @@ MAKE_EXAMPLES = """examples:
 VERIFY_EXAMPLES = """examples:
   ringmpi verify out.h5 data/sample/sample.h5
   mpiexec -n 4 python -m mpi4py -m ringmpi verify out.h5 'shards/seq.part*.h5'
-  ringmpi verify out.h5 big.h5 --max-tokens 262144 --sample-rows 0   # full, or nothing
+  ringmpi verify out.h5 big.h5 --full                            # every row (slow)
 
 exit status: 0 passed (something checked, nothing failed), 3 failed, 4 nothing checked
 """
@@ -238,10 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--verify-sample-rows",
         type=int,
-        default=SAMPLE_ROWS,
+        default=None,
         metavar="R",
         help="--verify: check R random query rows per head of longer sequences "
-        "(default %(default)s; 0 skips them)",
+        f"(default S/128 within [256, {SAMPLE_ROWS}]; 0 skips them)",
+    )
+    r.add_argument(
+        "--verify-full",
+        action="store_true",
+        help="--verify: check every row of every sequence (slow: as many flops as the run, "
+        "in numpy float64)",
     )
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     r.add_argument("--summary-json", metavar="FILE", help="write the summary as JSON (rank 0)")
@@ -285,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--features", type=int, default=0, help="write raw features x (S, F) + weights")
     m.add_argument("--weights", help="weights file name (default STEM-weights.h5)")
     m.add_argument(
+        "--bias", action="store_true", help="with --features: also write biases bq, bk, bv"
+    )
+    m.add_argument(
         "--packed",
         type=parse_packed,
         metavar="N|L1,L2,...",
@@ -324,10 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--sample-rows",
         type=int,
-        default=SAMPLE_ROWS,
+        default=None,
         metavar="R",
-        help="random query rows per head checked in a longer sequence (default %(default)s; "
-        "0 skips such sequences)",
+        help="random query rows per head checked in a longer sequence (default S/128 within "
+        f"[256, {SAMPLE_ROWS}]; 0 skips such sequences)",
+    )
+    v.add_argument(
+        "--full",
+        action="store_true",
+        help="check every row of every sequence, whatever its length (slow: the run's flops "
+        "in numpy float64)",
     )
     v.add_argument("--seed", type=int, default=0, help="seed of the row sample (default 0)")
     v.add_argument("--quiet", action="store_true", help="no progress lines")

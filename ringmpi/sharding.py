@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -10,6 +11,18 @@ from mpi4py import MPI
 from .partition import positions
 
 __all__ = ["shard", "gather"]
+
+
+def _token_axis(x, axis: int, who: str) -> int:
+    """``axis`` as a non-negative index into ``x``'s dimensions, or one clear ValueError."""
+    nd = np.ndim(x)
+    if not -nd <= axis < nd:
+        raise ValueError(
+            f"{who}: the token axis {axis} does not exist in an array of shape "
+            f"{tuple(np.shape(x))} ({nd}-D); attention arrays are (S, H, D) or (B, S, H, D) "
+            "(add a head axis with x[:, None], or give axis=)"
+        )
+    return axis % nd
 
 
 def shard(
@@ -40,9 +53,18 @@ def shard(
     in the order the rank stores them.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    n = x.shape[axis]
+    ax = _token_axis(x, axis, "shard")
+    n = x.shape[ax]
+    # (H, S, D) given as (S, H, D): "heads" many times the "tokens" (tiny test inputs aside)
+    if x.ndim >= 3 and ax == x.ndim - 3 and x.shape[-2] >= max(64, 4 * n):
+        warnings.warn(
+            f"shard: x {tuple(x.shape)} has {n} tokens but {x.shape[-2]} heads: ringmpi "
+            "is token-major, (S, H, D); if the data is head-major (H, S, D), transpose it "
+            "(np.swapaxes(x, -3, -2)) or the heads are taken as tokens",
+            stacklevel=2,
+        )
     idx = positions(n, comm.Get_rank(), comm.Get_size(), layout, head_parallel, cu_seqlens)
-    return x.take(idx, axis=axis)
+    return x.take(idx, axis=ax)
 
 
 def gather(
@@ -70,8 +92,8 @@ def gather(
     comm = MPI.COMM_WORLD if comm is None else comm
     x_local = np.asarray(x_local.get() if hasattr(x_local, "get") else x_local)
     size = comm.Get_size()
+    ax = _token_axis(x_local, axis, "gather")  # the same on every rank: before the collective
     parts = comm.allgather(x_local)
-    ax = axis % x_local.ndim
     shape = list(x_local.shape)
     shape[ax] = n
     out = np.empty(shape, dtype=x_local.dtype)

@@ -3,7 +3,10 @@
 ringmpi's own pytest-mpi suites use these, and so can yours: check a layer built
 on :func:`ringmpi.ring_attention` the same way.
 
-Example (run with ``mpiexec -n 3 python -m mpi4py -m pytest --with-mpi test_mine.py``)::
+Example (run with ``mpiexec -n 3 python -m mpi4py -m pytest -p ringmpi.pytest_plugin
+--with-mpi test_mine.py``; the plugin, :data:`PYTEST_PLUGIN`, makes a failure on
+one rank fail the test on every rank, or abort the job with its message when the
+other ranks are stuck waiting for that rank, instead of hanging)::
 
     import numpy as np
     import pytest
@@ -18,7 +21,7 @@ Example (run with ``mpiexec -n 3 python -m mpi4py -m pytest --with-mpi test_mine
         shards = [ringmpi.shard(x, comm, layout="zigzag") for x in (q, k, v)]
         out = ringmpi.ring_attention(*shards, comm, causal=True, layout="zigzag")
         full = ringmpi.gather(out, len(q), comm, layout="zigzag")
-        ref, peer = reference_pair(q, k, v, causal=True)
+        (ref, _), (peer, _) = reference_pair(q, k, v, causal=True)
         assert_close(comm, full, ref, peer, "out")
 
 The rule: float64 results must be within 1e-12 (relative to max(1, |ref|)) of
@@ -47,7 +50,12 @@ __all__ = [
     "raises_everywhere",
     "random_qkv",
     "REALISTIC",
+    "PYTEST_PLUGIN",
 ]
+
+#: the pytest plugin for multi-rank suites: ``pytest -p ringmpi.pytest_plugin``, or
+#: ``pytest_plugins = [PYTEST_PLUGIN]`` in a conftest.py (see :mod:`ringmpi.pytest_plugin`)
+PYTEST_PLUGIN = "ringmpi.pytest_plugin"
 
 #: eps added to the peer-derived tolerance, by dtype
 EPS = {"float16": 1e-4, "float32": 1e-6, "float64": 1e-12}

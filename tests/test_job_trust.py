@@ -216,7 +216,7 @@ def test_verify_all_skipped_is_not_passed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["verify", "--help"])
     help_text = capsys.readouterr().out
-    assert "default 65536" in help_text and "--sample-rows" in help_text
+    assert "default 4096" in help_text and "--sample-rows" in help_text
 
 
 def _corrupt(out, seq, token, head, how):
@@ -319,9 +319,10 @@ def test_schema_help_head_major_warning_and_listing(tmp_path, capsys):
         f["k"] = f["v"] = rng.standard_normal((4, 64, 8)).astype("f4")
     plan = scan([str(tmp_path / "hm.h5")])
     assert len(plan.warnings) == 1 and "head-major" in plan.warnings[0]
-    assert main(["run", str(tmp_path / "hm.h5"), "-o", str(tmp_path / "o.h5"), "--quiet"]) == 0
-    err = capsys.readouterr().err
-    assert "ringmpi: warning:" in err and "S=4 tokens but H=64 heads" in err
+    assert main(["run", str(tmp_path / "hm.h5"), "-o", str(tmp_path / "o.h5"), "--quiet"]) == 2
+    err = capsys.readouterr().err  # issue 26: the job stops with the advice (no memory error)
+    assert "ringmpi: error:" in err and "S=4 tokens but H=64 heads" in err and "swapaxes" in err
+    assert not os.path.exists(tmp_path / "o.h5")
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["queries"] = np.zeros((5, 2, 3), "f4")
         f["meta/ids"] = np.arange(5)

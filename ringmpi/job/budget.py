@@ -7,6 +7,7 @@ instead of being killed by the out-of-memory handler an hour in.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Optional
 
@@ -15,7 +16,9 @@ import numpy as np
 from ..partition import counts
 from .schema import Plan, SeqInfo, fail
 
-__all__ = ["parse_size", "rank_bytes", "seq_counts", "memory_budget", "check_memory"]
+__all__ = [
+    "parse_size", "rank_bytes", "resident_bytes", "seq_counts", "memory_budget", "check_memory",
+]  # fmt: skip
 
 
 def parse_size(text: str) -> int:
@@ -27,32 +30,55 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None) -> int:
-    """Upper estimate of the bytes one rank holding ``n_local`` tokens needs for one sequence.
+# Bytes the ring holds beyond its inputs, per byte of q and of k+v in the compute dtype,
+# measured with tracemalloc around ring_attention (float32, H = 8, Hkv = 8 and 2, P = 1, 2):
+# q: the head-major copy, the accumulator, the finalized output (2.73); k, v: the head-major
+# copy and two ring buffers (2.65; on one rank the receive buffer is never touched: 1.65).
+RING_Q = 2.75
+RING_KV = 2.75
 
-    Counts the local q/k/v (twice with read-ahead of the next sequence), the
-    head-major copies and accumulator state of the ring (acc, m, l in the compute
-    dtype), three K/V blocks in flight (current + double-buffered receive), the
-    output and lse, and for features inputs the float64 projection temporaries.
-    ``n_local_k``: key/value tokens of the rank when they differ (cross-attention);
-    the K/V blocks in flight are sized by the largest rank's, ``n_local_k`` is an
-    upper bound for that when given as the maximum over ranks.
+
+def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None,
+               ranks: int = 2) -> int:  # fmt: skip
+    """Estimate of the bytes one rank holding ``n_local`` tokens needs for one sequence.
+
+    The peak of: the local q/k/v as read, plus the larger of the ring's state
+    (``RING_Q``/``RING_KV`` times q and k+v in the compute dtype, m and l, tile
+    scratch), the write (the output and its in-memory part-file image) and, for
+    features inputs, the float64 read and projection temporaries. With read-ahead
+    (``prefetch``: more sequences follow) the next sequence's inputs and its read
+    come on top. ``n_local_k``: key/value tokens of the rank when they differ
+    (cross-attention; the maximum over ranks sizes the ring buffers). ``ranks``:
+    ring size (one rank never fills the receive buffer). The interpreter and
+    libraries (:func:`resident_bytes`) are not included. Within 25% of the
+    measured peak (tests/test_day2_estimates.py).
     """
     isz = np.dtype(plan.dtype).itemsize
     csz = 8 if plan.dtype == "float64" else 4
     h, hkv, d = plan.heads, plan.kv_heads, plan.head_dim
     nk = n_local if n_local_k is None else int(n_local_k)
-    qkv = n_local * h * d + 2 * nk * hkv * d
-    need = qkv * isz * (2 if prefetch else 1)
-    need += qkv * csz  # head-major compute-dtype copies
-    need += n_local * h * (d + 2) * csz  # acc, m, l
-    need += 3 * 2 * nk * hkv * d * csz  # K/V ring buffers
-    need += n_local * h * d * isz + n_local * h * csz  # out, lse
-    need += 3 * 256 * 1024 * h * csz  # tile scratch (scores, probabilities)
+    q_el, kv_el = n_local * h * d, 2 * nk * hkv * d
+    held = (q_el + kv_el) * isz
+    kv_factor = RING_KV if ranks > 1 else RING_KV - 1
+    ring = RING_Q * q_el * csz + kv_factor * kv_el * csz + 2 * n_local * h * csz
+    ring += 3 * 256 * 1024 * h * csz  # tile scratch (scores, probabilities)
+    write = 3 * q_el * isz + n_local * h * 8  # out, the part image and its bytes; lse
+    read = 0
     if plan.mode == "features":
         f = plan.features
-        need += (n_local + nk) * f * (isz + 8) + f * (h + 2 * hkv) * d * 8 + qkv * 8
-    return int(need)
+        read = (n_local + nk) * f * (isz + 8) + (q_el + kv_el) * 8 + f * (h + 2 * hkv) * d * 8
+    if prefetch:
+        return int(2 * held + max(ring, write) + read)
+    return int(held + max(ring, write, read))
+
+
+def resident_bytes() -> int:
+    """Resident memory of this process now (interpreter, libraries, arrays), in bytes."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def seq_counts(seq: SeqInfo, nranks: int, layout: str) -> tuple:
@@ -99,7 +125,8 @@ def memory_budget(comm, limit: Optional[int] = None) -> int:
 def check_memory(plan: Plan, seq: SeqInfo, nranks: int, layout: str, budget: int) -> None:
     """Raise InputError if the rank with the most tokens of ``seq`` would exceed ``budget``."""
     n, nk = seq_counts(seq, nranks, layout)
-    need = rank_bytes(plan, n, n_local_k=nk)
+    # the budget comes from the memory still available: the process itself is not counted
+    need = rank_bytes(plan, n, prefetch=len(plan.sequences) > 1, n_local_k=nk, ranks=nranks)
     if need > budget:
         gib = 1 << 30
         fail(

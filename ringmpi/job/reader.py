@@ -37,6 +37,13 @@ def local_runs(pos: np.ndarray) -> list:
     ]
 
 
+def _project(x64: np.ndarray, w: dict, name: str) -> np.ndarray:
+    """x (n, F) @ w{name} (F, width) + b{name} (width,) when the weights file has biases."""
+    y = x64 @ w["w" + name]
+    b = w.get("b" + name)
+    return y if b is None else y + b
+
+
 class Reader:
     """Reads one rank's tokens of each sequence, never more than its share.
 
@@ -199,9 +206,8 @@ class Reader:
         if self._weights is None:
             f = open_input(self.plan.weights)
             try:
-                self._weights = {
-                    n: np.asarray(f[n][...], dtype=np.float64) for n in ("wq", "wk", "wv")
-                }
+                names = ("wq", "wk", "wv") + tuple(b for b in ("bq", "bk", "bv") if b in f)
+                self._weights = {n: np.asarray(f[n][...], dtype=np.float64) for n in names}
             finally:
                 f.close()
         return self._weights
@@ -210,8 +216,9 @@ class Reader:
         """Read this rank's q (n, H, D), k and v (n_k, Hkv, D) of ``seq`` in the input dtype.
 
         For features inputs, x (n, F) (and x_kv (n_k, F) for cross-attention) is
-        read and projected in float64 on this rank only, rotated (``rope``) in
-        float64, then rounded to the input dtype.
+        read and projected in float64 on this rank only (x @ w + b, with biases
+        when the weights file has them), rotated (``rope``) in float64, then
+        rounded to the input dtype.
         """
         plan = self.plan
         pos, pos_k = self.positions(seq), self.positions_k(seq)
@@ -228,9 +235,9 @@ class Reader:
                 arrays["x_kv"] = xk
             w = self._load_weights()
             x64, xk64 = x.astype(np.float64), xk.astype(np.float64)
-            q = (x64 @ w["wq"]).reshape(n, h, d)
-            k = (xk64 @ w["wk"]).reshape(nk, hkv, d)
-            v = (xk64 @ w["wv"]).astype(dt).reshape(nk, hkv, d)
+            q = _project(x64, w, "q").reshape(n, h, d)
+            k = _project(xk64, w, "k").reshape(nk, hkv, d)
+            v = _project(xk64, w, "v").astype(dt).reshape(nk, hkv, d)
             if self.rope is not None:
                 theta, scale = self.rope
                 cu_k = seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k

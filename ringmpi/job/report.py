@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 
-from .budget import rank_bytes, seq_counts
+from .budget import rank_bytes, resident_bytes, seq_counts
 from .progress import duration
 from .store import FORMAT
 
 __all__ = [
     "provenance", "start_line", "format_summary", "measure_rate", "ticks_per_step",
-    "visible_pairs",
+    "visible_pairs", "one_process_note", "predicted_seconds",
 ]  # fmt: skip
 
 
@@ -158,14 +158,37 @@ def _flops(plan, causal: bool, seqs: list, window=None) -> float:
     return sum(per * visible_pairs(s, causal, window) for s in seqs)
 
 
+def predicted_seconds(plan, todo, size: int, causal: bool, rate: float, window=None) -> float:
+    """Predicted compute seconds of the sequences ``todo`` on ``size`` ranks at ``rate`` flop/s."""
+    if rate <= 0:
+        return 0.0
+    return _flops(plan, causal, [plan.sequences[i] for i in todo], window) / size / rate
+
+
+def one_process_note(env=None) -> str:
+    """What the start line says about a world of one rank: launched alone, or by a launcher."""
+    from ..launch import launcher_tasks
+
+    launch = launcher_tasks(os.environ if env is None else env)
+    if launch.tasks is None and launch.rank is None:
+        return ("one process: not started by mpiexec/srun, so 1 rank does all the work "
+                "(mpiexec -n P ringmpi run ... for P ranks)")  # fmt: skip
+    return f"1 rank, as {launch.launcher} started it"
+
+
 def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=None,
-               window=None) -> str:  # fmt: skip
-    """The job's first line: what, where, how much memory, how long (predicted)."""
+               window=None, notes=()) -> str:  # fmt: skip
+    """The job's first line: what, where, how much memory, how long (predicted).
+
+    ``notes``: more clauses (BLAS threads, a run of one process), joined with "; ".
+    """
     ring = size if ring is None else ring
     seqs = [plan.sequences[i] for i in todo]
     tokens = sum(s.length for s in seqs)
-    mem = max((rank_bytes(plan, n, n_local_k=nk) for n, nk in
-               (seq_counts(s, ring, layout) for s in seqs)), default=0) / 2**30  # fmt: skip
+    ahead = len(seqs) > size // ring  # read-ahead of a next sequence on some ring
+    mem = max((rank_bytes(plan, n, prefetch=ahead, n_local_k=nk, ranks=ring) for n, nk in
+               (seq_counts(s, ring, layout) for s in seqs)), default=0)  # fmt: skip
+    mem = (mem + resident_bytes()) / 2**30  # the peak resident memory it should match
     where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
     text = (
         f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
@@ -178,8 +201,9 @@ def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=No
         + f", {where}; ~{mem:.2f} GiB per rank"
     )
     if rate > 0 and tokens:
-        secs = _flops(plan, causal, seqs, window) / size / rate
+        secs = predicted_seconds(plan, todo, size, causal, rate, window)
         text += f"; predicted ~{duration(secs)} at {rate / 1e9:.1f} GFLOP/s per rank (measured)"
+    text += "".join(f"; {n}" for n in notes)
     return text
 
 

@@ -44,14 +44,17 @@ from .reader import Reader
 from .report import (
     format_summary,
     measure_rate,
+    one_process_note,
     peak_rss,
+    predicted_seconds,
     provenance,
     start_line,
     ticks_per_step,
     utc,
 )
 from .schema import InputError, make_plan
-from .store import fingerprint
+from .store import fingerprint, part_name
+from .threads import limit_blas
 
 __all__ = ["run", "format_summary", "pick_device", "gpu_probe", "provenance", "choose_ring_size"]
 
@@ -231,23 +234,43 @@ def run(
         raise InputError(f"--window: {e}") from None
     plan = make_plan(comm, inputs, weights, 1 if ring_size not in (None, size) else size, rope=rope)
     masks = {"window": window, "rope": (float(rope_theta), float(rope_scale)) if rope else None}
+    head_major = [w for w in plan.warnings if "head-major" in w]
+    if head_major:  # stop here with the advice: the heads taken as tokens only fail later
+        raise InputError(head_major[0].replace("; if the data", ": stopping; if the data", 1))
     if rank == 0:
         for w in plan.warnings:
             print(f"ringmpi: warning: {w}", file=sys.stderr, flush=True)
     budget = memory_budget(comm, max_memory)
     dev = pick_device(device, comm)
-    rate = measure_rate(plan, dev) if rank == 0 and (ring_size == "auto" or not quiet) else 0.0
-    rs = run_on_root(comm, choose_ring_size, ring_size, plan, size, layout, causal, budget, rate)
-    run_everywhere(
-        comm, lambda: [check_memory(plan, s, rs, layout, budget) for s in plan.sequences]
-    )
-    if rs != size:
-        short = run_on_root(
-            comm, lambda: [s.name for s in plan.sequences if min(s.length, s.length_k) < rs]
+    blas = limit_blas(comm)  # before the calibration: it runs with the job's threads
+    masks["notes"] = [blas.text] + ([one_process_note()] if size == 1 else [])
+    try:
+        rate = measure_rate(plan, dev) if rank == 0 and (ring_size == "auto" or not quiet) else 0.0
+        rs = run_on_root(
+            comm, choose_ring_size, ring_size, plan, size, layout, causal, budget, rate
         )
-        if short:
-            raise InputError(f"sequence {short[0]} has fewer tokens than the {rs} ranks of a ring")
-    ring, across = (comm, None) if rs == size else grid(comm, ring_size=rs)
+        run_everywhere(
+            comm, lambda: [check_memory(plan, s, rs, layout, budget) for s in plan.sequences]
+        )
+        if rs != size:
+            short = run_on_root(
+                comm, lambda: [s.name for s in plan.sequences if min(s.length, s.length_k) < rs]
+            )
+            if short:
+                msg = f"sequence {short[0]} has fewer tokens than the {rs} ranks of a ring"
+                raise InputError(msg)
+        ring, across = (comm, None) if rs == size else grid(comm, ring_size=rs)
+        return _job(plan, comm, ring, across, rs, rank, size, output_mode, output, layout, causal,
+                    scale, dev, masks, window, rope, overwrite, compress, resume, quiet, strided,
+                    prefetch, rate, t_start, started_utc)  # fmt: skip
+    finally:
+        blas.restore()
+
+
+def _job(plan, comm, ring, across, rs, rank, size, output_mode, output, layout, causal, scale,
+         dev, masks, window, rope, overwrite, compress, resume, quiet, strided, prefetch, rate,
+         t_start, started_utc) -> dict:  # fmt: skip
+    """Open the output, run the loop of this rank's ring, free the rings (collective)."""
     nrings = size // rs
     ring_rank = 0 if ring is None else ring.Get_rank()
     try:
@@ -256,7 +279,8 @@ def run(
         # masks and positions: a resumed run must use the same (compared via the manifest)
         meta["window"] = list(window) if window is not None else None
         meta["rope"] = list(masks["rope"]) if rope else None
-        attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev, **masks)
+        attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, dev,
+                            window=masks["window"], rope=masks["rope"])  # fmt: skip
         attrs["ring_size"] = rs
         # what computes: a resume under another device, tile or CPU ISA would mix results
         meta["compute"] = [attrs.get(k) for k in ("device", "kernel", "isa")]
@@ -282,10 +306,12 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
           output, masks) -> dict:  # fmt: skip
     """The sequence loop of one ring, then the job-wide summary (collective over ``comm``)."""
     show = rank == 0 and not quiet
-    bar = Progress([plan.sequences[i].length for i in todo], enabled=show)
+    predicted = predicted_seconds(plan, todo_all, size, causal, rate, masks["window"])
+    bar = Progress([plan.sequences[i].length for i in todo], enabled=show, predicted=predicted)
     if show:
         bar.header(start_line(plan, todo_all, size, layout, causal, dev, attrs["kernel"],
-                              attrs["isa"], rate, ring=rs, window=masks["window"]))  # fmt: skip
+                              attrs["isa"], rate, ring=rs, window=masks["window"],
+                              notes=masks.get("notes", ())))  # fmt: skip
     where = {"j": -1, "stage": "starting", "step": 0}
 
     def on_step(step: int, nsteps: int) -> None:
@@ -332,6 +358,7 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
 
                 q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
             stats: dict = {}
+            bar.computing()
             out, lse = ring_attention(
                 q, k, v, ring, causal=causal, layout=layout, scale=scale,
                 return_lse=True, stats=stats, on_step=on_step,
@@ -347,7 +374,11 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
             pos = reader.positions(seq)
             run_everywhere(ring, _check_output, plan.files[0], seq, pos, out, lse)
             t0 = time.perf_counter()
-            store.write(i, pos, out, lse)
+            try:
+                store.write(i, pos, out, lse)
+            except BaseException:
+                _drop_tmp_part(store, i)  # a full disk: no half-written part left behind
+                raise
             write_s += time.perf_counter() - t0
             tokens += seq.length
             secs = time.perf_counter() - t_seq
@@ -416,6 +447,19 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
         "timings": timings,
         "provenance": attrs,
     }
+
+
+def _drop_tmp_part(store, i: int) -> None:
+    """Remove this rank's temporary part file of sequence ``i`` after a failed write."""
+    parts, rank = getattr(store, "parts", None), getattr(store, "rank", None)
+    if parts is None or rank is None:
+        return
+    tmp = os.path.join(parts, part_name(i, rank) + ".tmp")
+    try:
+        if os.path.isfile(tmp) and not os.path.islink(tmp):
+            os.remove(tmp)
+    except OSError:
+        pass  # the error being raised says what went wrong; nothing under the final name
 
 
 def _where(e: KeyboardInterrupt, where: dict, plan, todo: list, finished: int, size: int):

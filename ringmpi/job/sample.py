@@ -8,6 +8,7 @@ any size can be written without holding a sequence in memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -60,6 +61,17 @@ def _write_family(node, widths, total, lo, hi, seed, gi, stream, dt, sequences, 
                 dsets[name][sel + (slice(s0 - lo, s1 - lo),)] = arr[s0 - a : s1 - a]
 
 
+@contextlib.contextmanager
+def _removed_on_error(tmp: str):
+    """Remove the temporary file ``tmp`` when the block fails (a full disk): no .tmp left."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def make_data(
     path: str,
     seq_len: int = 4096,
@@ -76,6 +88,7 @@ def make_data(
     seed: int = 0,
     packed=None,
     kv_tokens: Optional[int] = None,
+    bias: bool = False,
 ) -> list:
     """Write sample input file(s) and return their paths (weights file last, if any).
 
@@ -104,9 +117,14 @@ def make_data(
         Cross-attention: k and v (``x_kv`` for features) get this many tokens, q
         ``seq_len``; each is split over the shards along its own axis. With
         ``packed``, ``cu_seqlens_k`` splits them in proportion to the q lengths.
+    bias : bool
+        With ``features``: also write projection biases bq (H*D,), bk and bv
+        (Hkv*D,) (nonzero means, like a trained model's): q = x @ wq + bq.
     """
     import h5py
 
+    if bias and not features:
+        raise ValueError("bias needs features > 0 (biases belong to the projection weights)")
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
     cu = cu_k = None
@@ -148,7 +166,7 @@ def make_data(
         groups = [""] if batch_axis else [f"seq{i:03d}" for i in range(sequences)]
     for j, p in enumerate(paths):
         tmp = p + ".tmp"
-        with h5py.File(tmp, "w") as f:
+        with _removed_on_error(tmp), h5py.File(tmp, "w") as f:
             for gi, g in enumerate(groups):
                 node = f.require_group(g) if g else f
                 if j == 0 and cu is not None:
@@ -164,12 +182,17 @@ def make_data(
     if features:
         wpath = weights or os.path.splitext(path)[0] + "-weights.h5"
         rng = np.random.default_rng([seed, 1 << 20])
-        with h5py.File(wpath + ".tmp", "w") as f:
+        with _removed_on_error(wpath + ".tmp"), h5py.File(wpath + ".tmp", "w") as f:
             f.attrs["num_heads"] = heads
             f.attrs["num_kv_heads"] = kv_heads
             for name, h in (("wq", heads), ("wk", kv_heads), ("wv", kv_heads)):
                 w = rng.standard_normal((features, h * head_dim)) / np.sqrt(features)
                 f.create_dataset(name, data=w.astype(dt))
+            if bias:  # a stream of its own: the weights stay those of a file without biases
+                brng = np.random.default_rng([seed, 1 << 20, 1])
+                for name, h in (("bq", heads), ("bk", kv_heads), ("bv", kv_heads)):
+                    b = 0.3 + 0.5 * brng.standard_normal(h * head_dim)
+                    f.create_dataset(name, data=b.astype(dt))
         os.replace(wpath + ".tmp", wpath)
         paths.append(wpath)
     return paths

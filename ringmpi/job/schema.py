@@ -7,8 +7,10 @@ files hold the sequence(s) split along the sequence axis, in the order given:
 * the same with a leading batch axis, ``q`` (B, S, H, D): B sequences;
 * one group per sequence at the root, each holding ``q``, ``k``, ``v`` (S, ...);
 * instead of q/k/v, raw features ``x`` (S, F) (or (B, S, F), or per group) plus
-  a weights file with ``wq`` (F, H*D), ``wk`` and ``wv`` (F, Hkv*D) and root
-  attributes ``num_heads`` and ``num_kv_heads``: q = x @ wq, etc.;
+  a weights file with ``wq`` (F, H*D), ``wk`` and ``wv`` (F, Hkv*D), optional
+  biases ``bq`` (H*D,), ``bk`` and ``bv`` (Hkv*D,), and root attributes
+  ``num_heads`` and ``num_kv_heads``: q = x @ wq + bq, etc. (the (in, out)
+  convention; a torch ``Linear.weight`` is (out, in): store its transpose);
 * cross-attention: k and v (or key/value features ``x_kv``) with another length
   S_k than q (S_q); each dataset is concatenated over the shards along its own axis;
 * packed sequences: an integer dataset ``cu_seqlens`` (n+1,) beside q (and
@@ -372,17 +374,42 @@ def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
     return (qs[extra], ks[extra]), (h, hkv, d), qt, (qs[0] if extra else None)
 
 
+WEIGHT_NAMES = ("wq", "wk", "wv")
+BIAS_NAMES = ("bq", "bk", "bv")
+
+
 def _read_weights(path: str) -> dict:
+    """Shapes of a weights file: wq (F, H*D), wk/wv (F, Hkv*D), optional bq (H*D,), bk/bv.
+
+    The convention is (in, out): q = x @ wq + bq. A torch ``Linear.weight`` is
+    (out, in): refused where the shapes tell (not for square matrices).
+    """
     f = open_input(path)
     try:
         fsize = os.path.getsize(path)
-        w = {n: _dataset(path, f, n, 2, fsize) for n in ("wq", "wk", "wv")}
+        extra = sorted(set(f.keys()) - set(WEIGHT_NAMES) - set(BIAS_NAMES))
+        if extra:
+            use = "it reads wq, wk, wv and the optional biases bq, bk, bv"
+            fail(path, f"holds '{extra[0]}', which the job does not use ({use}): remove it")
+        w = {n: _dataset(path, f, n, 2, fsize) for n in WEIGHT_NAMES}
+        b = {n: _dataset(path, f, n, 1, fsize) for n in BIAS_NAMES if n in f}
+        if b and len(b) != 3:
+            fail(path, f"has {', '.join(sorted(b))} but not all of bq, bk, bv (give all three)")
         try:
             h, hkv = int(f.attrs["num_heads"]), int(f.attrs["num_kv_heads"])
         except (KeyError, TypeError, ValueError):
             fail(path, "needs integer root attributes 'num_heads' and 'num_kv_heads'")
         fq, nq = w["wq"].shape
         fk, nk = w["wk"].shape
+        cols = {w[n].shape[1] for n in WEIGHT_NAMES}
+        torch = (len(cols) == 1 and fq != fk) or (b and b["bq"].shape[0] == fq != nq)
+        if torch:  # (out, in) shapes: torch.nn.Linear.weight
+            hint = "the job expects (in, out), q = x @ wq + bq: store weight.T"
+            fail(
+                path,
+                f"wq {w['wq'].shape}, wk {w['wk'].shape} look like torch Linear "
+                f"weights (out, in); {hint}",
+            )
         if w["wv"].shape != (fk, nk):
             fail(path, f"wk has shape {w['wk'].shape} but wv has shape {w['wv'].shape}")
         if fq != fk:
@@ -391,6 +418,11 @@ def _read_weights(path: str) -> dict:
             fail(path, f"wq {w['wq'].shape}, wk {w['wk'].shape} do not fit H={h}, Hkv={hkv}")
         if h % hkv:
             fail(path, f"num_heads={h} is not a multiple of num_kv_heads={hkv}")
+        for n, width in (("bq", nq), ("bk", nk), ("bv", nk)):
+            if n in b and b[n].shape != (width,):
+                fail(
+                    path, f"bias {n} has shape {b[n].shape}, expected ({width},) (w{n[1]} columns)"
+                )
         return {"features": fq, "heads": h, "kv_heads": hkv, "head_dim": nq // h}
     finally:
         f.close()
@@ -458,7 +490,11 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
                 shape, dt = info["x"]
                 n, b = (shape[extra], shape[extra]), (shape[0] if extra else None)
                 if shape[-1] != w["features"]:
-                    fail(p, f"x has {shape[-1]} features but {weights} expects {w['features']}")
+                    fail(
+                        p,
+                        f"x has {shape[-1]} features but {weights} expects {w['features']}"
+                        " (weights are (in, out): q = x @ wq; torch Linear weights need .T)",
+                    )
                 if ("x_kv" in info) != ("x_kv" in first["seqs"][names.index(g)][1]):
                     fail(p, "shards do not line up: x_kv present in some shards, not in others")
                 if "x_kv" in info:

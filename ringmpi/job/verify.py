@@ -2,13 +2,15 @@
 
 Every sequence is checked one of three ways, and the verdict says which:
 
-* **full** (S <= ``max_tokens``): every query row of every head against the dense
-  float64 reference, in blocks of rows (memory O(rows x S), never S x S);
+* **full** (S <= ``max_tokens``, default 4096, or ``full=True``): every query
+  row of every head against the dense float64 reference, in blocks of rows
+  (memory O(rows x S), never S x S);
 * **sampled** (longer sequences, the default): ``sample_rows`` random query rows
-  per head (seeded, the same on every rank) against the float64 reference over
-  all S keys (O(rows x S) per head), plus two cheap checks of *every* row: out
-  and lse are finite where they must be (a missing part reads NaN), and each
-  output value lies within the range of the values of the keys it can see (an
+  per head (default S / 128 within [256, 2048]; seeded, the same on every rank)
+  against the float64 reference over all S keys (O(rows x S) per head), plus two
+  cheap checks of *every* row: out and lse are finite where they must be (a
+  missing part reads NaN), and each output value lies within the range of the
+  values of the keys it can see (an
   attention output is a convex combination of value rows), up to rounding;
 * **skipped** (longer sequences with ``sample_rows=0``).
 
@@ -17,7 +19,9 @@ A checked row passes when ``|ring - ref64| <= 2 * max|dense_lowp - ref64| + eps`
 the precision the ring accumulated in; eps 1e-4 float16, 1e-6 float32, 1e-12
 float64) and rows with lse = -inf agree exactly. The result is PASSED only if
 something was checked and nothing failed; "nothing checked" is its own verdict.
-The (sequence, head) pairs are shared round-robin over the ranks.
+The (sequence, head) pairs are shared round-robin over the ranks (fewer pairs
+than ranks: each pair's rows are split over several), and rank 0 reports progress
+every few seconds, also within one head.
 
 The output's attributes say which mask and positions the run used (``causal``,
 ``window``, ``rope``, ``rope_theta``, ``rope_scale``); the inputs say which
@@ -40,109 +44,43 @@ from typing import Optional, TextIO
 
 import numpy as np
 
-from .. import interrupt, reference
 from ..collective import run_everywhere
 from ..mask import make_mask
 from ..rope import apply_rope, positions_in_sequence
 from ..testing import EPS
 from .progress import LOG_EVERY, duration
 from .schema import InputError, Plan, make_plan
+from .verify_rows import (
+    RANGE_SLACK,
+    SAMPLE_ROWS,
+    default_sample_rows,
+    dense_head,
+    range_bad,
+    rows_attention,
+    sample_rows_of,
+)
 
 __all__ = [
     "dense_head",
     "rows_attention",
     "sample_rows_of",
+    "default_sample_rows",
     "verify",
     "format_verify",
     "MAX_TOKENS",
     "SAMPLE_ROWS",
 ]
 
-ROWS = 512  # query rows per block of the dense computation (full check of short sequences)
-MAX_TOKENS = 65536  # longest sequence checked in full by default
-SAMPLE_ROWS = 2048  # query rows per head checked in a longer sequence by default
-SCORES = 1 << 24  # score elements per block of rows (128 MiB in float64)
-# slack of the range check, relative to max|v|: rounding of the accumulation and output
-_RANGE_SLACK = {"float16": 4e-3, "float32": 1e-4, "float64": 1e-10}
-
-
-def dense_head(q, k, v, causal: bool, scale: float, dtype) -> tuple:
-    """Dense attention of one head, q, k, v (S, D), in ``dtype`` and blocks of query rows.
-
-    Returns out (S, D) and lse (S,); a row with no visible key gives 0, -inf.
-    """
-    out, lse = reference.attention(
-        q[:, None], k[:, None], v[:, None], causal, scale, dtype=dtype, block=ROWS
-    )
-    return out[:, 0], lse[0]
-
-
-def rows_attention(
-    q, k, v, rows: np.ndarray, causal: bool, scale: float, dtype, mask=None
-) -> tuple:
-    """Dense attention of the query rows ``rows`` of one head against all S keys, in ``dtype``.
-
-    Parameters
-    ----------
-    q : array (S, D)
-    k, v : arrays (S_k, D)
-    rows : int array (R,)
-        Query rows (token positions) to compute.
-    causal : bool
-        Row i sees keys j <= i (ignored when ``mask`` is given).
-    scale : float
-    dtype : numpy dtype
-        Arithmetic precision.
-    mask : ringmpi.mask.Mask, optional
-        Row i sees keys lo[i] <= j <= hi[i] of ``mask.bounds`` (window, packed, cross).
-
-    Returns
-    -------
-    out : (R, D) and lse : (R,) in ``dtype``; a row with no visible key gives 0, -inf.
-    """
-    dt = np.dtype(dtype)
-    kd, vd = np.asarray(k, dt), np.asarray(v, dt)
-    n = kd.shape[0]
-    block = max(1, SCORES // max(1, n))
-    outs, lses = [], []
-    for a in range(0, len(rows), block):
-        interrupt.check()
-        r = rows[a : a + block]
-        s = dt.type(scale) * (np.asarray(q[r], dt) @ kd.T)
-        if mask is not None and not mask.plain:
-            lo, hi = mask.bounds(r)
-            j = np.arange(n)[None, :]
-            s = np.where((lo[:, None] <= j) & (j <= hi[:, None]), s, -np.inf)
-        elif causal:
-            s = np.where(np.arange(n)[None, :] <= r[:, None], s, -np.inf)
-        m = s.max(axis=-1, keepdims=True) if n else np.zeros((len(r), 1), dt)
-        m = np.where(np.isfinite(m), m, 0).astype(dt)
-        e = np.exp(s - m)
-        z = e.sum(axis=-1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            o = np.where(z[:, None] > 0, (e / z[:, None]) @ vd, 0)
-            lse = np.where(z > 0, m[:, 0] + np.log(z), -np.inf)
-        outs.append(o.astype(dt))
-        lses.append(lse.astype(dt))
-    if not outs:
-        return np.zeros((0, q.shape[1]), dt), np.zeros(0, dt)
-    return np.concatenate(outs), np.concatenate(lses)
-
-
-def sample_rows_of(length: int, count: int, seed: int, seq_index: int, head: int) -> np.ndarray:
-    """The sorted query rows the sampled check uses for one (sequence, head): all if count >= S."""
-    if count >= length:
-        return np.arange(length, dtype=np.int64)
-    rng = np.random.default_rng([seed, seq_index, head])
-    return np.sort(rng.choice(length, size=count, replace=False)).astype(np.int64)
+MAX_TOKENS = 4096  # longest sequence checked in full by default (longer: sampled rows)
 
 
 def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
     """Whole-sequence inputs of one head: q (S, D) for query head ``head`` or k, v (S_k, D).
 
-    Features inputs are projected in float64 (keys and values from ``x_kv`` when
-    the sequence has it), rotated by ``rope`` = (theta, scale) at the positions
-    within each packed sequence (q and k only), then rounded to the input dtype.
+    Features inputs are projected in float64, x @ w + b (biases when the weights
+    file has them; keys and values from ``x_kv`` when the sequence has it), rotated
+    by ``rope`` = (theta, scale) at the positions within each packed sequence (q
+    and k only), then rounded to the input dtype.
     """
     import h5py
 
@@ -153,7 +91,9 @@ def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
     if plan.mode == "features":
         with h5py.File(plan.weights, "r", locking=False) as f:
             d = plan.head_dim
-            w = {n: np.asarray(f["w" + n][:, head * d : (head + 1) * d], np.float64) for n in names}
+            cut = slice(head * d, (head + 1) * d)
+            w = {n: np.asarray(f["w" + n][:, cut], np.float64) for n in names}
+            bias = {n: np.asarray(f["b" + n][cut], np.float64) for n in names if "b" + n in f}
     src = "x_kv" if (kv and seq.x_kv) else "x"
     for path in plan.files:
         with h5py.File(path, "r", locking=False) as f:
@@ -163,7 +103,8 @@ def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
                 if w is None:
                     parts[n].append(node[n][b + (slice(None), head)])
                 else:
-                    parts[n].append(np.asarray(node[src][b], np.float64) @ w[n])
+                    y = np.asarray(node[src][b], np.float64) @ w[n]
+                    parts[n].append(y + bias[n] if n in bias else y)
     full = {n: np.concatenate(parts[n]) for n in names}
     if rope is not None and w is not None:
         cu = (seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k) if kv else (
@@ -182,41 +123,6 @@ def _attr(f, key: str):
     if isinstance(val, str) and int(f.attrs.get("format", 1)) < 2:
         return json.loads(val)
     return val.item() if isinstance(val, np.generic) else val
-
-
-def _range_bad(v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool, slack: float,
-               mask=None):  # fmt: skip
-    """Rows whose output leaves the range of the visible value rows (or is not 0 when none is).
-
-    Under a mask other than plain causal the range is that of the value rows of
-    the query's packed sequence (the keys it may see lie there).
-    """
-    v64 = np.asarray(v, np.float64)
-    if mask is not None and not mask.plain:
-        cu_k = mask.cu_k if mask.cu_k is not None else np.array([0, mask.nk], np.int64)
-        cu_q = mask.cu_q if mask.cu_q is not None else np.array([0, mask.nq], np.int64)
-        nseg = len(cu_k) - 1
-        seg_lo = np.full((nseg, v64.shape[1]), np.inf)
-        seg_hi = np.full((nseg, v64.shape[1]), -np.inf)
-        full = np.flatnonzero(np.diff(cu_k) > 0)
-        if len(full):
-            seg_lo[full] = np.minimum.reduceat(v64, cu_k[full], axis=0)
-            seg_hi[full] = np.maximum.reduceat(v64, cu_k[full], axis=0)
-            # reduceat runs to the next index: an empty segment between two full ones is
-            # skipped, so each full segment ends at its own end (the next full start)
-        seg = np.searchsorted(cu_q, np.arange(mask.nq), side="right") - 1
-        lo, hi = seg_lo[seg], seg_hi[seg]
-    elif causal:
-        lo = np.minimum.accumulate(v64, axis=0)
-        hi = np.maximum.accumulate(v64, axis=0)
-    else:
-        lo = np.broadcast_to(v64.min(axis=0, initial=np.inf), v64.shape)
-        hi = np.broadcast_to(v64.max(axis=0, initial=-np.inf), v64.shape)
-    with np.errstate(invalid="ignore"):
-        bad = ((out < lo - slack) | (out > hi + slack)).any(axis=1)
-    none = np.isneginf(lse)  # no visible key: out must be 0
-    bad = np.where(none, (out != 0).any(axis=1), bad)
-    return bad
 
 
 class _Reporter:
@@ -247,9 +153,10 @@ def verify(
     weights: Optional[str] = None,
     comm=None,
     max_tokens: int = MAX_TOKENS,
-    sample_rows: int = SAMPLE_ROWS,
+    sample_rows: Optional[int] = None,
     seed: int = 0,
     quiet: bool = False,
+    full: bool = False,
 ) -> dict:
     """Check ``output`` against dense attention of ``inputs`` (collective over ``comm``).
 
@@ -257,12 +164,17 @@ def verify(
     ----------
     max_tokens : int
         Sequences up to this length are checked in full.
-    sample_rows : int
-        Query rows per head checked in a longer sequence (0: skip those).
+    sample_rows : int, optional
+        Query rows per head checked in a longer sequence (0: skip those). The
+        default, :func:`default_sample_rows`, is S / 128 within [256, 2048]: the
+        check then costs a fixed share of the run's work (~2 x rows / S of its
+        flops, in numpy; measured at S = 65,536, H = 12, P = 2: see the README).
     seed : int
         Seed of the row sample.
     quiet : bool
         No progress lines on rank 0.
+    full : bool
+        Check every sequence in full, whatever its length (``max_tokens`` ignored).
 
     Returns
     -------
@@ -270,13 +182,30 @@ def verify(
         ``ok`` (something checked, nothing failed), ``status`` ("passed",
         "failed" or "nothing checked"), ``sequences`` (one dict per checked
         sequence: mode, rows checked/total/failed, errors and tolerances),
-        ``skipped`` (names), counts ``full``, ``sampled``, ``failed``.
+        ``skipped`` (names), counts ``full``, ``sampled``, ``failed``, and
+        ``ranks_checking`` (ranks that had rows to check: the (sequence, head)
+        pairs go round-robin over the ranks, and when there are fewer pairs than
+        ranks each pair's rows are split over several).
     """
+    from .threads import limit_blas
+
+    blas = limit_blas(comm)  # numpy float64 matmuls: no more BLAS threads than cores per rank
+    try:
+        return _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet, full)
+    finally:
+        blas.restore()
+
+
+def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet, full) -> dict:
+    """The body of :func:`verify` (collective over ``comm``)."""
     import h5py
 
+    t_start = time.perf_counter()
     rank = 0 if comm is None else comm.Get_rank()
     size = 1 if comm is None else comm.Get_size()
     plan = make_plan(comm, inputs, weights, 1)
+    if full:
+        max_tokens = max([s.length for s in plan.sequences] + [int(max_tokens)])
 
     def attrs():
         try:
@@ -307,20 +236,28 @@ def verify(
     for s in plan.sequences:
         if s.length <= max_tokens:
             mode.append("full")
-        elif sample_rows > 0:
+        elif sample_rows is None or sample_rows > 0:
             mode.append("sampled")
         else:
             mode.append("skipped")
     checked = [i for i in range(nseq) if mode[i] != "skipped"]
-    tasks = [(i, h) for i in checked for h in range(plan.heads)]
+    base = [(i, h) for i in checked for h in range(plan.heads)]
+    # fewer (sequence, head) pairs than ranks: split each pair's rows over several ranks
+    nparts = -(-size // len(base)) if base else 1
+    tasks = [(i, h, p) for i, h in base for p in range(nparts)]
     mine = tasks[rank::size]
+
+    def rows_of(i):
+        n = plan.sequences[i].length
+        return default_sample_rows(n) if sample_rows is None else int(sample_rows)
 
     def nrows(i):
         n = plan.sequences[i].length
-        return n if mode[i] == "full" else min(n, sample_rows)
+        return n if mode[i] == "full" else min(n, rows_of(i))
 
     report = _Reporter(
-        [nrows(i) * plan.sequences[i].length for i, _ in mine], rank == 0 and not quiet
+        [nrows(i) * plan.sequences[i].length_k / nparts for i, _, _ in mine],
+        rank == 0 and not quiet,
     )
     # per sequence: max ring err out, max dense err out, ring err lse, dense err lse
     errs = np.zeros((nseq, 4), dtype=np.float64)
@@ -335,9 +272,10 @@ def verify(
 
     def work():
         with h5py.File(output, "r") as f:
-            for i, h in mine:
+            for i, h, part in mine:
                 seq = plan.sequences[i]
                 mask = masks[i]
+                what = f"sequence {seq.name}, head {h}, {mode[i]}"
                 (q,) = _read_head(plan, seq, h, kv=False, rope=rope)
                 k, v = _read_head(plan, seq, h // group, kv=True, rope=rope)
                 node = f[seq.group] if seq.group else f
@@ -347,10 +285,16 @@ def verify(
                 rows = (
                     np.arange(seq.length, dtype=np.int64)
                     if mode[i] == "full"
-                    else sample_rows_of(seq.length, sample_rows, seed, i, h)
+                    else sample_rows_of(seq.length, rows_of(i), seed, i, h)
                 )
-                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask)
-                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask)
+                rows = rows[rows % nparts == part]  # this part's rows (all rows: nparts == 1)
+                own = np.arange(seq.length) % nparts == part
+
+                def tick(done_rows, what=what, nk=seq.length_k):
+                    report.advance(done_rows * nk / 2, what)  # two precisions per row block
+
+                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask, tick)
+                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask, tick)
                 lo_o = lo_o.astype(dt).astype(np.float64)
                 ro, rl = ring_o[rows], ring_l[rows]
                 fin = np.isfinite(ref_l)
@@ -369,16 +313,17 @@ def verify(
                 whole_fin &= ~np.isposinf(ring_l)
                 mism = np.zeros(seq.length, bool)
                 mism[rows] = np.isfinite(rl) != fin
-                slack = _RANGE_SLACK[plan.dtype] * float(np.abs(v).max(initial=0.0)) + 1e-30
+                slack = RANGE_SLACK[plan.dtype] * float(np.abs(v).max(initial=0.0)) + 1e-30
                 if not mask.plain:  # every row: lse = -inf exactly where the mask hides all keys
                     blo, bhi = mask.bounds(np.arange(seq.length, dtype=np.int64))
                     mism |= np.isneginf(ring_l) != (blo > bhi)
-                out_range = _range_bad(v, ring_o, ring_l, causal, slack, mask) & whole_fin
+                out_range = range_bad(v, ring_o, ring_l, causal, slack, mask) & whole_fin
+                mism &= own  # each row's whole-row checks are counted by one part only
+                out_range &= own
                 cnt[i, 0] += len(rows)
-                cnt[i, 1] += np.count_nonzero(mism | ~whole_fin)
+                cnt[i, 1] += np.count_nonzero(own & (mism | ~whole_fin))
                 cnt[i, 2] += np.count_nonzero(out_range)
-                row_errs.append((i, rows, eo, el, mism | ~whole_fin | out_range))
-                report.advance(len(rows) * seq.length, f"sequence {seq.name}, head {h}, {mode[i]}")
+                row_errs.append((i, rows, eo, el, own & (mism | ~whole_fin | out_range)))
 
     run_everywhere(comm, work)
     if comm is not None:
@@ -425,6 +370,7 @@ def verify(
                 "ok": good,
             }
         )
+    busy = 1 if comm is None else comm.allreduce(int(bool(mine)))
     nfail = sum(not r["ok"] for r in rows_out)
     status = "nothing checked" if not rows_out else ("failed" if nfail else "passed")
     return {
@@ -436,8 +382,10 @@ def verify(
         "sampled": mode.count("sampled"),
         "failed": nfail,
         "max_tokens": int(max_tokens),
-        "sample_rows": int(sample_rows),
+        "sample_rows": -1 if sample_rows is None else int(sample_rows),  # -1: S / 128 rule
         "mask": _describe(plan, causal, window, rope),
+        "ranks_checking": int(busy),
+        "seconds": time.perf_counter() - t_start,
     }
 
 
@@ -477,10 +425,12 @@ def format_verify(res: dict) -> str:
                 bad += f" ({r['rows_not_finite']:,} not finite / -inf mismatch)"
             if r["rows_out_of_range"]:
                 bad += f" ({r['rows_out_of_range']:,} outside the value range)"
+        op_o = "<=" if r["err_out"] <= r["tol_out"] else ">"
+        op_l = "<=" if r["err_lse"] <= r["tol_lse"] else ">"
         lines.append(
-            f"  verify {r['sequence']}: {how}: max|out-ref| {r['err_out']:.2e} <= "
-            f"{r['tol_out']:.2e}, max|lse-ref| {r['err_lse']:.2e} <= {r['tol_lse']:.2e}{bad}: "
-            f"{'OK' if r['ok'] else 'FAIL'}"
+            f"  verify {r['sequence']}: {how}: max|out-ref| {r['err_out']:.2e} {op_o} "
+            f"{r['tol_out']:.2e}, max|lse-ref| {r['err_lse']:.2e} {op_l} {r['tol_lse']:.2e}{bad}"
+            f": {'OK' if r['ok'] else 'FAIL'}"
         )
     for name in res["skipped"]:
         lines.append(
@@ -500,4 +450,6 @@ def format_verify(res: dict) -> str:
         lines.append(f"ringmpi verify: FAILED ({res['failed']} of {n_checked} checked; {what})")
     else:
         lines.append(f"ringmpi verify: PASSED ({what})")
+    if "seconds" in res:
+        lines[-1] += f" in {duration(res['seconds'])}"
     return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""A verify that fits the run (issue 26, item 2, and the verify line of item 7)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from ringmpi import reference
+from ringmpi.cli import main
+from ringmpi.job import verify as verify_mod
+from ringmpi.job.run import run
+from ringmpi.job.sample import make_data
+from ringmpi.job.verify import format_verify, rows_attention, verify
+from ringmpi.mask import make_mask
+from ringmpi.testing import assert_all
+
+H, HKV, D = 2, 1, 16
+
+
+@pytest.fixture
+def job(tmp_path):
+    (x,) = make_data(str(tmp_path / "in.h5"), seq_len=5000, heads=H, kv_heads=HKV, head_dim=D,
+                     dtype="float64", seed=5)  # fmt: skip
+    out = str(tmp_path / "out.h5")
+    run([x], out, causal=True, quiet=True, output_mode="parts")
+    return x, out
+
+
+def test_default_samples_beyond_a_few_thousand_tokens(job):
+    x, out = job
+    res = verify(out, [x], quiet=True)
+    assert res["ok"] and res["sampled"] == 1 and res["full"] == 0
+    assert verify_mod.default_sample_rows(5000) == 256  # S / 128 within [256, 2048]
+    assert verify_mod.default_sample_rows(1 << 20) == 2048
+    assert res["sequences"][0]["rows_checked"] == 256 * H
+
+
+def test_full_option_checks_every_row(job, capsys):
+    x, out = job
+    res = verify(out, [x], quiet=True, full=True)
+    assert res["ok"] and res["full"] == 1 and res["sequences"][0]["rows_checked"] == 5000 * H
+    assert main(["verify", out, x, "--full", "--quiet"]) == 0
+    assert "full (10,000 rows)" in capsys.readouterr().out
+
+
+def test_progress_lines_within_one_head(job, monkeypatch):
+    """A head's check reports while it runs, not only when it ends (every LOG_EVERY s)."""
+    x, out = job
+    monkeypatch.setattr(verify_mod, "LOG_EVERY", 0.0)
+    stream = io.StringIO()
+    monkeypatch.setattr(verify_mod.sys, "stderr", stream)
+    verify(out, [x], full=True)
+    lines = [t for t in stream.getvalue().splitlines() if t.startswith("ringmpi verify:")]
+    head0 = [t for t in lines if "head 0" in t]
+    assert len(head0) > 10, lines[:5]
+    pct = [int(t.split("%")[0].split()[-1]) for t in lines]
+    assert pct == sorted(pct) and pct[-1] <= 100
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "packed", "cross"])
+def test_rows_attention_on_visible_keys_only_matches_reference(kind):
+    """Restricting each row block to its visible keys changes nothing beyond rounding."""
+    rng = np.random.default_rng(7)
+    n, nk = 700, 700 if kind != "cross" else 900
+    q = 0.5 + 0.1 * rng.standard_normal((n, D))
+    k = 0.3 + 0.1 * rng.standard_normal((nk, D))
+    v = 2.0 + 0.05 * rng.standard_normal((nk, D))
+    cu = np.array([0, 5, 300, 301, 700]) if kind == "packed" else None
+    window = (40, 0) if kind == "window" else None
+    mask = make_mask(n, nk, True, window, cu, None)
+    rows = np.sort(rng.choice(n, 97, replace=False))
+    got_o, got_l = rows_attention(q, k, v, rows, True, 0.25, np.float64, mask)
+    ref_o, ref_l = reference.attention(q[:, None], k[:, None], v[:, None], True, 0.25,
+                                       window=window, cu_seqlens=cu)  # fmt: skip
+    np.testing.assert_allclose(got_o, ref_o[rows, 0], rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(got_l, ref_l[0, rows], rtol=1e-12, atol=1e-13)
+
+
+def test_failing_line_prints_the_true_operator(job):
+    x, out = job
+    res = verify(out, [x], quiet=True)
+    r = res["sequences"][0]
+    r.update(err_out=r["tol_out"] * 10, ok=False, rows_failed=1)
+    res["status"], res["failed"], res["ok"] = "failed", 1, False
+    line = format_verify(res).splitlines()[0]
+    assert f"max|out-ref| {r['err_out']:.2e} > {r['tol_out']:.2e}," in line, line
+    assert f"max|lse-ref| {r['err_lse']:.2e} <= {r['tol_lse']:.2e}" in line, line
+
+
+@pytest.mark.mpi
+def test_rows_split_over_the_ranks_when_heads_are_few(comm, tmp_path_factory):
+    """One head on P ranks: each rank checks a share of the rows; a bad row is counted once."""
+    import h5py
+
+    d = comm.bcast(str(tmp_path_factory.mktemp("v")) if comm.rank == 0 else None)
+    if comm.rank == 0:
+        make_data(f"{d}/in.h5", seq_len=600, heads=1, kv_heads=1, head_dim=D, dtype="float64")
+    comm.Barrier()
+    run([f"{d}/in.h5"], f"{d}/out.h5", comm=comm, causal=True, quiet=True, output_mode="parts")
+    res = verify(f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, quiet=True)
+    assert_all(comm, res["ok"] and res["sequences"][0]["rows_checked"] == 600, str(res))
+    assert_all(comm, res["ranks_checking"] == comm.size, str(res))
+    comm.Barrier()
+    if comm.rank == 0:  # one row gets a small error, one a gross one
+        import glob
+
+        for p in sorted(glob.glob(f"{d}/out.h5.parts/s000000.r*.h5")):
+            with h5py.File(p, "r+") as f:
+                pos = f["pos"][...]
+                for t, how in ((123, lambda r: r + 1e-6), (457, lambda r: r * 0 + 99.0)):
+                    hit = np.flatnonzero(pos == t)
+                    if len(hit):
+                        f["out"][hit[0], 0] = how(f["out"][hit[0], 0])
+    comm.Barrier()
+    res = verify(f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, quiet=True)
+    s = res["sequences"][0]
+    assert_all(comm, not res["ok"] and s["rows_failed"] == 2, str(s))
