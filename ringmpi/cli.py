@@ -269,6 +269,7 @@ def _cmd_make_data(args) -> int:
                 packed=args.packed,
                 kv_tokens=args.kv_tokens,
                 bias=args.bias,
+                values=args.values,
             )
         except ValueError as e:
             sys.stderr.write(f"ringmpi: error: make-data: {e}\n")

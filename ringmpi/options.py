@@ -307,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cross-attention: k and v (or x_kv with --features) get N tokens, q --seq-len; "
         "with --packed, cu_seqlens_k splits them in proportion to the q lengths",
     )
+    m.add_argument(
+        "--values",
+        choices=("normal", "realistic"),
+        default="normal",
+        help="q, k, v standard normal, or shaped like real activations (k mean 0.5, v mean 1, "
+        "spread 0.1: float32 errors do not cancel)",
+    )
     m.add_argument("--seed", type=int, default=0)
 
     v = sub.add_parser(

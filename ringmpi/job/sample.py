@@ -29,13 +29,25 @@ def shard_paths(path: str, shards: int) -> list:
     return [f"{stem}.part{j:03d}{ext or '.h5'}" for j in range(shards)]
 
 
-def _block(seed: int, seq: int, blk: int, n: int, widths: dict, dtype, stream=None) -> dict:
+#: ``values="realistic"``: (mean, spread) per dataset, the shape of a trained model's
+#: activations (keys with a mean, positive values of small spread; see
+#: ``ringmpi.testing.REALISTIC``); the others stay standard normal
+VALUES = {"normal": {}, "realistic": {"k": (0.5, 1.0), "v": (1.0, 0.1)}}
+
+
+def _block(seed: int, seq: int, blk: int, n: int, widths: dict, dtype, stream=None,
+           values: str = "normal") -> dict:  # fmt: skip
     rng = np.random.default_rng([seed, seq, blk] + ([] if stream is None else [stream]))
-    return {k: rng.standard_normal((n, *w)).astype(dtype) for k, w in widths.items()}
+    out = {}
+    for k, w in widths.items():
+        mean, spread = VALUES[values].get(k, (0.0, 1.0))
+        x = rng.standard_normal((n, *w))
+        out[k] = (x if (mean, spread) == (0.0, 1.0) else mean + spread * x).astype(dtype)
+    return out
 
 
 def _write_family(node, widths, total, lo, hi, seed, gi, stream, dt, sequences, batch_axis,
-                  compression) -> None:  # fmt: skip
+                  compression, values="normal") -> None:  # fmt: skip
     """Write tokens [lo, hi) of the datasets ``widths`` (all of length ``total``) into ``node``."""
     n = hi - lo
     lead = (sequences,) if batch_axis else ()
@@ -54,7 +66,7 @@ def _write_family(node, widths, total, lo, hi, seed, gi, stream, dt, sequences, 
         # global blocks overlapping this shard's token range
         for blk in range(lo // BLOCK, (hi - 1) // BLOCK + 1):
             a, e = blk * BLOCK, min((blk + 1) * BLOCK, total)
-            vals = _block(seed, seq, blk, e - a, widths, dt, stream)
+            vals = _block(seed, seq, blk, e - a, widths, dt, stream, values)
             s0, s1 = max(a, lo), min(e, hi)
             for name, arr in vals.items():
                 sel = (b,) if batch_axis else ()
@@ -89,6 +101,7 @@ def make_data(
     packed=None,
     kv_tokens: Optional[int] = None,
     bias: bool = False,
+    values: str = "normal",
 ) -> list:
     """Write sample input file(s) and return their paths (weights file last, if any).
 
@@ -120,9 +133,15 @@ def make_data(
     bias : bool
         With ``features``: also write projection biases bq (H*D,), bk and bv
         (Hkv*D,) (nonzero means, like a trained model's): q = x @ wq + bq.
+    values : {"normal", "realistic"}
+        q, k, v standard normal, or shaped like a trained model's activations
+        (:data:`VALUES`: k mean 0.5, v mean 1 and spread 0.1), where float32
+        rounding errors do not cancel as they do for zero-mean values.
     """
     import h5py
 
+    if values not in VALUES:
+        raise ValueError(f"values must be one of {', '.join(VALUES)}, not {values!r}")
     if bias and not features:
         raise ValueError("bias needs features > 0 (biases belong to the projection weights)")
     if heads % kv_heads:
@@ -177,7 +196,7 @@ def make_data(
                     starts = np.concatenate(([0], np.cumsum(split_sizes(total, shards))))
                     lo, hi = int(starts[j]), int(starts[j + 1])
                     _write_family(node, fam, total, lo, hi, seed, gi, stream, dt, sequences,
-                                  batch_axis, compression)  # fmt: skip
+                                  batch_axis, compression, values)  # fmt: skip
         os.replace(tmp, p)
     if features:
         wpath = weights or os.path.splitext(path)[0] + "-weights.h5"
