@@ -24,6 +24,7 @@ __all__ = [
     "UnsafePathError",
     "fsync_path",
     "write_json",
+    "replace_with",
     "exclusive_temp",
     "umask",
     "check_owned",
@@ -91,14 +92,16 @@ def exclusive_temp(target: str, mode: int = 0o666) -> tuple[int, str]:
     raise FileExistsError(f"{d}: no free temporary name for {base}")
 
 
-def write_json(path: str, obj, *, indent: int = 1) -> None:
-    """Write ``obj`` as JSON (sorted keys) to an exclusive temporary, fsync, rename, fsync dir."""
-    path = os.fspath(path)
+def replace_with(path: str, data) -> None:
+    """Write ``data`` (str or bytes) to an exclusive temporary beside ``path``, fsync, rename.
+
+    The temporary is removed if anything fails, so ``path`` holds the old file or the
+    whole new one, never a part.
+    """
     fd, tmp = exclusive_temp(path)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=indent, sort_keys=True)
-            fh.write("\n")
+        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -106,6 +109,12 @@ def write_json(path: str, obj, *, indent: int = 1) -> None:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: str, obj, *, indent: int = 1) -> None:
+    """Write ``obj`` as JSON (sorted keys) to an exclusive temporary, fsync, rename, fsync dir."""
+    path = os.fspath(path)
+    replace_with(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 

@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 
 from ..collective import run_everywhere, run_on_root
-from ..files import exclusive_temp, fsync_path, write_json
+from ..files import exclusive_temp, fsync_path, replace_with, write_json
 from ..partition import positions
 from .outdir import lock_output, open_parts_dir, unlock_output, valid_marker, vds_name
 from .reader import local_runs
@@ -113,17 +113,7 @@ def _write_h5(path: str, fill) -> None:
         fill(f)
         f.flush()
         image = f.id.get_file_image()
-    fd, tmp = exclusive_temp(path)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(image)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    replace_with(path, image)
 
 
 def _crc32(path: str) -> Optional[tuple]:
