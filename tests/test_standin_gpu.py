@@ -321,3 +321,31 @@ def test_realcases_rule_can_fail(cupy, monkeypatch):
     finally:
         monkeypatch.undo()
         standin.clear_caches()
+
+
+def test_realcases_backward_rule_can_fail(cupy, monkeypatch):
+    """The backward rule catches dV summed row by row into one float32 total (2 x 65,536)."""
+    from tools import realcases
+
+    numpy_kernel = standin_kernels._backward
+
+    def chained(expr, grid, block, args, smem):
+        numpy_kernel(expr, grid, block, args, smem)
+        if "_dkdv_" in expr:
+            q, k, _, do, lse, _, _, dv = (x._a for x in args[:8])
+            s = np.einsum("hqd,kd->hqk", q[0], k[0, 0], dtype=np.float32)
+            p = np.exp(s * np.float32(float(args[-2])) - lse[0][..., None])
+            o = np.zeros(dv.shape[2:], np.float32)
+            for i in range(q.shape[2]):  # every query row of both heads, in order
+                for h in range(q.shape[1]):
+                    o += p[h, i][:, None] * do[0, h, i]
+            dv[0, 0] = o
+
+    monkeypatch.setitem(cupy._kernel._IMPLS, "attn_bwd_dkdv_simt", chained)
+    standin.clear_caches()
+    try:
+        with pytest.raises(AssertionError, match="dv: max err"):
+            realcases.backward_long(cupy, "float32", 64, 65536, 64, seed=8)
+    finally:
+        monkeypatch.undo()
+        standin.clear_caches()
