@@ -80,7 +80,11 @@ def forward_long(cupy, dtype: str, d: int, *, rows: int = 16, keys: int = 65536,
     what = f"{dtype} D={d} {rows}x{keys} in {steps} steps"
     extra = 2 * UNIT[dtype] * float(np.abs(v64).max())  # P rounded to 16 bits before P V
     assert_close(None, seq_major(out), ref, peer, f"{what} out", extra=extra)
-    assert_close(None, lse[0], ref_lse, peer_lse, f"{what} lse")
+    # the 16-bit (tensor-core) tiles score with scale * log2(e) rounded to float32 and keep
+    # m in base 2: a few float32 ulps of the largest score |s|, which sinks make large
+    s_max = float(np.abs(np.einsum("qhd,khd->hqk", q64, k64[:, [0, 0]]) / np.sqrt(d)).max())
+    lse_extra = 4 * 2.0**-24 * s_max if UNIT[dtype] else 0.0
+    assert_close(None, lse[0], ref_lse, peer_lse, f"{what} lse", extra=lse_extra)
 
 
 def backward_long(cupy, dtype: str, d: int, sq: int, sk: int, *, seed: int = 0) -> None:
