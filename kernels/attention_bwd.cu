@@ -27,7 +27,11 @@
 // with lse = -inf saw no key: P = exp(s - +inf) = 0, no gradient. Two
 // kernels, no atomics: dkdv owns a key block and loops over the query blocks
 // of all G heads; dq owns a query block and loops over the key blocks (S and
-// dP are computed in both).
+// dP are computed in both). No register total takes every query row (dK, dV)
+// or every key (dQ): the partials are added to dk, dv, dq every
+// RING_FLUSH_KEYS rows/keys (tensor cores) or RING_FLUSH_BLOCKS blocks (CUDA
+// cores, whose blocks are summed from zero first); see "long sums" in
+// attention_fwd.cu.
 
 // base-2 log-sum-exp of a row: +inf for a row without keys (or padding), so
 // exp2(s - lse2) = 0 there
@@ -133,11 +137,40 @@ __global__ void __launch_bounds__(128, 1)
     const int key = k0 + warp * 16 + gr + 8 * r;
     kp[r] = key < Sk ? k_pos[key] : RING_POS_MAX;
   }
+  // partial dK, dV of at most RING_FLUSH_KEYS query rows, from zero; flush()
+  // adds them to dk, dv and starts again (no register total takes every row)
   float dka[NTO][4], dva[NTO][4];
 #pragma unroll
   for (int nt = 0; nt < NTO; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dka[nt][e] = dva[nt][e] = 0.f;
+  auto flush = [&]() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = k0 + warp * 16 + gr + 8 * r;
+      if (key < Sk) {
+        float* dkr = dk + (krow0 + key) * D;
+        float* dvr = dv + (krow0 + key) * D;
+#pragma unroll
+        for (int nt = 0; nt < NTO; ++nt) {
+          const int col = nt * 8 + tg * 2;
+          if (col < D) {
+            dkr[col] += scale * dka[nt][2 * r];
+            dvr[col] += dva[nt][2 * r];
+          }
+          if (col + 1 < D) {
+            dkr[col + 1] += scale * dka[nt][2 * r + 1];
+            dvr[col + 1] += dva[nt][2 * r + 1];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTO; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dka[nt][e] = dva[nt][e] = 0.f;
+  };
+  int nflush = 0;  // (q block, head) steps in the partial
 
   const float scale_log2 = scale * RING_LOG2E;
   // ldmatrix row addresses: A fragments of K and V (this warp's 16 keys), B
@@ -163,6 +196,11 @@ __global__ void __launch_bounds__(128, 1)
       cp_wait<0>();
     }
     __syncthreads();
+    // here (not after this step's MMAs, where it made HD = 128 spill registers)
+    if (nflush == RING_FLUSH_KEYS / BM) {  // uniform over the CTA
+      flush();
+      nflush = 0;
+    }
     const unsigned so = stage * BM * ROWB;
 
     // S^T = K Q^T and dP^T = V dO^T: 16 keys x BM queries per warp
@@ -230,32 +268,14 @@ __global__ void __launch_bounds__(128, 1)
         Mma<T>::run(dka[2 * np + 1], sa, bq[2], bq[3]);
       }
     }
+    ++nflush;
     __syncthreads();  // every warp is done with this stage before it is refilled
     if (nq >= nqb) break;
     qb = nq;
     gi = ng;
     stage ^= 1;
   }
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = k0 + warp * 16 + gr + 8 * r;
-    if (key >= Sk) continue;
-    float* dkr = dk + (krow0 + key) * D;
-    float* dvr = dv + (krow0 + key) * D;
-#pragma unroll
-    for (int nt = 0; nt < NTO; ++nt) {
-      const int col = nt * 8 + tg * 2;
-      if (col < D) {
-        dkr[col] += scale * dka[nt][2 * r];
-        dvr[col] += dva[nt][2 * r];
-      }
-      if (col + 1 < D) {
-        dkr[col + 1] += scale * dka[nt][2 * r + 1];
-        dvr[col + 1] += dva[nt][2 * r + 1];
-      }
-    }
-  }
+  if (nflush) flush();
 }
 
 // dQ of one block of 64 query rows (4 warps x 16 rows) of head h, batch b:
@@ -332,9 +352,28 @@ __global__ void __launch_bounds__(128, 1)
     rhi[r] = RING_POS_MIN;
     if (ok) row_range(row_lo, row_hi, q_pos, causal, row, rlo[r], rhi[r]);
   }
+  // partial dQ of at most RING_FLUSH_KEYS keys, from zero; flush() adds it to dq
   float dqa[NTO][4];
 #pragma unroll
   for (int nt = 0; nt < NTO; ++nt) dqa[nt][0] = dqa[nt][1] = dqa[nt][2] = dqa[nt][3] = 0.f;
+  auto flush = [&]() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = q0 + warp * 16 + gr + 8 * r;
+      if (row < Sq) {
+        float* dqr = dq + (qrow0 + row) * D;
+#pragma unroll
+        for (int nt = 0; nt < NTO; ++nt) {
+          const int col = nt * 8 + tg * 2;
+          if (col < D) dqr[col] += scale * dqa[nt][2 * r];
+          if (col + 1 < D) dqr[col + 1] += scale * dqa[nt][2 * r + 1];
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTO; ++nt) dqa[nt][0] = dqa[nt][1] = dqa[nt][2] = dqa[nt][3] = 0.f;
+  };
+  int nflush = 0;  // key blocks in the partial
 
   const float scale_log2 = scale * RING_LOG2E;
   const int arow = warp * 16 + (lane & 15), acol = (lane >> 4) * 8;
@@ -414,24 +453,16 @@ __global__ void __launch_bounds__(128, 1)
         Mma<T>::run(dqa[2 * np + 1], a, bk[2], bk[3]);
       }
     }
+    if (++nflush == RING_FLUSH_KEYS / BN) {  // uniform over the CTA
+      flush();
+      nflush = 0;
+    }
     __syncthreads();
     if (nxt >= nkb) break;
     kb = nxt;
     stage ^= 1;
   }
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = q0 + warp * 16 + gr + 8 * r;
-    if (row >= Sq) continue;
-    float* dqr = dq + (qrow0 + row) * D;
-#pragma unroll
-    for (int nt = 0; nt < NTO; ++nt) {
-      const int col = nt * 8 + tg * 2;
-      if (col < D) dqr[col] += scale * dqa[nt][2 * r];
-      if (col + 1 < D) dqr[col + 1] += scale * dqa[nt][2 * r + 1];
-    }
-  }
+  if (nflush) flush();
 }
 
 // ----------------------------------------------------------------------------
@@ -494,11 +525,31 @@ __global__ void __launch_bounds__(256, 1)
     const int key = k0 + ty + 16 * i;
     kp[i] = key < Sk ? k_pos[key] : RING_POS_MAX;
   }
+  // each (q block, head) step's dK, dV are summed from zero (pk, pv) and added
+  // to dka, dva, which go to dk, dv every RING_FLUSH_BLOCKS steps (flush()):
+  // no total takes more than BM, RING_FLUSH_BLOCKS or G Sq / (BM RING_FLUSH_BLOCKS)
+  // additions, instead of one chain over every query row
   A dka[RN][RD], dva[RN][RD];
 #pragma unroll
   for (int i = 0; i < RN; ++i)
 #pragma unroll
     for (int j = 0; j < RD; ++j) dka[i][j] = dva[i][j] = zero;
+  auto flush = [&]() {
+#pragma unroll
+    for (int i = 0; i < RN; ++i) {
+      const int key = k0 + ty + 16 * i;
+#pragma unroll
+      for (int j = 0; j < RD; ++j) {
+        const int c = tx + 16 * j;
+        if (key < Sk && c < D) {
+          dk[(krow0 + key) * D + c] += scale * dka[i][j];
+          dv[(krow0 + key) * D + c] += dva[i][j];
+        }
+        dka[i][j] = dva[i][j] = zero;
+      }
+    }
+  };
+  int nflush = 0;  // steps in dka, dva
 
   for (; qb < nqb; qb = next_qblock(qb + 1, nqb, bounds, klo_me, khi_me)) {
     const int q0 = qb * BM;
@@ -563,6 +614,11 @@ __global__ void __launch_bounds__(256, 1)
         }
       __syncthreads();
 
+      A pk[RN][RD], pv[RN][RD];
+#pragma unroll
+      for (int i = 0; i < RN; ++i)
+#pragma unroll
+        for (int j = 0; j < RD; ++j) pk[i][j] = pv[i][j] = zero;
 #pragma unroll 4
       for (int qq = 0; qq < nq; ++qq) {
         A pa[RN], sa[RN], oa[RD], qa[RD];
@@ -580,26 +636,24 @@ __global__ void __launch_bounds__(256, 1)
         for (int i = 0; i < RN; ++i)
 #pragma unroll
           for (int j = 0; j < RD; ++j) {
-            dva[i][j] += pa[i] * oa[j];
-            dka[i][j] += sa[i] * qa[j];
+            pv[i][j] += pa[i] * oa[j];
+            pk[i][j] += sa[i] * qa[j];
           }
       }
-    }
-  }
-
 #pragma unroll
-  for (int i = 0; i < RN; ++i) {
-    const int key = k0 + ty + 16 * i;
-    if (key >= Sk) continue;
+      for (int i = 0; i < RN; ++i)
 #pragma unroll
-    for (int j = 0; j < RD; ++j) {
-      const int c = tx + 16 * j;
-      if (c < D) {
-        dk[(krow0 + key) * D + c] += scale * dka[i][j];
-        dv[(krow0 + key) * D + c] += dva[i][j];
+        for (int j = 0; j < RD; ++j) {
+          dva[i][j] = add_rn(dva[i][j], pv[i][j]);
+          dka[i][j] = add_rn(dka[i][j], pk[i][j]);
+        }
+      if (++nflush == RING_FLUSH_BLOCKS) {
+        flush();
+        nflush = 0;
       }
     }
   }
+  if (nflush) flush();
 }
 
 // dQ of one block of BM query rows of head h: grid (nqb, H, B). Thread
@@ -661,6 +715,21 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
     for (int j = 0; j < RD; ++j) dqa[i][j] = zero;
   }
+  // each key block's dS K is summed from zero (pq) and added to dqa, which goes
+  // to dq every RING_FLUSH_BLOCKS blocks (flush()): no chain over every key
+  auto flush = [&]() {
+#pragma unroll
+    for (int i = 0; i < RM; ++i) {
+      const int row = q0 + ty + 16 * i;
+#pragma unroll
+      for (int j = 0; j < RD; ++j) {
+        const int c = tx + 16 * j;
+        if (row < Sq && c < D) dq[(qrow0 + row) * D + c] += scale * dqa[i][j];
+        dqa[i][j] = zero;
+      }
+    }
+  };
+  int nflush = 0;  // key blocks in dqa
 
   for (; kb < nkb; kb = next_kblock(kb + 1, nkb, bounds, nqb, qb)) {
     const int k0 = kb * BN;
@@ -718,6 +787,11 @@ __global__ void __launch_bounds__(256, 1)
     __syncthreads();
 
     const int nk = (Sk - k0 < BN) ? Sk - k0 : BN;
+    A pq[RM][RD];
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < RD; ++j) pq[i][j] = zero;
 #pragma unroll 4
     for (int kk = 0; kk < nk; ++kk) {
       A sa[RM], ka[RD];
@@ -728,18 +802,16 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int i = 0; i < RM; ++i)
 #pragma unroll
-        for (int j = 0; j < RD; ++j) dqa[i][j] += sa[i] * ka[j];
+        for (int j = 0; j < RD; ++j) pq[i][j] += sa[i] * ka[j];
+    }
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < RD; ++j) dqa[i][j] = add_rn(dqa[i][j], pq[i][j]);
+    if (++nflush == RING_FLUSH_BLOCKS) {
+      flush();
+      nflush = 0;
     }
   }
-
-#pragma unroll
-  for (int i = 0; i < RM; ++i) {
-    const int row = q0 + ty + 16 * i;
-    if (row >= Sq) continue;
-#pragma unroll
-    for (int j = 0; j < RD; ++j) {
-      const int c = tx + 16 * j;
-      if (c < D) dq[(qrow0 + row) * D + c] += scale * dqa[i][j];
-    }
-  }
+  if (nflush) flush();
 }

@@ -75,6 +75,36 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // ----------------------------------------------------------------------------
+// long sums (issue 20). A float32 total that every key of a row (or every query
+// row of a key) is added to rounds each term against an ever larger total:
+// with values that have a mean the error grows with the key count. So no
+// accumulator here takes a row-long chain: each block's part is summed from
+// zero and added to the running state once, either by compensated (Kahan)
+// summation (CUDA-core forward) or, where registers are short (tensor-core
+// kernels, backward), the register partial goes to the stored state every
+// RING_FLUSH_KEYS keys (or query rows) and starts again from zero.
+// ----------------------------------------------------------------------------
+#define RING_FLUSH_KEYS 1024  // keys (query rows) per register partial, tensor-core kernels
+#define RING_FLUSH_BLOCKS 64  // blocks per register partial, CUDA-core backward kernels
+
+// rounded once and never contracted with a neighbouring product into an FMA
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+
+// o + x by compensated (Kahan) summation: the state is o - c (c holds the
+// rounding error of o so far); a NaN compensation (from an infinite o) is
+// replaced by 0, so inf and NaN behave as in plain summation.
+template <typename A> __device__ __forceinline__ A kahan_add(A o, A x, A& c) {
+  const A y = sub_rn(x, c);
+  const A t = add_rn(o, y);
+  const A e = sub_rn(sub_rn(t, o), y);
+  c = (e == e) ? e : A(0);
+  return t;
+}
+
+// ----------------------------------------------------------------------------
 // tensor-core helpers (sm_80+): m16n8k16 MMA, ldmatrix, cp.async
 // ----------------------------------------------------------------------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -275,24 +305,49 @@ __global__ void __launch_bounds__(128, 1)
     qf[kk][3] = *reinterpret_cast<const unsigned*>(p + 8 * LDS + 8);
   }
 
-  // carried state of rows rl and rl + 8; l is summed over the 4 lanes of a
-  // row group at the end, so only lane tg == 0 starts from the stored value
+  // rows rl and rl + 8. The registers hold the partial o, l of at most
+  // RING_FLUSH_KEYS keys, from zero, relative to the running max mrow; flush()
+  // adds them to the stored acc, l (relative to mst, the max they were last
+  // scaled to): acc = exp(mst - m) acc + o. l is summed over the 4 lanes of a
+  // row group there.
   float o[NTO][4];
-  float mrow[2], lrow[2];
+  float mrow[2], lrow[2], mst[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = q0 + rl + 8 * r;
-    const bool valid = row < Sq;
-    mrow[r] = valid ? m_state[qrow0 + row] : neg_inf<float>();
-    lrow[r] = (valid && tg == 0) ? l_state[qrow0 + row] : 0.f;
+    mrow[r] = mst[r] = (row < Sq) ? m_state[qrow0 + row] : neg_inf<float>();
+    lrow[r] = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < NTO; ++nt) {
-      const int col = nt * 8 + tg * 2;
-      const float* a = acc + (qrow0 + row) * D + col;
-      o[nt][2 * r] = (valid && col < D) ? a[0] : 0.f;
-      o[nt][2 * r + 1] = (valid && col + 1 < D) ? a[1] : 0.f;
-    }
+    for (int nt = 0; nt < NTO; ++nt) o[nt][2 * r] = o[nt][2 * r + 1] = 0.f;
   }
+  auto flush = [&]() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = lrow[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = q0 + rl + 8 * r;
+      // a row that was empty has acc = l = 0; an unchanged max gives beta = 1
+      const float beta = (mst[r] == neg_inf<float>())
+                             ? 0.f
+                             : fast_exp2(mst[r] * RING_LOG2E - mrow[r] * RING_LOG2E);
+      if (row < Sq) {
+        if (tg == 0) l_state[qrow0 + row] = l_state[qrow0 + row] * beta + l;
+#pragma unroll
+        for (int nt = 0; nt < NTO; ++nt) {
+          const int col = nt * 8 + tg * 2;
+          float* a = acc + (qrow0 + row) * D + col;
+          if (col < D) a[0] = a[0] * beta + o[nt][2 * r];
+          if (col + 1 < D) a[1] = a[1] * beta + o[nt][2 * r + 1];
+        }
+      }
+      mst[r] = mrow[r];
+      lrow[r] = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NTO; ++nt) o[nt][2 * r] = o[nt][2 * r + 1] = 0.f;
+    }
+  };
+  int nflush = 0;  // key blocks in the registers' partial
 
   while (true) {
     const int nxt = next_kblock(kb + 1, nkb, bounds, nqb, qb);
@@ -393,32 +448,22 @@ __global__ void __launch_bounds__(128, 1)
         Mma<T>::run(o[2 * np + 1], a, b2, b3);
       }
     }
+    if (++nflush == RING_FLUSH_KEYS / BN) {  // uniform over the CTA
+      flush();
+      nflush = 0;
+    }
     __syncthreads();  // every warp is done with this stage before it is refilled
     if (nxt >= nkb) break;
     kb = nxt;
     stage ^= 1;
   }
 
-  // write the state back
+  // the last partial, then the final max
+  if (nflush) flush();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = lrow[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int row = q0 + rl + 8 * r;
-    if (row < Sq) {
-      if (tg == 0) {
-        m_state[qrow0 + row] = mrow[r];
-        l_state[qrow0 + row] = l;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NTO; ++nt) {
-        const int col = nt * 8 + tg * 2;
-        float* a = acc + (qrow0 + row) * D + col;
-        if (col < D) a[0] = o[nt][2 * r];
-        if (col + 1 < D) a[1] = o[nt][2 * r + 1];
-      }
-    }
+    if (row < Sq && tg == 0) m_state[qrow0 + row] = mrow[r];
   }
 }
 
@@ -462,6 +507,7 @@ __global__ void __launch_bounds__(128, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ long long rlo_s[BM], rhi_s[BM];  // visible key range of each packed row
   __shared__ float m_in[BM];     // the max each row came in with (base 2)
+  __shared__ float m_st[BM];     // the max the stored acc, l are scaled to (base 2)
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
   T* Ks = Qs + BM * LDS;                   // [2][BN][LDS]
   T* Vs = Ks + 2 * BN * LDS;               // [2][BN][LDS]
@@ -505,7 +551,7 @@ __global__ void __launch_bounds__(128, 1)
     if (ok) row_range(row_lo, row_hi, q_pos, causal, (r0 + r) / G, lo, hi);
     rlo_s[r] = lo;
     rhi_s[r] = hi;
-    m_in[r] = ok ? m_state[row_of(r0 + r)] * RING_LOG2E : neg_inf<float>();
+    m_in[r] = m_st[r] = ok ? m_state[row_of(r0 + r)] * RING_LOG2E : neg_inf<float>();
   }
   auto load_kv = [&](int st, int kblock) {
     T* kd = Ks + st * BN * LDS;
@@ -527,9 +573,11 @@ __global__ void __launch_bounds__(128, 1)
   // (c0/c1 of m-tile mt are row r = 0, c2/c3 row r = 1). m is kept in base 2.
   float o[MT][NTO][4];
   float mrow[MT][2], lrow[MT][2];
-  __syncthreads();  // rlo_s, rhi_s, m_in
-  // The loop starts from the incoming max (so m only grows) with o = l = 0; the
-  // stored acc and l are folded in at the end, scaled by exp2(m_in - m_final).
+  __syncthreads();  // rlo_s, rhi_s, m_in, m_st
+  // The loop starts from the incoming max (so m only grows) with o = l = 0; every
+  // RING_FLUSH_KEYS keys and at the end flush() adds o, l to the stored acc, l,
+  // scaled by exp2(m_st - m) (m_st: the max they were last scaled to), and the
+  // registers start again from zero.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -540,6 +588,39 @@ __global__ void __launch_bounds__(128, 1)
       for (int nt = 0; nt < NTO; ++nt) o[mt][nt][2 * r] = o[mt][nt][2 * r + 1] = 0.f;
     }
   }
+  auto flush = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = lrow[mt][r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int lr = warp * 32 + mt * 16 + r * 8 + gr;
+        const float ms = m_st[lr], mf = mrow[mt][r];
+        if (r0 + lr < rows) {
+          const long long ri = row_of(r0 + lr);
+          // stored state relative to the current max; a row that was empty has acc = l = 0
+          const float beta = (ms == neg_inf<float>()) ? 0.f : fast_exp2(ms - mf);
+          if (tg == 0) l_state[ri] = l_state[ri] * beta + l;
+#pragma unroll
+          for (int nt = 0; nt < NTO; ++nt) {
+            const int col = nt * 8 + tg * 2;
+            float* a = acc + ri * D + col;
+            if (col < D) a[0] = a[0] * beta + o[mt][nt][2 * r];
+            if (col + 1 < D) a[1] = a[1] * beta + o[mt][nt][2 * r + 1];
+          }
+        }
+        __syncwarp();  // the 4 lanes of the row have read m_st[lr] (the warp owns its rows)
+        if (tg == 0) m_st[lr] = mf;
+        lrow[mt][r] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NTO; ++nt) o[mt][nt][2 * r] = o[mt][nt][2 * r + 1] = 0.f;
+      }
+    }
+    __syncwarp();
+  };
+  int nflush = 0;  // key blocks in the registers' partial
 
   constexpr unsigned ROWB = LDS * sizeof(T);  // bytes per smem row
   // per-lane ldmatrix row addresses: A fragments of Q, B fragments of K (S = Q K^T)
@@ -668,38 +749,25 @@ __global__ void __launch_bounds__(128, 1)
         }
       }
     }
+    if (++nflush == RING_FLUSH_KEYS / BN) {  // uniform over the CTA
+      flush();
+      nflush = 0;
+    }
     __syncthreads();  // every warp is done with this stage before it is refilled
     if (nxt >= nkb) break;
     kb = nxt;
     stage ^= 1;
   }
 
+  if (nflush) flush();  // the last partial
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float l = lrow[mt][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int lr = warp * 32 + mt * 16 + r * 8 + gr;
-      if (r0 + lr < rows) {
-        const long long ri = row_of(r0 + lr);
-        const float mi = m_in[lr], mf = mrow[mt][r];
-        // old state relative to the final max; a row that was empty has acc = l = 0
-        const float beta = (mi == neg_inf<float>()) ? 0.f : fast_exp2(mi - mf);
-        if (tg == 0) {
-          // an unchanged max keeps its stored bits (no base-2 round trip)
-          if (mf != mi) m_state[ri] = mf * RING_LN2;
-          l_state[ri] = l_state[ri] * beta + l;
-        }
-#pragma unroll
-        for (int nt = 0; nt < NTO; ++nt) {
-          const int col = nt * 8 + tg * 2;
-          float* a = acc + ri * D + col;
-          if (col < D) a[0] = a[0] * beta + o[mt][nt][2 * r];
-          if (col + 1 < D) a[1] = a[1] * beta + o[mt][nt][2 * r + 1];
-        }
-      }
+      const float mi = m_in[lr], mf = mrow[mt][r];
+      // an unchanged max keeps its stored bits (no base-2 round trip)
+      if (r0 + lr < rows && tg == 0 && mf != mi) m_state[row_of(r0 + lr)] = mf * RING_LN2;
     }
   }
 }
@@ -755,7 +823,9 @@ __global__ void __launch_bounds__(256, 1)
     Qs[r * LD + c] = (q0 + r < Sq && c < D) ? to_acc<A>(qg[(long long)(q0 + r) * ld + c]) : zero;
   }
 
-  A o[RM][RD], mrow[RM], lrow[RM];
+  // the state (o - oc, l - lc) of each row: every key block's P V and row sum
+  // are summed from zero (pv, rsum) and added by compensated summation
+  A o[RM][RD], oc[RM][RD], mrow[RM], lrow[RM], lc[RM];
   long long rlo[RM], rhi[RM];  // visible key positions of each row (none for padding)
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
@@ -763,6 +833,7 @@ __global__ void __launch_bounds__(256, 1)
     const bool valid = row < Sq;
     mrow[i] = valid ? m_state[qrow0 + row] : neg_inf<A>();
     lrow[i] = (valid && tx == 0) ? l_state[qrow0 + row] : zero;
+    lc[i] = zero;
     rlo[i] = RING_POS_MAX;
     rhi[i] = RING_POS_MIN;
     if (valid) row_range(row_lo, row_hi, q_pos, causal, row, rlo[i], rhi[i]);
@@ -770,6 +841,7 @@ __global__ void __launch_bounds__(256, 1)
     for (int j = 0; j < RD; ++j) {
       const int c = tx + 16 * j;
       o[i][j] = (valid && c < D) ? acc[(qrow0 + row) * D + c] : zero;
+      oc[i][j] = zero;
     }
   }
 
@@ -837,15 +909,26 @@ __global__ void __launch_bounds__(256, 1)
         rsum += p;
         Ps[(ty + 16 * i) * LP + tx + 16 * j] = p;
       }
-      lrow[i] = lrow[i] * alpha + rsum;
+      // alpha = 1 (the usual case once the max has settled) scales exactly
+      lc[i] *= alpha;
+      lrow[i] = kahan_add(lrow[i] * alpha, rsum, lc[i]);
       mrow[i] = m_new;
 #pragma unroll
-      for (int j = 0; j < RD; ++j) o[i][j] *= alpha;
+      for (int j = 0; j < RD; ++j) {
+        o[i][j] *= alpha;
+        oc[i][j] *= alpha;
+      }
     }
     __syncthreads();
 
-    // O += P V over the valid keys of the block
+    // O += P V over the valid keys of the block: the block's product from zero,
+    // then added to the state once, compensated
     const int nk = (Sk - k0 < BN) ? Sk - k0 : BN;
+    A pv[RM][RD];
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < RD; ++j) pv[i][j] = zero;
 #pragma unroll 4
     for (int kk = 0; kk < nk; ++kk) {
       A pa[RM], va[RD];
@@ -856,13 +939,17 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int i = 0; i < RM; ++i)
 #pragma unroll
-        for (int j = 0; j < RD; ++j) o[i][j] += pa[i] * va[j];
+        for (int j = 0; j < RD; ++j) pv[i][j] += pa[i] * va[j];
     }
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < RD; ++j) o[i][j] = kahan_add(o[i][j], pv[i][j], oc[i][j]);
   }
 
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
-    A l = lrow[i];
+    A l = sub_rn(lrow[i], lc[i]);
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
     const int row = q0 + ty + 16 * i;
@@ -874,7 +961,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int j = 0; j < RD; ++j) {
         const int c = tx + 16 * j;
-        if (c < D) acc[(qrow0 + row) * D + c] = o[i][j];
+        if (c < D) acc[(qrow0 + row) * D + c] = sub_rn(o[i][j], oc[i][j]);
       }
     }
   }

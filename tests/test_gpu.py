@@ -738,3 +738,41 @@ def test_ring_masks_mpi(comm, layout, dtype):
     gpu.bind_device(comm)
     for case in RING_MASKS:
         ring_mask_case(comm, dtype, layout, case)
+
+
+# ---------------------------------------------------------------------------
+# issue 20: values shaped like real data (means, small spreads, sinks) over
+# 65,536 keys or query rows, every configuration, against the float64 reference
+# (tests/tools/realcases.py; the stand-in suite runs the same cases on numpy)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_tile_real_values_long_rows(monkeypatch, dtype, d):
+    """16 rows x 65,536 keys, in one call and in 3 (a carried ring state), each configuration."""
+    from tools import realcases
+
+    cands = configs.forward_candidates(storage_of(dtype), d, smem_limit())
+    assert cands, f"no forward configuration for {dtype} D={d}"
+    for kern in cands:
+        monkeypatch.setenv(gpu_tile.CONFIG_ENV, kern.name)
+        assert kernel_for(dtype, d, True) == kern
+        for steps in (1, 3):
+            realcases.forward_long(cupy, dtype, d, steps=steps, seed=d)
+
+
+def test_tile_real_values_262144_keys():
+    """The longest row of issue 20's table: 8 rows x 262,144 keys, float32 (CUDA cores)."""
+    from tools import realcases
+
+    realcases.forward_long(cupy, "float32", 32, rows=8, keys=262144, seed=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", [(16, 65536), (65536, 64)], ids=["long rows", "long columns"])
+def test_backward_tile_real_values_long(dtype, d, shape):
+    """dq over 65,536 keys (long rows); dk, dv over 2 x 65,536 query rows (long columns)."""
+    from tools import realcases
+
+    bwd_kernels(dtype, d)
+    realcases.backward_long(cupy, dtype, d, *shape, seed=d)

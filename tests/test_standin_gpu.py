@@ -255,3 +255,97 @@ def test_bench_table_survives_a_failing_row(cupy, monkeypatch, tmp_path, capsys)
     assert len(bad) == 1 and bad[0]["pass"] == "bwd", bad
     assert all(r["tflops"] > 0 for r in rows if "error" not in r)
     assert rows[-1]["pass"] == "bwd" and rows[-1]["dtype"] == "float64"  # the table went on
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_values_long_rows_python_side(cupy, monkeypatch, dtype):
+    """Issue 20's cases (tests/tools/realcases.py) on the stand-in: 16 rows x 65,536 keys.
+
+    Realistic values (means, small spreads, sinks) through every forward configuration's
+    launch (plan, padding, bf16 bits, carried state over 3 calls) against float64. The
+    arithmetic here is the numpy tile's, NOT the CUDA kernels': tests/test_gpu.py runs the
+    same cases on a device, where the kernels' float32 sums are what is tested.
+    """
+    from tools import realcases
+
+    from ringmpi.gpu import configs, tile
+
+    cands = configs.forward_candidates(STORAGE[dtype], 64, 232448)
+    for kern in cands:
+        monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
+        n0 = len(cupy.launches)
+        for steps in (1, 3):
+            realcases.forward_long(cupy, dtype, 64, steps=steps, seed=7)
+        ran = {e for e, *_ in cupy.launches[n0:]}
+        assert ran == {kern.expr}, f"forced {kern.name}, ran {ran}"
+        assert len(cupy.launches) - n0 == 4, "one launch per tile call"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(16, 65536), (65536, 64)], ids=["long rows", "long columns"])
+def test_real_values_backward_long_python_side(cupy, dtype, shape):
+    """The backward cases of realcases on the stand-in (numpy arithmetic, not CUDA)."""
+    from tools import realcases
+
+    n0 = len(cupy.launches)
+    realcases.backward_long(cupy, dtype, 64, *shape, seed=8)
+    ran = sorted(e.split("<")[0] for e, *_ in cupy.launches[n0:])
+    assert ran == ["attn_bwd_dkdv_" + ran[0].split("_")[-1], "attn_bwd_dq_" + ran[0].split("_")[-1]]
+
+
+def test_realcases_rule_can_fail(cupy, monkeypatch):
+    """The realcases tolerance is not vacuous: a row-long float32 chain breaks it.
+
+    The stand-in's CUDA-core forward is swapped for one that adds P V key by key into one
+    float32 total per output element (the pattern issue 20 removed from the kernels).
+    """
+    from tools import realcases
+
+    def chained(expr, grid, block, args, smem):
+        q, k, v, acc, m, l, qp, kp = (x._a for x in args[:8])
+        scale = np.float32(float(args[-2]))
+        s = np.einsum("hqd,kd->hqk", q[0], k[0, 0], dtype=np.float32) * scale
+        s[:, kp[None, :] > qp[:, None]] = -np.inf  # causal
+        mx = s.max(-1, keepdims=True)
+        p = np.exp(s - mx, dtype=np.float32)
+        o = np.zeros(acc.shape[1:], np.float32)
+        for j in range(k.shape[2]):
+            o += p[:, :, j : j + 1] * v[0, 0, j]
+        acc[0], m[0], l[0] = o, mx[..., 0], p.sum(-1, dtype=np.float64)
+
+    monkeypatch.setitem(cupy._kernel._IMPLS, "attn_fwd_simt", chained)
+    standin.clear_caches()
+    try:
+        with pytest.raises(AssertionError, match="out: max err"):
+            realcases.forward_long(cupy, "float32", 32, rows=8, keys=65536, seed=24)
+    finally:
+        monkeypatch.undo()
+        standin.clear_caches()
+
+
+def test_realcases_backward_rule_can_fail(cupy, monkeypatch):
+    """The backward rule catches dV summed row by row into one float32 total (2 x 65,536)."""
+    from tools import realcases
+
+    numpy_kernel = standin_kernels._backward
+
+    def chained(expr, grid, block, args, smem):
+        numpy_kernel(expr, grid, block, args, smem)
+        if "_dkdv_" in expr:
+            q, k, _, do, lse, _, _, dv = (x._a for x in args[:8])
+            s = np.einsum("hqd,kd->hqk", q[0], k[0, 0], dtype=np.float32)
+            p = np.exp(s * np.float32(float(args[-2])) - lse[0][..., None])
+            o = np.zeros(dv.shape[2:], np.float32)
+            for i in range(q.shape[2]):  # every query row of both heads, in order
+                for h in range(q.shape[1]):
+                    o += p[h, i][:, None] * do[0, h, i]
+            dv[0, 0] = o
+
+    monkeypatch.setitem(cupy._kernel._IMPLS, "attn_bwd_dkdv_simt", chained)
+    standin.clear_caches()
+    try:
+        with pytest.raises(AssertionError, match="dv: max err"):
+            realcases.backward_long(cupy, "float32", 64, 65536, 64, seed=8)
+    finally:
+        monkeypatch.undo()
+        standin.clear_caches()
