@@ -138,3 +138,35 @@ def test_reads_run_in_daemon_threads():
     boom = reader_mod.in_background(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         boom.result(5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_contiguous_reads_go_in_bounded_slabs(tmp_path, monkeypatch, layout):
+    """No single HDF5 read is larger than SLAB_BYTES, so a moving read keeps the watchdog fed;
+    the rows read are the file's, exactly."""
+    from ringmpi.job import schema
+
+    p = _data(tmp_path)
+    monkeypatch.setattr(reader_mod, "SLAB_BYTES", 1000)  # q rows are 4*16*4 = 256 bytes
+    calls = []
+    real = h5py.Dataset.read_direct
+
+    def counted(self, dest, source_sel=None, dest_sel=None):
+        calls.append(dest.nbytes)
+        return real(self, dest, source_sel, dest_sel)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", counted)
+    plan = schema.scan([str(p)])
+    with h5py.File(p, "r", locking=False) as f:
+        for rank in range(2):
+            rd = reader_mod.Reader(plan, rank, 2, layout)
+            seq = plan.sequences[1]
+            q, k, v = rd.read(seq)
+            pos, pos_k = rd.positions(seq), rd.positions_k(seq)
+            np.testing.assert_array_equal(q, f["s1/q"][...][pos])
+            np.testing.assert_array_equal(k, f["s1/k"][...][pos_k])
+            np.testing.assert_array_equal(v, f["s1/v"][...][pos_k])
+            assert rd.bytes_read == q.nbytes + k.nbytes + v.nbytes
+            rd.close()
+    assert calls and max(calls) <= 1000, calls
+    assert len(calls) >= 2 * (48 * 256 // 1000), len(calls)  # 48 q rows per rank: 13+ slabs

@@ -33,6 +33,7 @@ __all__ = ["Reader", "local_runs", "in_background", "abandon", "UNION_RUNS", "ST
 
 UNION_RUNS = 64  # unit-stride hyperslabs OR-ed into one selection (measured best: 16-256)
 STALL_ENV = "RINGMPI_TEST_READ_STALL_S"
+SLAB_BYTES = 256 << 20  # one HDF5 read at most (contiguous runs), so progress is seen
 
 
 def in_background(fn, *args) -> Future:
@@ -269,9 +270,14 @@ class Reader:
             if mode == "auto":  # measured: strided selections over chunked data are slow
                 mode = "hyperslab" if ds.chunks is None else "blocks"
             if step == 1 or mode == "hyperslab":
-                ds.read_direct(dest, source_sel=sel(s0, s0 + step * (cnt - 1) + 1, step))
-                self.bytes_read += dest.nbytes
-                self.progress = time.monotonic()
+                # slabs of SLAB_BYTES: the watchdog sees progress at least that often
+                rows = max(1, SLAB_BYTES // max(1, dest[0].nbytes))
+                for t in range(0, cnt, rows):
+                    k = min(rows, cnt - t)
+                    a = s0 + step * t
+                    ds.read_direct(dest[t : t + k], source_sel=sel(a, a + step * (k - 1) + 1, step))
+                    self.bytes_read += dest[t : t + k].nbytes
+                    self.progress = time.monotonic()
                 return
             # contiguous blocks covering `per` strided rows each, subsampled in memory
             row = max(1, dest[0].nbytes)
