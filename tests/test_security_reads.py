@@ -170,3 +170,40 @@ def test_contiguous_reads_go_in_bounded_slabs(tmp_path, monkeypatch, layout):
             rd.close()
     assert calls and max(calls) <= 1000, calls
     assert len(calls) >= 2 * (48 * 256 // 1000), len(calls)  # 48 q rows per rank: 13+ slabs
+
+
+_ABANDON = """
+import sys, time
+from h5py._objects import phil
+from ringmpi.job import reader
+stuck = sys.argv[1] == "stuck"
+def read():
+    with phil:  # like a read blocked inside HDF5
+        time.sleep(3600 if stuck else 0.2)
+fut = reader.in_background(read)
+time.sleep(0.1)
+reader.abandon(7, [fut], grace=float(sys.argv[2]))
+if sys.argv[3] == "lock":  # the main thread blocks on h5py's lock: only the timer helps
+    with phil:
+        pass
+time.sleep(0.5)
+print("left", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "mode, grace, then, rc, out",
+    [
+        ("stuck", "60", "exit", 7, "left"),
+        ("stuck", "1", "lock", 7, ""),
+        ("done", "1", "lock", 0, "left"),
+    ],
+)
+def test_abandoned_reads_never_keep_the_process(mode, grace, then, rc, out):
+    """A stuck read: exit with the code at interpreter exit, or after the grace if the main
+    thread is stuck on h5py's lock itself; a read that finished: a normal exit."""
+    t0 = time.monotonic()
+    proc = subprocess.run([PY, "-c", _ABANDON, mode, grace, then], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert (proc.returncode, proc.stdout.strip()) == (rc, out), proc.stderr
+    assert time.monotonic() - t0 < 20

@@ -57,19 +57,23 @@ def in_background(fn, *args) -> Future:
     return fut
 
 
-def abandon(code: int, grace: float = 30.0) -> None:
-    """A read is left stuck in HDF5: make sure the process still ends, with status ``code``.
+def abandon(code: int, pending: list, grace: float = 30.0) -> None:
+    """Reads are left running, maybe stuck in HDF5: make sure the process still ends.
 
-    The stuck reader holds h5py's global lock, so freeing any h5py object at
-    interpreter exit (or in a garbage collection) would wait for it forever. At
-    exit the process ends with ``os._exit(code)`` (stdout and stderr flushed)
-    before those objects are collected; a daemon timer does the same after
-    ``grace`` seconds should the main thread get stuck on the lock first.
+    A stuck reader holds h5py's global lock, so freeing any h5py object at
+    interpreter exit (or in a garbage collection) would wait for it forever. While
+    a read of ``pending`` is unfinished, the process ends at exit with
+    ``os._exit(code)`` (stdout and stderr flushed) before those objects are
+    collected, and a daemon timer does the same after ``grace`` seconds should the
+    main thread get stuck on the lock first. Once the reads have finished, neither
+    does anything.
 
     Parameters
     ----------
     code : int
         The exit status (128 + the signal number after a SIGTERM/SIGINT).
+    pending : list of concurrent.futures.Future
+        The reads left running.
     grace : float
         Seconds before the timer ends the process regardless.
     """
@@ -77,6 +81,8 @@ def abandon(code: int, grace: float = 30.0) -> None:
     import sys
 
     def bye():
+        if all(f.done() for f in pending):
+            return
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -403,8 +403,9 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
         stopped = True
         bar.close()
         err = _where(e, where, plan, todo, len(done) + max(where["j"], 0), rs)
-        if not all(r.done() for r in reads):  # a read still running may be stuck in HDF5
-            abandon(err.exit_status, interrupt.grace() or 30.0)
+        left = [r for r in reads if not r.done()]
+        if left:  # a read still running may be stuck in HDF5
+            abandon(err.exit_status, left, interrupt.grace() or 30.0)
         raise err from None
     finally:
         # an interrupted read is not waited for (a daemon thread: the process ends
