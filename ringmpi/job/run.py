@@ -334,7 +334,7 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
     def submit(j):
         return start(plan.sequences[todo[j]])
 
-    def result(fut, name):
+    def read(fut, name):
         """The read's result; an interrupt is noticed while waiting, a stuck read is watched."""
         what = f"its own read of sequence {name} (no HDF5 read finished)"
         with watch(what, why="the file system is stuck") as moved:
@@ -356,7 +356,7 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
             bar.start(j, seq.name, seq.length, rs, ticks_per_step(attrs["kernel"], n_here))
             t0 = time.perf_counter()
             fut = nxt if prefetch else start(seq)
-            q, k, v = run_everywhere(ring, result, fut, seq.name)
+            q, k, v = run_everywhere(ring, read, fut, seq.name)
             read_wait += time.perf_counter() - t0
             t_read = time.perf_counter() - t0
             where["stage"] = "ring"
@@ -412,7 +412,7 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
         # right after, even when the read is stuck in the file system)
         if nxt is not None and not stopped and not nxt.cancel():
             try:  # a prefetch left running after an error: let it finish (watched)
-                result(nxt, "(prefetched)")
+                read(nxt, "(prefetched)")
             except BaseException:  # noqa: BLE001 - the error being raised says what went wrong
                 pass
         if not stopped:
