@@ -1,5 +1,8 @@
 # ringmpi developer targets. Everything runs inside a virtual environment that
 # `make venv` creates (or reuses) under .venv.
+#   make install  ringmpi for users: runtime dependencies only (no pytest, ruff,
+#                 shellcheck), a regular (not editable) install into $(VENV)
+#   make venv     the development environment: editable, with the test tools
 #   make test     lint + single-rank tests + multi-rank tests at P = 1..4
 #   make run      sample data -> mpiexec -n 4 ringmpi run -> verify -> summary
 #   make bench    CPU benchmark table (ringmpi bench)
@@ -11,8 +14,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # On a machine without a system MPI the PyPI build of MPICH gives mpiexec; set
-# EXTRAS=test on a cluster to use the system MPI that mpi4py was built against.
+# EXTRAS=test (make venv) or INSTALL_EXTRAS= (make install) on a cluster to use the
+# system MPI that mpi4py was built against.
 EXTRAS ?= mpich,test
+INSTALL_EXTRAS ?= mpich
+# the versions tested here (pip freeze, CPython 3.11); `make constraints` refreshes it
+CONSTRAINTS ?= constraints.txt
 NP ?= 4
 MPIEXEC ?= $(VENV)/bin/mpiexec
 # one BLAS/OpenMP thread per rank: ranks share the cores
@@ -22,15 +29,33 @@ export MKL_NUM_THREADS ?= 1
 TEST_TIMEOUT ?= 1200
 RANKS ?= 1 2 3 4
 
-.PHONY: venv install lint test test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
+.PHONY: venv install constraints lint test test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	touch $@
 
-venv install: $(VENV)/.installed
+venv: $(VENV)/.installed
+
+# runtime only; the stamp of the development environment is dropped, so a later
+# `make test` in the same $(VENV) installs the test tools again
+install:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c $(CONSTRAINTS) "$(if $(INSTALL_EXTRAS),.[$(INSTALL_EXTRAS)],.)"
+	rm -f $(VENV)/.installed
+
+# pin what the development environment holds now (after a green `make test`)
+constraints: $(VENV)/.installed
+	pyv=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	{ echo "# Versions ringmpi was tested with (pip freeze of make venv, CPython $$pyv,"; \
+	  echo "# $$(uname -sm)). make venv and make install use them (pip -c); on another"; \
+	  echo "# Python the markers leave the resolver free. Regenerate: make constraints"; \
+	  $(PY) -m pip freeze --exclude-editable | grep -v '^#' \
+	    | sed "s/\$$/; python_version == \"$$pyv\"/"; } > $(CONSTRAINTS).tmp
+	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ringmpi tests data jobs

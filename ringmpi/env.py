@@ -143,6 +143,9 @@ _VARS = [
         "SIGKILL rank 0 after this many sequences of a run", tests=True),
     Var("RINGMPI_TEST_MPIO_KILL", None, _text,
         "SIGKILL rank 0 after writing this sequence of a one-file output", tests=True),
+    Var("RINGMPI_TEST_READ_STALL_S", None, _text,
+        "`[RANK:]S`: each input read of the job blocks S seconds holding h5py's lock, like a "
+        "stuck file system (that ring rank only with `RANK:`)", tests=True),
     Var("RINGMPI_KEEP", None, _text,
         "set: the cluster test scripts keep their work folder", tests=True),
 ]  # fmt: skip

@@ -34,7 +34,7 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
-__all__ = ["Interrupted", "catching", "active", "pending", "check", "clear", "GRACE_ENV"]
+__all__ = ["Interrupted", "catching", "active", "pending", "check", "clear", "grace", "GRACE_ENV"]
 
 GRACE_ENV = "RINGMPI_INTERRUPT_GRACE_S"
 DEFAULT_GRACE_S = 30.0
@@ -80,6 +80,11 @@ def _handler(signum, _frame) -> None:
 def _replaceable(handler) -> bool:
     """Only Python's defaults are replaced: a program's own handler is left alone."""
     return handler in (signal.default_int_handler, signal.SIG_DFL, None)
+
+
+def grace() -> Optional[float]:
+    """Seconds from ``RINGMPI_INTERRUPT_GRACE_S`` (default 30), or None when off (0)."""
+    return _grace()
 
 
 def _grace() -> Optional[float]:

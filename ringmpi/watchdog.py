@@ -7,6 +7,11 @@ returned after ``RINGMPI_WATCHDOG_S`` seconds (default 600; 0 disables), a
 background thread prints one line naming the rank and what it was waiting for,
 and ends the process with exit status 124. The launcher then tears the job down;
 where it does not, every other waiting rank's own watchdog ends it.
+
+Waits on this rank's own file system are watched the same way: the batch job
+waits for its reader thread under :func:`watch` with ``why`` saying so, and moves
+the deadline on each time the read makes progress (one HDF5 read done), so a read
+that is slow but moving is not cut off, and one that is stuck ends the job.
 """
 
 from __future__ import annotations
@@ -55,18 +60,26 @@ class _Dog:
         self.cond = threading.Condition()
         self.deadline: Optional[float] = None
         self.what = ""
+        self.why = ""
         self.seconds = 0.0
         self.thread: Optional[threading.Thread] = None
 
-    def arm(self, seconds: float, what: str) -> None:
+    def arm(self, seconds: float, what: str, why: str = "the peer is dead or hung") -> None:
         with self.cond:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="ringmpi-watchdog")
                 self.thread.daemon = True
                 self.thread.start()
             self.deadline = time.monotonic() + seconds
-            self.what, self.seconds = what, seconds
+            self.what, self.why, self.seconds = what, why, seconds
             self.cond.notify()
+
+    def moved(self, at: float) -> None:
+        """Progress at monotonic time ``at``: the deadline becomes ``at`` + the limit."""
+        with self.cond:
+            if self.deadline is not None:
+                self.deadline = max(self.deadline, at + self.seconds)
+                self.cond.notify()
 
     def disarm(self) -> None:
         with self.cond:
@@ -88,7 +101,7 @@ class _Dog:
         rank = _rank()
         sys.stderr.write(
             f"ringmpi: watchdog: rank {rank} waited more than {self.seconds:g} s for "
-            f"{self.what}; the peer is dead or hung: aborting the job ({ENV}={self.seconds:g})\n"
+            f"{self.what}; {self.why}: aborting the job ({ENV}={self.seconds:g})\n"
         )
         sys.stderr.flush()
         time.sleep(0.3)  # let the launcher forward the line before the job is torn down
@@ -106,15 +119,33 @@ def _rank() -> str:
         return "?"
 
 
+def _still(_at: float) -> None:
+    """What :func:`watch` yields when the watchdog is off: progress changes nothing."""
+
+
 @contextmanager
-def watch(what: str):
-    """Run the body under the watchdog: past the limit the process ends with one line."""
+def watch(what: str, why: str = "the peer is dead or hung"):
+    """Run the body under the watchdog: past the limit the process ends with one line.
+
+    Parameters
+    ----------
+    what : str
+        What the rank waits for ("the agreement after read with the other ranks").
+    why : str
+        The likely cause, said in the line.
+
+    Yields
+    ------
+    moved : callable (float) -> None
+        Call with the monotonic time of progress (``time.monotonic()``) to move
+        the deadline to that time plus the limit (never earlier).
+    """
     seconds = limit()
     if seconds is None:
-        yield
+        yield _still
         return
-    _DOG.arm(seconds, what)
+    _DOG.arm(seconds, what, why)
     try:
-        yield
+        yield _DOG.moved
     finally:
         _DOG.disarm()

@@ -176,3 +176,70 @@ def test_lock_wait_setting_is_validated(monkeypatch, val):
     monkeypatch.setenv("RINGMPI_BUILD_LOCK_S", val)
     with pytest.raises(ValueError, match="RINGMPI_BUILD_LOCK_S"):
         build._lock_wait_s()
+
+
+# -- the load sees the file the hash check saw (/proc/self/fd) ----------------------------------
+
+
+def _swap_after_hashing(monkeypatch, path: Path, planted: Path) -> list:
+    """Make the next hash of ``path`` swap ``planted`` in under its name once it is computed."""
+    real, swapped = build.sha256_fd, []
+
+    def hash_then_swap(fd):
+        digest = real(fd)
+        if not swapped:
+            os.replace(planted, path)
+            path.chmod(0o700)
+            swapped.append(True)
+        return digest
+
+    monkeypatch.setattr(build, "sha256_fd", hash_then_swap)
+    return swapped
+
+
+@needs_compiler
+def test_library_swapped_after_hashing_is_not_what_loads(cache, tmp_path, monkeypatch):
+    path = build.build_library("answer.c", ISA)
+    swapped = _swap_after_hashing(monkeypatch, path, _planted_so(tmp_path))
+    lib = build.load_verified(path)
+    assert swapped, "the swap never happened"
+    assert lib.answer() == 42  # the verified build, though the name now holds the planted one
+    assert lib._name.startswith("/proc/self/fd/")
+    assert not (tmp_path / "planted-ran").exists()
+    with pytest.raises(UnsafePathError, match="SHA-256 differs"):
+        build.load_verified(path)  # what is under the name now is refused
+
+
+@needs_compiler
+def test_without_proc_fd_the_checked_path_is_loaded(cache, tmp_path, monkeypatch):
+    """Elsewhere (no /proc/self/fd) the path is loaded: the same swap then wins, which is
+    why Linux loads through the descriptor."""
+    path = build.build_library("answer.c", ISA)
+    monkeypatch.setattr(build, "_fd_path", lambda fd: None)
+    _swap_after_hashing(monkeypatch, path, _planted_so(tmp_path))
+    assert build.load_verified(path).answer() == 666
+    assert (tmp_path / "planted-ran").read_text() == "ran\n"
+
+
+@needs_compiler
+def test_libraries_loaded_in_turn_are_each_their_own(cache, tmp_path, monkeypatch):
+    """The loader knows a library by its name: /proc/self/fd/N must never be reused."""
+    kdir = Path(os.environ["RINGMPI_KERNEL_DIR"])
+    got = []
+    for i, value in enumerate((42, 7, 1234)):
+        (kdir / f"n{i}.c").write_text(f"int answer(void) {{ return {value}; }}\n")
+        got.append(build.load_verified(build.build_library(f"n{i}.c", ISA)).answer())
+    assert got == [42, 7, 1234]
+
+
+@needs_compiler
+def test_fused_kernels_load_through_the_descriptor():
+    """The tiles' libraries (forward and backward) come through load_verified, paths kept."""
+    from ringmpi.cpu import fused, fused_backward
+
+    kern = fused.load(ISA)
+    assert kern._lib._name.startswith("/proc/self/fd/")
+    assert str(kern.path).endswith(".so") and kern.path.is_file()
+    lib = fused_backward.open_library(build.build_library("cpu_backward.c", ISA))
+    assert lib._name.startswith("/proc/self/fd/")
+    assert int(lib.rm_backward_simd_width_bytes()) == (0 if ISA == "scalar" else 32)

@@ -113,3 +113,10 @@ def test_filter_plugins_are_never_loaded(tmp_path):
     lines = r["err"].strip().splitlines()
     assert r["rc"] == 2 and len(lines) == 1, r["err"]
     assert "needs HDF5 filter 40123, which is not built in" in lines[0]
+
+
+@pytest.mark.parametrize("kind", ["long_cu_seqlens", "cu_seqlens_bomb", "cu_seqlens_wrap"])
+def test_hostile_offsets_fail_closed_on_two_ranks(kind, tmp_path):
+    """The offsets no longer travel in the plan's broadcast: the refusal is still one line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    assert hostile.check(kind, tmp_path, env=env, ranks=2) == []

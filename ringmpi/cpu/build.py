@@ -27,10 +27,13 @@ The cache holds code that will run: it must be private. The directory is created
 files in it are opened relative to its descriptor without following symlinks; the
 build records the library's SHA-256 in the lock file and a cached library is used
 only when its owner, mode and hash (computed on the opened descriptor) match.
+:func:`load_verified` loads it through that same descriptor (``/proc/self/fd/N`` on
+Linux), so a file swapped in under the name after the check is never the one loaded.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import hashlib
@@ -52,7 +55,9 @@ try:
 except ImportError:  # not POSIX: the atomic rename alone keeps concurrent builds correct
     fcntl = None
 
-__all__ = ["ISAS", "FLAGS", "host_isas", "resolve_isa", "isa_setting", "build_library"]
+__all__ = [
+    "ISAS", "FLAGS", "host_isas", "resolve_isa", "isa_setting", "build_library", "load_verified",
+]  # fmt: skip
 
 #: ISA paths of the kernels, widest first
 ISAS = ("avx512", "avx2", "scalar")
@@ -261,6 +266,68 @@ def _verified(dirfd: int, name: str, lock_name: str, what: str) -> bool:
         return sha256_fd(fd) == want
     finally:
         os.close(fd)
+
+
+# descriptors of loaded libraries, never closed: the dynamic loader knows a library by
+# the name it was opened under, so a reused /proc/self/fd/N would give the old library
+_HELD: list = []
+
+
+def _fd_path(fd: int) -> Optional[str]:
+    """``/proc/self/fd/N`` for descriptor ``fd`` where the platform has it (Linux), else None."""
+    p = f"/proc/self/fd/{fd}"
+    return p if sys.platform.startswith("linux") and os.path.exists(p) else None
+
+
+def load_verified(path) -> ctypes.CDLL:
+    """Load the cached library ``path`` through the descriptor its hash was checked on.
+
+    The library must be this user's private regular file in a private cache
+    directory, and its SHA-256 (computed on the opened descriptor) must equal the one
+    its build recorded in ``<library>.lock``. On Linux the loader then opens
+    ``/proc/self/fd/N``, the very file that was hashed, whatever is under the name by
+    then; the descriptor stays open for the life of the process. Elsewhere the path
+    itself is loaded (checked just before).
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        A library returned by :func:`build_library`.
+
+    Returns
+    -------
+    ctypes.CDLL
+        The library (its ``_name`` is the ``/proc/self/fd`` path on Linux).
+
+    Raises
+    ------
+    PermissionError
+        (:class:`ringmpi.files.UnsafePathError`) the directory or file is not private,
+        is a symlink, or does not hash to what its build recorded.
+    """
+    path = Path(path)
+    what = str(path)
+    dirfd = open_private_dir(str(path.parent), create=False, hint=_HINT)
+    try:
+        want = _recorded(dirfd, path.name + ".lock", what + ".lock")
+        fd = open_private_file(dirfd, path.name, what)
+    finally:
+        os.close(dirfd)
+    try:
+        if want is None or sha256_fd(fd) != want:
+            raise UnsafePathError(
+                f"{what}: not the library its build recorded (SHA-256 differs): refusing to load it"
+            )
+        via = _fd_path(fd)
+        lib = ctypes.CDLL(via or what)
+    except BaseException:
+        os.close(fd)
+        raise
+    if via is None:
+        os.close(fd)
+    else:
+        _HELD.append(fd)
+    return lib
 
 
 def build_library(source_name: str, isa: Optional[str] = None) -> Path:

@@ -29,7 +29,7 @@ from .. import softmax
 from ..partition import runs
 from . import build as _build_mod
 from . import numpy_tile
-from .build import ISAS, build_library, host_isas
+from .build import ISAS, build_library, host_isas, load_verified
 
 __all__ = [
     "ISAS",
@@ -183,7 +183,7 @@ class Kernel:
     """
 
     def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
+        lib = load_verified(path)  # the file whose hash was checked, not the name
         lib.rm_isa_name.restype = ctypes.c_char_p
         lib.rm_simd_width_bytes.restype = ctypes.c_int
         lib.rm_tile_args_size.restype = ctypes.c_int64

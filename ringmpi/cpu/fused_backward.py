@@ -27,7 +27,7 @@ import numpy as np
 
 from . import fused
 from . import numpy_tile as _spec
-from .build import build_library
+from .build import build_library, load_verified
 
 __all__ = [
     "available",
@@ -72,7 +72,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     builds (another ISA, forced by ``$RINGMPI_CFLAGS``) can be loaded side by side and
     called through :func:`backward_tile_with`.
     """
-    lib = ctypes.CDLL(str(path))
+    lib = load_verified(path)  # the file whose hash was checked, not the name
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for sfx in ("f32", "f64"):
         fn = getattr(lib, f"rm_backward_tile_{sfx}")

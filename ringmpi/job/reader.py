@@ -7,10 +7,20 @@ give one run per packed sequence and layout chunk: those are read as unions of
 hyperslabs, one read per file (per ``UNION_RUNS`` runs). No rank reads or
 allocates a whole sequence. Queries and keys/values are placed by the layout
 over their own lengths (cross-attention).
+
+The batch job reads the next sequence in a daemon thread (:func:`in_background`):
+a read stuck in the file system (a hung NFS server) neither keeps the process
+alive at exit nor blocks a SIGTERM; the job waits for it under the watchdog,
+which the reader's ``progress`` time (after every HDF5 read) keeps moving.
+``RINGMPI_TEST_READ_STALL_S`` emulates such a stuck read for the tests.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from concurrent.futures import Future
 from typing import Optional
 
 import numpy as np
@@ -19,9 +29,89 @@ from ..partition import positions, runs
 from ..rope import apply_rope, positions_in_sequence
 from .schema import Plan, SeqInfo, fail, open_input
 
-__all__ = ["Reader", "local_runs", "UNION_RUNS"]
+__all__ = ["Reader", "local_runs", "in_background", "abandon", "UNION_RUNS", "STALL_ENV"]
 
 UNION_RUNS = 64  # unit-stride hyperslabs OR-ed into one selection (measured best: 16-256)
+STALL_ENV = "RINGMPI_TEST_READ_STALL_S"
+SLAB_BYTES = 256 << 20  # one HDF5 read at most (contiguous runs), so progress is seen
+
+
+def in_background(fn, *args) -> Future:
+    """Call ``fn(*args)`` in a new daemon thread; its Future (result or exception).
+
+    A daemon thread, not a ThreadPoolExecutor's worker: those are joined when the
+    interpreter exits, so a read stuck in the file system would keep the process
+    (and the MPI job) alive forever after a SIGTERM.
+    """
+    fut: Future = Future()
+
+    def work():
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            fut.set_exception(e)
+
+    threading.Thread(target=work, name="ringmpi-read", daemon=True).start()
+    return fut
+
+
+def abandon(code: int, pending: list, grace: float = 30.0) -> None:
+    """Reads are left running, maybe stuck in HDF5: make sure the process still ends.
+
+    A stuck reader holds h5py's global lock, so freeing any h5py object at
+    interpreter exit (or in a garbage collection) would wait for it forever. While
+    a read of ``pending`` is unfinished, the process ends at exit with
+    ``os._exit(code)`` (stdout and stderr flushed) before those objects are
+    collected, and a daemon timer does the same after ``grace`` seconds should the
+    main thread get stuck on the lock first. Once the reads have finished, neither
+    does anything.
+
+    Parameters
+    ----------
+    code : int
+        The exit status (128 + the signal number after a SIGTERM/SIGINT).
+    pending : list of concurrent.futures.Future
+        The reads left running.
+    grace : float
+        Seconds before the timer ends the process regardless.
+    """
+    import atexit
+    import sys
+
+    def bye():
+        if all(f.done() for f in pending):
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    atexit.register(bye)
+    timer = threading.Timer(grace, bye)
+    timer.daemon = True
+    timer.start()
+
+
+def _stall(rank: int) -> None:
+    """Test hook: ``RINGMPI_TEST_READ_STALL_S=[RANK:]S`` blocks each read S seconds.
+
+    It holds h5py's global lock while it sleeps, as a read stuck inside HDF5 (a hung
+    file system) does; with ``RANK:`` only that rank (of its ring) stalls.
+    """
+    text = os.environ.get(STALL_ENV, "").strip()
+    if not text:
+        return
+    who, _, secs = text.rpartition(":")
+    if who and int(who) != rank:
+        return
+    from h5py._objects import phil
+
+    with phil:
+        time.sleep(float(secs))
 
 
 def local_runs(pos: np.ndarray) -> list:
@@ -83,6 +173,7 @@ class Reader:
         self._files: dict = {}
         self._weights = None
         self.bytes_read = 0
+        self.progress = time.monotonic()  # when the last HDF5 read finished (monotonic)
 
     def close(self) -> None:
         """Close the open input files."""
@@ -170,6 +261,7 @@ class Reader:
                     out = dest[lo : a + part[-1][3] + part[-1][1]]
                     ds.id.read(h5s.create_simple(out.shape), fspace, out)
                     self.bytes_read += out.nbytes
+                    self.progress = time.monotonic()
             except (OSError, RuntimeError, ValueError, TypeError) as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 fail(self.plan.files[i], f"cannot read dataset '{name}' ({msg})")
@@ -184,8 +276,14 @@ class Reader:
             if mode == "auto":  # measured: strided selections over chunked data are slow
                 mode = "hyperslab" if ds.chunks is None else "blocks"
             if step == 1 or mode == "hyperslab":
-                ds.read_direct(dest, source_sel=sel(s0, s0 + step * (cnt - 1) + 1, step))
-                self.bytes_read += dest.nbytes
+                # slabs of SLAB_BYTES: the watchdog sees progress at least that often
+                rows = max(1, SLAB_BYTES // max(1, dest[0].nbytes))
+                for t in range(0, cnt, rows):
+                    k = min(rows, cnt - t)
+                    a = s0 + step * t
+                    ds.read_direct(dest[t : t + k], source_sel=sel(a, a + step * (k - 1) + 1, step))
+                    self.bytes_read += dest[t : t + k].nbytes
+                    self.progress = time.monotonic()
                 return
             # contiguous blocks covering `per` strided rows each, subsampled in memory
             row = max(1, dest[0].nbytes)
@@ -198,6 +296,7 @@ class Reader:
                 ds.read_direct(buf[:span], source_sel=sel(a, a + span, 1))
                 dest[t : t + k] = buf[:span:step]
                 self.bytes_read += buf[:span].nbytes
+                self.progress = time.monotonic()
         except (OSError, RuntimeError, ValueError, TypeError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             fail(self.plan.files[i], f"cannot read dataset '{name}' ({msg})")
@@ -221,6 +320,8 @@ class Reader:
         rounded to the input dtype.
         """
         plan = self.plan
+        self.progress = time.monotonic()
+        _stall(self.rank)
         pos, pos_k = self.positions(seq), self.positions_k(seq)
         n, nk, h, hkv, d = len(pos), len(pos_k), plan.heads, plan.kv_heads, plan.head_dim
         dt = np.dtype(plan.dtype)

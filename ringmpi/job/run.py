@@ -26,7 +26,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -37,10 +36,11 @@ from ..collective import run_everywhere, run_on_root
 from ..grid import grid
 from ..mask import check_window
 from ..partition import counts
+from ..watchdog import watch
 from .budget import check_memory, memory_budget
 from .mpio import make_store, resolve_mode
 from .progress import Progress
-from .reader import Reader
+from .reader import Reader, abandon, in_background
 from .report import (
     format_summary,
     measure_rate,
@@ -319,25 +319,33 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
         bar.step(step, nsteps)
 
     reader = Reader(plan, ring_rank, rs, layout, strided=strided, rope=masks["rope"])
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringmpi-read")
     acc = {"compute_s": 0.0, "wait_s": 0.0, "total_s": 0.0, "flops": 0.0}
     read_wait = write_s = 0.0
     tokens = 0
     timings = []
     stopped = False
 
+    reads: list = []  # every read started (a daemon thread each, one at a time)
+
+    def start(seq):
+        reads.append(in_background(reader.read, seq))
+        return reads[-1]
+
     def submit(j):
-        seq = plan.sequences[todo[j]]
-        return pool.submit(reader.read, seq)
+        return start(plan.sequences[todo[j]])
 
-    def result(fut):
-        """The read's result; a recorded interrupt is noticed while waiting for it."""
-        while True:
-            try:
-                return fut.result(timeout=0.2)
-            except concurrent.futures.TimeoutError:
-                interrupt.check()
+    def read(fut, name):
+        """The read's result; an interrupt is noticed while waiting, a stuck read is watched."""
+        what = f"its own read of sequence {name} (no HDF5 read finished)"
+        with watch(what, why="the file system is stuck") as moved:
+            while True:
+                try:
+                    return fut.result(timeout=0.2)
+                except concurrent.futures.TimeoutError:
+                    interrupt.check()
+                    moved(reader.progress)
 
+    nxt = None
     try:
         nxt = submit(0) if (todo and prefetch) else None
         for j, i in enumerate(todo):
@@ -347,8 +355,8 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
             n_here = int(counts(seq.length, rs, layout, cu_seqlens=seq.cu_seqlens)[ring_rank])
             bar.start(j, seq.name, seq.length, rs, ticks_per_step(attrs["kernel"], n_here))
             t0 = time.perf_counter()
-            fut = nxt if prefetch else pool.submit(reader.read, seq)
-            q, k, v = run_everywhere(ring, result, fut)
+            fut = nxt if prefetch else start(seq)
+            q, k, v = run_everywhere(ring, read, fut, seq.name)
             read_wait += time.perf_counter() - t0
             t_read = time.perf_counter() - t0
             where["stage"] = "ring"
@@ -394,10 +402,19 @@ def _loop(plan, todo, todo_all, done, store, comm, ring, rs, rank, ring_rank, si
     except KeyboardInterrupt as e:
         stopped = True
         bar.close()
-        raise _where(e, where, plan, todo, len(done) + max(where["j"], 0), rs) from None
+        err = _where(e, where, plan, todo, len(done) + max(where["j"], 0), rs)
+        left = [r for r in reads if not r.done()]
+        if left:  # a read still running may be stuck in HDF5
+            abandon(err.exit_status, left, interrupt.grace() or 30.0)
+        raise err from None
     finally:
-        # an interrupted read is not waited for: the process ends right after
-        pool.shutdown(wait=not stopped, cancel_futures=True)
+        # an interrupted read is not waited for (a daemon thread: the process ends
+        # right after, even when the read is stuck in the file system)
+        if nxt is not None and not stopped and not nxt.cancel():
+            try:  # a prefetch left running after an error: let it finish (watched)
+                read(nxt, "(prefetched)")
+            except BaseException:  # noqa: BLE001 - the error being raised says what went wrong
+                pass
         if not stopped:
             reader.close()
         bar.close()

@@ -18,7 +18,8 @@ files hold the sequence(s) split along the sequence axis, in the order given:
   token axis, in the first shard (or identical in every shard); not with a batch axis.
 
 Rank 0 scans the metadata of every file (:func:`scan`) and broadcasts a
-:class:`Plan` (:func:`make_plan`); a problem becomes the same one-line
+:class:`Plan` (:func:`make_plan`) without its packed-sequence offsets, which each
+rank reads itself (:mod:`ringmpi.job.offsets`); a problem becomes the same one-line
 :class:`InputError` on every rank. Reading is :mod:`ringmpi.job.reader`, the
 memory budget :mod:`ringmpi.job.budget`.
 """
@@ -33,8 +34,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..collective import CollectiveError, run_on_root
-from . import trust
+from .. import interrupt
+from ..collective import CollectiveError, run_everywhere, run_on_root
+from . import offsets, trust
 
 __all__ = [
     "InputError", "SeqInfo", "Plan", "expand_inputs", "open_input", "scan", "make_plan",
@@ -259,6 +261,7 @@ def _scan_file(path: str, structure_hint: Optional[str]) -> dict:
         extra = 1 if structure == "batch" else 0
         seqs = []
         for g in groups:
+            interrupt.check()  # planning a file of many groups can take long: Ctrl-C acts
             node = f[g] if g else f
             if mode == "qkv":
                 shapes = {n: _dataset(path, node, n, 3 + extra, fsize) for n in ("q", "k", "v")}
@@ -292,8 +295,6 @@ def _read_cu(path: str, node, name: str, fsize: int, tokens: int) -> np.ndarray:
     accepted, checked before anything is read; they are read in slabs of 1 Mi.
     """
     import h5py
-
-    from .. import interrupt
 
     ds = node[name]
     where = f"dataset '{ds.name}'"
@@ -461,6 +462,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     files = [str(p) for p in files]
     metas, structure = [], None
     for p in files:
+        interrupt.check()
         metas.append(_guarded(p, _scan_file, p, structure))
         structure = metas[0]["structure"]
     first = metas[0]
@@ -621,6 +623,14 @@ def make_plan(
                  "with ringmpi.rope.apply_rope before writing, or give features")  # fmt: skip
         if rope and plan.head_dim % 2:
             fail(plan.weights, f"--rope needs an even head dimension, D={plan.head_dim}")
-        return plan
+        if comm is None or comm.Get_size() == 1:
+            return plan
+        full.append(plan)
+        return offsets.strip(plan)  # offsets stay out of the broadcast: each rank reads them
 
-    return run_on_root(comm, build)
+    full: list = []
+    got = run_on_root(comm, build)
+    if comm is None or comm.Get_size() == 1:
+        return got
+    mine = (lambda *_: full[0]) if comm.Get_rank() == 0 else offsets.fill
+    return run_everywhere(comm, mine, *got)
