@@ -7,6 +7,7 @@ imports nothing heavy.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -65,6 +66,17 @@ INFO_EXAMPLES = """examples:
   ringmpi info
   mpiexec -n 2 python -m mpi4py -m ringmpi info
 """
+
+
+def parse_scale(text: str) -> float:
+    """``--scale``: a finite number (checked before anything is created)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
+    return x
 
 
 def parse_window(text: str) -> tuple:
@@ -196,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="RoPE linear position interpolation: positions are divided by S (default 1)",
     )
-    r.add_argument("--scale", type=float, default=None, help="score scale (default 1/sqrt(D))")
+    r.add_argument(
+        "--scale", type=parse_scale, default=None, help="score scale (default 1/sqrt(D))"
+    )
     r.add_argument("--weights", help="projection weights file for raw-feature inputs 'x'")
     r.add_argument("--resume", action="store_true", help="keep sequences an earlier run completed")
     r.add_argument(

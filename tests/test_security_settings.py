@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
 from ringmpi import launch, watchdog
@@ -59,3 +61,23 @@ def test_shared_working_directory_is_refused_unless_safe_path(tmp_path):
     )  # fmt: skip
     assert "other users can write it" not in r.stderr
     assert "x.h5: no such file" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [("--scale", "nan", "finite number"), ("--scale", "inf", "finite number"),
+     ("--window", "1e23", "integers"), ("--window", "5,nan", "integers")],
+)  # fmt: skip
+def test_bad_numbers_refused_before_anything_is_created(tmp_path, flag, value, words):
+    inp = tmp_path / "in.h5"
+    with h5py.File(inp, "w") as f:
+        for name, heads in (("q", 2), ("k", 1), ("v", 1)):
+            f.create_dataset(name, data=np.ones((8, heads, 4), np.float32))
+    out = tmp_path / "out.h5"
+    r = subprocess.run(
+        [sys.executable, "-m", "ringmpi", "run", str(inp), "-o", str(out), flag, value],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert words in r.stderr.strip().splitlines()[-1], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5"], "something was created"
