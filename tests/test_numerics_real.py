@@ -121,7 +121,8 @@ def test_backward_long(isa, shape, dtype):
     want = reference.attention_backward(dout, q, k, v)
     peer = (None,) * 3 if dtype == np.float64 else dense_backward(dout, q, k, v)
     for g, w, o, nm in zip(got, want, peer, "qkv"):
-        assert_close(None, g, w, o, f"{isa or 'numpy'} {shape} {np.dtype(dtype)} d{nm}")
+        # the backward rule of the suite: 3x the dense float32 error (ring backward tests too)
+        assert_close(None, g, w, o, f"{isa or 'numpy'} {shape} {np.dtype(dtype)} d{nm}", factor=3.0)
 
 
 def test_api_default_tile_real_values():
@@ -129,7 +130,8 @@ def test_api_default_tile_real_values():
     from mpi4py import MPI
 
     rng = np.random.default_rng(23)
-    q, k, v = random_qkv(rng, 16, 4, 2, 32, dtype=np.float32, nk=65536, realistic=True)
+    # no sink keys here: their large scores make the score rounding (not the sums) dominate
+    q, k, v = random_qkv(rng, 16, 4, 2, 32, dtype=np.float32, nk=65536, realistic=True, sinks=0)
     out = ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, causal=True, layout="contiguous")
     ref = reference.attention(q, k, v, True)[0]
     assert_close(None, out, ref, dense(q, k, v, True)[0], "out")
