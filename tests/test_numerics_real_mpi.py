@@ -26,7 +26,8 @@ pytestmark = pytest.mark.mpi
 
 def _check(comm, nq, nk, causal, layout, dtype, seed, h=4, hkv=2, d=32, grads=True, **kw):
     rng = np.random.default_rng(seed)
-    q, k, v = random_qkv(rng, nq, h, hkv, d, dtype=dtype, nk=nk, realistic=True)
+    # no sink keys: their large scores make score rounding (not sums) dominate; tiles test them
+    q, k, v = random_qkv(rng, nq, h, hkv, d, dtype=dtype, nk=nk, realistic=True, sinks=0)
     dout = (0.2 + 0.1 * rng.standard_normal(q.shape)).astype(dtype)
     ql, dl = (ringmpi.shard(x, comm, layout, **kw) for x in (q, dout))
     kl, vl = (ringmpi.shard(x, comm, layout, **kw) for x in (k, v))
