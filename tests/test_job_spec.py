@@ -120,3 +120,19 @@ def test_resume_refuses_another_spec(packed, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "window" in err, err
     assert np.isfinite(np.frombuffer(_datasets(out)["out"], np.float32)).all()
+
+
+def test_rerun_in_the_inputs_folder_with_relative_paths(packed, tmp_path, monkeypatch, capsys):
+    """--overwrite and --resume with relative names (the parts folder then exists): the
+    input's folder '' made samefile fail with FileNotFoundError before this was fixed."""
+    import os
+    import shutil
+
+    shutil.copy(packed, tmp_path / "in.h5")
+    monkeypatch.chdir(tmp_path)
+    base = ["run", "in.h5", "-o", "out.h5", "--quiet", "--device", "cpu", "--output-mode", "parts"]
+    assert main(base) == 0
+    first = _datasets("out.h5")
+    assert main(base + ["--overwrite"]) == 0, capsys.readouterr().err
+    assert main(base + ["--resume"]) == 0, capsys.readouterr().err
+    assert _datasets("out.h5") == first and os.path.isdir("out.h5.parts")
