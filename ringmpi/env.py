@@ -44,6 +44,17 @@ def _positive(text: str) -> float:
     return x
 
 
+def _tokens(text: str) -> int:
+    """A whole number of tokens >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"must be a whole number of tokens >= 0, not {text!r}")
+    return n
+
+
 def _flag(text: str) -> bool:
     """``0`` is False, anything else True."""
     return text.strip() != "0"
@@ -101,6 +112,9 @@ _VARS = [
         "read kernel sources from this folder instead of the package"),
     Var("RINGMPI_LINK_GBPS", "10", _positive,
         "link rate (Gbit/s) `--ring-size auto` plans with"),
+    Var("RINGMPI_BATCH_TOKENS", "65536", _tokens,
+        "`ringmpi run` packs consecutive shorter sequences into one ring call of at most this "
+        "many tokens (lowered to fit the memory budget); `0`: one sequence per call"),
     Var("RINGMPI_LAUNCH_CHECK", "1", _flag,
         "`0` turns off the launch check (P tasks but a world of one rank)"),
     Var("RINGMPI_SRUN_MPI", "pmi2", _text,
@@ -141,6 +155,9 @@ _VARS = [
         tests=True),
     Var("RINGMPI_TEST_KILL_AFTER", None, _text,
         "SIGKILL rank 0 after this many sequences of a run", tests=True),
+    Var("RINGMPI_TEST_KILL_IN_BATCH", None, _text,
+        "SIGKILL rank 0 after reading this batch of a run (0-based), before it is computed",
+        tests=True),
     Var("RINGMPI_TEST_MPIO_KILL", None, _text,
         "SIGKILL rank 0 after writing this sequence of a one-file output", tests=True),
     Var("RINGMPI_TEST_READ_STALL_S", None, _text,
