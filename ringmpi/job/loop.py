@@ -94,15 +94,17 @@ class SequenceLoop:
     store : output store (:func:`ringmpi.job.mpio.make_store`), already opened
     todo : list of Batch
         The batches this ring computes, in order.
-    todo_all : list of int
-        Every sequence left to compute in the job (all rings).
+    left : list of Batch
+        Every batch left to compute in the job (all rings).
     done : set of int
         Sequences an earlier run finished (``--resume``).
     """
 
-    def __init__(self, ctx: JobContext, store, todo: list, todo_all: list, done) -> None:
+    def __init__(self, ctx: JobContext, store, todo: list, left: list, done) -> None:
         self.ctx, self.store = ctx, store
-        self.todo, self.todo_all, self.done = todo, todo_all, done
+        self.todo, self.left, self.done = todo, left, done
+        self.todo_all = [i for b in left for i in b.members]
+        todo_all = self.todo_all
         plan, spec = ctx.plan, ctx.spec
         self.show = ctx.rank == 0 and not ctx.options.quiet
         predicted = predicted_seconds(plan, todo_all, ctx.size, spec.causal, ctx.rate, spec.window)
@@ -148,7 +150,8 @@ class SequenceLoop:
             bar.header(start_line(ctx.plan, self.todo_all, ctx.size, ctx.spec.layout,
                                   ctx.spec.causal, ctx.device, ctx.attrs["kernel"],
                                   ctx.attrs["isa"], ctx.rate, ring=ctx.ring_size,
-                                  window=ctx.spec.window, notes=ctx.notes))  # fmt: skip
+                                  window=ctx.spec.window, notes=ctx.notes,
+                                  units=self.left))  # fmt: skip
         prefetch = ctx.options.prefetch
         stopped = False
         self.nxt = None  # the read of the next sequence, started ahead

@@ -231,7 +231,6 @@ def _job(ctx: JobContext, across) -> dict:
     # computes every batch it redoes exactly as the first run did
     every = make_batches(plan, range(len(plan.sequences)), ctx.batch_tokens, nrings)
     left = [b for b in every if not set(b.members) <= done]
-    todo_all = [i for b in left for i in b.members]
     # rings take the batches in turn; the last may get fewer
     todo = left[(0 if across is None else across.Get_rank()) :: nrings]
-    return SequenceLoop(ctx, store, todo, todo_all, done).run()
+    return SequenceLoop(ctx, store, todo, left, done).run()
