@@ -271,7 +271,7 @@ class Checkpoints:
                 elif why:
                     self._warn(f"{path}: checkpoint ignored ({why}); not resuming from it")
         steps = set(found)
-        if self.ring is not None:
+        if self.ring is not None and self.resume:
             with watch(f"agreeing on a checkpoint of sequence {name} with the other ranks"):
                 every = self.ring.allgather(sorted(steps))
             for s in every:

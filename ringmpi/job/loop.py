@@ -15,6 +15,7 @@ import dataclasses
 import os
 import platform
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,6 +28,7 @@ from ..collective import run_everywhere
 from ..partition import counts
 from ..spec import AttentionSpec
 from ..watchdog import watch
+from .checkpoint import Checkpoints
 from .config import JobOptions
 from .progress import Progress
 from .reader import Reader, abandon, in_background
@@ -110,6 +112,8 @@ class SequenceLoop:
         self.tokens = 0
         self.timings: list = []
         self.reads: list = []  # every read started (a daemon thread each, one at a time)
+        self.ckpt = Checkpoints(store.parts, ctx.ring, store.meta, ctx.options.checkpoint_every,
+                                ctx.options.resume, todo=todo)  # fmt: skip
 
     # -- reading ---------------------------------------------------------------------------
     def _start(self, j: int):
@@ -189,6 +193,7 @@ class SequenceLoop:
 
             q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
         stats: dict = {}
+        start = self._resume_point(i, seq, q)
         bar.computing()
 
         def on_step(step: int, nsteps: int) -> None:
@@ -196,8 +201,9 @@ class SequenceLoop:
             bar.step(step, nsteps)
 
         out, lse = ring_attention(q, k, v, ctx.ring, spec=spec, return_lse=True, stats=stats,
-                                  on_step=on_step,
-                                  on_tick=bar.tick if self.show else None)  # fmt: skip
+                                  on_step=on_step, on_tick=bar.tick if self.show else None,
+                                  _on_state=self.ckpt.on_state if self.ckpt.on else None,
+                                  _start=start)  # fmt: skip
         where["stage"] = "writing"
         if ctx.device == "gpu":
             out, lse = out.get(), lse.get()
@@ -212,6 +218,7 @@ class SequenceLoop:
         except BaseException:
             _drop_tmp_part(self.store, i)  # a full disk: no half-written part left behind
             raise
+        self.ckpt.finish(i)
         self.write_s += time.perf_counter() - t0
         self.tokens += seq.length
         secs = time.perf_counter() - t_seq
@@ -219,9 +226,28 @@ class SequenceLoop:
             "sequence": seq.name, "tokens": seq.length, "seconds": secs, "read_wait_s": t_read,
             "compute_s": float(stats.get("compute_s", 0.0)),
             "mpi_wait_s": float(stats.get("wait_s", 0.0)), "write_s": time.perf_counter() - t0,
+            "ring_steps": int(stats.get("steps", 0)),
+            "ring_steps_resumed": int(stats.get("steps_resumed", 0)),
         })  # fmt: skip
         bar.finish_seq(secs)
         _test_kill(ctx.rank, j + 1)
+
+    def _resume_point(self, i: int, seq, q) -> Optional[tuple]:
+        """The checkpoint sequence ``i`` resumes from (collective over the ring), said on stderr."""
+        from ..backend import select
+
+        ctx = self.ctx
+        b, (s, h, d) = 1, q.shape[-3:]
+        acc_dtype = select(q).acc_dtype(q.dtype)
+        shapes = [(b, h, s, d), (b, h, s), (b, h, s)]
+        start = self.ckpt.start(i, seq.name, shapes, str(np.dtype(acc_dtype)))
+        if start is not None and ctx.ring_rank == 0 and not ctx.options.quiet:
+            self.bar.close()
+            s, p = start[0], ctx.ring_size
+            print(f"ringmpi: sequence {seq.name}: resuming at ring step {s}/{p} from a "
+                  f"checkpoint ({s} step(s) done, {p - s} to compute)", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        return start
 
     # -- the end ---------------------------------------------------------------------------
     def summary(self) -> dict:
