@@ -129,3 +129,27 @@ def test_damaged_and_foreign_checkpoints_are_recomputed(job):
     t, err = _resume(job, mine)
     assert "made by another run or for another place (run differs)" in err, err
     assert "resuming at ring step" not in err and t["ring_steps_resumed"] == 0
+
+
+def test_two_rings_resume_their_own_sequences(tmp_path):
+    """--ring-size 2 on 4 ranks: the ring of sequence 0 is killed after step 1 of 2 and resumes."""
+    inp = make_data(str(tmp_path / "in.h5"), seq_len=601, heads=H, kv_heads=HKV, head_dim=D,
+                    sequences=2, values="realistic", seed=12)  # fmt: skip
+    args = ["run", *inp, "--causal", "--device", "cpu", "--ring-size", "2"]
+    outs = {}
+    for name in ("want", "killed"):
+        os.mkdir(tmp_path / name)
+        outs[name] = str(tmp_path / name / "out.h5")
+    rc, _, se, _ = launch(P, *args, "-o", outs["want"], "--quiet")
+    assert rc == 0, se
+    env = {"RINGMPI_TEST_KILL_AT_STEP": "0:1"}
+    rc, _, se, _ = launch(P, *args, "-o", outs["killed"], "--checkpoint-every", "1e-9",
+                          "--quiet", env=env)  # fmt: skip
+    assert rc != 0, se
+    held = glob.glob(outs["killed"] + ".parts/s000000.r*.c0.ckpt")
+    assert sorted(os.path.basename(p) for p in held) == [C.ckpt_name(0, r, 0) for r in (0, 1)]
+    rc, _, se, _ = launch(P, *args, "-o", outs["killed"], "--resume")
+    assert rc == 0, se
+    assert "sequence seq000: resuming at ring step 1/2 from a checkpoint" in se, se
+    assert _digests(outs["killed"]) == _digests(outs["want"])
+    assert not glob.glob(outs["killed"] + ".parts/*.ckpt")
