@@ -77,7 +77,8 @@ def ring_attention(
         Filled with compute_s, wait_s, total_s, flops (of the visible pairs, the
         same on every backend: :mod:`ringmpi.cost`), tile_flops (what the tiles
         computed, masked parts of their blocks included), steps (run), steps_computed
-        (by this rank), steps_skipped (ring size - steps), bytes_sent (K/V, this
+        (by this rank), steps_skipped (ring size - steps), steps_resumed (the
+        ``done`` of ``_start``, else 0), bytes_sent (K/V, this
         rank), alltoall_bytes (heads x ring), backend and tile (what ran:
         :meth:`ringmpi.backend.Backend.describe`).
     on_step : callable, optional
@@ -119,6 +120,8 @@ def ring_attention(
         on with the same tile calls on the same blocks in the same order, so out
         and lse are bitwise those of an uninterrupted call. ``done`` must be the
         same on every rank (agreed here: a ValueError on every rank otherwise).
+        Pass ``_on_state`` and/or ``_start`` on every rank of the call or on none:
+        a call using them adds one small allgather (the agreement on ``done``).
 
     Returns
     -------
@@ -175,7 +178,8 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, on_state=None, sta
     plan = plan_steps(mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
-    first = _resume_from(comm, start, plan.nsteps, (acc, m, l))
+    seam = start is not None or on_state is not None  # the same on every rank (documented)
+    first = _resume_from(comm, start, plan.nsteps, (acc, m, l)) if seam else 0
     if first:
         acc, m, l = (be.xp.array(x, copy=True) for x in start[1:])  # the caller's stay as they are
     b, h, _, d = qi.shape
@@ -219,8 +223,7 @@ def _resume_from(comm, start, nsteps: int, state: tuple) -> int:
 
     Every rank must pass the same ``done`` (0 <= done <= nsteps) and a state of the
     shapes and dtypes of ``state`` (acc, m, l); otherwise every rank raises the same
-    ValueError. One small allgather per call (also when nobody resumes: a rank that
-    resumes alone must fail, not wait in another collective).
+    ValueError. One small allgather, only in calls that use the checkpoint seam.
     """
     done, why = 0, ""
     if start is not None:
