@@ -97,7 +97,7 @@ def test_bad_step_in_header_is_refused(tmp_path):
         assert got is None and "bad ring step" in msg
 
 
-def _ckpts(tmp_path, every=1e-9, resume=False, todo=(3,), rank=1, size=4):
+def _ckpts(tmp_path, every=1e-9, resume=False, todo=(3,), rank=1, size=4, finished=()):
     class FakeRing:  # the one-rank stand-in of a ring communicator: rank and size only
         def Get_rank(self):
             return rank
@@ -114,7 +114,8 @@ def _ckpts(tmp_path, every=1e-9, resume=False, todo=(3,), rank=1, size=4):
         def Barrier(self):
             pass
 
-    return C.Checkpoints(str(tmp_path), FakeRing(), META, every, resume, todo=list(todo))
+    return C.Checkpoints(str(tmp_path), FakeRing(), META, every, resume, todo=list(todo),
+                         finished=finished)  # fmt: skip
 
 
 def test_saves_alternate_slots_and_resume_takes_the_latest(tmp_path, capsys):
@@ -197,3 +198,31 @@ def test_a_failed_save_warns_once_and_goes_on(tmp_path, capsys):
     ck.on_state(2, *st)
     err = capsys.readouterr().err
     assert ck.saved == 0 and err.count("cannot save a checkpoint") == 1
+
+
+def test_a_resumed_run_keeps_checkpoints_but_not_temporaries_or_finished_ones(tmp_path):
+    st = _state(np.random.default_rng(9))
+    ck = _ckpts(tmp_path, todo=(3, 5))
+    for i in (3, 5):
+        ck.start(i, f"seq{i}", [x.shape for x in st], str(st[0].dtype))
+        ck.on_state(1, *st)
+    tmp = tmp_path / f".{C.ckpt_name(3, 1, 1)}.0123456789ab.tmp"
+    tmp.write_bytes(b"half")
+    other_rank = tmp_path / C.ckpt_name(3, 2, 0)
+    other_rank.write_bytes(b"rank 2's")
+    _ckpts(tmp_path, resume=True, todo=(3,), finished={5})
+    assert sorted(os.listdir(tmp_path)) == sorted([C.ckpt_name(3, 1, 0), other_rank.name])
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_bad_interval_is_refused(tmp_path, bad, capsys):
+    from ringmpi.job.schema import InputError
+    from ringmpi.options import build_parser
+
+    with pytest.raises(InputError, match="--checkpoint-every must be a number of seconds >= 0"):
+        _ckpts(tmp_path, every=bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "in.h5", "-o", "o.h5", "--checkpoint-every", str(bad)])
+    assert "--checkpoint-every: expected a number of seconds >= 0" in capsys.readouterr().err
+    args = build_parser().parse_args(["run", "in.h5", "-o", "o.h5", "--checkpoint-every", "0"])
+    assert args.checkpoint_every == 0.0

@@ -53,6 +53,7 @@ import numpy as np
 
 from ..files import check_owned, exclusive_temp, fsync_path
 from ..watchdog import watch
+from .schema import InputError
 
 __all__ = ["Checkpoints", "save", "load", "ckpt_name", "run_digest", "DEFAULT_EVERY_S"]
 
@@ -207,22 +208,24 @@ class Checkpoints:
         Look for checkpoints of the sequences this ring does (else remove stale ones).
     todo : list of int
         The sequence indices this ring will compute.
+    finished : collection of int
+        Sequences an earlier run completed: checkpoints of theirs left behind go.
     """
 
     def __init__(self, parts: str, ring, meta: dict, every_s: Optional[float], resume: bool,
-                 todo=()):  # fmt: skip
+                 todo=(), finished=()):  # fmt: skip
+        if every_s is not None and not 0 <= float(every_s) < float("inf"):
+            raise InputError(f"--checkpoint-every must be a number of seconds >= 0, not {every_s}")
         self.parts, self.ring = parts, ring
         self.rank = 0 if ring is None else ring.Get_rank()
         self.size = 1 if ring is None else ring.Get_size()
         self.digest = run_digest(meta)
         self.every = float(every_s) if every_s else None
         self.resume = bool(resume)
-        self.seq, self.name, self.count, self.saved = -1, "", 0, 0
+        self.seq, self.count, self.saved = -1, 0, 0
         self.last = time.monotonic()
         self.warned = False
-        if not self.resume:
-            for i in todo:
-                self._remove(i)
+        self._sweep(set(todo), files=not self.resume, finished=set(finished))
 
     @property
     def on(self) -> bool:
@@ -232,19 +235,35 @@ class Checkpoints:
     def _path(self, i: int, slot: int) -> str:
         return os.path.join(self.parts, ckpt_name(i, self.rank, slot))
 
-    def _remove(self, i: int) -> None:
-        """Remove this rank's checkpoint files of sequence ``i`` and their stray temporaries."""
-        pat = re.compile(rf"^\.?s{i:06d}\.r{self.rank:05d}\.c[01]\.ckpt(\.[0-9a-f]{{12}}\.tmp)?$")
+    def _sweep(self, todo: set, files: bool, finished: set) -> None:
+        """Remove this rank's stray temporaries (a save killed midway) of the sequences
+        ``todo``, with ``files`` their checkpoints too (a fresh run: stale), and whatever
+        is left of the ``finished`` sequences. One listing of the folder."""
+        pat = re.compile(
+            rf"^(\.)?s(\d{{6}})\.r{self.rank:05d}\.c[01]\.ckpt(\.[0-9a-f]{{12}}\.tmp)?$"
+        )
         try:
             names = os.listdir(self.parts)
         except OSError:
             return
         for name in names:
-            if pat.match(name):
+            m = pat.match(name)
+            i = int(m.group(2)) if m else -1
+            if (i in todo and (files or m.group(1))) or i in finished:
                 try:
                     os.unlink(os.path.join(self.parts, name))
                 except OSError:
                     pass
+
+    def _remove(self, i: int) -> None:
+        """Remove this rank's checkpoint files of sequence ``i`` (both slots)."""
+        for slot in (0, 1):
+            try:
+                os.unlink(self._path(i, slot))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._warn(f"{self._path(i, slot)}: cannot remove a checkpoint ({e.strerror or e})")
 
     def _warn(self, text: str) -> None:
         print(f"ringmpi: warning: {text}", file=sys.stderr, flush=True)
@@ -257,7 +276,7 @@ class Checkpoints:
         shapes : [acc (B, H, S, D), m (B, H, S), l (B, H, S)]
             This rank's state shapes; ``dtype`` the accumulation dtype.
         """
-        self.seq, self.name, self.count = i, name, 0
+        self.seq, self.count = i, 0
         self.expect = dict(sequence=i, name=name, rank=self.rank, ring_size=self.size,
                            run=self.digest, shapes=[list(s) for s in shapes],
                            dtype=str(dtype))  # fmt: skip

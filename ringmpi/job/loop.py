@@ -113,7 +113,7 @@ class SequenceLoop:
         self.timings: list = []
         self.reads: list = []  # every read started (a daemon thread each, one at a time)
         self.ckpt = Checkpoints(store.parts, ctx.ring, store.meta, ctx.options.checkpoint_every,
-                                ctx.options.resume, todo=todo)  # fmt: skip
+                                ctx.options.resume, todo=todo, finished=done)  # fmt: skip
 
     # -- reading ---------------------------------------------------------------------------
     def _start(self, j: int):
