@@ -143,7 +143,8 @@ _VARS = [
         "SIGKILL rank 0 after this many sequences of a run", tests=True),
     Var("RINGMPI_TEST_KILL_AT_STEP", None, _text,
         "`SEQ:STEP`: after ring step STEP of sequence SEQ (0-based) the ring passes a barrier "
-        "and ring rank 0 SIGKILLs itself (the checkpoint tests)", tests=True),
+        "and ring rank 0 SIGKILLs itself (`SEQ:STEP:TERM`: every rank of the ring gets SIGTERM; "
+        "the checkpoint tests)", tests=True),
     Var("RINGMPI_TEST_MPIO_KILL", None, _text,
         "SIGKILL rank 0 after writing this sequence of a one-file output", tests=True),
     Var("RINGMPI_TEST_READ_STALL_S", None, _text,

@@ -153,3 +153,17 @@ def test_two_rings_resume_their_own_sequences(tmp_path):
     assert "sequence seq000: resuming at ring step 1/2 from a checkpoint" in se, se
     assert _digests(outs["killed"]) == _digests(outs["want"])
     assert not glob.glob(outs["killed"] + ".parts/*.ckpt")
+
+
+def test_sigterm_mid_sequence_then_resume(job):
+    """SIGTERM to every rank after step 3 of 4 (a wall-time limit): exit 143, then resume at 3/4."""
+    os.mkdir(job["dir"] / "term")
+    out = str(job["dir"] / "term" / "out.h5")
+    rc, _, se, _ = launch(P, *job["args"], "-o", out, "--checkpoint-every", "1e-9",
+                          env={"RINGMPI_TEST_KILL_AT_STEP": "0:3:TERM"})  # fmt: skip
+    assert rc == 143, se
+    assert "interrupted (SIGTERM) at sequence 1/1" in se, se
+    assert not os.path.exists(out)
+    t, err = _resume(job, out)
+    assert RESUME.format(s=3) in err, err
+    assert (t["ring_steps"], t["ring_steps_resumed"]) == (4, 3)

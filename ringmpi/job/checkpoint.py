@@ -335,15 +335,18 @@ def _test_kill(ring, rank: int, seq: int, done: int) -> None:
     """Test hook: RINGMPI_TEST_KILL_AT_STEP=I:S SIGKILLs ring rank 0 after step S of sequence I.
 
     The ring first passes a barrier, so every rank's checkpoint of that step is on disk.
+    ``I:S:TERM`` sends SIGTERM to every rank of the ring instead (as mpiexec forwards it).
     """
     spec = os.environ.get(_KILL_ENV)
     if not spec:
         return
-    i, s = (int(t) for t in spec.split(":"))
-    if i == seq and s == done:
+    i, s, *how = spec.split(":")
+    if int(i) == seq and int(s) == done:
+        import signal
+
         if ring is not None:
             ring.Barrier()
-        if rank == 0:
-            import signal
-
+        if how == ["TERM"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
