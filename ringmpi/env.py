@@ -158,6 +158,10 @@ _VARS = [
     Var("RINGMPI_TEST_KILL_IN_BATCH", None, _text,
         "SIGKILL rank 0 after reading this batch of a run (0-based), before it is computed",
         tests=True),
+    Var("RINGMPI_TEST_KILL_AT_STEP", None, _text,
+        "`SEQ:STEP`: after ring step STEP of sequence SEQ (0-based) the ring passes a barrier "
+        "and ring rank 0 SIGKILLs itself (`SEQ:STEP:TERM`: every rank of the ring gets SIGTERM; "
+        "the checkpoint tests)", tests=True),
     Var("RINGMPI_TEST_MPIO_KILL", None, _text,
         "SIGKILL rank 0 after writing this sequence of a one-file output", tests=True),
     Var("RINGMPI_TEST_READ_STALL_S", None, _text,

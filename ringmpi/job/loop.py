@@ -18,6 +18,7 @@ import dataclasses
 import os
 import platform
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -31,6 +32,7 @@ from ..partition import counts
 from ..spec import AttentionSpec
 from ..watchdog import watch
 from .batch import pack, split
+from .checkpoint import Checkpoints
 from .config import JobOptions
 from .progress import Progress
 from .reader import Reader, abandon, in_background
@@ -121,6 +123,10 @@ class SequenceLoop:
         self.timings: list = []
         self.reads: list = []  # every read started (a daemon thread each, one at a time)
         self.finished = 0  # sequences this ring wrote
+        # checkpoints of a batch's ring state, named by its first sequence
+        self.ckpt = Checkpoints(store.parts, ctx.ring, store.meta, ctx.options.checkpoint_every,
+                                ctx.options.resume, todo=[b.members[0] for b in todo],
+                                finished=done)  # fmt: skip
 
     # -- reading ---------------------------------------------------------------------------
     def _start(self, j: int):
@@ -211,6 +217,7 @@ class SequenceLoop:
 
             q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
         stats: dict = {}
+        start = self._resume_point(batch.members[0], batch.name, q)
         bar.computing()
 
         def on_step(step: int, nsteps: int) -> None:
@@ -218,8 +225,9 @@ class SequenceLoop:
             bar.step(step, nsteps)
 
         out, lse = ring_attention(q, k, v, ctx.ring, spec=spec, return_lse=True, stats=stats,
-                                  on_step=on_step,
-                                  on_tick=bar.tick if self.show else None)  # fmt: skip
+                                  on_step=on_step, on_tick=bar.tick if self.show else None,
+                                  _on_state=self.ckpt.on_state if self.ckpt.on else None,
+                                  _start=start)  # fmt: skip
         del q, k, v
         where["stage"] = "writing"
         if ctx.device == "gpu":
@@ -241,6 +249,7 @@ class SequenceLoop:
         except BaseException:
             _drop_tmp_part(self.store, batch.members[0])  # a full disk: no half-written part
             raise
+        self.ckpt.finish(batch.members[0])
         self.write_s += time.perf_counter() - t0
         self.tokens += batch.length
         secs = time.perf_counter() - t_seq
@@ -249,10 +258,30 @@ class SequenceLoop:
             "seconds": secs, "read_wait_s": t_read,
             "compute_s": float(stats.get("compute_s", 0.0)),
             "mpi_wait_s": float(stats.get("wait_s", 0.0)), "write_s": time.perf_counter() - t0,
+            "ring_steps": int(stats.get("steps", 0)),
+            "ring_steps_resumed": int(stats.get("steps_resumed", 0)),
         })  # fmt: skip
         bar.finish_seq(secs)
         self.finished += len(batch.members)
         _test_kill(ctx.rank, self.finished)
+
+    def _resume_point(self, i: int, name: str, q) -> Optional[tuple]:
+        """The checkpoint the batch of first sequence ``i`` resumes from (collective over the
+        ring), said on stderr."""
+        from ..backend import select
+
+        ctx = self.ctx
+        b, (s, h, d) = 1, q.shape[-3:]
+        acc_dtype = select(q).acc_dtype(q.dtype)
+        shapes = [(b, h, s, d), (b, h, s), (b, h, s)]
+        start = self.ckpt.start(i, name, shapes, str(np.dtype(acc_dtype)))
+        if start is not None and ctx.ring_rank == 0 and not ctx.options.quiet:
+            self.bar.close()
+            s, p = start[0], ctx.ring_size
+            print(f"ringmpi: sequence {name}: resuming at ring step {s}/{p} from a "
+                  f"checkpoint ({s} step(s) done, {p - s} to compute)", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        return start
 
     # -- the end ---------------------------------------------------------------------------
     def summary(self) -> dict:
