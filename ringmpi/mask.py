@@ -69,6 +69,20 @@ class Mask:
                 hi = np.minimum(hi, diag + right)
         return k0 + lo, k0 + hi
 
+    def alibi_positions(self, q_pos: np.ndarray) -> np.ndarray:
+        """ALiBi query positions in key coordinates: int64 (Sq,) for the tiles' ``alibi``.
+
+        qa = q_pos + Lk_s - Lq_s for the packed sequence s holding the query (its
+        end aligned with the keys' end, as FlashAttention aligns cross-attention
+        bottom-right); q_pos itself for self-attention. The tiles add
+        ``-slope_h * |qa_i - k_pos_j|`` to the score.
+        """
+        q_pos = np.asarray(q_pos, dtype=np.int64)
+        cu_q = self.cu_q if self.cu_q is not None else np.array([0, self.nq], dtype=np.int64)
+        cu_k = self.cu_k if self.cu_k is not None else np.array([0, self.nk], dtype=np.int64)
+        s = np.searchsorted(cu_q, q_pos, side="right") - 1
+        return q_pos + (cu_k[s + 1] - cu_q[s + 1])
+
     @staticmethod
     def visible(lo: np.ndarray, hi: np.ndarray, ks: np.ndarray) -> bool:
         """Whether any query with bounds (lo, hi) sees any of the sorted key positions ``ks``."""
