@@ -47,6 +47,7 @@ import numpy as np
 from ..collective import run_everywhere
 from ..mask import make_mask
 from ..rope import apply_rope, positions_in_sequence
+from ..spec import AttentionSpec
 from ..testing import EPS
 from .progress import LOG_EVERY, duration
 from .schema import InputError, Plan, make_plan
@@ -211,22 +212,23 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
         try:
             with h5py.File(output, "r") as f:
                 got = {k: _attr(f, k) for k in ("causal", "scale", "layout")}
-                # masks and positions (outputs before them have none: no window, no rope)
-                win = f.attrs.get("window", [-1, -1])
-                got["window"] = [int(x) for x in np.asarray(win).reshape(-1)]
+                # positions (outputs before them have none: no rope)
                 got["rope"] = bool(f.attrs.get("rope", False))
                 got["rope_theta"] = float(f.attrs.get("rope_theta", 10000.0))
                 got["rope_scale"] = float(f.attrs.get("rope_scale", 1.0))
+                # the whole spec the run recorded (any later field by its own name)
+                got["spec"] = AttentionSpec.from_attrs(f.attrs)
                 return got
-        except (OSError, KeyError, ValueError) as e:
+        except (OSError, KeyError, ValueError, TypeError) as e:
             raise InputError(f"{output}: not a ringmpi output file ({e})") from e
 
     meta = run_everywhere(comm, attrs)
-    window = tuple(meta["window"]) if tuple(meta["window"]) != (-1, -1) else None
+    spec = meta["spec"]  # outputs before windows have none: window None
+    window = spec.window
     rope = (meta["rope_theta"], meta["rope_scale"]) if meta["rope"] else None
     if rope is not None and plan.mode != "features":
         raise InputError(f"{output}: made with --rope, but the inputs hold q, k, v (not features)")
-    causal = bool(meta["causal"])
+    causal = spec.causal
     scale = float(meta["scale"]) if meta["scale"] is not None else plan.head_dim**-0.5
     dt = np.dtype(plan.dtype)
     low = np.dtype(np.float64 if dt == np.float64 else np.float32)
