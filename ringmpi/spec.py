@@ -33,6 +33,7 @@ __all__ = [
     "check_offsets",
     "parse_window",
     "parse_scale",
+    "parse_softcap",
     "cli_fields",
 ]
 
@@ -144,6 +145,17 @@ def parse_window(text: str) -> tuple:
     return (vals[0], vals[-1])
 
 
+def parse_softcap(text: str) -> float:
+    """``--softcap C``: a finite number > 0 (checked before anything is created)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, not {text!r}")
+    return x
+
+
 def _flag(help: str, **argparse_keywords) -> dict:
     """Field metadata: the field is also the command-line flag ``--name-with-dashes``.
 
@@ -216,7 +228,15 @@ class AttentionSpec:
     )
     head_parallel: int = 1
     alibi_slopes: Optional[tuple] = None
-    softcap: Optional[float] = None
+    softcap: Optional[float] = field(
+        default=None,
+        metadata=_flag(
+            "logit soft-capping: scores become C*tanh(score/C), after the scale, before ALiBi "
+            "and the masks (Gemma 2's convention)",
+            type=parse_softcap,
+            metavar="C",
+        ),
+    )
     sinks: Optional[tuple] = None
 
     @classmethod
