@@ -178,3 +178,23 @@ def test_sinks_from_the_weights_file(features, tmp_path):
     with pytest.raises(InputError, match="sinks must hold num_heads=4"):
         run([x], str(tmp_path / "bad.h5"), causal=True, weights=w2, device="cpu", quiet=True)
     assert not (tmp_path / "bad.h5").exists()
+
+
+def test_job_on_three_ranks_then_verify_on_two(packed, tmp_path):
+    """mpiexec -n 3 ringmpi run --alibi --softcap (zigzag, packed), then ringmpi verify -n 2."""
+    from test_cli_mpi import launch
+
+    out = str(tmp_path / "o.h5")
+    env = {"RINGMPI_CPU_KERNEL": "numpy"}
+    rc, _, se, _ = launch(3, "run", packed, "-o", out, "--causal", "--alibi", "--softcap", "3",
+                          "--window", "50,0", "--quiet", "--device", "cpu", env=env)  # fmt: skip
+    assert rc == 0, se
+    spec, o, _ = _attrs(out)
+    assert spec.softcap == 3.0 and spec.alibi_slopes == alibi_slopes(H) and spec.window == (50, 0)
+    with h5py.File(packed, "r") as f:
+        q, k, v, cu = (f[n][...] for n in ("q", "k", "v", "cu_seqlens"))
+    ref, _ = reference.attention(q, k, v, True, cu_seqlens=cu, window=(50, 0),
+                                 alibi_slopes=alibi_slopes(H), softcap=3.0)  # fmt: skip
+    assert np.abs(o - ref).max() < 1e-4
+    rc, so, se, _ = launch(2, "verify", out, packed, env=env)
+    assert rc == 0, so + se
