@@ -20,7 +20,7 @@ from mpi4py import MPI
 from . import cost, interrupt, softmax
 from .arguments import RingArgs, agree, report, to_internal
 from .hybrid import HeadGroups
-from .mask import plan_steps
+from .mask import plan_steps, tile_modifiers
 from .partition import positions
 from .ring import KVRing
 from .spec import AttentionSpec
@@ -48,6 +48,9 @@ def ring_attention(
     cu_seqlens_k=None,
     on_tick: Optional[Callable[[int], None]] = None,
     spec: Optional[AttentionSpec] = None,
+    alibi_slopes=None,
+    softcap: Optional[float] = None,
+    sinks=None,
     _on_state: Optional[Callable] = None,
     _start: Optional[tuple] = None,
 ):
@@ -104,9 +107,21 @@ def ring_attention(
         all-to-all inside each group of U consecutive ranks turns sequence shards
         into head shards, the ring runs over the R groups. Cut the inputs with
         ``shard(..., head_parallel=U)``. numpy arrays only.
+    alibi_slopes : float array (H,), optional
+        ALiBi, the same on every rank: the score of query i and key j gains
+        -slope_h * |i - j| in global positions (within its packed sequence;
+        bottom-right aligned for cross-attention, as FlashAttention's alibi).
+    softcap : float > 0, optional
+        Scores become softcap * tanh(score / softcap), after the scale and
+        before ALiBi and the masks (Gemma 2, FlashAttention's ``softcap``).
+    sinks : float array (H,), optional
+        Per-head sink logits (gpt-oss): each row's softmax denominator gains
+        exp(sink_h), a virtual key of value 0; ``lse`` includes it, and a row
+        with no visible key gets out 0 and lse = sink_h.
     spec : ringmpi.spec.AttentionSpec, optional
-        All of causal, layout, scale, head_parallel, window, cu_seqlens and
-        cu_seqlens_k as one value (then leave those keywords at their defaults).
+        All of causal, layout, scale, head_parallel, window, cu_seqlens,
+        cu_seqlens_k, alibi_slopes, softcap and sinks as one value (then leave
+        those keywords at their defaults).
     _on_state : callable, optional
         Checkpoint seam (private: :mod:`ringmpi.job.checkpoint` uses it). Called as
         ``_on_state(done, acc, m, l)`` after each completed ring step (``done`` =
@@ -139,7 +154,8 @@ def ring_attention(
     comm = MPI.COMM_WORLD if comm is None else comm
     spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                            head_parallel=head_parallel)  # fmt: skip
+                            head_parallel=head_parallel, alibi_slopes=alibi_slopes,
+                            softcap=softcap, sinks=sinks)  # fmt: skip
     arrays = {"q": q, "k": k, "v": v}
     args = agree(comm, spec, arrays, what="ring_attention", check_finite=check_finite)
     be = args.backend
@@ -149,7 +165,9 @@ def ring_attention(
             for x, kind in ((q, "q"), (k, "kv"), (v, "kv"))
         )
         del arrays
-        out, lse, st = _loop(groups.ring, args, qi, ki, vi, on_step, on_tick, _on_state, _start)
+        out, lse, st = _loop(
+            groups.ring, args, qi, ki, vi, on_step, on_tick, groups.heads, _on_state, _start
+        )
         out, lse = groups.gather(out, "q"), groups.gather(lse, "lse")
     out = be.cast_out(out, args.in_dtype)
     if not args.batched:
@@ -163,13 +181,16 @@ def _batched(x):
     return x if x.ndim == 4 else x[None]
 
 
-def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, on_state=None, start=None) -> tuple:
+def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None,
+          start=None) -> tuple:  # fmt: skip
     """The forward ring over ``comm``: (out (B, S, H, D) in the accumulation dtype, lse, stats).
 
     Parameters
     ----------
     qi : (B, H, S, D) ; ki, vi : (B, Hkv, S_k, D)
         This ring position's queries and K/V block, in the tile layout and dtype.
+    heads : slice
+        The query heads of ``qi`` among the call's (heads x ring), for per-head options.
     on_state, start :
         The checkpoint seam: ``_on_state`` and ``_start`` of :func:`ring_attention`.
     """
@@ -177,6 +198,7 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, on_state=None, sta
     rank, size = comm.Get_rank(), comm.Get_size()
     plan = plan_steps(mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
+    masked.update(tile_modifiers(args.spec, mask, plan.q_pos, heads))
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
     seam = start is not None or on_state is not None  # the same on every rank (documented)
     first = _resume_from(comm, start, plan.nsteps, (acc, m, l)) if seam else 0
@@ -210,7 +232,8 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, on_state=None, sta
                 on_state(step + 1, acc, m, l)
             if on_step is not None:
                 on_step(step + 1, plan.nsteps)
-    out, lse = be.finish(acc, m, l)
+    sinks = args.spec.sinks
+    out, lse = be.finish(acc, m, l, sinks=None if sinks is None else sinks[heads])
     stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, tile_flops=tile_flops,
                  steps=plan.nsteps,
                  steps_computed=computed, steps_skipped=size - plan.nsteps,

@@ -28,7 +28,7 @@ import numpy as np
 from .partition import positions
 from .spec import AttentionSpec, check_window
 
-__all__ = ["Mask", "make_mask", "check_window", "StepPlan", "plan_steps"]
+__all__ = ["Mask", "make_mask", "check_window", "StepPlan", "plan_steps", "tile_modifiers"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,20 @@ class Mask:
             if right >= 0:
                 hi = np.minimum(hi, diag + right)
         return k0 + lo, k0 + hi
+
+    def alibi_positions(self, q_pos: np.ndarray) -> np.ndarray:
+        """ALiBi query positions in key coordinates: int64 (Sq,) for the tiles' ``alibi``.
+
+        qa = q_pos + Lk_s - Lq_s for the packed sequence s holding the query (its
+        end aligned with the keys' end, as FlashAttention aligns cross-attention
+        bottom-right); q_pos itself for self-attention. The tiles add
+        ``-slope_h * |qa_i - k_pos_j|`` to the score.
+        """
+        q_pos = np.asarray(q_pos, dtype=np.int64)
+        cu_q = self.cu_q if self.cu_q is not None else np.array([0, self.nq], dtype=np.int64)
+        cu_k = self.cu_k if self.cu_k is not None else np.array([0, self.nk], dtype=np.int64)
+        s = np.searchsorted(cu_q, q_pos, side="right") - 1
+        return q_pos + (cu_k[s + 1] - cu_q[s + 1])
 
     @staticmethod
     def visible(lo: np.ndarray, hi: np.ndarray, ks: np.ndarray) -> bool:
@@ -137,3 +151,31 @@ def plan_steps(mask: Mask, rank: int, size: int, layout: str) -> StepPlan:
         if r == rank:
             mine, bounds = need, (lo, hi)
     return StepPlan(q_pos, bounds, last + 1, mine[: last + 1])
+
+
+def tile_modifiers(spec: AttentionSpec, mask: Mask, q_pos: np.ndarray, heads=slice(None)) -> dict:
+    """The tiles' score-modifier keywords for this rank's queries (only those in use).
+
+    Parameters
+    ----------
+    spec : ringmpi.spec.AttentionSpec
+        The agreed spec (``softcap``, ``alibi_slopes``).
+    mask : Mask
+        The call's mask (ALiBi positions are aligned per packed sequence).
+    q_pos : int64 array (Sq,)
+        This rank's global query positions.
+    heads : slice
+        The query heads this rank's tiles run (heads x ring: the member's share).
+
+    Returns
+    -------
+    dict with ``softcap`` (float) and/or ``alibi`` ((slopes float64 (H_local,),
+    qa int64 (Sq,))), as :mod:`ringmpi.tile` defines them; empty without modifiers.
+    """
+    kw: dict = {}
+    if spec.softcap is not None:
+        kw["softcap"] = float(spec.softcap)
+    if spec.alibi_slopes is not None:
+        slopes = np.asarray(spec.alibi_slopes, dtype=np.float64)[heads]
+        kw["alibi"] = (np.ascontiguousarray(slopes), mask.alibi_positions(q_pos))
+    return kw

@@ -164,6 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for _name, flag, kw in cli_fields():  # the attention options: AttentionSpec's fields
         r.add_argument(flag, **kw)
+    alibi = r.add_mutually_exclusive_group()
+    alibi.add_argument(
+        "--alibi",
+        action="store_true",
+        help="ALiBi with the standard geometric slopes for the input's H heads: score += "
+        "-slope_h*|i-j| by global position (within packed sequences; bottom-right aligned "
+        "for cross-attention)",
+    )
+    alibi.add_argument(
+        "--alibi-slopes",
+        dest="alibi_slopes_file",
+        metavar="FILE",
+        help="ALiBi with the H slopes of FILE (.npy, or text: numbers split by spaces/commas)",
+    )
     r.add_argument(
         "--device",
         choices=("auto", "cpu", "gpu"),

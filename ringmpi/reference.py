@@ -6,6 +6,13 @@ holds the full N x N score matrix; with ``block=R`` only R query rows' scores
 at a time.
 Shapes follow the package convention: q (S, H, D) or (B, S, H, D); k and v
 (S, Hkv, D) or (B, S, Hkv, D) with H % Hkv == 0; lse (..., H, S).
+
+Score modifiers, in this order (FlashAttention's and gpt-oss's conventions):
+with x_ij = scale * q_i.k_j, ``softcap`` c gives s_ij = c * tanh(x_ij / c);
+``alibi_slopes`` adds -slope_h * |qa_i - j| (qa: :meth:`ringmpi.mask.Mask.alibi_positions`);
+the mask hides keys; ``sinks`` add exp(sink_h) to each row's softmax
+denominator (a virtual key with value 0), so lse includes it and a row with
+no visible key gets out 0 and lse = sink_h.
 """
 
 from __future__ import annotations
@@ -34,27 +41,58 @@ def _prepare(q, k, v, scale, dtype=np.float64):
     return qh, kh, vh, scale, h // hkv
 
 
-def _probs(qh, kh, scale, mask, row0: int = 0):
-    """Probabilities and lse of query rows row0.. against all keys, masked by ``mask``."""
+def _modifiers(h: int, alibi_slopes, softcap, sinks):
+    """The modifiers as float64 arrays (slopes and sinks (H,)) and a float, or None."""
+
+    def per_head(name, x):
+        if x is None:
+            return None
+        a = np.asarray(x, dtype=np.float64).reshape(-1)
+        if a.shape != (h,) or not np.isfinite(a).all():
+            raise ValueError(f"{name} must hold H={h} finite numbers, got shape {a.shape}")
+        return a
+
+    cap = None if softcap is None else float(softcap)
+    if cap is not None and not (np.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
+    return per_head("alibi_slopes", alibi_slopes), cap, per_head("sinks", sinks)
+
+
+def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None, None)):
+    """Probabilities, lse and 1 - tanh^2 (softcap, else None) of query rows row0.. vs all keys."""
+    slopes, cap, sinks = mods
     s = qh.dtype.type(scale) * (qh @ np.swapaxes(kh, -1, -2))
     n_q, n_k = s.shape[-2:]
+    rows = np.arange(row0, row0 + n_q)
+    dcap = None
+    if cap is not None:
+        t = np.tanh(s / cap)
+        s = cap * t
+        dcap = 1 - t * t
+    if slopes is not None:
+        dist = np.abs(mask.alibi_positions(rows)[:, None] - np.arange(n_k)[None, :])
+        s = s - (slopes[:, None, None] * dist).astype(s.dtype)
     if mask.causal or not mask.plain:
-        lo, hi = mask.bounds(np.arange(row0, row0 + n_q))
+        lo, hi = mask.bounds(rows)
         j = np.arange(n_k)[None, :]
         s = np.where((lo[:, None] <= j) & (j <= hi[:, None]), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:  # the sink is one more logit of each row
+        m = np.maximum(m, sinks.astype(s.dtype)[:, None, None])
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
     z = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        z = z + np.exp(sinks.astype(s.dtype)[:, None, None] - m)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(z > 0, e / z, 0)
         lse = np.where(z[..., 0] > 0, m[..., 0] + np.log(z[..., 0]), -np.inf)
-    return p.astype(qh.dtype, copy=False), lse.astype(qh.dtype, copy=False)
+    return p.astype(qh.dtype, copy=False), lse.astype(qh.dtype, copy=False), dcap
 
 
 def attention(
     q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64, block=None,
-    window=None, cu_seqlens=None, cu_seqlens_k=None,
+    window=None, cu_seqlens=None, cu_seqlens_k=None, alibi_slopes=None, softcap=None, sinks=None,
 ):  # fmt: skip
     """Dense softmax attention, computed in ``dtype``, with the masks of ``ring_attention``.
 
@@ -74,19 +112,27 @@ def attention(
         As in :func:`ringmpi.ring_attention` (:mod:`ringmpi.mask`); q may hold a
         different number of tokens than k and v (cross-attention, causal aligned
         bottom-right).
+    alibi_slopes : float array (H,), optional
+        ALiBi: the score gains -slope_h * |qa_i - j| (module docstring).
+    softcap : float > 0, optional
+        Scores become softcap * tanh(score / softcap), before ALiBi and the mask.
+    sinks : float array (H,), optional
+        Per-head sink logits added to each row's softmax denominator.
 
     Returns
     -------
     out : array in ``dtype``, shape of q; a row with no visible key is 0
     lse : array (..., H, S) in ``dtype``; -inf for a row with no visible key
+        (sink_h with sinks)
     """
     qh, kh, vh, scale, _ = _prepare(q, k, v, scale, dtype)
+    mods = _modifiers(qh.shape[-3], alibi_slopes, softcap, sinks)
     mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     s_len = qh.shape[-2]
     step = s_len if not block else int(block)
     outs, lses = [], []
     for a in range(0, max(s_len, 1), max(step, 1)):
-        p, lse = _probs(qh[..., a : a + step, :], kh, scale, mask, row0=a)
+        p, lse, _ = _probs(qh[..., a : a + step, :], kh, scale, mask, row0=a, mods=mods)
         outs.append(p @ vh)
         lses.append(lse)
     out = np.concatenate(outs, axis=-2) if len(outs) > 1 else outs[0]
@@ -96,26 +142,34 @@ def attention(
 
 def attention_backward(
     dout, q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64,
-    window=None, cu_seqlens=None, cu_seqlens_k=None,
+    window=None, cu_seqlens=None, cu_seqlens_k=None, alibi_slopes=None, softcap=None, sinks=None,
 ):  # fmt: skip
     """Dense gradients of ``attention(q, k, v)[0]`` against ``dout``, computed in ``dtype``.
 
     With P = softmax(scale * Q K^T), O = P V and delta_i = sum_d dO_id O_id:
     dV = P^T dO, dS = P * (dO V^T - delta), dQ = scale * dS K, dK = scale * dS^T Q.
     Under GQA the gradient of a K/V head sums over the query heads that share it.
+    With ``softcap`` dS is multiplied by 1 - tanh^2(x / c); with ``sinks``
+    (P includes the sink's share, of value 0) dsinks_h = -sum_i P_i,sink delta_i
+    over every batch and row. ``alibi_slopes``, ``softcap`` and ``sinks`` as
+    in :func:`attention`.
 
     Returns
     -------
     dq, dk, dv : arrays in ``dtype`` with the shapes of q, k, v.
+    dsinks : array (H,) in ``dtype``; only when ``sinks`` is given.
     """
     qh, kh, vh, scale, group = _prepare(q, k, v, scale, dtype)
+    mods = _modifiers(qh.shape[-3], alibi_slopes, softcap, sinks)
     mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     do = np.moveaxis(np.asarray(dout, dtype=dtype), -3, -2)
-    p, _ = _probs(qh, kh, scale, mask)
+    p, lse, dcap = _probs(qh, kh, scale, mask, mods=mods)
     o = p @ vh
     delta = np.sum(do * o, axis=-1, keepdims=True)
     dv = np.swapaxes(p, -1, -2) @ do
     ds = p * (do @ np.swapaxes(vh, -1, -2) - delta)
+    if dcap is not None:
+        ds = ds * dcap
     sc = qh.dtype.type(scale)
     dq = sc * (ds @ kh)
     dk = sc * (np.swapaxes(ds, -1, -2) @ qh)
@@ -125,4 +179,9 @@ def attention_backward(
         g = g.reshape(*shp[:-3], shp[-3] // group, group, *shp[-2:]).sum(axis=-3)
         return np.moveaxis(g, -3, -2)
 
-    return np.moveaxis(dq, -2, -3), fold(dk), fold(dv)
+    grads = np.moveaxis(dq, -2, -3), fold(dk), fold(dv)
+    if mods[2] is None:
+        return grads
+    p_sink = np.exp(mods[2].astype(lse.dtype)[:, None] - lse)  # (..., H, S)
+    dsinks = -(p_sink * delta[..., 0]).reshape(-1, *p_sink.shape[-2:]).sum(axis=(0, 2))
+    return (*grads, dsinks)

@@ -51,6 +51,9 @@ class JobOptions:
     checkpoint_every : float
         Save the running ring state at most every this many seconds of a sequence
         (:mod:`ringmpi.job.checkpoint`); 0: never.
+    alibi : bool ; alibi_slopes_file : str or None
+        ALiBi with the standard slopes for the input's H heads, or with the H
+        slopes of a .npy/text file (:mod:`ringmpi.job.modifiers`).
     """
 
     device: str = "auto"
@@ -68,6 +71,8 @@ class JobOptions:
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     checkpoint_every: float = 600.0
+    alibi: bool = False
+    alibi_slopes_file: Optional[str] = None
 
 
 _SPEC = {f.name for f in dataclasses.fields(AttentionSpec)}
@@ -135,4 +140,6 @@ def options_from_args(args) -> JobOptions:
         rope_theta=args.rope_theta,
         rope_scale=args.rope_scale,
         checkpoint_every=args.checkpoint_every,
+        alibi=args.alibi,
+        alibi_slopes_file=args.alibi_slopes_file,
     )

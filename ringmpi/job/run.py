@@ -30,6 +30,7 @@ from typing import Optional
 from ..collective import run_everywhere, run_on_root
 from ..grid import grid
 from ..spec import AttentionSpec
+from . import modifiers
 from .batch import batch_tokens, make_batches
 from .budget import check_memory, memory_budget
 from .config import JobOptions, split_keywords
@@ -148,6 +149,8 @@ def run(
     ring_size = opts.ring_size
     plan = make_plan(comm, inputs, opts.weights, 1 if ring_size not in (None, size) else size,
                      rope=opts.rope)  # fmt: skip
+    # ALiBi slopes (--alibi, --alibi-slopes) and the weights' sinks join the spec here
+    spec = modifiers.resolve(comm, spec, plan, opts.alibi, opts.alibi_slopes_file)
     head_major = [w for w in plan.warnings if "head-major" in w]
     if head_major:  # stop here with the advice: the heads taken as tokens only fail later
         raise InputError(head_major[0].replace("; if the data", ": stopping; if the data", 1))

@@ -197,6 +197,11 @@ def verify(
         blas.restore()
 
 
+def _at(per_head, h: int):
+    """Head ``h``'s value of a per-head spec field, or None."""
+    return None if per_head is None else per_head[h]
+
+
 def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet, full) -> dict:
     """The body of :func:`verify` (collective over ``comm``)."""
     import h5py
@@ -295,8 +300,11 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 def tick(done_rows, what=what, nk=seq.length_k):
                     report.advance(done_rows * nk / 2, what)  # two precisions per row block
 
-                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask, tick)
-                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask, tick)
+                mods = dict(softcap=spec.softcap, slope=_at(spec.alibi_slopes, h),
+                            sink=_at(spec.sinks, h))  # fmt: skip
+                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask, tick,
+                                              **mods)  # fmt: skip
+                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask, tick, **mods)
                 lo_o = lo_o.astype(dt).astype(np.float64)
                 ro, rl = ring_o[rows], ring_l[rows]
                 fin = np.isfinite(ref_l)
@@ -318,8 +326,10 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 slack = RANGE_SLACK[plan.dtype] * float(np.abs(v).max(initial=0.0)) + 1e-30
                 if not mask.plain:  # every row: lse = -inf exactly where the mask hides all keys
                     blo, bhi = mask.bounds(np.arange(seq.length, dtype=np.int64))
-                    mism |= np.isneginf(ring_l) != (blo > bhi)
-                out_range = range_bad(v, ring_o, ring_l, causal, slack, mask) & whole_fin
+                    # (with sinks no row is -inf: a row without keys has lse = its sink)
+                    mism |= np.isneginf(ring_l) != ((blo > bhi) & (spec.sinks is None))
+                sink = spec.sinks is not None
+                out_range = range_bad(v, ring_o, ring_l, causal, slack, mask, sink) & whole_fin
                 mism &= own  # each row's whole-row checks are counted by one part only
                 out_range &= own
                 cnt[i, 0] += len(rows)
