@@ -9,6 +9,11 @@ float64 reference (:func:`ringmpi.reference.attention` with ``softcap`` and
 ``alibi_slopes``) by the suite's rule (twice the float32 dense peer's error), every
 state with the numpy tile's. Inputs are shaped like real data
 (``random_qkv(..., realistic=True)``: nonzero means, small value spread, sink keys).
+
+The backward tiles likewise: call by call equal to the numpy tile's gradients, assembled
+within the suite's backward rule (three times the float32 dense peer's error, plus the
+budget of a float32 lse) of :func:`ringmpi.reference.attention_backward` with the
+modifiers (softcap's dS includes tanh's derivative).
 """
 
 from __future__ import annotations
@@ -17,15 +22,16 @@ import functools
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import ringmpi
 from ringmpi import reference
-from ringmpi.cpu import fused
+from ringmpi.cpu import build, fused, fused_backward
 from ringmpi.cpu import numpy_tile as spec
 from ringmpi.mask import make_mask
 from ringmpi.partition import positions
 from ringmpi.softmax import finalize, init_state
-from ringmpi.testing import random_qkv, tolerance
+from ringmpi.testing import assert_close, lse_budget, random_qkv, tolerance
 
 pytestmark = pytest.mark.skipif(
     not fused.available(), reason=f"fused kernel unavailable: {fused.unavailable_reason()}"
@@ -194,3 +200,74 @@ def test_bad_modifiers_are_refused():
     for kw, word in bad:
         with pytest.raises(ValueError, match=word):
             kern.forward_tile(qi, ki, vi, pos, pos, *st, scale=0.2, causal=True, **kw)
+
+
+# fused vs numpy backward tile, relative to the largest entry
+GTOL = {np.float32: 2e-5, np.float64: 1e-12}
+BACKWARD_MASKS = ["causal", "window 37,20", "window + packed", "cross 500x200 causal (empty rows)"]
+
+
+@functools.cache
+def _backward_problem(mask_name: str, mod_name: str):
+    """float64 inputs, dout, the reference (out, lse) and gradients; the float32 peer's."""
+    q, k, v, mask, ref, _ = _problem(mask_name, mod_name, np.float64)
+    _, _, causal, kw = MASKS[mask_name]
+    mods = MODS[mod_name]
+    dout = 0.3 + 0.1 * np.random.default_rng(7).standard_normal(q.shape)
+    grads = reference.attention_backward(dout, q, k, v, causal, **kw, **mods)
+    args = [a.astype(np.float32) for a in (dout, q, k, v)]
+    peer = reference.attention_backward(*args, causal, dtype=np.float32, **kw, **mods)
+    return q, k, v, dout, mask, ref, grads, peer
+
+
+@functools.cache
+def _bw_lib(isa: str):
+    return fused_backward.open_library(build.build_library("cpu_backward.c", isa))
+
+
+def _close(got, want, dtype, what):
+    err = float(np.abs(got - want).max(initial=0.0))
+    bound = GTOL[dtype] * max(1.0, float(np.abs(want).max(initial=0.0)))
+    assert err <= bound, f"{what}: {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mod_name", sorted(MODS))
+@pytest.mark.parametrize("mask_name", BACKWARD_MASKS)
+def test_backward_matches_numpy_tile_and_reference(mask_name, mod_name, dtype):
+    """Fused backward (every ISA path) == numpy tile per call; assembled == dense float64."""
+    q, k, v, dout, mask, (out, lse), ref, peer = _backward_problem(mask_name, mod_name)
+    tiles = {"numpy": spec.backward_tile}
+    for isa in ISAS:
+        tiles[isa] = functools.partial(fused_backward.backward_tile_with, _bw_lib(isa))
+    layouts = ringmpi.LAYOUTS if mask_name == "window + packed" else ("zigzag",)
+    for layout in layouts:
+        grads = {t: [np.zeros(x.shape) for x in (q, k, v)] for t in tiles}
+        k_ranks = [positions(mask.nk, r, P, layout, cu_seqlens=mask.cu_k) for r in range(P)]
+        for r in range(P):
+            qp = positions(mask.nq, r, P, layout, cu_seqlens=mask.cu_q)
+            kw = _tile_kw(mask, qp, mod_name)
+            qi, doi = _heads(q, qp).astype(dtype), _heads(dout, qp).astype(dtype)
+            lse_i = np.ascontiguousarray(lse[None][:, :, qp]).astype(dtype)
+            delta = np.sum(doi * _heads(out, qp).astype(dtype), axis=-1)
+            dq = {t: np.zeros_like(qi) for t in tiles}
+            for kp in k_ranks:
+                ki, vi = _heads(k, kp).astype(dtype), _heads(v, kp).astype(dtype)
+                dk = {t: np.zeros_like(ki) for t in tiles}
+                dv = {t: np.zeros_like(vi) for t in tiles}
+                for t, fn in tiles.items():
+                    fn(qi, ki, vi, doi, lse_i, delta, qp, kp, dq[t], dk[t], dv[t], **kw)
+                for t in tiles:
+                    _close(dk[t], dk["numpy"], dtype, f"{t}: dk {r} {layout}")
+                    _close(dv[t], dv["numpy"], dtype, f"{t}: dv {r} {layout}")
+                    grads[t][1][kp] += np.moveaxis(dk[t][0], 0, 1)
+                    grads[t][2][kp] += np.moveaxis(dv[t][0], 0, 1)
+            for t in tiles:
+                _close(dq[t], dq["numpy"], dtype, f"{t}: dq {r} {layout}")
+                grads[t][0][qp] = np.moveaxis(dq[t][0], 0, 1)
+        for t, got in grads.items():
+            for i, name in enumerate(("dq", "dk", "dv")):
+                p = None if dtype == np.float64 else peer[i]
+                extra = 0.0 if p is None else lse_budget(lse.astype(dtype), lse, ref[i])
+                what = f"{t} {layout} {mask_name} {mod_name}: {name}"
+                assert_close(MPI.COMM_SELF, got[i], ref[i], p, what, factor=3.0, extra=extra)
