@@ -162,6 +162,13 @@ def _view(comm, spec, arrays: dict, be, check_finite: bool, decode: bool) -> dic
     except ValueError as e:
         err, spec = err or str(e), None
     if err is None:
+        try:
+            spec.check_heads(int(q.shape[-2]))
+        except ValueError as e:
+            err = str(e)
+        if decode and spec.alibi_slopes is not None:
+            err = err or "alibi_slopes needs token positions, which a decode cache has not"
+    if err is None:
         backward = "dout" in arrays
         why = be.supports(spec, q.dtype, int(q.shape[-1]), backward=backward, tiles=not decode)
         if why:

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from . import cost, interrupt, softmax
 from .arguments import RingArgs, agree, report, to_internal
 from .hybrid import HeadGroups
-from .mask import plan_steps
+from .mask import plan_steps, tile_modifiers
 from .partition import positions
 from .ring import KVRing
 from .spec import AttentionSpec
@@ -47,6 +47,9 @@ def ring_attention(
     cu_seqlens_k=None,
     on_tick: Optional[Callable[[int], None]] = None,
     spec: Optional[AttentionSpec] = None,
+    alibi_slopes=None,
+    softcap: Optional[float] = None,
+    sinks=None,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
 
@@ -100,9 +103,21 @@ def ring_attention(
         all-to-all inside each group of U consecutive ranks turns sequence shards
         into head shards, the ring runs over the R groups. Cut the inputs with
         ``shard(..., head_parallel=U)``. numpy arrays only.
+    alibi_slopes : float array (H,), optional
+        ALiBi, the same on every rank: the score of query i and key j gains
+        -slope_h * |i - j| in global positions (within its packed sequence;
+        bottom-right aligned for cross-attention, as FlashAttention's alibi).
+    softcap : float > 0, optional
+        Scores become softcap * tanh(score / softcap), after the scale and
+        before ALiBi and the masks (Gemma 2, FlashAttention's ``softcap``).
+    sinks : float array (H,), optional
+        Per-head sink logits (gpt-oss): each row's softmax denominator gains
+        exp(sink_h), a virtual key of value 0; ``lse`` includes it, and a row
+        with no visible key gets out 0 and lse = sink_h.
     spec : ringmpi.spec.AttentionSpec, optional
-        All of causal, layout, scale, head_parallel, window, cu_seqlens and
-        cu_seqlens_k as one value (then leave those keywords at their defaults).
+        All of causal, layout, scale, head_parallel, window, cu_seqlens,
+        cu_seqlens_k, alibi_slopes, softcap and sinks as one value (then leave
+        those keywords at their defaults).
 
     Returns
     -------
@@ -120,7 +135,8 @@ def ring_attention(
     comm = MPI.COMM_WORLD if comm is None else comm
     spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                            head_parallel=head_parallel)  # fmt: skip
+                            head_parallel=head_parallel, alibi_slopes=alibi_slopes,
+                            softcap=softcap, sinks=sinks)  # fmt: skip
     arrays = {"q": q, "k": k, "v": v}
     args = agree(comm, spec, arrays, what="ring_attention", check_finite=check_finite)
     be = args.backend
@@ -130,7 +146,7 @@ def ring_attention(
             for x, kind in ((q, "q"), (k, "kv"), (v, "kv"))
         )
         del arrays
-        out, lse, st = _loop(groups.ring, args, qi, ki, vi, on_step, on_tick)
+        out, lse, st = _loop(groups.ring, args, qi, ki, vi, on_step, on_tick, groups.heads)
         out, lse = groups.gather(out, "q"), groups.gather(lse, "lse")
     out = be.cast_out(out, args.in_dtype)
     if not args.batched:
@@ -144,18 +160,21 @@ def _batched(x):
     return x if x.ndim == 4 else x[None]
 
 
-def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick) -> tuple:
+def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None)) -> tuple:
     """The forward ring over ``comm``: (out (B, S, H, D) in the accumulation dtype, lse, stats).
 
     Parameters
     ----------
     qi : (B, H, S, D) ; ki, vi : (B, Hkv, S_k, D)
         This ring position's queries and K/V block, in the tile layout and dtype.
+    heads : slice
+        The query heads of ``qi`` among the call's (heads x ring), for per-head options.
     """
     be, mask, layout = args.backend, args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
     plan = plan_steps(mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
+    masked.update(tile_modifiers(args.spec, mask, plan.q_pos, heads))
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
     b, h, _, d = qi.shape
     flops, tile_flops, compute_s, computed = 0, 0, 0.0, 0
@@ -182,7 +201,8 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick) -> tuple:
                 computed += 1
             if on_step is not None:
                 on_step(step + 1, plan.nsteps)
-    out, lse = be.finish(acc, m, l)
+    sinks = args.spec.sinks
+    out, lse = be.finish(acc, m, l, sinks=None if sinks is None else sinks[heads])
     stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, tile_flops=tile_flops,
                  steps=plan.nsteps,
                  steps_computed=computed, steps_skipped=size - plan.nsteps,

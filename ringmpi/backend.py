@@ -50,6 +50,10 @@ class Backend:
     max_d: int = 0  # largest head dim the tiles take (0: any)
     notes: tuple = ()  # what runs: ("forward: ...", "backward: ...")
     backward_missing: str = "no backward tile"  # why backward_tile is None
+    # score modifiers (AttentionSpec fields) the forward / backward tiles run; sinks act at
+    # finish (every backend), not in a tile
+    forward_mods: tuple = ("softcap", "alibi_slopes")
+    backward_mods: tuple = ("softcap", "alibi_slopes")
 
     def supports(self, spec, dtype, d: int, *, backward: bool = False, tiles: bool = True) -> list:
         """The reasons this backend cannot run a call (empty: it can).
@@ -78,6 +82,12 @@ class Backend:
             why.append(f"head dim D={d} (its tiles take 1..{self.max_d})")
         if backward and self.backward_tile is None:
             why.append(self.backward_missing)
+        if tiles:
+            mods = self.backward_mods if backward else self.forward_mods
+            which = "backward" if backward else "forward"
+            for f in ("softcap", "alibi_slopes"):
+                if getattr(spec, f, None) is not None and f not in mods:
+                    why.append(f"{f} (its {which} tile does not apply it yet)")
         if spec.head_parallel > 1 and self.xp is not np:
             why.append("head_parallel > 1 (the heads x ring all-to-all takes numpy arrays only)")
         return why
@@ -86,12 +96,28 @@ class Backend:
         """The tiles this backend runs, e.g. 'fused: forward fused C (avx512); backward ...'."""
         return f"{self.name}: " + "; ".join(self.notes) if self.notes else self.name
 
-    def finish(self, acc, m, l):
-        """Normalised output in sequence-major layout and the lse."""
+    def finish(self, acc, m, l, sinks=None):
+        """Normalised output in sequence-major layout and the lse.
+
+        Parameters
+        ----------
+        acc : (B, H, S, D) ; m, l : (B, H, S)
+            The online-softmax state.
+        sinks : sequence of float (H,), optional
+            Sink logits of these heads, folded in here (:func:`ringmpi.softmax.add_sinks`).
+
+        Returns
+        -------
+        out : (B, S, H, D) ; lse : (B, H, S)
+        """
         if self.finalize is not None:
-            return self.finalize(acc, m, l)
-        out, lse = softmax.finalize(acc, m, l, self.xp)
-        return self.xp.moveaxis(out, -3, -2), lse
+            out, lse = self.finalize(acc, m, l)
+        else:
+            out, lse = softmax.finalize(acc, m, l, self.xp)
+            out = self.xp.moveaxis(out, -3, -2)
+        if sinks is not None:
+            out, lse = softmax.add_sinks(out, lse, sinks, self.xp)
+        return out, lse
 
 
 def is_cupy(x) -> bool:
@@ -111,6 +137,7 @@ def _numpy_backend(why: str = "") -> Backend:
     )  # fmt: skip
 
 
+_MODS = ("softcap", "alibi_slopes")
 _ISA = {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -159,6 +186,7 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         "fused", np, fwd, bwd, cd, cd, Ring, _CPU_DTYPES,
         finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
         notes=tuple(notes), backward_missing=missing or "no backward tile",
+        forward_mods=(), backward_mods=() if bwd is not numpy_tile.backward_tile else _MODS,
     )  # fmt: skip
 
 
@@ -182,6 +210,8 @@ def _gpu_backend() -> Backend:
         decode=_gpu_decode,
         max_d=MAX_D,
         notes=("forward and backward: CUDA tiles",),
+        forward_mods=(),
+        backward_mods=(),
     )
 
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from . import cost, interrupt
 from .arguments import RingArgs, agree, report, to_internal
 from .hybrid import HeadGroups
-from .mask import plan_steps
+from .mask import plan_steps, tile_modifiers
 from .partition import positions
 from .ring import KVRing
 from .spec import AttentionSpec
@@ -60,6 +61,9 @@ def ring_attention_backward(
     cu_seqlens=None,
     cu_seqlens_k=None,
     spec: Optional[AttentionSpec] = None,
+    alibi_slopes=None,
+    softcap: Optional[float] = None,
+    sinks=None,
 ):
     """Exact gradients of ring attention for this rank's shards.
 
@@ -79,6 +83,9 @@ def ring_attention_backward(
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
     causal, layout, scale, head_parallel, window, cu_seqlens, cu_seqlens_k
         Exactly as given to the forward call.
+    alibi_slopes, softcap, sinks
+        Exactly as given to the forward call (:func:`ringmpi.ring_attention`);
+        with ``softcap`` the gradient goes through tanh (dS times 1 - tanh^2).
     check_finite : bool
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
         (or lse holds NaN or +Inf).
@@ -93,6 +100,11 @@ def ring_attention_backward(
     -------
     dq, dk, dv : arrays with the shapes and dtypes of q, k and v; the gradients
         with respect to this rank's own queries, keys and values.
+    dsinks : array (H,), only when ``sinks`` is given
+        The gradient with respect to the sink logits, summed over every row of
+        every rank (one Allreduce; the same on every rank): -sum_i
+        exp(sink_h - lse_i) delta_i. Accumulation dtype (float32, float64 for
+        float64 inputs), summed in float64; numpy (CuPy for CuPy inputs).
 
     Notes
     -----
@@ -105,7 +117,8 @@ def ring_attention_backward(
     comm = MPI.COMM_WORLD if comm is None else comm
     spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                            head_parallel=head_parallel)  # fmt: skip
+                            head_parallel=head_parallel, alibi_slopes=alibi_slopes,
+                            softcap=softcap, sinks=sinks)  # fmt: skip
     # every array and option in one allgather: identical errors everywhere
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     args = agree(comm, spec, arrays, what="ring_attention_backward", check_finite=check_finite)
@@ -122,7 +135,8 @@ def ring_attention_backward(
         delta = (do * to_internal(xp, be.decode(qs[2]), acc)).sum(axis=-1)
         lse_i = xp.asarray(groups.scatter(lse if lse.ndim == 3 else lse[None], "lse"), dtype=acc)
         del arrays, qs
-        dq, dk, dv, st = _loop(groups.ring, args, qa, ki, vi, do, lse_i, delta)
+        dq, dk, dv, st = _loop(groups.ring, args, qa, ki, vi, do, lse_i, delta, groups.heads)
+        dsinks = _dsinks(comm, args, lse_i, delta, groups.heads)
         # a K/V head replicated over the group got gradient from several members: summed
         # here, in the accumulation dtype
         grads = tuple(
@@ -132,7 +146,28 @@ def ring_attention_backward(
     grads = tuple(_external(be.cast_out(g, like.dtype), like) for g, like in zip(grads, (q, k, v)))
     report(stats, t_start, **st, alltoall_bytes=groups.alltoall_bytes, backend=be.name,
            tile=be.describe())  # fmt: skip
-    return grads
+    return grads if dsinks is None else (*grads, dsinks)
+
+
+def _dsinks(comm, args: RingArgs, lse_i, delta, heads):
+    """dsinks (H,) summed over every row of every rank, or None without sinks.
+
+    The sink is a key of value 0 with probability p_i = exp(sink_h - lse_i)
+    (lse includes the sink), so dL/dsink_h = sum_i p_i (0 - delta_i).
+    """
+    sinks = args.spec.sinks
+    if sinks is None:
+        return None
+    xp = args.backend.xp
+    full = np.asarray(sinks, dtype=np.float64)
+    mine = xp.asarray(full[heads], dtype=lse_i.dtype).reshape(1, -1, 1)
+    part = -(xp.exp(mine - lse_i) * delta).astype(xp.float64).sum(axis=(0, 2))
+    local = np.zeros(len(full))
+    local[heads] = part.get() if hasattr(part, "get") else part
+    total = np.empty_like(local)
+    with watch("ring_attention_backward: the dsinks Allreduce"):
+        comm.Allreduce(local, total, op=MPI.SUM)
+    return xp.asarray(total.astype(args.acc_dtype))
 
 
 def _batched(x):
@@ -143,7 +178,7 @@ def _external(x, like):
     return x if like.ndim == 4 else x[0]
 
 
-def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta) -> tuple:
+def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None)) -> tuple:
     """The backward ring over ``comm``: (dq, dk, dv) in the tile layout and accumulation dtype.
 
     Parameters
@@ -154,6 +189,8 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta) -> tuple:
         This ring position's K/V block in the tile dtype.
     lse_i, delta : (B, H, S)
         The forward's log-sum-exp and the row sums of dO * O.
+    heads : slice
+        The query heads of ``qa`` among the call's (heads x ring), for per-head options.
 
     Returns
     -------
@@ -165,6 +202,7 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta) -> tuple:
     cnt = args.counts_k
     plan = plan_steps(args.mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
+    masked.update(tile_modifiers(args.spec, args.mask, plan.q_pos, heads))
     dq = xp.zeros(qa.shape, dtype=acc)
 
     # dK/dV accumulators: two travelling buffers and one scratch for this

@@ -31,7 +31,7 @@ __all__ = ["decode_attention"]
 
 def decode_attention(
     q, k, v, comm: Optional[MPI.Comm] = None, *, scale: Optional[float] = None,
-    return_lse: bool = False,
+    return_lse: bool = False, softcap: Optional[float] = None, sinks=None, alibi_slopes=None,
 ):  # fmt: skip
     """Attention of a few queries against a cache sharded over the ranks; exact on every rank.
 
@@ -48,6 +48,13 @@ def decode_attention(
         Score scale, default 1/sqrt(D).
     return_lse : bool
         Also return the log-sum-exp over the whole cache, (..., H, Sq).
+    softcap : float > 0, optional
+        Scores become softcap * tanh(score / softcap) (as :func:`ringmpi.ring_attention`).
+    sinks : float array (H,), optional
+        Per-head sink logits, folded in once after the merge (lse includes them).
+    alibi_slopes : None
+        Refused (ValueError on every rank): ALiBi needs token positions, and the
+        cache shards here have none.
 
     Returns
     -------
@@ -55,10 +62,11 @@ def decode_attention(
     lse : array (..., H, Sq), float32 (float64 for float64 inputs); with ``return_lse``.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    spec = AttentionSpec(scale=scale)
+    spec = AttentionSpec(scale=scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     args = agree(comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention", decode=True)
     be, d, sc = args.backend, q.shape[-1], args.scale
-    out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype)  # (B, H, Sq, D), (B, H, Sq)
+    cap = args.spec.softcap
+    out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype, cap)  # (B, H, Sq, D), (B, H, Sq)
     if is_cupy(out):
         out, lse = out.get(), lse.get()
     sq = out.shape[2]
@@ -70,6 +78,8 @@ def decode_attention(
     merged = _merge(comm, rows)
     lse = merged[:, 0].reshape(b, h, sq)
     out = np.ascontiguousarray(np.moveaxis(merged[:, 1:].reshape(b, h, sq, d), 1, 2))
+    if args.spec.sinks is not None:  # one virtual key per head, counted once (not per rank)
+        out, lse = softmax.add_sinks(out, lse, args.spec.sinks)
     out = be.cast_out(be.xp.asarray(out), q.dtype)
     lse = be.xp.asarray(lse)
     if q.ndim == 3:
@@ -77,7 +87,7 @@ def decode_attention(
     return (out, lse) if return_lse else out
 
 
-def _partial(xp, q, k, v, scale: float, acc_dtype):
+def _partial(xp, q, k, v, scale: float, acc_dtype, softcap: Optional[float] = None):
     """This rank's normalised attention of q against its cache shard, and the lse.
 
     Computed straight from the (B?, S, H, D) layout: the cache is read once, in
@@ -98,6 +108,8 @@ def _partial(xp, q, k, v, scale: float, acc_dtype):
     kt = k4.astype(acc_dtype, copy=False).transpose(0, 2, 3, 1)  # (B, Hkv, D, Sk), a view
     vv = v4.astype(acc_dtype, copy=False).transpose(0, 2, 1, 3)  # (B, Hkv, Sk, D), a view
     s = qg @ kt  # (B, Hkv, G*Sq, Sk)
+    if softcap is not None:
+        s = acc_dtype.type(softcap) * xp.tanh(s / acc_dtype.type(softcap))
     m = s.max(axis=-1, keepdims=True)
     s -= m
     xp.exp(s, out=s)

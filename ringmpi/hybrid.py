@@ -53,12 +53,16 @@ class HeadGroups:
         R ranks at this rank's head position, one per group (free with :meth:`close`).
     alltoall_bytes : int
         Bytes this rank sent in the all-to-alls so far.
+    heads : slice
+        The query heads this member's ring runs (all for U = 1): per-head options
+        (``alibi_slopes``, ``sinks``) are split with it.
     """
 
     def __init__(self, comm, args, h: int, hkv: int):
         self.u = args.spec.head_parallel
         self.alltoall_bytes = 0
         self._cnt = {"q": args.members, "lse": args.members, "kv": args.members_k}
+        self.heads = slice(None)
         if self.u == 1:
             self.ring, self.head, self.me = comm, None, 0
             return
@@ -68,6 +72,7 @@ class HeadGroups:
         q_heads = [slice(j * h // self.u, (j + 1) * h // self.u) for j in range(self.u)]
         kv_heads = [slice(sl.start // g, (sl.stop - 1) // g + 1) for sl in q_heads]
         self._heads = {"q": q_heads, "lse": q_heads, "kv": kv_heads}
+        self.heads = q_heads[self.me]
         self._total = {"q": h, "lse": h, "kv": hkv}
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from .partition import positions
 from .spec import AttentionSpec, check_window
 
-__all__ = ["Mask", "make_mask", "check_window", "StepPlan", "plan_steps"]
+__all__ = ["Mask", "make_mask", "check_window", "StepPlan", "plan_steps", "tile_modifiers"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +151,31 @@ def plan_steps(mask: Mask, rank: int, size: int, layout: str) -> StepPlan:
         if r == rank:
             mine, bounds = need, (lo, hi)
     return StepPlan(q_pos, bounds, last + 1, mine[: last + 1])
+
+
+def tile_modifiers(spec: AttentionSpec, mask: Mask, q_pos: np.ndarray, heads=slice(None)) -> dict:
+    """The tiles' score-modifier keywords for this rank's queries (only those in use).
+
+    Parameters
+    ----------
+    spec : ringmpi.spec.AttentionSpec
+        The agreed spec (``softcap``, ``alibi_slopes``).
+    mask : Mask
+        The call's mask (ALiBi positions are aligned per packed sequence).
+    q_pos : int64 array (Sq,)
+        This rank's global query positions.
+    heads : slice
+        The query heads this rank's tiles run (heads x ring: the member's share).
+
+    Returns
+    -------
+    dict with ``softcap`` (float) and/or ``alibi`` ((slopes float64 (H_local,),
+    qa int64 (Sq,))), as :mod:`ringmpi.tile` defines them; empty without modifiers.
+    """
+    kw: dict = {}
+    if spec.softcap is not None:
+        kw["softcap"] = float(spec.softcap)
+    if spec.alibi_slopes is not None:
+        slopes = np.asarray(spec.alibi_slopes, dtype=np.float64)[heads]
+        kw["alibi"] = (np.ascontiguousarray(slopes), mask.alibi_positions(q_pos))
+    return kw

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["init_state", "finalize", "merge"]
+__all__ = ["init_state", "finalize", "merge", "add_sinks"]
 
 
 def init_state(shape_q: tuple, dtype, xp=np):
@@ -65,3 +65,27 @@ def merge(o1, lse1, o2, lse2, xp=np):
     w1 = xp.where(finite, xp.exp(lse1 - ref), 0)
     w2 = xp.where(finite, xp.exp(lse2 - ref), 0)
     return w1[..., None] * o1 + w2[..., None] * o2, lse
+
+
+def add_sinks(out, lse, sinks, xp=np):
+    """Fold per-head sink logits into a finished attention: one more key of value 0 per row.
+
+    With lse' = logaddexp(lse, sink_h) the output scales by exp(lse - lse'); a
+    row with no visible key (lse = -inf) gets out 0 and lse' = sink_h.
+
+    Parameters
+    ----------
+    out : array (B, S, H, D)
+        Normalised output, sequence-major.
+    lse : array (B, H, S)
+    sinks : array (H,)
+        Sink logits of these heads, in the dtype of lse.
+
+    Returns
+    -------
+    (out, lse) with the same shapes and dtypes.
+    """
+    sink = xp.asarray(sinks, dtype=lse.dtype).reshape(1, -1, 1)
+    new = xp.logaddexp(lse, sink)
+    w = xp.exp(lse - new)  # (B, H, S); 0 for an empty row
+    return out * xp.moveaxis(w, -1, -2)[..., None], new

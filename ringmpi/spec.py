@@ -74,6 +74,35 @@ def _check_scale(scale) -> Optional[float]:
     return x
 
 
+def _check_per_head(name: str, x) -> Optional[tuple]:
+    """A per-head float array (slopes, sinks) as a tuple of finite floats, or None."""
+    if x is None:
+        return None
+    try:
+        a = np.asarray(x.get() if hasattr(x, "get") else x)
+        ok = a.ndim == 1 and len(a) > 0 and a.dtype.kind in "iuf"
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a 1-D array of floats, one per query head")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} must be finite, got {a.tolist()}")
+    return tuple(float(v) for v in a)
+
+
+def _check_softcap(c) -> Optional[float]:
+    if c is None:
+        return None
+    try:
+        x = float(c)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a number > 0, got {c!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"softcap must be a finite number > 0, got {x}")
+    return x
+
+
 def _check_head_parallel(u) -> int:
     if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1:
         raise ValueError(f"head_parallel={u!r} must be a positive integer (a divisor of the ranks)")
@@ -102,6 +131,16 @@ class AttentionSpec:
         How tokens are spread over the ranks.
     head_parallel : int
         U > 1: heads x ring on P = U x R ranks (:mod:`ringmpi.hybrid`).
+    alibi_slopes : tuple of float (H,) or None
+        ALiBi: the score of query i and key j gains -slope_h * |qa_i - j| (global
+        positions; qa aligned bottom-right per sequence,
+        :meth:`ringmpi.mask.Mask.alibi_positions`).
+    softcap : float or None
+        Scores become softcap * tanh(score / softcap), after the scale, before
+        ALiBi and the mask (Gemma 2, FlashAttention's ``softcap``).
+    sinks : tuple of float (H,) or None
+        Per-head sink logits: each row's softmax denominator gains exp(sink_h), a
+        virtual key with value 0 (gpt-oss); lse includes it.
     """
 
     causal: bool = False
@@ -111,6 +150,9 @@ class AttentionSpec:
     scale: Optional[float] = None
     layout: str = "zigzag"
     head_parallel: int = 1
+    alibi_slopes: Optional[tuple] = None
+    softcap: Optional[float] = None
+    sinks: Optional[tuple] = None
 
     @classmethod
     def of(cls, spec: Optional[AttentionSpec] = None, **options) -> AttentionSpec:
@@ -136,8 +178,10 @@ class AttentionSpec:
         Normal form: ``causal`` a bool, ``window`` None or a tuple of two ints,
         the offsets tuples of ints (``cu_seqlens_k`` without ``cu_seqlens`` is an
         error; the two must count the same sequences), ``scale`` None or a finite
-        float, ``layout`` a known layout, ``head_parallel`` a positive int.
-        Idempotent: ``s.validate().validate() == s.validate()``.
+        float, ``layout`` a known layout, ``head_parallel`` a positive int,
+        ``alibi_slopes`` and ``sinks`` None or non-empty tuples of finite floats
+        (their length, H, is checked by :meth:`check_heads`), ``softcap`` None or
+        a finite float > 0. Idempotent: ``s.validate().validate() == s.validate()``.
         """
         cu_q = check_offsets("cu_seqlens", self.cu_seqlens)
         cu_k = check_offsets("cu_seqlens_k", self.cu_seqlens_k)
@@ -155,7 +199,17 @@ class AttentionSpec:
             scale=_check_scale(self.scale),
             layout=check_layout(self.layout),
             head_parallel=_check_head_parallel(self.head_parallel),
+            alibi_slopes=_check_per_head("alibi_slopes", self.alibi_slopes),
+            softcap=_check_softcap(self.softcap),
+            sinks=_check_per_head("sinks", self.sinks),
         )
+
+    def check_heads(self, h: int) -> None:
+        """ValueError unless the per-head fields (alibi_slopes, sinks) hold ``h`` values."""
+        for name in ("alibi_slopes", "sinks"):
+            x = getattr(self, name)
+            if x is not None and len(x) != h:
+                raise ValueError(f"{name} has {len(x)} values but q has H={h} heads")
 
     def scale_for(self, d: int) -> float:
         """The score scale in use for head dim ``d``: ``scale``, or 1/sqrt(d)."""

@@ -257,3 +257,100 @@ def test_numpy_tile_modifiers_change_the_result(rng):
     for mods in (dict(alibi_slopes=(0.1, 0.01)), dict(softcap=0.5), dict(sinks=(3.0, 3.0))):
         got, _ = _ring_tiles(q, k, v, True, None, {}, mods, 2, "zigzag", np.float64)
         assert np.abs(got - plain).max() > 1e-3, mods
+
+
+def _flash_convention(q, k, v, causal, slopes, cap):
+    """FlashAttention's reference conventions (tests/test_flash_attn.py attention_ref and
+    attn_bias_from_alibi_slopes), restated in numpy: softcap right after the scale, then
+    the alibi bias -slope * |i + Lk - Lq - j| (causal: slope * (j - (Lk - 1)), which
+    differs from it by a per-row constant), then the causal mask (bottom-right)."""
+    nq, nk, h, d = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+    g = h // k.shape[1]
+    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = np.einsum("thd,shd->hts", q / np.sqrt(d), kk)
+    if cap:
+        s = np.tanh(s / cap) * cap
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    sl = np.asarray(slopes)[:, None, None]
+    s = s + (sl * (j - (nk - 1)) if causal else -sl * np.abs(i + nk - nq - j))
+    if causal:
+        s = np.where(j <= i + nk - nq, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hts,shd->thd", p, vv)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(50, 50), (20, 50)])
+def test_reference_follows_flash_attention_conventions(rng, causal, nq, nk):
+    """Softcap and ALiBi as FlashAttention's own reference defines them (cross: bottom-right)."""
+    q, k, v = random_qkv(rng, nq, 4, 2, 8, realistic=True, nk=nk)
+    slopes, cap = (0.5, 0.25, 0.125, 0.0625), 1.7
+    out, _ = reference.attention(q, k, v, causal, alibi_slopes=slopes, softcap=cap)
+    want = _flash_convention(q, k, v, causal, slopes, cap)
+    assert np.abs(out - want).max() < 1e-13
+
+
+def test_spec_fields_validate_and_round_trip():
+    """AttentionSpec: arrays normalise to tuples, attributes round-trip, bad values raise."""
+    spec = ringmpi.AttentionSpec(
+        alibi_slopes=np.array([0.5, 0.25], np.float32), softcap=np.float64(30), sinks=[1, -2]
+    ).validate()
+    assert spec.alibi_slopes == (0.5, 0.25) and spec.sinks == (1.0, -2.0)
+    assert spec.softcap == 30.0 and isinstance(spec.softcap, float)
+    attrs = spec.to_attrs()
+    assert attrs["alibi_slopes"] == [0.5, 0.25] and attrs["softcap"] == 30.0
+    assert ringmpi.AttentionSpec.from_attrs(attrs) == spec
+    assert ringmpi.AttentionSpec.from_attrs({k: np.asarray(x) for k, x in attrs.items()}) == spec
+    assert "sinks" not in ringmpi.AttentionSpec().to_attrs()
+    spec.check_heads(2)
+    with pytest.raises(ValueError, match="alibi_slopes has 2 values but q has H=4"):
+        spec.check_heads(4)
+    for bad, word in (
+        (dict(softcap=0), "softcap"), (dict(softcap=float("inf")), "softcap"),
+        (dict(softcap=[1.0]), "softcap"), (dict(sinks=[]), "sinks"),
+        (dict(sinks=["a"]), "sinks"), (dict(alibi_slopes=[np.nan]), "alibi_slopes"),
+        (dict(alibi_slopes=np.ones((2, 2))), "alibi_slopes"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=word):
+            ringmpi.AttentionSpec(**bad).validate()
+    with pytest.raises(ValueError, match="not both"):
+        ringmpi.AttentionSpec.of(spec, softcap=2.0)
+
+
+def test_backend_supports_names_missing_modifiers():
+    """A backend whose tiles lack a modifier lists it (forward and backward separately)."""
+    import dataclasses
+
+    from ringmpi import backend
+
+    be = backend._numpy_backend()
+    spec = ringmpi.AttentionSpec(softcap=2.0, alibi_slopes=(0.1,), sinks=(0.0,)).validate()
+    assert be.supports(spec, np.float32, 16) == []
+    assert be.supports(spec, np.float32, 16, backward=True) == []
+    part = dataclasses.replace(be, forward_mods=("softcap",), backward_mods=())
+    why = part.supports(spec, np.float32, 16)
+    assert len(why) == 1 and "alibi_slopes" in why[0] and "forward tile" in why[0]
+    why = part.supports(spec, np.float32, 16, backward=True)
+    assert len(why) == 2 and all("backward tile" in w for w in why)
+    assert part.supports(spec, np.float32, 16, tiles=False) == []  # decode: no tiles
+    sinks_only = ringmpi.AttentionSpec(sinks=(1.0,)).validate()
+    assert dataclasses.replace(be, forward_mods=()).supports(sinks_only, np.float32, 16) == []
+
+
+def test_serial_api_with_modifiers(monkeypatch, rng):
+    """ring_attention on one rank (numpy tiles) with every modifier, and its backward."""
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
+    q, k, v = random_qkv(rng, 157, 4, 2, 8, realistic=True)
+    dout = rng.standard_normal(q.shape)
+    mods = dict(alibi_slopes=np.array([0.3, 0.1, 0.0, 1.0]), softcap=2.5, sinks=[0.5, 1, 2, 3])
+    out, lse = ringmpi.ring_attention(q, k, v, causal=True, return_lse=True, **mods)
+    ref, ref_lse = reference.attention(q, k, v, True, **mods)
+    assert np.abs(out - ref).max() < 1e-12 and np.abs(lse - ref_lse).max() < 1e-12
+    got = ringmpi.ring_attention_backward(dout, q, k, v, out, lse, causal=True, **mods)
+    want = reference.attention_backward(dout, q, k, v, True, **mods)
+    assert len(got) == 4
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() < 1e-11 * max(1.0, np.abs(w).max())
+    plain = ringmpi.ring_attention_backward(dout, q, k, v, *reference.attention(q, k, v, True))
+    assert len(plain) == 3  # no dsinks without sinks
