@@ -175,6 +175,9 @@ static void *rb_alloc(size_t bytes) {
     return p;
 }
 
+/* This build takes the score modifiers (softcap, slopes, apos) of rm_backward_tile. */
+int rm_backward_modifiers(void) { return 1; }
+
 int rm_backward_simd_width_bytes(void) {
 #if defined(__AVX512F__)
     return 64;

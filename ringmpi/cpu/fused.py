@@ -231,16 +231,21 @@ class Kernel:
         lib.rm_isa_name.restype = ctypes.c_char_p
         lib.rm_simd_width_bytes.restype = ctypes.c_int
         lib.rm_tile_args_size.restype = ctypes.c_int64
-        if lib.rm_tile_args_size() != ctypes.sizeof(_TileArgs):
+        size = lib.rm_tile_args_size()
+        # a build from before the score modifiers (jobs/kernel_ab.py's baseline) reads the
+        # fields up to `hi` only: it runs plain calls and refuses modifiers
+        self.modifiers = size == ctypes.sizeof(_TileArgs)
+        if not self.modifiers and size != _TileArgs.softcap.offset:
             raise RuntimeError(f"{path}: rm_tile_args does not match fused._TileArgs")
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for sfx in ("f32", "f64"):
             fn = getattr(lib, f"rm_forward_tile_{sfx}")
             fn.restype = i64
             fn.argtypes = [ctypes.POINTER(_TileArgs)]
-            th = getattr(lib, f"rm_tanh_array_{sfx}")
-            th.restype = None
-            th.argtypes = [p, p, i64]
+            if self.modifiers:
+                th = getattr(lib, f"rm_tanh_array_{sfx}")
+                th.restype = None
+                th.argtypes = [p, p, i64]
             fin = getattr(lib, f"rm_finalize_{sfx}")
             fin.restype = None
             fin.argtypes = [p] * 3 + [i64] * 4 + [p, p, ctypes.c_int]
@@ -299,6 +304,8 @@ class Kernel:
         k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
         lo, hi = _check_bounds(bounds, sq)
         cap, slopes, apos = check_modifiers(softcap, alibi, h, sq)
+        if not self.modifiers and (cap or slopes is not None):
+            raise ValueError(f"{self.path}: a build without the score modifiers")
         qc, kc = _cuts(q_pos), _cuts(k_pos)
         fn = self._lib.rm_forward_tile_f32 if dt == np.float32 else self._lib.rm_forward_tile_f64
         # keys per block: packed K and V blocks (2 * bk * D elements) well within L2; a

@@ -78,7 +78,11 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, f"rm_backward_tile_{sfx}")
         fn.restype = i64
         fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, p, p, ctypes.c_double]
-        fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64, ctypes.c_double, p, p]
+        fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
+        # builds from before the score modifiers (jobs/kernel_ab.py's baseline) lack them
+        if hasattr(lib, "rm_backward_modifiers"):
+            fn.argtypes += [ctypes.c_double, p, p]
+    lib.ringmpi_modifiers = hasattr(lib, "rm_backward_modifiers")
     lib.rm_backward_simd_width_bytes.restype = ctypes.c_int
     return lib
 
@@ -318,6 +322,12 @@ def backward_tile_with(
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want}")
     lo, hi = fused._check_bounds(bounds, sq)  # the forward tile's check: (None, None) if none
     cap, slopes, apos = fused.check_modifiers(softcap, alibi, h, sq)
+    mods = (cap, _ptr(slopes) if slopes is not None else None)
+    mods += (_ptr(apos) if apos is not None else None,)
+    if not lib.ringmpi_modifiers:
+        if cap or slopes is not None:
+            raise ValueError(f"{lib._name}: a build without the score modifiers")
+        mods = ()
     if sq == 0 or sk == 0 or bsz == 0 or d == 0:
         return 0
     q, k, v, dout, lse, delta = (
@@ -344,8 +354,7 @@ def backward_tile_with(
         _ptr(k_pos), _ptr(dq), _ptr(dk), _ptr(dv), bsz, h, hkv, sq, sk, d,
         _ptr(qc), len(qc), _ptr(kc), len(kc),
         None if bounds is None else _ptr(lo), None if bounds is None else _ptr(hi),
-        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS, cap,
-        None if slopes is None else _ptr(slopes), None if apos is None else _ptr(apos),
+        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS, *mods,
     )  # fmt: skip
     if errors:
         raise errors[0]
