@@ -124,45 +124,18 @@ def _interrupted(e, comm, stop, command: str, program: bool) -> int:
     return code  # pragma: no cover
 
 
-def _int(text: str):
-    """An int, or the text itself (run() then names it in a clear error)."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
 def _cmd_run(args, comm) -> int:
     from .files import write_json
+    from .job.config import options_from_args
     from .job.outdir import check_side_file
     from .job.run import format_summary, run
+    from .options import spec_from_args
 
     if args.summary_json:  # refused before anything is computed, on every rank alike
         inputs = list(args.inputs) + ([args.weights] if args.weights else [])
         check_side_file(args.summary_json, "--summary-json", args.output, inputs)
-    summary = run(
-        args.inputs,
-        args.output,
-        comm=comm,
-        causal=args.causal,
-        layout=args.layout,
-        device=args.device,
-        scale=args.scale,
-        weights=args.weights,
-        resume=args.resume,
-        quiet=args.quiet,
-        max_memory=args.max_memory,
-        strided=args.strided_read,
-        prefetch=not args.no_prefetch,
-        overwrite=args.overwrite,
-        compress=args.compress,
-        output_mode=args.output_mode,
-        ring_size=args.ring_size if args.ring_size in (None, "auto") else _int(args.ring_size),
-        window=args.window,
-        rope=args.rope,
-        rope_theta=args.rope_theta,
-        rope_scale=args.rope_scale,
-    )
+    summary = run(args.inputs, args.output, spec_from_args(args), options_from_args(args),
+                  comm=comm)  # fmt: skip
     rc = 0
     rank = comm.Get_rank()
     if args.verify:

@@ -7,13 +7,21 @@ imports nothing heavy.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 from .job.budget import parse_size
+from .spec import AttentionSpec, cli_fields, parse_scale, parse_window
 
-__all__ = ["build_parser", "EXIT_INPUT", "EXIT_VERIFY", "EXIT_UNCHECKED"]
+__all__ = [
+    "build_parser",
+    "spec_from_args",
+    "parse_scale",
+    "parse_window",
+    "EXIT_INPUT",
+    "EXIT_VERIFY",
+    "EXIT_UNCHECKED",
+]
 
 EXIT_INPUT = 2
 EXIT_VERIFY = 3  # verify found a wrong result
@@ -68,31 +76,6 @@ INFO_EXAMPLES = """examples:
 """
 
 
-def parse_scale(text: str) -> float:
-    """``--scale``: a finite number (checked before anything is created)."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = float("nan")
-    if not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
-    return x
-
-
-def parse_window(text: str) -> tuple:
-    """``--window L[,R]``: (L, R), or (L, L) for one number; integers >= -1 (-1: unbounded)."""
-    parts = [t.strip() for t in str(text).split(",")]
-    try:
-        vals = [int(t) for t in parts]
-    except ValueError:
-        vals = []
-    if len(vals) not in (1, 2) or min(vals) < -1:
-        raise argparse.ArgumentTypeError(
-            f"expected LEFT or LEFT,RIGHT, integers >= -1 (-1: unbounded), not {text!r}"
-        )
-    return (vals[0], vals[-1])
-
-
 def parse_packed(text: str):
     """``--packed``: one integer N (N sequences of seeded random lengths) or a list of lengths."""
     parts = [t.strip() for t in str(text).split(",") if t.strip()]
@@ -115,6 +98,11 @@ def _positive(text: str) -> float:
     if not x > 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
     return x
+
+
+def spec_from_args(args) -> AttentionSpec:
+    """The job's :class:`ringmpi.spec.AttentionSpec` from parsed ``ringmpi run`` flags."""
+    return AttentionSpec(**{name: getattr(args, name) for name, _flag, _kw in cli_fields()})
 
 
 def _env_rank() -> int:
@@ -164,28 +152,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "-o", "--output", required=True, help="output HDF5 file (parts go to OUTPUT.parts/)"
     )
-    r.add_argument(
-        "--causal", action="store_true", help="causal mask (key j visible to query i iff j <= i)"
+    for _name, flag, kw in cli_fields():  # the attention options: AttentionSpec's fields
+        r.add_argument(flag, **kw)
+    alibi = r.add_mutually_exclusive_group()
+    alibi.add_argument(
+        "--alibi",
+        action="store_true",
+        help="ALiBi with the standard geometric slopes for the input's H heads: score += "
+        "-slope_h*|i-j| by global position (within packed sequences; bottom-right aligned "
+        "for cross-attention)",
     )
-    r.add_argument(
-        "--layout",
-        choices=("zigzag", "striped", "contiguous"),
-        default="zigzag",
-        help="token layout over the ranks (default: zigzag)",
+    alibi.add_argument(
+        "--alibi-slopes",
+        dest="alibi_slopes_file",
+        metavar="FILE",
+        help="ALiBi with the H slopes of FILE (.npy, or text: numbers split by spaces/commas)",
     )
     r.add_argument(
         "--device",
         choices=("auto", "cpu", "gpu"),
         default="auto",
         help="auto: GPU when CuPy sees one on every rank (default: auto)",
-    )
-    r.add_argument(
-        "--window",
-        type=parse_window,
-        metavar="L[,R]",
-        help="sliding window: query i sees keys i-L..i+R (within its packed sequence, aligned "
-        "bottom-right for cross-attention); -1 unbounded; one number L means L,L; under "
-        "--causal R is 0",
     )
     r.add_argument(
         "--rope",
@@ -207,9 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="S",
         help="RoPE linear position interpolation: positions are divided by S (default 1)",
-    )
-    r.add_argument(
-        "--scale", type=parse_scale, default=None, help="score scale (default 1/sqrt(D))"
     )
     r.add_argument("--weights", help="projection weights file for raw-feature inputs 'x'")
     r.add_argument("--resume", action="store_true", help="keep sequences an earlier run completed")

@@ -7,24 +7,35 @@ the token layout, the heads x ring degree) travels as one frozen
 here once: :meth:`AttentionSpec.validate` checks and normalises them, so two
 ranks' specs compare equal exactly when they describe the same call.
 
-A new option is one more field here (with its rule in ``validate`` and its
-attribute form in ``to_attrs``/``from_attrs``), one reason in
-:meth:`ringmpi.backend.Backend.supports` for the tiles that cannot run it, and
-the tiles that can.
+A new option is one more field here (with its rule in ``validate``; its
+attribute form in ``to_attrs``/``from_attrs`` is generic; with
+``metadata=_flag(...)`` it is also a ``ringmpi run`` flag, recorded in the
+output's attributes and the resume fingerprint, and given to verify, with no
+other edit), one reason in :meth:`ringmpi.backend.Backend.supports` for the
+tiles that cannot run it, and the tiles that can.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
 from .partition import check_cu_seqlens, check_layout
 
-__all__ = ["AttentionSpec", "check_window", "check_offsets"]
+__all__ = [
+    "AttentionSpec",
+    "check_window",
+    "check_offsets",
+    "parse_window",
+    "parse_scale",
+    "parse_softcap",
+    "cli_fields",
+]
 
 
 def check_window(window) -> Optional[tuple]:
@@ -109,6 +120,51 @@ def _check_head_parallel(u) -> int:
     return int(u)
 
 
+def parse_scale(text: str) -> float:
+    """``--scale``: a finite number (checked before anything is created)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
+    return x
+
+
+def parse_window(text: str) -> tuple:
+    """``--window L[,R]``: (L, R), or (L, L) for one number; integers >= -1 (-1: unbounded)."""
+    parts = [t.strip() for t in str(text).split(",")]
+    try:
+        vals = [int(t) for t in parts]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or min(vals) < -1:
+        raise argparse.ArgumentTypeError(
+            f"expected LEFT or LEFT,RIGHT, integers >= -1 (-1: unbounded), not {text!r}"
+        )
+    return (vals[0], vals[-1])
+
+
+def parse_softcap(text: str) -> float:
+    """``--softcap C``: a finite number > 0 (checked before anything is created)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, not {text!r}")
+    return x
+
+
+def _flag(help: str, **argparse_keywords) -> dict:
+    """Field metadata: the field is also the command-line flag ``--name-with-dashes``.
+
+    ``help`` and the keywords go to ``argparse.add_argument`` (``type`` parses one
+    value, ``action="store_true"`` for a bool); the default is the field's.
+    """
+    return {"cli": dict(help=help, **argparse_keywords)}
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The options of one attention call, the same on every rank.
@@ -143,15 +199,44 @@ class AttentionSpec:
         virtual key with value 0 (gpt-oss); lse includes it.
     """
 
-    causal: bool = False
-    window: Optional[tuple] = None
+    causal: bool = field(
+        default=False,
+        metadata=_flag("causal mask (key j visible to query i iff j <= i)", action="store_true"),
+    )
+    window: Optional[tuple] = field(
+        default=None,
+        metadata=_flag(
+            "sliding window: query i sees keys i-L..i+R (within its packed sequence, aligned "
+            "bottom-right for cross-attention); -1 unbounded; one number L means L,L; under "
+            "--causal R is 0",
+            type=parse_window,
+            metavar="L[,R]",
+        ),
+    )
+    # from the inputs (the job reads them per sequence), not flags
     cu_seqlens: Optional[tuple] = None
     cu_seqlens_k: Optional[tuple] = None
-    scale: Optional[float] = None
-    layout: str = "zigzag"
+    scale: Optional[float] = field(
+        default=None, metadata=_flag("score scale (default 1/sqrt(D))", type=parse_scale)
+    )
+    layout: str = field(
+        default="zigzag",
+        metadata=_flag(
+            "token layout over the ranks (default: zigzag)",
+            choices=("zigzag", "striped", "contiguous"),
+        ),
+    )
     head_parallel: int = 1
     alibi_slopes: Optional[tuple] = None
-    softcap: Optional[float] = None
+    softcap: Optional[float] = field(
+        default=None,
+        metadata=_flag(
+            "logit soft-capping: scores become C*tanh(score/C), after the scale, before ALiBi "
+            "and the masks (Gemma 2's convention)",
+            type=parse_softcap,
+            metavar="C",
+        ),
+    )
     sinks: Optional[tuple] = None
 
     @classmethod
@@ -259,6 +344,25 @@ class AttentionSpec:
                 v = v.decode()
             kw[key] = tuple(v) if isinstance(v, list) else v
         return cls(**kw).validate()
+
+
+def cli_fields() -> list:
+    """The fields of :class:`AttentionSpec` that are command-line flags, in field order.
+
+    Each is ``(name, flag, argparse keywords)``; ``ringmpi run`` adds them
+    (:func:`ringmpi.options.build_parser`) and builds the job's spec from the
+    parsed values by name (:func:`ringmpi.options.spec_from_args`), so a new spec
+    field with ``metadata=_flag(...)`` is a new flag with no other edit.
+    """
+    out = []
+    for f in dataclasses.fields(AttentionSpec):
+        cli = f.metadata.get("cli")
+        if cli is not None:
+            kw = dict(cli)
+            if kw.get("action") != "store_true":
+                kw.setdefault("default", f.default)
+            out.append((f.name, "--" + f.name.replace("_", "-"), kw))
+    return out
 
 
 def _differs(value, default) -> bool:

@@ -225,3 +225,17 @@ def test_cpu_backend_applies_or_refuses(comm, monkeypatch, kernel):
     peer = dense(q, k, v, True, sinks=MODS["sinks"])
     assert_close(comm, ringmpi.gather(out, 331, comm), ref_out, peer[0], f"{be.name} sinks out")
     assert_close(comm, ringmpi.gather(lse, 331, comm, axis=-1), ref_lse, peer[1], "sinks lse")
+
+
+def test_grid_rings(comm, numpy_tiles):
+    """Rings of a 2-D grid (ring_size 2 where P is even): each ring its own sequence."""
+    if comm.size % 2:
+        pytest.skip(f"rings of 2 need an even P, not {comm.size}")
+    ring, across = ringmpi.grid(comm, ring_size=2)
+    try:
+        g = across.Get_rank()
+        q, k, v, dout = _inputs(50 + g, 301, 301, np.float64)
+        _check(ring, q, k, v, dout, True, "zigzag", MODS, window=(70, 0))
+    finally:
+        ring.Free()
+        across.Free()

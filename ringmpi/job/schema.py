@@ -131,6 +131,7 @@ class Plan:
     features: int = 0
     weights: Optional[str] = None
     warnings: list = field(default_factory=list)  # one line each, printed by the job
+    sinks: Optional[tuple] = None  # per-head sink logits (H,) from the weights file
 
     @property
     def batch_size(self) -> int:
@@ -388,9 +389,9 @@ def _read_weights(path: str) -> dict:
     f = open_input(path)
     try:
         fsize = os.path.getsize(path)
-        extra = sorted(set(f.keys()) - set(WEIGHT_NAMES) - set(BIAS_NAMES))
+        extra = sorted(set(f.keys()) - set(WEIGHT_NAMES) - set(BIAS_NAMES) - {"sinks"})
         if extra:
-            use = "it reads wq, wk, wv and the optional biases bq, bk, bv"
+            use = "it reads wq, wk, wv, the optional biases bq, bk, bv and sinks"
             fail(path, f"holds '{extra[0]}', which the job does not use ({use}): remove it")
         w = {n: _dataset(path, f, n, 2, fsize) for n in WEIGHT_NAMES}
         b = {n: _dataset(path, f, n, 1, fsize) for n in BIAS_NAMES if n in f}
@@ -424,7 +425,14 @@ def _read_weights(path: str) -> dict:
                 fail(
                     path, f"bias {n} has shape {b[n].shape}, expected ({width},) (w{n[1]} columns)"
                 )
-        return {"features": fq, "heads": h, "kv_heads": hkv, "head_dim": nq // h}
+        sinks = None
+        if "sinks" in f:  # per-head sink logits: small, read here once
+            ds = _dataset(path, f, "sinks", 1, fsize)
+            sinks = np.asarray(ds[...], dtype=np.float64)
+            if sinks.shape != (h,) or not np.isfinite(sinks).all():
+                fail(path, f"sinks must hold num_heads={h} finite numbers, got shape {sinks.shape}")
+            sinks = tuple(float(x) for x in sinks)
+        return {"features": fq, "heads": h, "kv_heads": hkv, "head_dim": nq // h, "sinks": sinks}
     finally:
         f.close()
 
@@ -562,6 +570,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
         features=w["features"] if w else 0,
         weights=weights,
         warnings=warnings,
+        sinks=w.get("sinks") if w else None,
     )
 
 

@@ -223,7 +223,8 @@ class OutputStore:
         for p in self.plan.files + ([self.plan.weights] if self.plan.weights else []):
             if os.path.exists(self.path) and os.path.samefile(p, self.path):
                 raise InputError(f"{self.path}: output would overwrite input {p}")
-            if os.path.isdir(self.parts) and os.path.samefile(os.path.dirname(p), self.parts):
+            folder = os.path.dirname(os.path.abspath(p))
+            if os.path.isdir(self.parts) and os.path.samefile(folder, self.parts):
                 raise InputError(f"{self.path}: input {p} is inside the output's parts folder")
         try:
             manifest = os.path.join(self.parts, "manifest.json")

@@ -47,6 +47,7 @@ import numpy as np
 from ..collective import run_everywhere
 from ..mask import make_mask
 from ..rope import apply_rope, positions_in_sequence
+from ..spec import AttentionSpec
 from ..testing import EPS
 from .progress import LOG_EVERY, duration
 from .schema import InputError, Plan, make_plan
@@ -196,6 +197,11 @@ def verify(
         blas.restore()
 
 
+def _at(per_head, h: int):
+    """Head ``h``'s value of a per-head spec field, or None."""
+    return None if per_head is None else per_head[h]
+
+
 def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet, full) -> dict:
     """The body of :func:`verify` (collective over ``comm``)."""
     import h5py
@@ -211,22 +217,23 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
         try:
             with h5py.File(output, "r") as f:
                 got = {k: _attr(f, k) for k in ("causal", "scale", "layout")}
-                # masks and positions (outputs before them have none: no window, no rope)
-                win = f.attrs.get("window", [-1, -1])
-                got["window"] = [int(x) for x in np.asarray(win).reshape(-1)]
+                # positions (outputs before them have none: no rope)
                 got["rope"] = bool(f.attrs.get("rope", False))
                 got["rope_theta"] = float(f.attrs.get("rope_theta", 10000.0))
                 got["rope_scale"] = float(f.attrs.get("rope_scale", 1.0))
+                # the whole spec the run recorded (any later field by its own name)
+                got["spec"] = AttentionSpec.from_attrs(f.attrs)
                 return got
-        except (OSError, KeyError, ValueError) as e:
+        except (OSError, KeyError, ValueError, TypeError) as e:
             raise InputError(f"{output}: not a ringmpi output file ({e})") from e
 
     meta = run_everywhere(comm, attrs)
-    window = tuple(meta["window"]) if tuple(meta["window"]) != (-1, -1) else None
+    spec = meta["spec"]  # outputs before windows have none: window None
+    window = spec.window
     rope = (meta["rope_theta"], meta["rope_scale"]) if meta["rope"] else None
     if rope is not None and plan.mode != "features":
         raise InputError(f"{output}: made with --rope, but the inputs hold q, k, v (not features)")
-    causal = bool(meta["causal"])
+    causal = spec.causal
     scale = float(meta["scale"]) if meta["scale"] is not None else plan.head_dim**-0.5
     dt = np.dtype(plan.dtype)
     low = np.dtype(np.float64 if dt == np.float64 else np.float32)
@@ -293,8 +300,11 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 def tick(done_rows, what=what, nk=seq.length_k):
                     report.advance(done_rows * nk / 2, what)  # two precisions per row block
 
-                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask, tick)
-                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask, tick)
+                mods = dict(softcap=spec.softcap, slope=_at(spec.alibi_slopes, h),
+                            sink=_at(spec.sinks, h))  # fmt: skip
+                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask, tick,
+                                              **mods)  # fmt: skip
+                lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask, tick, **mods)
                 lo_o = lo_o.astype(dt).astype(np.float64)
                 ro, rl = ring_o[rows], ring_l[rows]
                 fin = np.isfinite(ref_l)
@@ -316,8 +326,10 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 slack = RANGE_SLACK[plan.dtype] * float(np.abs(v).max(initial=0.0)) + 1e-30
                 if not mask.plain:  # every row: lse = -inf exactly where the mask hides all keys
                     blo, bhi = mask.bounds(np.arange(seq.length, dtype=np.int64))
-                    mism |= np.isneginf(ring_l) != (blo > bhi)
-                out_range = range_bad(v, ring_o, ring_l, causal, slack, mask) & whole_fin
+                    # (with sinks no row is -inf: a row without keys has lse = its sink)
+                    mism |= np.isneginf(ring_l) != ((blo > bhi) & (spec.sinks is None))
+                sink = spec.sinks is not None
+                out_range = range_bad(v, ring_o, ring_l, causal, slack, mask, sink) & whole_fin
                 mism &= own  # each row's whole-row checks are counted by one part only
                 out_range &= own
                 cnt[i, 0] += len(rows)

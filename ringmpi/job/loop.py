@@ -1,0 +1,333 @@
+"""The sequence loop of the batch job: read, ring attention, write, for one ring's sequences.
+
+:class:`SequenceLoop` runs the sequences a ring was dealt, one after another:
+its ranks read their own tokens (the next sequence's in a background thread
+while this one computes), call :func:`ringmpi.ring_attention` with the job's
+:class:`ringmpi.spec.AttentionSpec` (plus the sequence's own packing offsets)
+and write their part of the output. :meth:`SequenceLoop.summary` then sums the
+job over every rank. Only the main thread calls MPI.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import platform
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import interrupt
+from ..attention import ring_attention
+from ..collective import run_everywhere
+from ..partition import counts
+from ..spec import AttentionSpec
+from ..watchdog import watch
+from .config import JobOptions
+from .progress import Progress
+from .reader import Reader, abandon, in_background
+from .report import peak_rss, predicted_seconds, start_line, ticks_per_step, utc
+from .schema import InputError
+from .store import part_name
+
+__all__ = ["JobContext", "SequenceLoop"]
+
+
+@dataclass
+class JobContext:
+    """What every stage of one job shares (the same on every rank, but ``ring``)."""
+
+    plan: Any  # ringmpi.job.schema.Plan
+    spec: AttentionSpec  # the job's spec (packing offsets come per sequence)
+    options: JobOptions
+    comm: Any  # every rank of the job (None: one process without MPI)
+    ring: Any  # this rank's ring (``comm`` when there is one ring)
+    ring_size: int
+    device: str
+    attrs: dict  # the output's provenance attributes
+    rate: float  # measured tile flop/s (0: not measured)
+    t_start: float
+    started_utc: str
+    output: str
+    notes: tuple = ()
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.comm is None else self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return 1 if self.comm is None else self.comm.Get_size()
+
+    @property
+    def ring_rank(self) -> int:
+        return 0 if self.ring is None else self.ring.Get_rank()
+
+    @property
+    def rope(self) -> Optional[tuple]:
+        o = self.options
+        return (float(o.rope_theta), float(o.rope_scale)) if o.rope else None
+
+    def spec_of(self, seq) -> AttentionSpec:
+        """The spec of one sequence: the job's, with the sequence's packing offsets."""
+        return dataclasses.replace(
+            self.spec, cu_seqlens=seq.cu_seqlens, cu_seqlens_k=seq.cu_seqlens_k
+        )
+
+
+class SequenceLoop:
+    """One ring's sequences ``todo`` (indices into the plan), then the job-wide summary.
+
+    Parameters
+    ----------
+    ctx : JobContext
+    store : output store (:func:`ringmpi.job.mpio.make_store`), already opened
+    todo : list of int
+        The sequences this ring computes, in order.
+    todo_all : list of int
+        Every sequence left to compute in the job (all rings).
+    done : set of int
+        Sequences an earlier run finished (``--resume``).
+    """
+
+    def __init__(self, ctx: JobContext, store, todo: list, todo_all: list, done) -> None:
+        self.ctx, self.store = ctx, store
+        self.todo, self.todo_all, self.done = todo, todo_all, done
+        plan, spec = ctx.plan, ctx.spec
+        self.show = ctx.rank == 0 and not ctx.options.quiet
+        predicted = predicted_seconds(plan, todo_all, ctx.size, spec.causal, ctx.rate, spec.window)
+        self.bar = Progress([plan.sequences[i].length for i in todo], enabled=self.show,
+                            predicted=predicted)  # fmt: skip
+        self.where = {"j": -1, "stage": "starting", "step": 0}
+        self.reader = Reader(plan, ctx.ring_rank, ctx.ring_size, spec.layout,
+                             strided=ctx.options.strided, rope=ctx.rope)  # fmt: skip
+        self.acc = {"compute_s": 0.0, "wait_s": 0.0, "total_s": 0.0, "flops": 0.0}
+        self.read_wait = self.write_s = 0.0
+        self.tokens = 0
+        self.timings: list = []
+        self.reads: list = []  # every read started (a daemon thread each, one at a time)
+
+    # -- reading ---------------------------------------------------------------------------
+    def _start(self, j: int):
+        self.reads.append(in_background(self.reader.read, self.ctx.plan.sequences[self.todo[j]]))
+        return self.reads[-1]
+
+    def _result(self, fut, name):
+        """The read's result; an interrupt is noticed while waiting, a stuck read is watched."""
+        what = f"its own read of sequence {name} (no HDF5 read finished)"
+        with watch(what, why="the file system is stuck") as moved:
+            while True:
+                try:
+                    return fut.result(timeout=0.2)
+                except concurrent.futures.TimeoutError:
+                    interrupt.check()
+                    moved(self.reader.progress)
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Compute and write every sequence of ``todo``; the summary (collective over comm)."""
+        ctx, bar = self.ctx, self.bar
+        if self.show:
+            bar.header(start_line(ctx.plan, self.todo_all, ctx.size, ctx.spec.layout,
+                                  ctx.spec.causal, ctx.device, ctx.attrs["kernel"],
+                                  ctx.attrs["isa"], ctx.rate, ring=ctx.ring_size,
+                                  window=ctx.spec.window, notes=ctx.notes))  # fmt: skip
+        prefetch = ctx.options.prefetch
+        stopped = False
+        self.nxt = None  # the read of the next sequence, started ahead
+        try:
+            self.nxt = self._start(0) if (self.todo and prefetch) else None
+            for j, i in enumerate(self.todo):
+                self._one(j, i, self.nxt if prefetch else self._start(j))
+            self.where["stage"] = "finishing"
+            self.store.finish()
+        except KeyboardInterrupt as e:
+            stopped = True
+            bar.close()
+            err = self._interrupted(e)
+            left = [r for r in self.reads if not r.done()]
+            if left:  # a read still running may be stuck in HDF5
+                abandon(err.exit_status, left, interrupt.grace() or 30.0)
+            raise err from None
+        finally:
+            # an interrupted read is not waited for (a daemon thread: the process ends
+            # right after, even when the read is stuck in the file system)
+            nxt = self.nxt
+            if nxt is not None and not stopped and not nxt.cancel():
+                try:  # a prefetch left running after an error: let it finish (watched)
+                    self._result(nxt, "(prefetched)")
+                except BaseException:  # noqa: BLE001 - the error being raised says what went wrong
+                    pass
+            if not stopped:
+                self.reader.close()
+            bar.close()
+        return self.summary()
+
+    def _one(self, j: int, i: int, fut) -> None:
+        """Sequence ``todo[j] == i``: wait for its read ``fut``, start the next, compute, write."""
+        ctx, bar, where = self.ctx, self.bar, self.where
+        seq = ctx.plan.sequences[i]
+        rs, spec = ctx.ring_size, ctx.spec_of(seq)
+        where.update(j=j, stage="reading", step=0)
+        t_seq = time.perf_counter()
+        n_here = int(counts(seq.length, rs, spec.layout, cu_seqlens=seq.cu_seqlens)[ctx.ring_rank])
+        bar.start(j, seq.name, seq.length, rs, ticks_per_step(ctx.attrs["kernel"], n_here))
+        t0 = time.perf_counter()
+        q, k, v = run_everywhere(ctx.ring, self._result, fut, seq.name)
+        t_read = time.perf_counter() - t0
+        self.read_wait += t_read
+        where["stage"] = "ring"
+        self.nxt = None
+        if ctx.options.prefetch and j + 1 < len(self.todo):
+            self.nxt = self._start(j + 1)
+        if ctx.device == "gpu":
+            import cupy
+
+            q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
+        stats: dict = {}
+        bar.computing()
+
+        def on_step(step: int, nsteps: int) -> None:
+            where["step"] = step
+            bar.step(step, nsteps)
+
+        out, lse = ring_attention(q, k, v, ctx.ring, spec=spec, return_lse=True, stats=stats,
+                                  on_step=on_step,
+                                  on_tick=bar.tick if self.show else None)  # fmt: skip
+        where["stage"] = "writing"
+        if ctx.device == "gpu":
+            out, lse = out.get(), lse.get()
+        for key in self.acc:
+            self.acc[key] += float(stats.get(key, 0.0))
+        out, lse = np.asarray(out), np.asarray(lse)
+        pos = self.reader.positions(seq)
+        run_everywhere(ctx.ring, check_output, ctx.plan.files[0], seq, pos, out, lse)
+        t0 = time.perf_counter()
+        try:
+            self.store.write(i, pos, out, lse)
+        except BaseException:
+            _drop_tmp_part(self.store, i)  # a full disk: no half-written part left behind
+            raise
+        self.write_s += time.perf_counter() - t0
+        self.tokens += seq.length
+        secs = time.perf_counter() - t_seq
+        self.timings.append({
+            "sequence": seq.name, "tokens": seq.length, "seconds": secs, "read_wait_s": t_read,
+            "compute_s": float(stats.get("compute_s", 0.0)),
+            "mpi_wait_s": float(stats.get("wait_s", 0.0)), "write_s": time.perf_counter() - t0,
+        })  # fmt: skip
+        bar.finish_seq(secs)
+        _test_kill(ctx.rank, j + 1)
+
+    # -- the end ---------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """The job's summary, identical on every rank (sums and maxima over ``comm``)."""
+        ctx, acc = self.ctx, self.acc
+        size, rs = ctx.size, ctx.ring_size
+        wall = time.perf_counter() - ctx.t_start
+        mine = np.array(
+            [acc["flops"], acc["wait_s"], acc["total_s"], acc["compute_s"],
+             self.read_wait + self.write_s, self.read_wait, self.write_s,
+             self.reader.bytes_read, self.tokens / rs],
+            dtype=np.float64,
+        )  # fmt: skip
+        peak = np.array([peak_rss(), wall], dtype=np.float64)
+        if ctx.comm is not None:
+            from mpi4py import MPI
+
+            tot = np.empty_like(mine)
+            ctx.comm.Allreduce(mine, tot, op=MPI.SUM)
+            mx = np.empty_like(peak)
+            ctx.comm.Allreduce(peak, mx, op=MPI.MAX)
+            mine, peak = tot, mx
+        wall = float(peak[1])
+        tokens = int(round(mine[8]))  # every ring's ranks counted their ring's tokens
+        hosts = [platform.node()] if ctx.comm is None else ctx.comm.allgather(platform.node())
+        return {
+            "ranks": size,
+            "ring_size": rs,
+            "layout": ctx.spec.layout,
+            "causal": bool(ctx.spec.causal),
+            "device": ctx.device,
+            "sequences": len(self.todo_all),
+            "skipped_done": len(self.done),
+            "tokens": tokens,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "gflops": mine[0] / wall / 1e9 if wall > 0 else 0.0,
+            "flops": float(mine[0]),
+            "peak_rss_bytes_max": int(peak[0]),
+            "mpi_wait_share": float(mine[1] / mine[2]) if mine[2] > 0 else 0.0,
+            "io_share": float(mine[4] / (wall * size)) if wall > 0 else 0.0,
+            "read_wait_s": float(mine[5] / size),
+            "write_s": float(mine[6] / size),
+            "read_mb_per_rank": float(mine[7] / size / 1e6),
+            "output": os.path.abspath(ctx.output),
+            "parts": os.path.abspath(ctx.output) + ".parts",
+            "output_mode": getattr(self.store, "mode", "parts"),
+            "started_utc": ctx.started_utc,
+            "finished_utc": utc(),
+            "hosts": hosts,
+            "timings": self.timings,
+            "provenance": ctx.attrs,
+        }
+
+    def _interrupted(self, e: KeyboardInterrupt):
+        """An Interrupted saying at which sequence and ring step the job stopped."""
+        err = e if isinstance(e, interrupt.Interrupted) else interrupt.Interrupted(signal.SIGINT)
+        plan, where, j = self.ctx.plan, self.where, self.where["j"]
+        if j < 0:
+            err.where = "the start, before any sequence"
+        else:
+            i = self.todo[j]
+            text = f"sequence {i + 1}/{len(plan.sequences)} ({plan.sequences[i].name})"
+            if where["stage"] == "ring":
+                text += f", ring step {min(where['step'] + 1, self.ctx.ring_size)}"
+                text += f"/{self.ctx.ring_size}"
+            else:
+                text += f", while {where['stage']}"
+            err.where = text
+        err.finished = len(self.done) + max(j, 0)
+        return err
+
+
+def check_output(path: str, seq, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
+    """Refuse to write a non-finite result (the inputs were checked finite when read).
+
+    Finite inputs can still overflow the accumulation dtype: float32 logits beyond
+    ~3e38 turn into inf and then NaN. Such a sequence must fail with a clear error,
+    not be written and marked complete. A row with no visible key has lse = -inf
+    by design, so only NaN and +inf count there.
+    """
+    bad = ~np.isfinite(out)
+    if bad.any() or np.isnan(lse).any() or np.isposinf(lse).any():
+        rows = np.flatnonzero(bad.reshape(len(out), -1).any(axis=1))
+        t = int(pos[rows[0]]) if len(rows) else int(pos[np.argwhere(~(lse > -np.inf))[0][-1]])
+        raise InputError(
+            f"{path}: sequence {seq.name}: attention output is not finite (token {t}): the "
+            f"scores overflow {out.dtype} arithmetic; rescale the input or use float64"
+        )
+
+
+def _test_kill(rank: int, completed: int) -> None:
+    """Test hook: RINGMPI_TEST_KILL_AFTER=n SIGKILLs rank 0 after n sequences of this run."""
+    n = os.environ.get("RINGMPI_TEST_KILL_AFTER")
+    if rank == 0 and n is not None and completed >= int(n):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _drop_tmp_part(store, i: int) -> None:
+    """Remove this rank's temporary part file of sequence ``i`` after a failed write."""
+    parts, rank = getattr(store, "parts", None), getattr(store, "rank", None)
+    if parts is None or rank is None:
+        return
+    tmp = os.path.join(parts, part_name(i, rank) + ".tmp")
+    try:
+        if os.path.isfile(tmp) and not os.path.islink(tmp):
+            os.remove(tmp)
+    except OSError:
+        pass  # the error being raised says what went wrong; nothing under the final name
