@@ -1,6 +1,7 @@
 """Every environment variable ringmpi reads: one registry (name, default, parser, doc).
 
-``ringmpi info`` prints the ones that are set and the README's table is generated
+``ringmpi info`` prints the ones that are set and the table of
+``docs/environment.md`` is generated
 from :func:`table` (``python -m ringmpi.env`` prints it; a test fails when the
 two differ). A test also greps the sources: every ``RINGMPI_*`` name they read
 must be registered here. :func:`get` reads a variable through its parser, so a
@@ -15,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["Var", "REGISTRY", "get", "table", "current", "readme_block"]
+__all__ = ["Var", "REGISTRY", "get", "table", "current", "table_block"]
 
 
 def _choice(*values: str) -> Callable[[str], str]:
@@ -76,7 +77,7 @@ class Var:
     parse : callable str -> value
         Raises ValueError on a bad value.
     doc : str
-        One line for the README table and ``ringmpi info``.
+        One line for the docs' table and ``ringmpi info``.
     tests : bool
         Only the test suite and the stress checks set it.
     """
@@ -213,10 +214,10 @@ def current() -> list:
     return [f"{v.name}={os.environ[v.name]}" for v in _VARS if os.environ.get(v.name)]
 
 
-def readme_block() -> str:
-    """The README's generated block: the user table, then the test-only one."""
+def table_block() -> str:
+    """The generated block of docs/environment.md: the user table, then the test-only one."""
     return f"{table()}\n\nOnly for the test suite and the stress checks:\n\n{table(tests=True)}"
 
 
 if __name__ == "__main__":
-    print(readme_block())
+    print(table_block())

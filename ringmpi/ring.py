@@ -15,7 +15,7 @@ use nothing else.
 Progress: MPI libraries move a large (rendezvous) message only while some
 call into the library runs, unless they have an asynchronous progress thread.
 The tile loops therefore call ``test`` between blocks; ``RINGMPI_POLL=0``
-turns this off, which is how the benefit is measured (see README).
+turns this off, which is how the benefit is measured (see docs/design.md).
 
 Every wait on a neighbour runs under :mod:`ringmpi.watchdog`.
 
