@@ -109,7 +109,7 @@ def ring_attention(
         ``shard(..., head_parallel=U)``. numpy arrays only.
     alibi_slopes : float array (H,), optional
         ALiBi, the same on every rank: the score of query i and key j gains
-        -slope_h * |i - j| in global positions (within its packed sequence;
+        -slope_h * abs(i - j) in global positions (within its packed sequence;
         bottom-right aligned for cross-attention, as FlashAttention's alibi).
     softcap : float > 0, optional
         Scores become softcap * tanh(score / softcap), after the scale and

@@ -42,11 +42,11 @@ rows, see :func:`ringmpi.cpu.fused.forward_tile`); every visible pair is
 always counted.
 
 Score modifiers (:class:`ringmpi.spec.AttentionSpec` fields; built by
-:func:`ringmpi.mask.tile_modifiers`) come as keywords, passed only when in use:
+:func:`ringmpi.mask.tile_modifiers`) come as keywords, passed only when in use::
 
     softcap  float > 0        s = softcap * tanh(scale * q.k / softcap)
     alibi    (slopes, qa)     slopes float64 numpy (H,) (this call's query heads),
-                              qa int64 numpy (Sq,): s += -slopes[h] * |qa[i] - k_pos[j]|
+                              qa int64 numpy (Sq,): s += -slopes[h] * abs(qa[i] - k_pos[j])
 
 in this order, then the mask; qa[i] is row i's ALiBi position in key
 coordinates (q_pos + Lk_s - Lq_s of its packed sequence s: bottom-right

@@ -28,7 +28,7 @@ Score modifiers (keywords ``softcap`` and ``alibi``, see :mod:`ringmpi.tile`)
 change the score before the mask: with x = scale * q_i.k_j,
 
     s_ij = c * tanh(x / c)                          (softcap c)
-    s_ij += -slope_h * |qa_i - k_pos_j|             (alibi (slopes, qa))
+    s_ij += -slope_h * abs(qa_i - k_pos_j)             (alibi (slopes, qa))
 
 and the backward multiplies dS by ds/dx = 1 - tanh^2(x / c); ALiBi adds no
 gradient term (the slopes are constants). Neither changes which keys are
