@@ -390,6 +390,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
+        print(f"throughput: error: no folder for --json {a.json}", file=sys.stderr)
+        return 2
     mpiexec = a.mpiexec or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     mpiexec = mpiexec or shutil.which("mpiexec")
     if not mpiexec:
@@ -410,10 +413,14 @@ def main(argv=None) -> int:
     if a.keep:
         print(f"inputs and outputs kept in {folder}")
     if a.json:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(a.json)) or ".")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"columns": list(COLUMNS), "rows": rows}, f, indent=1)
-        os.replace(tmp, a.json)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(a.json)), suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"columns": list(COLUMNS), "rows": rows}, f, indent=1)
+            os.replace(tmp, a.json)
+        except BaseException:
+            os.remove(tmp)
+            raise
     return 0
 
 

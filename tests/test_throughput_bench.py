@@ -120,6 +120,8 @@ def test_bad_arguments_and_a_failing_launcher(tmp_path):
     assert p.returncode == 2 and "NxS" in p.stderr.strip().splitlines()[-1]
     p = _run("--ring-sizes", "two")
     assert p.returncode == 2 and "--ring-sizes" in p.stderr.strip().splitlines()[-1]
+    p = _run("--json", str(tmp_path / "no" / "t.json"))
+    assert p.returncode == 2 and "no folder for --json" in p.stderr.strip().splitlines()[-1]
     p = _run("--uniform", "2x64", "--lognormal", "0", "--ring-sizes", "1", "--no-torch",
              "--mpiexec", "/bin/false", "--dir", str(tmp_path))  # fmt: skip
     err = p.stderr.strip().splitlines()
