@@ -37,6 +37,13 @@ def test_lognormal_lengths_seeded_and_clipped():
     assert abs(np.median(a) - 256) < 40
 
 
+def test_flop_weighted_median_and_tile_rate():
+    tp = _module()
+    assert tp.weighted_median([100] * 10 + [1000]) == 1000  # 1e6 of the 1.1e6 S^2 weight
+    assert tp.weighted_median([100] * 200 + [1000]) == 100
+    assert 1e8 < tp.tile_rate(64, seconds=0.05) < 1e13  # model flop/s of a real call
+
+
 def test_write_lengths_follows_the_schema(tmp_path):
     from ringmpi.job.schema import scan
 
