@@ -178,8 +178,14 @@ def run_job(mpiexec: str, ranks: int, inp: str, out: str, ring, timeout: float) 
 
     Parameters
     ----------
+    mpiexec : str
+        The launcher; ``ranks`` processes are started.
+    inp, out : str
+        Input file (dropped from the page cache first) and output file.
     ring : None, int or "auto"
         ``--ring-size``; None: the default (one ring of all ranks).
+    timeout : float
+        Seconds before the launch is killed (``subprocess.TimeoutExpired``).
     """
     summary = out + ".summary.json"
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "ringmpi", "run"]
