@@ -44,6 +44,14 @@ def test_flop_weighted_median_and_tile_rate():
     assert 1e8 < tp.tile_rate(64, seconds=0.05) < 1e13  # model flop/s of a real call
 
 
+def test_table_without_torch_says_n_a():
+    tp = _module()
+    row = {c: 1.5 for c in tp.COLUMNS}
+    row.update({"dataset": "2 x 64", "ring size": "1", "torch s": None, "job/torch": None})
+    last = tp.table([row]).splitlines()[-1].split()
+    assert last[-2:] == ["n/a", "n/a"] and last[-3] == "1.5"
+
+
 def test_write_lengths_follows_the_schema(tmp_path):
     from ringmpi.job.schema import scan
 
