@@ -96,6 +96,13 @@ run: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m ringmpi bench
 
+# the batch job's throughput beside its kernel/I-O bounds and a torch loop (jobs/throughput.py;
+# BENCH_JOB_ARGS, e.g. "--full --json throughput.json")
+.PHONY: bench-job
+BENCH_JOB_ARGS ?=
+bench-job: $(VENV)/.installed
+	$(PY) jobs/throughput.py $(BENCH_JOB_ARGS)
+
 stress: $(VENV)/.installed
 	$(PY) tests/stress.py
 
