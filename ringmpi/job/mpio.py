@@ -50,7 +50,8 @@ from ..watchdog import watch
 from .outdir import unlock_output
 from .reader import local_runs
 from .schema import InputError
-from .store import OutputStore, label_dims, write_offsets
+from .store import OutputStore
+from .vds import label_dims, write_offsets
 
 __all__ = ["MODES", "mpio_status", "resolve_mode", "SingleFileStore", "make_store"]
 

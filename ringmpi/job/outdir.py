@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
+import zlib
+from typing import Optional
 
 from ..files import check_owned
 from .schema import InputError
@@ -19,6 +22,8 @@ __all__ = [
     "lock_output",
     "unlock_output",
     "valid_marker",
+    "marker_members",
+    "crc32_of",
     "check_side_file",
 ]
 
@@ -144,3 +149,42 @@ def check_side_file(path: str, what: str, output: str, inputs=()) -> None:
                 os.path.exists(p) and os.path.exists(full) and os.path.samefile(p, full)
             ):
                 raise InputError(f"{path}: {what} would overwrite input {p}")
+
+
+def crc32_of(path: str) -> Optional[tuple]:
+    """(size, CRC32) of regular file ``path`` (a symlink is not followed), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return None
+    crc, size = 0, 0
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        while True:
+            b = fh.read(1 << 22)
+            if not b:
+                return size, crc
+            size += len(b)
+            crc = zlib.crc32(b, crc)
+
+
+def marker_members(marker: dict, i: int, names: list) -> Optional[tuple]:
+    """The sequences the marker ``s<i>.done`` covers (its batch), or None if they do not add up.
+
+    A batch's members are increasing plan indices starting at ``i``, named as in
+    the plan (``names``: every sequence's name); a marker without ``members``
+    covers ``i`` alone.
+    """
+    if "members" not in marker:
+        return (i,)
+    members, listed = marker.get("members"), marker.get("names")
+    if not (isinstance(members, list) and isinstance(listed, list)) or len(members) < 2:
+        return None
+    if len(listed) != len(members) or not all(type(j) is int for j in members):
+        return None
+    if members[0] != i or any(b <= a for a, b in zip(members, members[1:])):
+        return None
+    if members[-1] >= len(names) or [names[j] for j in members] != listed:
+        return None
+    return tuple(members)

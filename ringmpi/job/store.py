@@ -33,17 +33,24 @@ import json
 import os
 import re
 import stat
-import zlib
 from typing import Optional
 
 import numpy as np
 
 from ..collective import run_everywhere, run_on_root
 from ..files import exclusive_temp, fsync_path, replace_with, write_json
-from ..partition import counts, positions
-from .outdir import lock_output, open_parts_dir, unlock_output, valid_marker, vds_name
-from .reader import local_runs
+from .outdir import (
+    crc32_of as _crc32,
+)
+from .outdir import (
+    lock_output,
+    marker_members,
+    open_parts_dir,
+    unlock_output,
+    valid_marker,
+)
 from .schema import InputError, Plan
+from .vds import label_dims, part_name, write_vds
 
 __all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims"]
 
@@ -54,61 +61,6 @@ COMPRESSION = ("gzip", "lzf")
 _NAMES = r"(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json|single\.h5)"
 _OURS = re.compile(rf"^({_NAMES}(\.tmp)?|\.{_NAMES}\.[0-9a-f]{{12}}\.tmp)$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def part_name(seq_index: int, rank: int) -> str:
-    """File name of one rank's part of one sequence."""
-    return f"s{seq_index:06d}.r{rank:05d}.h5"
-
-
-def _virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
-    """A virtual dataset from low-level mappings, with NaN fill and no modification time.
-
-    ``maps``: (target start, count, stride, block, source file, source shape,
-    source start, source block) hyperslabs, one per run of tokens (built with
-    the HDF5 calls directly: h5py's VirtualSource slicing costs milliseconds
-    per run, which made the file of 10,000 sequences take minutes).
-    """
-    from h5py import h5d, h5p, h5s, h5t
-
-    dt = np.dtype(dtype)
-    dcpl = h5p.create(h5p.DATASET_CREATE)
-    dcpl.set_layout(h5d.VIRTUAL)
-    dcpl.set_obj_track_times(False)  # reruns: the same bytes
-    dcpl.set_fill_value(np.array(np.nan, dtype=dt))
-    src_name = name.encode()
-    for start, count, stride, block, fname, src_shape, src_start, src_block in maps:
-        vspace = h5s.create_simple(shape)
-        vspace.select_hyperslab(start, count, stride, block)
-        sspace = h5s.create_simple(src_shape)
-        sspace.select_hyperslab(src_start, (1,) * len(src_shape), None, src_block)
-        dcpl.set_virtual(vspace, fname.encode(), src_name, sspace)
-    tid = h5t.py_create(dt, logical=1)
-    h5d.create(node.id, name=src_name, tid=tid, space=h5s.create_simple(shape), dcpl=dcpl)
-
-
-def label_dims(node, batch: bool) -> None:
-    """Name the axes of ``out`` (token, head, head_dim) and ``lse`` (head, token)."""
-    from h5py import h5ds
-
-    lead = ("sequence",) if batch else ()
-    for name, labels in (("out", ("token", "head", "head_dim")), ("lse", ("head", "token"))):
-        ds = node[name]
-        for axis, label in enumerate(lead + labels):
-            h5ds.set_label(ds.id, axis, label.encode())  # ds.dims[axis].label, without the proxies
-
-
-def write_offsets(f, plan: Plan) -> None:
-    """Copy each packed sequence's ``cu_seqlens`` (and ``cu_seqlens_k``) beside its ``out``.
-
-    The output's mask attributes (window, rope) come with the provenance attributes.
-    """
-    for seq in plan.sequences:
-        node = f.require_group(seq.group) if seq.group else f
-        for name in ("cu_seqlens", "cu_seqlens_k"):
-            cu = getattr(seq, name)
-            if cu is not None:
-                node.create_dataset(name, data=np.asarray(cu, dtype=np.int64), track_times=False)
 
 
 def _write_h5(path: str, fill) -> None:
@@ -125,24 +77,6 @@ def _write_h5(path: str, fill) -> None:
         f.flush()
         image = f.id.get_file_image()
     replace_with(path, image)
-
-
-def _crc32(path: str) -> Optional[tuple]:
-    """(size, CRC32) of regular file ``path`` (a symlink is not followed), or None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError:
-        return None
-    crc, size = 0, 0
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        while True:
-            b = fh.read(1 << 22)
-            if not b:
-                return size, crc
-            size += len(b)
-            crc = zlib.crc32(b, crc)
 
 
 def fingerprint(
@@ -319,24 +253,8 @@ class OutputStore:
         )
 
     def _members(self, marker: dict, i: int) -> Optional[tuple]:
-        """The sequences marker ``s<i>.done`` covers (its batch), or None if it does not add up.
-
-        A batch's members are increasing plan indices starting at ``i``, named as
-        in this plan; a marker without ``members`` covers ``i`` alone.
-        """
-        if "members" not in marker:
-            return (i,)
-        members, names = marker.get("members"), marker.get("names")
-        seqs = self.plan.sequences
-        if not (isinstance(members, list) and isinstance(names, list)) or len(members) < 2:
-            return None
-        if len(names) != len(members) or not all(type(j) is int for j in members):
-            return None
-        if members[0] != i or any(b <= a for a, b in zip(members, members[1:])):
-            return None
-        if members[-1] >= len(seqs) or [seqs[j].name for j in members] != names:
-            return None
-        return tuple(members)
+        """The sequences marker ``s<i>.done`` covers (:func:`ringmpi.job.outdir.marker_members`)."""
+        return marker_members(marker, i, [s.name for s in self.plan.sequences])
 
     def open(self, resume: bool = False) -> set:
         """Create (or, with ``resume``, reopen) the output; return the indices already done."""
@@ -467,82 +385,9 @@ class OutputStore:
         run_on_root(ring, write_json, path, marker)
 
     # -- end -------------------------------------------------------------------
-    def _sources(self, i: int, where: dict, starts: dict):
-        """Yield (relative part file, rows in it, first row, runs) for each rank of sequence ``i``.
-
-        ``where[i]`` is the batch holding ``i`` (its members, in order): the part
-        is the first member's, ``i``'s rows start after the earlier members'
-        (``starts`` caches each batch's row offsets per rank).
-        """
-        members = where[i]
-        if members not in starts:
-            seqs = [self.plan.sequences[j] for j in members]
-            per = [counts(s.length, self.size, self.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
-            starts[members] = np.concatenate([np.zeros((1, self.size), np.int64),
-                                              np.cumsum(per, axis=0)])  # fmt: skip
-        rows, k = starts[members], members.index(i)
-        seq = self.plan.sequences[i]
-        rel = vds_name(os.path.basename(self.parts))
-        for r in range(self.size):
-            pos = positions(seq.length, r, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
-            yield (f"{rel}/{part_name(members[0], r)}", int(rows[-1, r]), int(rows[k, r]),
-                   local_runs(pos))  # fmt: skip
-
     def _write_vds(self, where: dict) -> None:
-        import h5py
-
-        plan = self.plan
-        h, d = plan.heads, plan.head_dim
-        dt = np.dtype(plan.dtype)
-        lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
-        fd, tmp = exclusive_temp(self.path)  # a new file: never a planted name
-        os.close(fd)
-        try:
-            self._fill_vds(tmp, h5py, plan, h, d, dt, lt, where)
-            fsync_path(tmp)
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            raise
-        fsync_path(os.path.dirname(self.path))
-
-    def _fill_vds(self, tmp, h5py, plan, h, d, dt, lt, where: dict) -> None:
-        missing = [s.name for i, s in enumerate(plan.sequences) if i not in where]
-        if missing:  # cannot happen when every ring finished: never stitch a hole
-            raise ValueError(f"no part holds sequence {missing[0]}")
-        starts: dict = {}
-        batch = plan.structure == "batch"
-        with h5py.File(tmp, "w", locking="best-effort") as f:
-            for key, val in self.attrs.items():
-                f.attrs[key] = val
-            f.attrs["structure"] = plan.structure
-            maps_o, maps_l = [], []
-            for i, seq in enumerate(plan.sequences):
-                bi = (i,) if batch else ()
-                one = (1,) if batch else ()
-                for fname, n, row0, rns in self._sources(i, where, starts):
-                    for g0, cnt, step, o in rns:
-                        # out (S, H, D) <- rows [o, o + cnt) of the part's out (n, H, D)
-                        maps_o.append((bi + (g0, 0, 0), one + (cnt, 1, 1), one + (step, 1, 1),
-                                       one + (1, h, d), fname, (n, h, d), (row0 + o, 0, 0),
-                                       (cnt, h, d)))  # fmt: skip
-                        maps_l.append((bi + (0, g0), one + (1, cnt), one + (1, step),
-                                       one + (h, 1), fname, (h, n), (0, row0 + o),
-                                       (h, cnt)))  # fmt: skip
-                if not batch:
-                    g = seq.group
-                    node = f.require_group(g) if g else f
-                    _virtual_dataset(node, "out", (seq.length, h, d), dt, maps_o)
-                    _virtual_dataset(node, "lse", (h, seq.length), lt, maps_l)
-                    label_dims(node, batch=False)
-                    maps_o, maps_l = [], []
-            if batch:
-                b, s = len(plan.sequences), plan.sequences[0].length
-                _virtual_dataset(f, "out", (b, s, h, d), dt, maps_o)
-                _virtual_dataset(f, "lse", (b, h, s), lt, maps_l)
-                label_dims(f, batch=True)
-            write_offsets(f, plan)
+        """Rank 0: the virtual-dataset file over the parts (:func:`ringmpi.job.vds.write_vds`)."""
+        write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout, where)
 
     def finish(self) -> None:
         """Rank 0 writes the virtual-dataset file and renames it into place (collective).
