@@ -48,6 +48,7 @@ from ..files import fsync_path, write_json
 from ..partition import positions
 from ..watchdog import watch
 from .outdir import unlock_output
+from .outmode import MODES, mpio_status, resolve_mode
 from .reader import local_runs
 from .schema import InputError
 from .store import OutputStore
@@ -55,94 +56,8 @@ from .vds import label_dims, write_offsets
 
 __all__ = ["MODES", "mpio_status", "resolve_mode", "SingleFileStore", "make_store"]
 
-MODES = ("auto", "parts", "single")
 EXIT_IO = 1  # exit status of a job aborted by a failed parallel-HDF5 step
 TMP_NAME = "single.h5.tmp"
-
-
-def _libmpi() -> set:
-    """Real paths of the MPI libraries (libmpi.so*) mapped into this process (Linux)."""
-    libs = set()
-    try:
-        with open("/proc/self/maps") as fh:
-            for ln in fh:
-                path = ln.split()[-1] if ln.count("/") else ""
-                base = os.path.basename(path)
-                if base.startswith("libmpi.so") or base.startswith("libmpich.so"):
-                    libs.add(os.path.realpath(path))
-    except OSError:
-        pass
-    return libs
-
-
-def _local_status() -> tuple:
-    """(usable, reason) of parallel HDF5 in this process."""
-    try:
-        import h5py
-        from mpi4py import MPI
-    except ImportError as e:
-        return False, f"cannot import {e.name}"
-    if not h5py.get_config().mpi:
-        return False, (
-            f"h5py {h5py.__version__} was built without MPI (parallel HDF5); install an "
-            "MPI build (Debian: python3-h5py-mpi, used inside mpiexec; pip: "
-            "HDF5_MPI=ON CC=mpicc pip install --no-binary=h5py h5py) or use --output-mode parts"
-        )
-    libs = _libmpi()
-    if len(libs) > 1:
-        names = ", ".join(sorted(libs))
-        return False, (
-            f"h5py's HDF5 and mpi4py use different MPI libraries ({names}); "
-            "build them on the same MPI or use --output-mode parts"
-        )
-    try:  # the handle conversion h5py does for driver="mpio"
-        fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
-        fapl.set_fapl_mpio(MPI.COMM_SELF, MPI.INFO_NULL)
-    except Exception as e:  # noqa: BLE001 - report what h5py says
-        return False, f"h5py cannot use an mpi4py communicator ({type(e).__name__}: {e})"
-    return True, f"h5py {h5py.__version__} on HDF5 {h5py.version.hdf5_version} with MPI"
-
-
-def mpio_status(comm) -> tuple:
-    """Whether every rank of ``comm`` can write one file collectively, and why not.
-
-    Returns
-    -------
-    (bool, str)
-        The same on every rank: usable, and a reason (the first failing rank's).
-    """
-    if comm is None:
-        return False, "not run under MPI (no communicator)"
-    st = _local_status()
-    every = comm.allgather(st)
-    bad = [(r, why) for r, (ok, why) in enumerate(every) if not ok]
-    if bad:
-        r, why = bad[0]
-        return False, why if comm.Get_size() == 1 else f"rank {r}: {why}"
-    return True, every[0][1]
-
-
-def resolve_mode(mode: str, comm, nrings: int) -> str:
-    """``parts`` or ``single`` for ``--output-mode MODE`` (collective; nothing is written).
-
-    ``auto`` is ``single`` where :func:`mpio_status` allows it and the job is one
-    ring, else ``parts``. ``single`` where it is not possible raises InputError.
-    """
-    if mode not in MODES:
-        raise InputError(f"--output-mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "parts":
-        return "parts"
-    ok, why = mpio_status(comm)
-    if mode == "auto":
-        return "single" if ok and nrings == 1 else "parts"
-    if not ok:
-        raise InputError(f"--output-mode single: {why}")
-    if nrings != 1:
-        raise InputError(
-            f"--output-mode single writes one file from one ring; this job has {nrings} rings "
-            "(--ring-size): use --output-mode parts"
-        )
-    return "single"
 
 
 def _crc(*arrays) -> int:
