@@ -1,7 +1,7 @@
 /* Fused CPU attention backward tile: the gradients of one (query block, K/V block) pair.
  *
- * Loaded by ringmpi/fused_backward.py (compiled on first use, cached on disk). Same semantics
- * as ringmpi.backward.backward_tile, the numpy specification. Internal layout, head-major:
+ * Loaded by ringmpi/cpu/fused_backward.py (compiled on first use, cached on disk). Same
+ * semantics as ringmpi.cpu.numpy_tile.backward_tile, the specification. Internal layout, head-major:
  *
  *   q, dout (B, H, Sq, D)     k, v (B, Hkv, Sk, D)     query head h reads K/V head h / (H/Hkv)
  *   lse, delta (B, H, Sq)     saved log-sum-exp (-inf: row saw no key) and rowsum(dout * out)
@@ -175,6 +175,9 @@ static void *rb_alloc(size_t bytes) {
     return p;
 }
 
+/* This build takes the score modifiers (softcap, slopes, apos) of rm_backward_tile. */
+int rm_backward_modifiers(void) { return 1; }
+
 int rm_backward_simd_width_bytes(void) {
 #if defined(__AVX512F__)
     return 64;
@@ -198,6 +201,15 @@ typedef __m512 bvf;
 #define bvf_add _mm512_add_ps
 #define bvf_mul _mm512_mul_ps
 #define bvf_nan0(x) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask((x), (x), _CMP_ORD_Q), (x))
+/* for tanh: a / b, |x|, x's sign bit alone, a | b (bits), (x < y) ? a : b */
+#define bvf_div _mm512_div_ps
+#define bvf_abs(x) \
+    _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(x)))
+#define bvf_sign(x) \
+    _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(x)))
+#define bvf_or(a, b) \
+    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+#define bvf_sellt(x, y, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LT_OQ), (b), (a))
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 bvf;
 #define BVF_W 8
@@ -210,6 +222,11 @@ typedef __m256 bvf;
 #define bvf_add _mm256_add_ps
 #define bvf_mul _mm256_mul_ps
 #define bvf_nan0(x) _mm256_and_ps(_mm256_cmp_ps((x), (x), _CMP_ORD_Q), (x))
+#define bvf_div _mm256_div_ps
+#define bvf_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
+#define bvf_sign(x) _mm256_and_ps(_mm256_set1_ps(-0.0f), (x))
+#define bvf_or _mm256_or_ps
+#define bvf_sellt(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_LT_OQ))
 #else
 typedef float bvf;
 #define BVF_W 1
@@ -222,6 +239,7 @@ typedef float bvf;
 #define bvf_add(a, b) ((a) + (b))
 #define bvf_mul(a, b) ((a) * (b))
 #define bvf_nan0(x) ((x) == (x) ? (x) : 0.0f)
+#define bvf_div(a, b) ((a) / (b))
 #endif
 
 /* exp(x), accurate for x <= 0 (the only arguments here: scores minus their log-sum-exp);
@@ -274,6 +292,14 @@ typedef __m512d bvd;
 #define bvd_add _mm512_add_pd
 #define bvd_mul _mm512_mul_pd
 #define bvd_nan0(x) _mm512_maskz_mov_pd(_mm512_cmp_pd_mask((x), (x), _CMP_ORD_Q), (x))
+#define bvd_div _mm512_div_pd
+#define bvd_abs(x) \
+    _mm512_castsi512_pd(_mm512_andnot_si512(_mm512_set1_epi64(INT64_MIN), _mm512_castpd_si512(x)))
+#define bvd_sign(x) \
+    _mm512_castsi512_pd(_mm512_and_si512(_mm512_set1_epi64(INT64_MIN), _mm512_castpd_si512(x)))
+#define bvd_or(a, b) \
+    _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(a), _mm512_castpd_si512(b)))
+#define bvd_sellt(x, y, a, b) _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), (y), _CMP_LT_OQ), (b), (a))
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256d bvd;
 #define BVD_W 4
@@ -286,6 +312,11 @@ typedef __m256d bvd;
 #define bvd_add _mm256_add_pd
 #define bvd_mul _mm256_mul_pd
 #define bvd_nan0(x) _mm256_and_pd(_mm256_cmp_pd((x), (x), _CMP_ORD_Q), (x))
+#define bvd_div _mm256_div_pd
+#define bvd_abs(x) _mm256_andnot_pd(_mm256_set1_pd(-0.0), (x))
+#define bvd_sign(x) _mm256_and_pd(_mm256_set1_pd(-0.0), (x))
+#define bvd_or _mm256_or_pd
+#define bvd_sellt(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_LT_OQ))
 #else
 typedef double bvd;
 #define BVD_W 1
@@ -298,6 +329,7 @@ typedef double bvd;
 #define bvd_add(a, b) ((a) + (b))
 #define bvd_mul(a, b) ((a) * (b))
 #define bvd_nan0(x) ((x) == (x) ? (x) : 0.0)
+#define bvd_div(a, b) ((a) / (b))
 #endif
 
 static inline bvd bvd_exp(bvd x) {
@@ -339,6 +371,21 @@ static inline bvd bvd_exp(bvd x) {
 #endif
 }
 
+/* tanh's Taylor series x + sum_k c_k x^(2k+1) (the forward tile's, kernels/cpu_tile.c), used
+ * below RB_TANH_X; see rb_tanh. */
+static const double rb_tanh_c[12] = {1.0,
+                                     -0.3333333333333333,
+                                     0.13333333333333333,
+                                     -0.05396825396825397,
+                                     0.021869488536155203,
+                                     -0.008863235529902197,
+                                     0.003592128036572481,
+                                     -0.0014558343870513183,
+                                     0.000590027440945586,
+                                     -0.00023912911424355248,
+                                     9.691537956929451e-05,
+                                     -3.927832388331683e-05};
+
 /* ----------------------------------------------------------- instantiate both types --- */
 #define RB_T float
 #define RB_V bvf
@@ -354,6 +401,14 @@ static inline bvd bvd_exp(bvd x) {
 #define V_NAN0 bvf_nan0
 #define V_MUL bvf_mul
 #define V_EXP bvf_exp
+#define V_DIV bvf_div
+#define V_ABS bvf_abs
+#define V_SIGN bvf_sign
+#define V_OR bvf_or
+#define V_SELLT bvf_sellt
+#define RB_TANH1 tanhf
+#define RB_TANH_X 0.35
+#define RB_TANH_N 6
 #include "cpu_backward.c" /* this file again, now with RB_T defined */
 #undef RB_T
 #undef RB_V
@@ -369,6 +424,14 @@ static inline bvd bvd_exp(bvd x) {
 #undef V_NAN0
 #undef V_MUL
 #undef V_EXP
+#undef V_DIV
+#undef V_ABS
+#undef V_SIGN
+#undef V_OR
+#undef V_SELLT
+#undef RB_TANH1
+#undef RB_TANH_X
+#undef RB_TANH_N
 
 #define RB_T double
 #define RB_V bvd
@@ -384,6 +447,14 @@ static inline bvd bvd_exp(bvd x) {
 #define V_NAN0 bvd_nan0
 #define V_MUL bvd_mul
 #define V_EXP bvd_exp
+#define V_DIV bvd_div
+#define V_ABS bvd_abs
+#define V_SIGN bvd_sign
+#define V_OR bvd_or
+#define V_SELLT bvd_sellt
+#define RB_TANH1 tanh
+#define RB_TANH_X 0.3
+#define RB_TANH_N 12
 #include "cpu_backward.c" /* this file again, now with RB_T defined */
 
 #else
@@ -424,6 +495,7 @@ static void FN(rb_pack)(const RB_T *restrict k, const RB_T *restrict v, int64_t 
 /* One strip of R rows against np panels: acc = X (R x D, row stride ldx) Y^T (panels).
  * mode 0: out = exp(acc - aux[r])  (P from S, aux = lse)
  * mode 1: out = pin * (acc - aux[r])  (dS from dP, aux = delta, pin = P)
+ * mode 2: out = acc  (the raw scores, for rb_modify)
  * out and pin have row stride ld. */
 static inline void FN(rb_strip)(const RB_T *restrict x, int64_t ldx, const RB_T *restrict yt,
                                 int64_t np, int64_t D, const RB_T *restrict aux, int mode,
@@ -448,7 +520,12 @@ static inline void FN(rb_strip)(const RB_T *restrict x, int64_t ldx, const RB_T 
                 for (int c = 0; c < NK; c++) acc[r][c] = V_FMA(xb, yv[c], acc[r][c]);
             }
         }
-        if (mode == 0) {
+        if (mode == 2) {
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NK; c++) V_STORE(out + r * ld + p * KW + c * RB_W, acc[r][c]);
+        } else if (mode == 0) {
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
                 const RB_V a = V_SET1(aux[r]);
@@ -467,6 +544,53 @@ static inline void FN(rb_strip)(const RB_T *restrict x, int64_t ldx, const RB_T 
                 }
             }
         }
+    }
+}
+
+/* tanh(x), elementwise: the forward tile's rm_tanh (same polynomial, threshold and branch
+ * for large |x| with this file's exp); libm on the scalar path. */
+static inline RB_V FN(rb_tanh)(RB_V x) {
+#if RB_W == 1
+    return RB_TANH1(x);
+#else
+    const RB_V one = V_SET1((RB_T)1), ax = V_ABS(x), x2 = V_MUL(x, x);
+    RB_V p = V_SET1((RB_T)rb_tanh_c[RB_TANH_N - 1]);
+#pragma GCC unroll 16
+    for (int i = RB_TANH_N - 2; i >= 1; i--) p = V_FMA(p, x2, V_SET1((RB_T)rb_tanh_c[i]));
+    const RB_V small = V_FMA(V_MUL(x, x2), p, x);
+    const RB_V e = V_EXP(V_MUL(ax, V_SET1((RB_T)-2)));
+    const RB_V big = V_OR(V_DIV(V_SUB(one, e), V_ADD(one, e)), V_SIGN(x));
+    return V_SELLT(ax, V_SET1((RB_T)RB_TANH_X), small, big);
+#endif
+}
+
+/* P of one strip with score modifiers: s (R x ld rows; the raw scores Qs K^T in the columns
+ * [c0, c1), whole vectors) becomes, in order, s = cap tanh(s / cap) (cap > 0; dc gets the
+ * derivative 1 - tanh^2, same layout), s -= slope |ap[r] - kp[j]| (ap not NULL, for the
+ * nreal real rows and the block's keys j < nk), then P = exp(s - lse[r]). */
+static void FN(rb_modify)(RB_T *restrict s, RB_T *restrict dc, int64_t ld, int64_t c0,
+                          int64_t c1, int64_t nk, int nreal, RB_T cap,
+                          const int64_t *restrict ap, const int64_t *restrict kp, double slope,
+                          const RB_T *restrict lse) {
+    const RB_V vc = V_SET1(cap), vic = V_SET1((RB_T)1 / cap), one = V_SET1((RB_T)1);
+    const int64_t ja = c1 < nk ? c1 : nk;
+    for (int r = 0; r < R; r++) {
+        RB_T *restrict row = s + r * ld;
+        if (cap > 0)
+            for (int64_t j = c0; j < c1; j += RB_W) {
+                const RB_V t = FN(rb_tanh)(V_MUL(V_LOAD(row + j), vic));
+                V_STORE(dc + r * ld + j, V_SUB(one, V_MUL(t, t)));
+                V_STORE(row + j, V_MUL(vc, t));
+            }
+        if (ap && r < nreal) {
+            const int64_t a = ap[r];
+            for (int64_t j = c0; j < ja; j++) {
+                const int64_t dist = a > kp[j] ? a - kp[j] : kp[j] - a;
+                row[j] -= (RB_T)(slope * (double)dist);
+            }
+        }
+        const RB_V l = V_SET1(lse[r]);
+        for (int64_t j = c0; j < c1; j += RB_W) V_STORE(row + j, V_EXP(V_SUB(V_LOAD(row + j), l)));
     }
 }
 
@@ -601,7 +725,9 @@ static void FN(rb_outer)(const RB_T *restrict A, int64_t lda, const RB_T *restri
  * key ranges (both NULL: causal or no mask as `causal` says). bq, bk: block sizes (query
  * rows, keys). progress, when given, is called whenever at least `chunk` (query row, key)
  * pairs of single heads have been computed since the last call; a nonzero return aborts
- * (result -2). Returns the flops of the computed blocks (10 nq nk D per block pair with a
+ * (result -2). Score modifiers (ringmpi.tile): softcap > 0 caps the scores (dS then gains
+ * the factor 1 - tanh^2), slopes (H,) not NULL adds ALiBi -slopes[h] |apos[i] - kpos[j]|
+ * with apos (Sq,) the rows' positions in key coordinates; 0 / NULL: none. Returns the flops of the computed blocks (10 nq nk D per block pair with a
  * visible pair and query head), or -1 when out of memory. */
 int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const RB_T *dout,
                              const RB_T *lse, const RB_T *delta, const int64_t *qpos,
@@ -610,7 +736,8 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                              const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
                              int64_t nkcuts, const int64_t *qlo, const int64_t *qhi,
                              double scale, int causal, int64_t bq, int64_t bk,
-                             int (*progress)(void), int64_t chunk) {
+                             int (*progress)(void), int64_t chunk, double softcap,
+                             const double *slopes, const int64_t *apos) {
     if (Sq <= 0 || Sk <= 0 || B <= 0 || H <= 0) return 0;
     if (!qlo || !qhi) qlo = qhi = NULL; /* bounds come in pairs */
     const int bounded = qlo != NULL;
@@ -638,9 +765,12 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
     RB_T *dsb = rb_alloc(sizeof(RB_T) * (size_t)(bq * ld));
     RB_T *lb = rb_alloc(sizeof(RB_T) * (size_t)bq);
     RB_T *deb = rb_alloc(sizeof(RB_T) * (size_t)bq);
+    const RB_T cap = softcap > 0 ? (RB_T)softcap : 0;
+    const int mods = cap > 0 || slopes;
+    RB_T *dcb = cap > 0 ? rb_alloc(sizeof(RB_T) * (size_t)(bq * ld)) : NULL; /* 1 - tanh^2 */
     int64_t flops = 0;
     if (!qb || !kb || !qr || !ksort || !kt || !vt || !kr || !dkb || !dvb || !qs || !dob || !pb ||
-        !dsb || !lb || !deb) {
+        !dsb || !lb || !deb || (cap > 0 && !dcb)) {
         flops = -1;
         goto done;
     }
@@ -687,6 +817,7 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                     const RB_T *lh = lse + (b * H + h) * Sq;
                     const RB_T *dh = delta + (b * H + h) * Sq;
                     RB_T *dqh = dq + (b * H + h) * Sq * D;
+                    const double slope = slopes ? slopes[h] : 0;
                     for (int64_t iq = 0; iq < nqb; iq++) {
                         const rb_block Q = qb[iq];
                         const rb_range X = qr[iq];
@@ -750,8 +881,17 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                             bmin = s0 < bmin ? s0 : bmin;
                             bmax = s1 > bmax ? s1 : bmax;
                             const int64_t p0 = s0 / KW, np = (s1 + KW - 1) / KW - p0;
-                            FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0, 0,
-                                         NULL, ps + p0 * KW, ld);
+                            const int nrows = nq - r0 < R ? (int)(nq - r0) : R;
+                            if (mods) { /* raw scores, then cap, ALiBi and P = exp(s - lse) */
+                                FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0,
+                                             2, NULL, ps + p0 * KW, ld);
+                                FN(rb_modify)(ps, cap > 0 ? dcb + r0 * ld : NULL, ld, p0 * KW,
+                                              (p0 + np) * KW, nk, nrows, cap,
+                                              slopes ? apos + qa + r0 : NULL, kp, slope, lb + r0);
+                            } else {
+                                FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0,
+                                             0, NULL, ps + p0 * KW, ld);
+                            }
                             for (int r = 0; r < R; r++) {
                                 RB_T *row = ps + r * ld;
                                 if (masked && !K.inc && je[r] > jb[r]) {
@@ -763,11 +903,18 @@ int64_t FN(rm_backward_tile)(const RB_T *q, const RB_T *k, const RB_T *v, const 
                             }
                             FN(rb_strip)(dob + r0 * Dp, Dp, vt + p0 * D * KW, np, D, deb + r0, 1,
                                          ps + p0 * KW, dss + p0 * KW, ld);
+                            if (cap > 0) /* dS through the cap: times 1 - tanh^2 */
+                                for (int r = 0; r < R; r++) {
+                                    RB_T *drow = dss + r * ld;
+                                    const RB_T *crow = dcb + (r0 + r) * ld;
+                                    for (int64_t j = p0 * KW; j < (p0 + np) * KW; j += RB_W)
+                                        V_STORE(drow + j,
+                                                V_MUL(V_LOAD(drow + j), V_LOAD(crow + j)));
+                                }
                             for (int r = 0; r < R; r++) {
                                 for (int64_t j = 0; j < jb[r]; j++) dss[r * ld + j] = 0;
                                 for (int64_t j = je[r]; j < ld; j++) dss[r * ld + j] = 0;
                             }
-                            const int nrows = nq - r0 < R ? (int)(nq - r0) : R;
                             FN(rb_dq)(dss + s0, ld, kr + s0 * Dp, s1 - s0, Dp, D, sc,
                                       dqh + (qa + r0) * D, nrows);
                         }
@@ -815,6 +962,7 @@ done:
     free(dsb);
     free(lb);
     free(deb);
+    free(dcb);
     return flops;
 }
 

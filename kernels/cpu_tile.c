@@ -1,7 +1,7 @@
 /* Fused CPU attention tile: scores, mask, online softmax and P.V in one pass.
  *
- * Loaded by ringmpi/fused.py (compiled on first use, cached on disk). Same semantics as
- * ringmpi.cpu.forward_tile, the numpy specification. Internal layout, head-major:
+ * Loaded by ringmpi/cpu/fused.py (compiled on first use, cached on disk). Same semantics as
+ * ringmpi.cpu.numpy_tile.forward_tile, the specification. Internal layout, head-major:
  *
  *   q    (B, H,   Sq, D)      k, v (B, Hkv, Sk, D)     query head h reads K/V head h / (H/Hkv)
  *   qpos (Sq,), kpos (Sk,)    int64 global token positions
@@ -149,7 +149,9 @@ static void *rm_alloc(size_t bytes) {
  * NULL) is called every `chunk` query rows of single heads, nonzero aborts.
  * lo, hi (Sq,) int64 or both NULL: query row i sees key j iff lo[i] <= kpos[j] <= hi[i]
  * (lo > hi: no key), the masks beyond causal (ringmpi.mask); they replace `causal`, which
- * applies only without them (key j visible iff kpos[j] <= qpos[i]). */
+ * applies only without them (key j visible iff kpos[j] <= qpos[i]).
+ * Score modifiers (issue 25; ringmpi.tile): softcap > 0 caps every score, then ALiBi (slopes
+ * not NULL) adds -slopes[h] |apos[i] - kpos[j]|, before the mask hides keys. */
 typedef struct {
     const void *q, *k, *v;
     const int64_t *qpos, *kpos;
@@ -162,6 +164,9 @@ typedef struct {
     int (*progress)(void);
     int64_t chunk;
     const int64_t *lo, *hi;
+    double softcap;       /* > 0: scores s -> softcap tanh(s / softcap); 0: none */
+    const double *slopes; /* (H,) ALiBi slopes or NULL: s -= slopes[h] |apos[i] - kpos[j]| */
+    const int64_t *apos;  /* (Sq,) query rows' ALiBi positions (in key coordinates) */
 } rm_tile_args;
 
 /* Which keys each query row sees: [lo[i], hi[i]] with bounds, else (-inf, qpos[i]] when
@@ -282,6 +287,14 @@ typedef vf vf_sum; /* row sums of rm_softmax */
 #define vf_max _mm512_max_ps
 #define vf_hmax _mm512_reduce_max_ps
 #define vf_nan0(x) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask((x), (x), _CMP_ORD_Q), (x))
+/* |x|, x's sign bit alone, a | b (bits), and lt ? a : b with lt = (x < y) */
+#define vf_abs(x) \
+    _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(x)))
+#define vf_sign(x) \
+    _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(x)))
+#define vf_or(a, b) \
+    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+#define vf_sellt(x, y, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LT_OQ), (b), (a))
 static inline float vf_hsum(vf x) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
     return rm_hsum8f(_mm256_add_ps(_mm512_castps512_ps256(x), hi));
@@ -301,6 +314,10 @@ typedef vf vf_sum;
 #define vf_div _mm256_div_ps
 #define vf_max _mm256_max_ps
 #define vf_nan0(x) _mm256_and_ps(_mm256_cmp_ps((x), (x), _CMP_ORD_Q), (x))
+#define vf_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
+#define vf_sign(x) _mm256_and_ps(_mm256_set1_ps(-0.0f), (x))
+#define vf_or _mm256_or_ps
+#define vf_sellt(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_LT_OQ))
 static inline float vf_hmax(vf x) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -388,6 +405,13 @@ typedef __m512d vd;
 #define vd_max _mm512_max_pd
 #define vd_hmax _mm512_reduce_max_pd
 #define vd_nan0(x) _mm512_maskz_mov_pd(_mm512_cmp_pd_mask((x), (x), _CMP_ORD_Q), (x))
+#define vd_abs(x) \
+    _mm512_castsi512_pd(_mm512_andnot_si512(_mm512_set1_epi64(INT64_MIN), _mm512_castpd_si512(x)))
+#define vd_sign(x) \
+    _mm512_castsi512_pd(_mm512_and_si512(_mm512_set1_epi64(INT64_MIN), _mm512_castpd_si512(x)))
+#define vd_or(a, b) \
+    _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(a), _mm512_castpd_si512(b)))
+#define vd_sellt(x, y, a, b) _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), (y), _CMP_LT_OQ), (b), (a))
 static inline double vd_hsum(vd x) {
     return rm_hsum4d(_mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1)));
 }
@@ -405,6 +429,10 @@ typedef __m256d vd;
 #define vd_div _mm256_div_pd
 #define vd_max _mm256_max_pd
 #define vd_nan0(x) _mm256_and_pd(_mm256_cmp_pd((x), (x), _CMP_ORD_Q), (x))
+#define vd_abs(x) _mm256_andnot_pd(_mm256_set1_pd(-0.0), (x))
+#define vd_sign(x) _mm256_and_pd(_mm256_set1_pd(-0.0), (x))
+#define vd_or _mm256_or_pd
+#define vd_sellt(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_LT_OQ))
 static inline double vd_hmax(vd x) {
     __m128d h = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
     h = _mm_max_sd(h, _mm_unpackhi_pd(h, h));
@@ -471,6 +499,21 @@ static inline vd vd_exp(vd x) {
 #endif
 }
 
+/* tanh's Taylor series x + sum_k c_k x^(2k+1), c_k = 2^(2k+2) (2^(2k+2) - 1) B_(2k+2) / (2k+2)!
+ * (B: Bernoulli numbers); used for |x| below RM_TANH_X (see rm_tanh). */
+static const double rm_tanh_c[12] = {1.0,
+                                     -0.3333333333333333,
+                                     0.13333333333333333,
+                                     -0.05396825396825397,
+                                     0.021869488536155203,
+                                     -0.008863235529902197,
+                                     0.003592128036572481,
+                                     -0.0014558343870513183,
+                                     0.000590027440945586,
+                                     -0.00023912911424355248,
+                                     9.691537956929451e-05,
+                                     -3.927832388331683e-05};
+
 /* ----------------------------------------------------------- instantiate both types --- */
 #define RM_T float
 #define RM_V vf
@@ -478,6 +521,13 @@ static inline vd vd_exp(vd x) {
 #define RM_W VF_W
 #define RM_SFX f32
 #define RM_LOG1 logf
+#define RM_TANH1 tanhf
+#define RM_TANH_X 0.35 /* below: the odd Taylor polynomial of rm_tanh_c[0..RM_TANH_N) */
+#define RM_TANH_N 6
+#define V_ABS vf_abs
+#define V_SIGN vf_sign
+#define V_OR vf_or
+#define V_SELLT vf_sellt
 #define V_DIV vf_div
 #define V_LOAD vf_load
 #define V_STORE vf_store
@@ -500,6 +550,13 @@ static inline vd vd_exp(vd x) {
 #undef RM_SFX
 #undef RM_EXP1
 #undef RM_LOG1
+#undef RM_TANH1
+#undef RM_TANH_X
+#undef RM_TANH_N
+#undef V_ABS
+#undef V_SIGN
+#undef V_OR
+#undef V_SELLT
 #undef V_DIV
 #undef V_LOAD
 #undef V_STORE
@@ -521,6 +578,13 @@ static inline vd vd_exp(vd x) {
 #define RM_W VD_W
 #define RM_SFX f64
 #define RM_LOG1 log
+#define RM_TANH1 tanh
+#define RM_TANH_X 0.3
+#define RM_TANH_N 12
+#define V_ABS vd_abs
+#define V_SIGN vd_sign
+#define V_OR vd_or
+#define V_SELLT vd_sellt
 #define V_DIV vd_div
 #define V_LOAD vd_load
 #define V_STORE vd_store
@@ -614,6 +678,63 @@ static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, i
                 mx = V_MAX(mx, acc[r][c]);
             }
             V_STORE(rmax + r * RM_W, mx);
+        }
+    }
+}
+
+/* tanh(x), elementwise. Vector paths: |x| < RM_TANH_X by the odd Taylor polynomial
+ * x + x^3 P(x^2) (RM_TANH_N terms: truncation 1.2e-8 relative for float32 below 0.35, 3e-18
+ * for float64 below 0.3), else sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) from V_EXP
+ * (no cancellation: e < 0.55 there); |x| >= 44 (float32) gives e = 0, so exactly +-1. Both
+ * branches are computed and one selected: the same IEEE operations on AVX2 and AVX-512, so
+ * the same bits. NaN propagates (the compare is false, V_EXP keeps it). Scalar path: libm. */
+static inline RM_V FN(rm_tanh)(RM_V x) {
+#if RM_W == 1
+    return RM_TANH1(x);
+#else
+    const RM_V one = V_SET1((RM_T)1), ax = V_ABS(x), x2 = V_MUL(x, x);
+    RM_V p = V_SET1((RM_T)rm_tanh_c[RM_TANH_N - 1]);
+#pragma GCC unroll 16
+    for (int i = RM_TANH_N - 2; i >= 1; i--) p = V_FMA(p, x2, V_SET1((RM_T)rm_tanh_c[i]));
+    const RM_V small = V_FMA(V_MUL(x, x2), p, x);
+    const RM_V e = V_EXP(V_MUL(ax, V_SET1((RM_T)-2)));
+    const RM_V big = V_OR(V_DIV(V_SUB(one, e), V_ADD(one, e)), V_SIGN(x));
+    return V_SELLT(ax, V_SET1((RM_T)RM_TANH_X), small, big);
+#endif
+}
+
+/* y[0..n) = tanh(x[0..n)) by rm_tanh (the tile's own; exported for the accuracy tests). */
+void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + RM_W <= n; i += RM_W) V_STORE(y + i, FN(rm_tanh)(V_LOAD(x + i)));
+    if (i < n) { /* the tail through one padded vector: the same operations */
+        RM_T buf[RM_W];
+        for (int c = 0; c < RM_W; c++) buf[c] = i + c < n ? x[i + c] : 0;
+        V_STORE(buf, FN(rm_tanh)(V_LOAD(buf)));
+        for (int64_t c = 0; i + c < n; c++) y[i + c] = buf[c];
+    }
+}
+
+/* Score modifiers on one strip (rows of stride lds; nr real rows): softcap (cap > 0) maps
+ * the columns [0, ncol) (whole vectors: the columns past the scored keys are overwritten
+ * by the mask later) to cap tanh(s / cap); ALiBi (ap not NULL: the rows' positions, kq the
+ * scored keys' positions) adds -slope |ap[r] - kq[j]| to the columns [0, use): the product
+ * in double, rounded once to RM_T (as the numpy tile), then subtracted. */
+static void FN(rm_modify)(RM_T *restrict s, int64_t lds, int nr, int64_t use, int64_t ncol,
+                          RM_T cap, const int64_t *restrict ap, const int64_t *restrict kq,
+                          double slope) {
+    const RM_V vc = V_SET1(cap), vic = V_SET1((RM_T)1 / cap);
+    for (int r = 0; r < nr; r++) {
+        RM_T *restrict row = s + r * lds;
+        if (cap > 0)
+            for (int64_t j = 0; j < ncol; j += RM_W)
+                V_STORE(row + j, V_MUL(vc, FN(rm_tanh)(V_MUL(V_LOAD(row + j), vic))));
+        if (ap) {
+            const int64_t a = ap[r];
+            for (int64_t j = 0; j < use; j++) {
+                const int64_t dist = a > kq[j] ? a - kq[j] : kq[j] - a;
+                row[j] -= (RM_T)(slope * (double)dist);
+            }
         }
     }
 }
@@ -786,6 +907,8 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     int64_t bq = a->bq, bk = a->bk;
     if (q1 <= q0 || Sk == 0) return 0;
     const rm_vis vis = {a->lo, a->hi, qpos, a->lo ? 0 : (int)a->causal};
+    const RM_T cap = a->softcap > 0 ? (RM_T)a->softcap : 0;
+    const int mods = cap > 0 || a->slopes; /* score modifiers: the maxima are recomputed */
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
     bk = (bk + KW - 1) / KW * KW;
@@ -844,6 +967,7 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
             for (int64_t g = 0; g < G; g++) {
                 const int64_t h = hk * G + g;
                 const RM_T *qh = q + (b * H + h) * Sq * D;
+                const double slope = a->slopes ? a->slopes[h] : 0;
                 RM_T *ah = acc + (b * H + h) * Sq * D;
                 RM_T *mh = m + (b * H + h) * Sq;
                 RM_T *lh = l + (b * H + h) * Sq;
@@ -920,6 +1044,10 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                             const int64_t base = j0 / KW * KW, use = j1 - base;
                             const int64_t ucol = (use + KW - 1) / KW * KW;
                             FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol / KW, D, sb, bk, rmax);
+                            if (mods)
+                                FN(rm_modify)(sb, bk, (int)nr, use, ucol, cap,
+                                              a->slopes ? a->apos + qa + r0 : NULL, kp + base,
+                                              slope);
                             for (int r = 0; r < RM_R; r++) {
                                 RM_T *row = sb + r * bk;
                                 if (r < nr && mode == 1) {
@@ -939,7 +1067,7 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                 for (int64_t j = use; j < ucol; j++) row[j] = -INFINITY;
                             }
                             /* the maxima from rm_qk hold unless keys were masked or padded */
-                            const int have_max = mode == 0 && ucol == use;
+                            const int have_max = mode == 0 && ucol == use && !mods;
                             FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, lc + r0, ob + r0 * Dp,
                                            oc + r0 * Dp, Dp, rmax, have_max);
                             FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp,

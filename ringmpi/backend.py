@@ -186,7 +186,7 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         "fused", np, fwd, bwd, cd, cd, Ring, _CPU_DTYPES,
         finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
         notes=tuple(notes), backward_missing=missing or "no backward tile",
-        forward_mods=(), backward_mods=() if bwd is not numpy_tile.backward_tile else _MODS,
+        forward_mods=_MODS, backward_mods=_MODS,  # fused C and numpy tiles both apply them
     )  # fmt: skip
 
 

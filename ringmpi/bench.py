@@ -18,7 +18,11 @@ and writes JSON (and a PNG plot when matplotlib is importable) with:
   the fused kernel's own work buffers (packed K/V of one head, ~2 S_k D elements)
   are malloc'd in C and seen only by the resident set;
 * torch's scaled_dot_product_attention on the same shapes with P threads, when
-  torch is importable (a yardstick only, never a dependency).
+  torch is importable (a yardstick only, never a dependency);
+* the cost of the score modifiers (``--mods plain softcap alibi both``): the same
+  cases with softcap (``--softcap``), with ALiBi (the standard geometric slopes for
+  H heads) or both, side by side in one run; the flops counted are the same, so the
+  GFLOP/s show each modifier's cost directly (the ``vs_plain`` column, ``xplain``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,24 @@ __all__ = ["main"]
 _LAUNCH_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
+_MODS = {"plain": (), "softcap": ("softcap",), "alibi": ("alibi",), "both": ("softcap", "alibi")}
+
+
+def alibi_slopes(h: int) -> list:
+    """The standard ALiBi slopes for ``h`` heads: 2^(-8 i / h), i = 1..h (Press et al.)."""
+    return [2.0 ** (-8.0 * i / h) for i in range(1, h + 1)]
+
+
+def _mod_kw(mod: str, args) -> dict:
+    """The ring_attention keywords of one ``--mods`` entry."""
+    kw = {}
+    if "softcap" in _MODS[mod]:
+        kw["softcap"] = args.softcap
+    if "alibi" in _MODS[mod]:
+        kw["alibi_slopes"] = alibi_slopes(args.heads)
+    return kw
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringmpi bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[8192, 16384], help="sequence lengths")
@@ -52,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
                    help="forward and/or backward rows (default both)")  # fmt: skip
+    p.add_argument("--mods", nargs="+", choices=list(_MODS), default=["plain"],
+                   help="score modifiers measured side by side (default plain)")  # fmt: skip
+    p.add_argument("--softcap", type=float, default=30.0, help="softcap of --mods softcap/both")
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts P")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--layout", default="zigzag")
@@ -69,12 +94,14 @@ def _parser() -> argparse.ArgumentParser:
 def _cases(args) -> list[dict]:
     causal = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     passes = [x for x in ("fwd", "bwd") if x in args.passes]
+    mods = [m for m in _MODS if m in args.mods]
     return [
-        dict(n=n, d=d, causal=c, pass_=ps)
+        dict(n=n, d=d, causal=c, pass_=ps, mod=m)
         for ps in passes
         for n in sorted(args.n)
         for d in sorted(args.d)
         for c in causal
+        for m in mods
     ]
 
 
@@ -162,6 +189,7 @@ def _worker(args) -> int:
     results = []
     for case in _cases(args):
         n, d, causal, pass_ = case["n"], case["d"], case["causal"], case["pass_"]
+        mkw = _mod_kw(case["mod"], args)
         gc.collect()
         best, best_stats, peak, tpeak = 1e30, {}, 0, 0
         for _ in range(args.repeat):
@@ -175,7 +203,7 @@ def _worker(args) -> int:
                 k = rng.standard_normal((s, hkv, d), dtype=np.float64).astype(dt)
                 v = rng.standard_normal((s, hkv, d), dtype=np.float64).astype(dt)
                 st: dict = {}
-                kw = dict(causal=causal, layout=args.layout)
+                kw = dict(causal=causal, layout=args.layout, **mkw)
                 if pass_ == "bwd":
                     out, lse = ring_attention(q, k, v, comm, return_lse=True, **kw)
                     dout = rng.standard_normal(out.shape).astype(dt)
@@ -235,6 +263,8 @@ def _torch_sdpa(cases, args, threads: int) -> list[dict]:
     out = []
     try:
         for c in cases:
+            if c["mod"] != "plain":
+                continue  # SDPA has no softcap / ALiBi: a yardstick for plain rows only
             h = args.heads
             bwd = c["pass_"] == "bwd"
             q, k, v = (
@@ -282,8 +312,10 @@ def _launch(args, p: int, argv: list[str]) -> dict:
 def _summarize(doc: dict) -> None:
     """Add fractions of matmul, scaling efficiency and torch ratios; print the table."""
     mm = {w["p"]: w["matmul_gflops_per_rank"] for w in doc["workers"]}
-    key = lambda r: (r["n"], r["d"], r["causal"], r["pass_"])  # noqa: E731
+    key = lambda r: (r["n"], r["d"], r["causal"], r["pass_"], r.get("mod", "plain"))  # noqa: E731
     t1 = {key(r): r["time_s"] for r in doc["runs"] if r["p"] == 1}
+    plain = {key(r)[:4] + (r["p"],): r["gflops_per_rank"] for r in doc["runs"]
+             if r.get("mod", "plain") == "plain"}  # fmt: skip
     torch = {(key(t), t["threads"]): t["gflops_per_thread"] for t in doc["torch"]}
     for r in doc["runs"]:
         r["frac_matmul"] = r["gflops_per_rank"] / mm[r["p"]]
@@ -291,8 +323,11 @@ def _summarize(doc: dict) -> None:
         tv = torch.get((key(r), r["p"]))
         r["torch_gflops_per_thread"] = tv
         r["vs_torch"] = r["gflops_per_rank"] / tv if tv else None
+        pv = plain.get(key(r)[:4] + (r["p"],))
+        r["vs_plain"] = r["gflops_per_rank"] / pv if pv else None
     hdr = (
-        f"{'pass':>4} {'P':>2} {'N':>6} {'D':>4} {'causal':>6} {'time s':>8} {'GF/s/rank':>9} "
+        f"{'pass':>4} {'P':>2} {'N':>6} {'D':>4} {'causal':>6} {'mod':>7} {'time s':>8} "
+        f"{'GF/s/rank':>9} {'xplain':>6} "
         f"{'xmatmul':>7} {'eff':>5} {'torch':>7} {'xtorch':>6} {'wait s':>7} {'MiB/rank':>8}"
     )
     isa = doc["workers"][0].get("isa") if doc["workers"] else None
@@ -302,8 +337,8 @@ def _summarize(doc: dict) -> None:
     for r in doc["runs"]:
         print(
             f"{r['pass_']:>4} {r['p']:>2} {r['n']:>6} {r['d']:>4} {str(r['causal']):>6} "
-            f"{r['time_s']:>8.3f} "
-            f"{r['gflops_per_rank']:>9.1f} {r['frac_matmul']:>7.2f} "
+            f"{r.get('mod', 'plain'):>7} {r['time_s']:>8.3f} "
+            f"{r['gflops_per_rank']:>9.1f} {fmt(r['vs_plain'], '>6.2f')} {r['frac_matmul']:>7.2f} "
             f"{fmt(r['scaling_eff'], '>5.2f')} {fmt(r['torch_gflops_per_thread'], '>7.1f')} "
             f"{fmt(r['vs_torch'], '>6.2f')} {r['wait_s']:>7.3f} {r['peak_mem_mib_per_rank']:>8.1f}"
         )
@@ -317,7 +352,8 @@ def _plot(doc: dict, path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    runs = [r for r in doc["runs"] if r.get("pass_", "fwd") == "fwd"]  # the forward rows
+    runs = [r for r in doc["runs"] if r.get("pass_", "fwd") == "fwd" and
+            r.get("mod", "plain") == "plain"]  # the plain forward rows  # fmt: skip
     trs = [t for t in doc["torch"] if t.get("pass_", "fwd") == "fwd"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = sorted({(r["n"], r["d"], r["causal"]) for r in runs})

@@ -46,3 +46,23 @@ def test_bench_smoke(tmp_path, capsys):
             assert 0 < r["scaling_eff"] < 10
     table = capsys.readouterr().out
     assert "GF/s/rank" in table and str(out) in table and "CPU kernel:" in table
+
+
+@pytest.mark.timeout(300)
+def test_bench_modifiers_side_by_side(tmp_path, capsys):
+    """--mods: softcap / ALiBi rows beside the plain ones, same run, with their ratio."""
+    out = tmp_path / "m.json"
+    argv = ["--n", "384", "--d", "16", "--heads", "2", "--np", "1", "--causal", "yes"]
+    argv += ["--mods", "plain", "softcap", "alibi", "both", "--softcap", "5"]
+    argv += ["--repeat", "1", "--out", str(out), "--no-plot", "--no-torch"]
+    assert bench.main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["pass_"], r["mod"]) for r in runs) == sorted(
+        (p, m) for p in ("fwd", "bwd") for m in ("plain", "softcap", "alibi", "both")
+    )
+    for r in runs:
+        assert 0 < r["gflops_per_rank"] < 1e5
+        plain = next(x for x in runs if x["pass_"] == r["pass_"] and x["mod"] == "plain")
+        assert r["vs_plain"] == pytest.approx(r["gflops_per_rank"] / plain["gflops_per_rank"])
+    assert "xplain" in capsys.readouterr().out
+    assert bench.alibi_slopes(8)[0] == 0.5 and bench.alibi_slopes(8)[-1] == 2.0**-8

@@ -118,6 +118,9 @@ class _TileArgs(ctypes.Structure):
         ("chunk", ctypes.c_int64),
         ("lo", ctypes.c_void_p),
         ("hi", ctypes.c_void_p),
+        ("softcap", ctypes.c_double),
+        ("slopes", ctypes.c_void_p),
+        ("apos", ctypes.c_void_p),
     ]
 
 
@@ -169,6 +172,47 @@ def _check_bounds(bounds: Optional[tuple], sq: int) -> tuple:
     return tuple(out)
 
 
+def check_modifiers(softcap, alibi, h: int, sq: int) -> tuple:
+    """Validated score modifiers for the C tiles: (softcap or 0.0, slopes or None, qa or None).
+
+    Parameters
+    ----------
+    softcap : float, optional
+        Finite and > 0 (scores become softcap * tanh(score / softcap)).
+    alibi : (slopes (H,), qa (Sq,)), optional
+        Finite per-query-head slopes and the query rows' int64 ALiBi positions (in key
+        coordinates, see :mod:`ringmpi.tile`).
+    h, sq : int
+        Query heads and query rows of the tile.
+    """
+    cap = 0.0
+    if softcap is not None:
+        cap = float(softcap)
+        if not (np.isfinite(cap) and cap > 0):
+            raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
+    if alibi is None:
+        return cap, None, None
+    try:
+        slopes, qa = alibi
+    except (TypeError, ValueError):
+        raise ValueError("alibi must be a pair (slopes (H,), qa (Sq,))") from None
+    slopes = np.ascontiguousarray(slopes, dtype=np.float64)
+    qa = np.asarray(qa)
+    if slopes.shape != (h,) or not np.isfinite(slopes).all():
+        raise ValueError(f"alibi slopes must be {h} finite numbers (one per query head)")
+    if qa.shape != (sq,) or not np.issubdtype(qa.dtype, np.integer):
+        raise ValueError(f"alibi positions must be an integer array of shape ({sq},)")
+    return cap, slopes, np.ascontiguousarray(qa, dtype=np.int64)
+
+
+def _mod_kw(softcap, alibi) -> dict:
+    """The modifier keywords to hand to the numpy tile: only those that are set."""
+    kw = {} if softcap is None else {"softcap": softcap}
+    if alibi is not None:
+        kw["alibi"] = alibi
+    return kw
+
+
 class Kernel:
     """The fused tile compiled for one ISA path (see :func:`load`).
 
@@ -187,13 +231,21 @@ class Kernel:
         lib.rm_isa_name.restype = ctypes.c_char_p
         lib.rm_simd_width_bytes.restype = ctypes.c_int
         lib.rm_tile_args_size.restype = ctypes.c_int64
-        if lib.rm_tile_args_size() != ctypes.sizeof(_TileArgs):
+        size = lib.rm_tile_args_size()
+        # a build from before the score modifiers (jobs/kernel_ab.py's baseline) reads the
+        # fields up to `hi` only: it runs plain calls and refuses modifiers
+        self.modifiers = size == ctypes.sizeof(_TileArgs)
+        if not self.modifiers and size != _TileArgs.softcap.offset:
             raise RuntimeError(f"{path}: rm_tile_args does not match fused._TileArgs")
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for sfx in ("f32", "f64"):
             fn = getattr(lib, f"rm_forward_tile_{sfx}")
             fn.restype = i64
             fn.argtypes = [ctypes.POINTER(_TileArgs)]
+            if self.modifiers:
+                th = getattr(lib, f"rm_tanh_array_{sfx}")
+                th.restype = None
+                th.argtypes = [p, p, i64]
             fin = getattr(lib, f"rm_finalize_{sfx}")
             fin.restype = None
             fin.argtypes = [p] * 3 + [i64] * 4 + [p, p, ctypes.c_int]
@@ -220,6 +272,8 @@ class Kernel:
         causal: bool,
         progress: Optional[Callable[[], None]] = None,
         bounds: Optional[tuple] = None,
+        softcap: Optional[float] = None,
+        alibi: Optional[tuple] = None,
     ) -> int:
         """Fold one K/V block into the online-softmax state with this kernel.
 
@@ -235,7 +289,7 @@ class Kernel:
         if not ok:
             return numpy_tile.forward_tile(
                 q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-                bounds=bounds,
+                bounds=bounds, **_mod_kw(softcap, alibi),
             )  # fmt: skip
         bsz, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
@@ -249,6 +303,9 @@ class Kernel:
         q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
         k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
         lo, hi = _check_bounds(bounds, sq)
+        cap, slopes, apos = check_modifiers(softcap, alibi, h, sq)
+        if not self.modifiers and (cap or slopes is not None):
+            raise ValueError(f"{self.path}: a build without the score modifiers")
         qc, kc = _cuts(q_pos), _cuts(k_pos)
         fn = self._lib.rm_forward_tile_f32 if dt == np.float32 else self._lib.rm_forward_tile_f64
         # keys per block: packed K and V blocks (2 * bk * D elements) well within L2; a
@@ -276,6 +333,8 @@ class Kernel:
             progress=_PROGRESS(_cb) if progress is not None else _PROGRESS(),
             chunk=CHUNK_Q * bsz * h,
             lo=None if lo is None else _ptr(lo), hi=None if hi is None else _ptr(hi),
+            softcap=cap, slopes=None if slopes is None else _ptr(slopes),
+            apos=None if apos is None else _ptr(apos),
         )  # fmt: skip
         f = fn(ctypes.byref(args))
         if errors:
@@ -285,6 +344,21 @@ class Kernel:
         if progress is not None:
             progress()
         return int(f)
+
+    def tanh(self, x: np.ndarray) -> np.ndarray:
+        """The kernel's own vector tanh (softcap's) over a float32/float64 array, for tests.
+
+        Parameters
+        ----------
+        x : (n,) float32 or float64
+        """
+        x = np.ascontiguousarray(x)
+        if x.dtype not in (np.float32, np.float64) or x.ndim != 1:
+            raise ValueError("tanh takes a 1-D float32 or float64 array")
+        y = np.empty_like(x)
+        fn = self._lib.rm_tanh_array_f32 if x.dtype == np.float32 else self._lib.rm_tanh_array_f64
+        fn(_ptr(x), _ptr(y), len(x))
+        return y
 
     def finalize(
         self, acc: np.ndarray, m: np.ndarray, l: np.ndarray, *, seq_major: bool = False
@@ -417,6 +491,8 @@ def forward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
+    softcap: Optional[float] = None,
+    alibi: Optional[tuple] = None,
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (fused C kernel).
 
@@ -432,16 +508,21 @@ def forward_tile(
     visible pair is counted and, with no mask, the result is 4 B H Sq Sk D, as the
     numpy tile's; under a mask it is usually below the numpy tile's count (which counts
     whole 256 x 256 blocks).
+
+    The score modifiers of :mod:`ringmpi.tile` run in the kernel on every ISA path:
+    ``softcap`` (s -> softcap * tanh(s / softcap), a vector tanh within a few ulps) and
+    ``alibi=(slopes (H,), qa (Sq,))`` (s += -slopes[h] * |qa[i] - k_pos[j]|), both before
+    the mask; hidden keys stay hidden and skipped blocks stay skipped.
     """
     kern = _default_kernel()
     if kern is None:
         return numpy_tile.forward_tile(
             q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-            bounds=bounds,
+            bounds=bounds, **_mod_kw(softcap, alibi),
         )  # fmt: skip
     return kern.forward_tile(
         q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-        bounds=bounds,
+        bounds=bounds, softcap=softcap, alibi=alibi,
     )  # fmt: skip
 
 

@@ -79,6 +79,10 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn.restype = i64
         fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, p, p, ctypes.c_double]
         fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
+        # builds from before the score modifiers (jobs/kernel_ab.py's baseline) lack them
+        if hasattr(lib, "rm_backward_modifiers"):
+            fn.argtypes += [ctypes.c_double, p, p]
+    lib.ringmpi_modifiers = hasattr(lib, "rm_backward_modifiers")
     lib.rm_backward_simd_width_bytes.restype = ctypes.c_int
     return lib
 
@@ -198,6 +202,8 @@ def backward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
+    softcap: Optional[float] = None,
+    alibi: Optional[tuple] = None,
 ) -> int:
     """Add the gradients from one (query block, K/V block) pair, in place (fused C kernel).
 
@@ -233,6 +239,10 @@ def backward_tile(
         Masks beyond causal: key j is visible to query i iff lo[i] <= k_pos[j] <= hi[i]
         (global key positions; lo > hi: no visible key). They replace ``causal``, which
         :meth:`ringmpi.mask.Mask.bounds` folds in.
+    softcap : float, optional
+        Scores become softcap * tanh(score / softcap) (dS then gains 1 - tanh^2).
+    alibi : (slopes (H,), qa (Sq,)), optional
+        ALiBi: the score gains -slopes[h] * |qa[i] - k_pos[j]| (no gradient term).
 
     Returns
     -------
@@ -243,7 +253,8 @@ def backward_tile(
     """
     return backward_tile_with(
         _load(), q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-        scale=scale, causal=causal, progress=progress, bounds=bounds,
+        scale=scale, causal=causal, progress=progress, bounds=bounds, softcap=softcap,
+        alibi=alibi,
     )  # fmt: skip
 
 
@@ -266,6 +277,8 @@ def backward_tile_with(
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
     count: str = "spec",
+    softcap: Optional[float] = None,
+    alibi: Optional[tuple] = None,
 ) -> int:
     """:func:`backward_tile` with an explicit library (:func:`open_library`); None: numpy.
 
@@ -285,6 +298,7 @@ def backward_tile_with(
         return _spec.backward_tile(
             q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
             scale=scale, causal=causal, progress=progress, bounds=bounds,
+            **fused._mod_kw(softcap, alibi),
         )  # fmt: skip
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -307,6 +321,13 @@ def backward_tile_with(
         if tuple(a.shape) != want:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want}")
     lo, hi = fused._check_bounds(bounds, sq)  # the forward tile's check: (None, None) if none
+    cap, slopes, apos = fused.check_modifiers(softcap, alibi, h, sq)
+    mods = (cap, _ptr(slopes) if slopes is not None else None)
+    mods += (_ptr(apos) if apos is not None else None,)
+    if not lib.ringmpi_modifiers:
+        if cap or slopes is not None:
+            raise ValueError(f"{lib._name}: a build without the score modifiers")
+        mods = ()
     if sq == 0 or sk == 0 or bsz == 0 or d == 0:
         return 0
     q, k, v, dout, lse, delta = (
@@ -333,7 +354,7 @@ def backward_tile_with(
         _ptr(k_pos), _ptr(dq), _ptr(dk), _ptr(dv), bsz, h, hkv, sq, sk, d,
         _ptr(qc), len(qc), _ptr(kc), len(kc),
         None if bounds is None else _ptr(lo), None if bounds is None else _ptr(hi),
-        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS,
+        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS, *mods,
     )  # fmt: skip
     if errors:
         raise errors[0]
