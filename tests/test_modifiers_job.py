@@ -198,3 +198,19 @@ def test_job_on_three_ranks_then_verify_on_two(packed, tmp_path):
     assert np.abs(o - ref).max() < 1e-4
     rc, so, se, _ = launch(2, "verify", out, packed, env=env)
     assert rc == 0, so + se
+
+
+def test_tiles_that_cannot_apply_them_refuse_before_any_file(packed, tmp_path, monkeypatch, capsys):
+    """The fused tiles (where they do not apply softcap/ALiBi yet): exit 2, nothing created."""
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "auto")
+    from ringmpi.backend import select
+
+    be = select(np.zeros(0))
+    out = tmp_path / "o.h5"
+    rc = main(["run", packed, "-o", str(out), "--quiet", "--device", "cpu", "--softcap", "5"])
+    err = capsys.readouterr().err
+    if "softcap" in be.forward_mods and "softcap" in be.backward_mods:
+        assert rc == 0, err  # the tiles apply it: the run succeeds
+        return
+    assert rc == 2 and "--softcap" in err and "RINGMPI_CPU_KERNEL=numpy" in err, err
+    assert not out.exists() and not os.path.exists(str(out) + ".parts")

@@ -26,7 +26,7 @@ from ..spec import AttentionSpec
 from . import trust
 from .schema import InputError
 
-__all__ = ["alibi_slopes", "read_slopes", "resolve", "MAX_SLOPES_BYTES"]
+__all__ = ["alibi_slopes", "read_slopes", "resolve", "check_tiles", "MAX_SLOPES_BYTES"]
 
 #: largest slopes file read (a few thousand heads in text fit many times over)
 MAX_SLOPES_BYTES = 1 << 20
@@ -158,3 +158,38 @@ def resolve(
         return spec.validate()
     except ValueError as e:
         raise InputError(str(e)) from None
+
+
+def check_tiles(spec: AttentionSpec, device: str) -> None:
+    """InputError (before any file is made) when the job's tiles cannot apply a modifier.
+
+    The same check the library makes per call (:meth:`ringmpi.backend.Backend.supports`),
+    made once up front so that a refused ``--softcap``/``--alibi`` leaves nothing behind.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The resolved spec of the job.
+    device : {"cpu", "gpu"}
+        The device every rank agreed on (:func:`ringmpi.job.devices.pick_device`).
+    """
+    from ..backend import select
+
+    wanted = [f for f in ("softcap", "alibi_slopes") if getattr(spec, f) is not None]
+    if not wanted:
+        return
+    try:
+        if device == "gpu":
+            import cupy
+
+            be = select(cupy.zeros(0))
+        else:
+            be = select(np.zeros(0))
+    except (ImportError, RuntimeError):
+        return  # the job reports an unusable backend itself, the usual way
+    missing = [f for f in wanted if f not in be.forward_mods or f not in be.backward_mods]
+    if missing:
+        flags = ", ".join("--" + ("alibi" if f == "alibi_slopes" else f) for f in missing)
+        hint = "; RINGMPI_CPU_KERNEL=numpy runs them on the CPU" if device == "cpu" else ""
+        raise InputError(f"{flags}: the {be.name} tiles do not apply {', '.join(missing)} yet"
+                         f"{hint}")  # fmt: skip

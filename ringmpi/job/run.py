@@ -161,6 +161,7 @@ def run(
             print(f"ringmpi: warning: {w}", file=sys.stderr, flush=True)
     budget = memory_budget(comm, opts.max_memory)
     dev = pick_device(opts.device, comm)
+    modifiers.check_tiles(spec, dev)  # a tile that cannot apply them: refused before any file
     blas = limit_blas(comm)  # before the calibration: it runs with the job's threads
     notes = (blas.text,) + ((one_process_note(),) if size == 1 else ())
     layout, causal = spec.layout, spec.causal
