@@ -5,6 +5,7 @@
 #   make venv     the development environment: editable, with the test tools
 #   make test     lint + single-rank tests + multi-rank tests at P = 1..4
 #   make run      sample data -> mpiexec -n 4 ringmpi run -> verify -> summary
+#   make docs     the Sphinx pages of docs/ into $(DOCS_OUT) (warnings are errors)
 #   make bench    CPU benchmark table (ringmpi bench)
 #   make stress   faults, hostile input and soak checks (full version)
 #   make test-site  the suites on a site-like stack (Debian Open MPI, older mpi4py/numpy/h5py)
@@ -15,8 +16,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # On a machine without a system MPI the PyPI build of MPICH gives mpiexec; set
 # EXTRAS=test (make venv) or INSTALL_EXTRAS= (make install) on a cluster to use the
-# system MPI that mpi4py was built against.
-EXTRAS ?= mpich,test
+# system MPI that mpi4py was built against (EXTRAS=test,docs keeps make docs).
+EXTRAS ?= mpich,test,docs
 INSTALL_EXTRAS ?= mpich
 # the versions tested here (pip freeze, CPython 3.11); `make constraints` refreshes it
 CONSTRAINTS ?= constraints.txt
@@ -28,8 +29,10 @@ export OPENBLAS_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 TEST_TIMEOUT ?= 1200
 RANKS ?= 1 2 3 4
+# built pages: inside the (private) virtual environment, not a shared /tmp
+DOCS_OUT ?= $(VENV)/docs-html
 
-.PHONY: venv install constraints lint test test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
+.PHONY: venv install constraints lint docs test test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,7 +77,12 @@ test-mpi: $(VENV)/.installed
 	    --with-mpi -m mpi tests || exit $$?; \
 	done
 
-test: lint test-serial test-mpi
+# docs/*.md (MyST) and the API reference from the numpydoc docstrings; a warning fails
+docs: $(VENV)/.installed
+	mkdir -p $(DOCS_OUT) && chmod 700 $(DOCS_OUT)
+	$(VENV)/bin/sphinx-build -q -W --keep-going -b html docs $(DOCS_OUT)
+
+test: lint docs test-serial test-mpi
 
 # the suites on Debian's Open MPI + mpi4py 3.1 / numpy 1.24 / h5py-mpi 3.7 in .site-venv
 # (apt-get installs what is missing); SITE_RANKS, SITE_STAGES: see the script
@@ -87,6 +95,13 @@ run: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m ringmpi bench
+
+# the batch job's throughput beside its kernel/I-O bounds and a torch loop (jobs/throughput.py;
+# BENCH_JOB_ARGS, e.g. "--full --json throughput.json")
+.PHONY: bench-job
+BENCH_JOB_ARGS ?=
+bench-job: $(VENV)/.installed
+	$(PY) jobs/throughput.py $(BENCH_JOB_ARGS)
 
 stress: $(VENV)/.installed
 	$(PY) tests/stress.py

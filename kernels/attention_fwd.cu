@@ -1,6 +1,6 @@
 // Forward attention tiles for the ring loop: fold one visiting K/V block into
 // the online-softmax state carried between ring steps (same math as
-// ringmpi/cpu.py forward_tile, which is the specification).
+// forward_tile in ringmpi/cpu/numpy_tile.py, which is the specification).
 //
 // Layouts (row-major, contiguous, one CTA per (q block, head, batch)):
 //   q      : (B, H,   Sq, ld)  storage type T; columns >= D are zero

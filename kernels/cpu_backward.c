@@ -1,7 +1,7 @@
 /* Fused CPU attention backward tile: the gradients of one (query block, K/V block) pair.
  *
- * Loaded by ringmpi/fused_backward.py (compiled on first use, cached on disk). Same semantics
- * as ringmpi.backward.backward_tile, the numpy specification. Internal layout, head-major:
+ * Loaded by ringmpi/cpu/fused_backward.py (compiled on first use, cached on disk). Same
+ * semantics as ringmpi.cpu.numpy_tile.backward_tile, the specification. Internal layout, head-major:
  *
  *   q, dout (B, H, Sq, D)     k, v (B, Hkv, Sk, D)     query head h reads K/V head h / (H/Hkv)
  *   lse, delta (B, H, Sq)     saved log-sum-exp (-inf: row saw no key) and rowsum(dout * out)

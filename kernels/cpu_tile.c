@@ -1,7 +1,7 @@
 /* Fused CPU attention tile: scores, mask, online softmax and P.V in one pass.
  *
- * Loaded by ringmpi/fused.py (compiled on first use, cached on disk). Same semantics as
- * ringmpi.cpu.forward_tile, the numpy specification. Internal layout, head-major:
+ * Loaded by ringmpi/cpu/fused.py (compiled on first use, cached on disk). Same semantics as
+ * ringmpi.cpu.numpy_tile.forward_tile, the specification. Internal layout, head-major:
  *
  *   q    (B, H,   Sq, D)      k, v (B, Hkv, Sk, D)     query head h reads K/V head h / (H/Hkv)
  *   qpos (Sq,), kpos (Sk,)    int64 global token positions

@@ -24,6 +24,7 @@ from .mask import plan_steps, tile_modifiers
 from .partition import positions
 from .ring import KVRing
 from .spec import AttentionSpec
+from .watchdog import watch
 
 __all__ = ["ring_attention"]
 
@@ -50,6 +51,8 @@ def ring_attention(
     alibi_slopes=None,
     softcap: Optional[float] = None,
     sinks=None,
+    _on_state: Optional[Callable] = None,
+    _start: Optional[tuple] = None,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
 
@@ -77,7 +80,8 @@ def ring_attention(
         Filled with compute_s, wait_s, total_s, flops (of the visible pairs, the
         same on every backend: :mod:`ringmpi.cost`), tile_flops (what the tiles
         computed, masked parts of their blocks included), steps (run), steps_computed
-        (by this rank), steps_skipped (ring size - steps), bytes_sent (K/V, this
+        (by this rank), steps_skipped (ring size - steps), steps_resumed (the
+        ``done`` of ``_start``, else 0), bytes_sent (K/V, this
         rank), alltoall_bytes (heads x ring), backend and tile (what ran:
         :meth:`ringmpi.backend.Backend.describe`).
     on_step : callable, optional
@@ -105,7 +109,7 @@ def ring_attention(
         ``shard(..., head_parallel=U)``. numpy arrays only.
     alibi_slopes : float array (H,), optional
         ALiBi, the same on every rank: the score of query i and key j gains
-        -slope_h * |i - j| in global positions (within its packed sequence;
+        -slope_h * abs(i - j) in global positions (within its packed sequence;
         bottom-right aligned for cross-attention, as FlashAttention's alibi).
     softcap : float > 0, optional
         Scores become softcap * tanh(score / softcap), after the scale and
@@ -118,6 +122,21 @@ def ring_attention(
         All of causal, layout, scale, head_parallel, window, cu_seqlens,
         cu_seqlens_k, alibi_slopes, softcap and sinks as one value (then leave
         those keywords at their defaults).
+    _on_state : callable, optional
+        Checkpoint seam (private: :mod:`ringmpi.job.checkpoint` uses it). Called as
+        ``_on_state(done, acc, m, l)`` after each completed ring step (``done`` =
+        steps completed, 1..nsteps, the same on every rank) with this rank's running
+        state itself, not a copy: acc (B, H, S, D), m and l (B, H, S) in the tile
+        layout and accumulation dtype (device arrays on the GPU). Save, never modify.
+    _start : (done, acc, m, l), optional
+        Resume a ring after ``done`` completed steps from a state saved by
+        ``_on_state`` (same call, same ranks): the block this rank holds at step
+        ``done`` is fetched by one exchange shifted by ``done`` and the ring goes
+        on with the same tile calls on the same blocks in the same order, so out
+        and lse are bitwise those of an uninterrupted call. ``done`` must be the
+        same on every rank (agreed here: a ValueError on every rank otherwise).
+        Pass ``_on_state`` and/or ``_start`` on every rank of the call or on none:
+        a call using them adds one small allgather (the agreement on ``done``).
 
     Returns
     -------
@@ -146,7 +165,9 @@ def ring_attention(
             for x, kind in ((q, "q"), (k, "kv"), (v, "kv"))
         )
         del arrays
-        out, lse, st = _loop(groups.ring, args, qi, ki, vi, on_step, on_tick, groups.heads)
+        out, lse, st = _loop(
+            groups.ring, args, qi, ki, vi, on_step, on_tick, groups.heads, _on_state, _start
+        )
         out, lse = groups.gather(out, "q"), groups.gather(lse, "lse")
     out = be.cast_out(out, args.in_dtype)
     if not args.batched:
@@ -160,7 +181,8 @@ def _batched(x):
     return x if x.ndim == 4 else x[None]
 
 
-def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None)) -> tuple:
+def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None,
+          start=None) -> tuple:  # fmt: skip
     """The forward ring over ``comm``: (out (B, S, H, D) in the accumulation dtype, lse, stats).
 
     Parameters
@@ -169,6 +191,8 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None))
         This ring position's queries and K/V block, in the tile layout and dtype.
     heads : slice
         The query heads of ``qi`` among the call's (heads x ring), for per-head options.
+    on_state, start :
+        The checkpoint seam: ``_on_state`` and ``_start`` of :func:`ring_attention`.
     """
     be, mask, layout = args.backend, args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -176,9 +200,14 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None))
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
     masked.update(tile_modifiers(args.spec, mask, plan.q_pos, heads))
     acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
+    seam = start is not None or on_state is not None  # the same on every rank (documented)
+    first = _resume_from(comm, start, plan.nsteps, (acc, m, l)) if seam else 0
+    if first:
+        acc, m, l = (be.xp.array(x, copy=True) for x in start[1:])  # the caller's stay as they are
     b, h, _, d = qi.shape
     flops, tile_flops, compute_s, computed = 0, 0, 0.0, 0
-    with interrupt.catching(), KVRing(comm, be, ki, vi, args.counts_k, plan.nsteps) as kv:
+    kv_ring = KVRing(comm, be, ki, vi, args.counts_k, plan.nsteps, first=first)
+    with interrupt.catching(), kv_ring as kv:
         del ki, vi
         progress = kv.ring.test
         for step, src, kb, vb in kv:
@@ -199,6 +228,8 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None))
                 pairs = cost.visible_pairs(plan.q_pos, k_pos, args.causal, plan.bounds)
                 flops += cost.flops(pairs, d, h, b)
                 computed += 1
+            if on_state is not None:
+                on_state(step + 1, acc, m, l)
             if on_step is not None:
                 on_step(step + 1, plan.nsteps)
     sinks = args.spec.sinks
@@ -206,5 +237,32 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None))
     stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, tile_flops=tile_flops,
                  steps=plan.nsteps,
                  steps_computed=computed, steps_skipped=size - plan.nsteps,
-                 bytes_sent=kv.bytes_sent)  # fmt: skip
+                 steps_resumed=first, bytes_sent=kv.bytes_sent)  # fmt: skip
     return out, lse, stats
+
+
+def _resume_from(comm, start, nsteps: int, state: tuple) -> int:
+    """The ring step a resumed call starts at (0: from the start), agreed over ``comm``.
+
+    Every rank must pass the same ``done`` (0 <= done <= nsteps) and a state of the
+    shapes and dtypes of ``state`` (acc, m, l); otherwise every rank raises the same
+    ValueError. One small allgather, only in calls that use the checkpoint seam.
+    """
+    done, why = 0, ""
+    if start is not None:
+        done = start[0]
+        got = [(tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+               for x in start[1:]]  # fmt: skip
+        want = [(tuple(x.shape), str(x.dtype)) for x in state]
+        if type(done) is not int or not 0 <= done <= nsteps:
+            why = f"_start: ring step {done!r} is not in 0..{nsteps}"
+        elif got != want:
+            why = f"_start: a state of (shape, dtype) {got}, the ring's is {want}"
+    with watch("agreeing on the ring step to resume at with the other ranks"):
+        got = comm.allgather((done, why))
+    bad = [f"rank {r}: {w}" for r, (_, w) in enumerate(got) if w]
+    if not bad and len({s for s, _ in got}) > 1:
+        bad = [f"ranks resume at different ring steps {[s for s, _ in got]}"]
+    if bad:
+        raise ValueError("ring_attention: " + "; ".join(bad))
+    return done

@@ -1,6 +1,7 @@
 """Every environment variable ringmpi reads: one registry (name, default, parser, doc).
 
-``ringmpi info`` prints the ones that are set and the README's table is generated
+``ringmpi info`` prints the ones that are set and the table of
+``docs/environment.md`` is generated
 from :func:`table` (``python -m ringmpi.env`` prints it; a test fails when the
 two differ). A test also greps the sources: every ``RINGMPI_*`` name they read
 must be registered here. :func:`get` reads a variable through its parser, so a
@@ -15,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["Var", "REGISTRY", "get", "table", "current", "readme_block"]
+__all__ = ["Var", "REGISTRY", "get", "table", "current", "table_block"]
 
 
 def _choice(*values: str) -> Callable[[str], str]:
@@ -44,6 +45,17 @@ def _positive(text: str) -> float:
     return x
 
 
+def _tokens(text: str) -> int:
+    """A whole number of tokens >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"must be a whole number of tokens >= 0, not {text!r}")
+    return n
+
+
 def _flag(text: str) -> bool:
     """``0`` is False, anything else True."""
     return text.strip() != "0"
@@ -65,7 +77,7 @@ class Var:
     parse : callable str -> value
         Raises ValueError on a bad value.
     doc : str
-        One line for the README table and ``ringmpi info``.
+        One line for the docs' table and ``ringmpi info``.
     tests : bool
         Only the test suite and the stress checks set it.
     """
@@ -101,6 +113,9 @@ _VARS = [
         "read kernel sources from this folder instead of the package"),
     Var("RINGMPI_LINK_GBPS", "10", _positive,
         "link rate (Gbit/s) `--ring-size auto` plans with"),
+    Var("RINGMPI_BATCH_TOKENS", "65536", _tokens,
+        "`ringmpi run` packs consecutive shorter sequences into one ring call of at most this "
+        "many tokens (lowered to fit the memory budget); `0`: one sequence per call"),
     Var("RINGMPI_LAUNCH_CHECK", "1", _flag,
         "`0` turns off the launch check (P tasks but a world of one rank)"),
     Var("RINGMPI_SRUN_MPI", "pmi2", _text,
@@ -141,6 +156,13 @@ _VARS = [
         tests=True),
     Var("RINGMPI_TEST_KILL_AFTER", None, _text,
         "SIGKILL rank 0 after this many sequences of a run", tests=True),
+    Var("RINGMPI_TEST_KILL_IN_BATCH", None, _text,
+        "SIGKILL rank 0 after reading this batch of a run (0-based), before it is computed",
+        tests=True),
+    Var("RINGMPI_TEST_KILL_AT_STEP", None, _text,
+        "`SEQ:STEP`: after ring step STEP of sequence SEQ (0-based) the ring passes a barrier "
+        "and ring rank 0 SIGKILLs itself (`SEQ:STEP:TERM`: every rank of the ring gets SIGTERM; "
+        "the checkpoint tests)", tests=True),
     Var("RINGMPI_TEST_MPIO_KILL", None, _text,
         "SIGKILL rank 0 after writing this sequence of a one-file output", tests=True),
     Var("RINGMPI_TEST_READ_STALL_S", None, _text,
@@ -192,10 +214,10 @@ def current() -> list:
     return [f"{v.name}={os.environ[v.name]}" for v in _VARS if os.environ.get(v.name)]
 
 
-def readme_block() -> str:
-    """The README's generated block: the user table, then the test-only one."""
+def table_block() -> str:
+    """The generated block of docs/environment.md: the user table, then the test-only one."""
     return f"{table()}\n\nOnly for the test suite and the stress checks:\n\n{table(tests=True)}"
 
 
 if __name__ == "__main__":
-    print(readme_block())
+    print(table_block())

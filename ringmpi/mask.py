@@ -75,7 +75,7 @@ class Mask:
         qa = q_pos + Lk_s - Lq_s for the packed sequence s holding the query (its
         end aligned with the keys' end, as FlashAttention aligns cross-attention
         bottom-right); q_pos itself for self-attention. The tiles add
-        ``-slope_h * |qa_i - k_pos_j|`` to the score.
+        ``-slope_h * abs(qa_i - k_pos_j)`` to the score.
         """
         q_pos = np.asarray(q_pos, dtype=np.int64)
         cu_q = self.cu_q if self.cu_q is not None else np.array([0, self.nq], dtype=np.int64)

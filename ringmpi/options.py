@@ -100,6 +100,16 @@ def _positive(text: str) -> float:
     return x
 
 
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, not {text!r}")
+    return x
+
+
 def spec_from_args(args) -> AttentionSpec:
     """The job's :class:`ringmpi.spec.AttentionSpec` from parsed ``ringmpi run`` flags."""
     return AttentionSpec(**{name: getattr(args, name) for name, _flag, _kw in cli_fields()})
@@ -197,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--weights", help="projection weights file for raw-feature inputs 'x'")
     r.add_argument("--resume", action="store_true", help="keep sequences an earlier run completed")
+    r.add_argument(
+        "--checkpoint-every",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="save each rank's ring state of the sequence being computed at most every SECONDS "
+        "(between ring steps), so --resume continues it mid-sequence; 0: never (default 600)",
+    )
     r.add_argument(
         "--overwrite",
         action="store_true",

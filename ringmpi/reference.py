@@ -9,7 +9,7 @@ Shapes follow the package convention: q (S, H, D) or (B, S, H, D); k and v
 
 Score modifiers, in this order (FlashAttention's and gpt-oss's conventions):
 with x_ij = scale * q_i.k_j, ``softcap`` c gives s_ij = c * tanh(x_ij / c);
-``alibi_slopes`` adds -slope_h * |qa_i - j| (qa: :meth:`ringmpi.mask.Mask.alibi_positions`);
+``alibi_slopes`` adds -slope_h * abs(qa_i - j) (qa: :meth:`ringmpi.mask.Mask.alibi_positions`);
 the mask hides keys; ``sinks`` add exp(sink_h) to each row's softmax
 denominator (a virtual key with value 0), so lse includes it and a row with
 no visible key gets out 0 and lse = sink_h.
@@ -113,7 +113,7 @@ def attention(
         different number of tokens than k and v (cross-attention, causal aligned
         bottom-right).
     alibi_slopes : float array (H,), optional
-        ALiBi: the score gains -slope_h * |qa_i - j| (module docstring).
+        ALiBi: the score gains -slope_h * abs(qa_i - j) (module docstring).
     softcap : float > 0, optional
         Scores become softcap * tanh(score / softcap), before ALiBi and the mask.
     sinks : float array (H,), optional

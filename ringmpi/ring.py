@@ -15,7 +15,7 @@ use nothing else.
 Progress: MPI libraries move a large (rendezvous) message only while some
 call into the library runs, unless they have an asynchronous progress thread.
 The tile loops therefore call ``test`` between blocks; ``RINGMPI_POLL=0``
-turns this off, which is how the benefit is measured (see README).
+turns this off, which is how the benefit is measured (see docs/design.md).
 
 Every wait on a neighbour runs under :mod:`ringmpi.watchdog`.
 
@@ -221,11 +221,17 @@ class KVRing:
         Tokens held by every rank.
     nsteps : int, optional
         Steps to run (default P); no block is sent for a step past the last.
+    first : int, optional
+        Start at this step (a resumed ring, the same on every rank): the block of
+        rank (rank - first) mod P is fetched directly by one exchange shifted by
+        ``first`` (send to rank + first, receive from rank - first), then the
+        ring goes on as usual from step ``first``.
     """
 
-    def __init__(self, comm, backend: Any, k, v, counts: list, nsteps=None):
+    def __init__(self, comm, backend: Any, k, v, counts: list, nsteps=None, first: int = 0):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.nsteps = self.size if nsteps is None else int(nsteps)
+        self.first = int(first)
         self.counts = counts
         self.bytes_sent = 0
         self.shape = k.shape
@@ -237,6 +243,21 @@ class KVRing:
         first[1] = v
         with watch("creating the ring communicator (Create_cart) with the other ranks"):
             self.ring = backend.ring(comm)
+        if 0 < self.first < self.nsteps:
+            self._fetch(s)
+
+    def _fetch(self, count: int) -> None:
+        """Bring the block of step ``first`` into its buffer: one exchange shifted by ``first``."""
+        f = self.first
+        src, dst = self.owner(f), (self.rank + f) % self.size
+        n = self.view(self.bufs[0], count).size
+        if f % 2 == 0:  # step f computes on buffer 0, which holds ours: move ours aside
+            self.bufs[1][:n] = self.bufs[0][:n]
+        mine, into = self.bufs[(f + 1) % 2][:n], self.bufs[f % 2]
+        self.ring.start(mine, into[: self.view(into, self.counts[src]).size], dest=dst, source=src)
+        self.bytes_sent += mine.nbytes
+        with watch(f"resuming at ring step {f}: the K/V block from rank {src}"):
+            self.ring.wait()
 
     def view(self, buf, count: int):
         """The first ``count`` tokens' worth of a flat buffer as (2, B, Hkv, count, D)."""
@@ -248,7 +269,7 @@ class KVRing:
         return (self.rank - step) % self.size
 
     def __iter__(self) -> Iterator[tuple]:
-        for step in range(self.nsteps):
+        for step in range(self.first, self.nsteps):
             interrupt.check()
             _maybe_fault(self.rank, step)
             src = self.owner(step)

@@ -188,7 +188,7 @@ class AttentionSpec:
     head_parallel : int
         U > 1: heads x ring on P = U x R ranks (:mod:`ringmpi.hybrid`).
     alibi_slopes : tuple of float (H,) or None
-        ALiBi: the score of query i and key j gains -slope_h * |qa_i - j| (global
+        ALiBi: the score of query i and key j gains -slope_h * abs(qa_i - j) (global
         positions; qa aligned bottom-right per sequence,
         :meth:`ringmpi.mask.Mask.alibi_positions`).
     softcap : float or None

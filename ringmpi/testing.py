@@ -24,7 +24,7 @@ other ranks are stuck waiting for that rank, instead of hanging)::
         (ref, _), (peer, _) = reference_pair(q, k, v, causal=True)
         assert_close(comm, full, ref, peer, "out")
 
-The rule: float64 results must be within 1e-12 (relative to max(1, |ref|)) of
+The rule: float64 results must be within 1e-12 (relative to ``max(1, |ref|)``) of
 the dense float64 reference; lower precisions within ``factor`` times the error
 of a dense computation in that precision (the peer), plus ``eps``. A tolerance
 derived from the peer can fail: an error twice the peer's is a defect.

@@ -41,6 +41,22 @@ the flops returned, is the tile's own (the fused C tile counts per strip of
 rows, see :func:`ringmpi.cpu.fused.forward_tile`); every visible pair is
 always counted.
 
+Score modifiers (:class:`ringmpi.spec.AttentionSpec` fields; built by
+:func:`ringmpi.mask.tile_modifiers`) come as keywords, passed only when in use::
+
+    softcap  float > 0        s = softcap * tanh(scale * q.k / softcap)
+    alibi    (slopes, qa)     slopes float64 numpy (H,) (this call's query heads),
+                              qa int64 numpy (Sq,): s += -slopes[h] * abs(qa[i] - k_pos[j])
+
+in this order, then the mask; qa[i] is row i's ALiBi position in key
+coordinates (q_pos + Lk_s - Lq_s of its packed sequence s: bottom-right
+aligned; q_pos for self-attention). ALiBi never unhides a hidden key, so
+skipping is unchanged. Backward: dS is multiplied by 1 - tanh^2 of the capped
+score (d/dx of c tanh(x / c)); ALiBi adds no gradient term. Attention sinks
+never enter a tile: the forward's finalize folds them into (out, lse)
+(:meth:`ringmpi.backend.Backend.finish`), and the backward's lse and delta
+already account for them.
+
 The ring loops report ``stats["flops"]`` from :mod:`ringmpi.cost` (the visible
 pairs, the same on every backend); the tiles' own counts go to
 ``stats["tile_flops"]``. What a backend's tiles cannot run (a dtype, a head dim,
@@ -64,7 +80,8 @@ class ForwardTile(Protocol):
     def __call__(
         self, q, k, v, q_pos, k_pos, acc, m, l, *,
         scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
-        bounds: Optional[tuple] = None,
+        bounds: Optional[tuple] = None, softcap: Optional[float] = None,
+        alibi: Optional[tuple] = None,
     ) -> int: ...  # fmt: skip
 
 
@@ -74,5 +91,6 @@ class BackwardTile(Protocol):
     def __call__(
         self, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, *,
         scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
-        bounds: Optional[tuple] = None,
+        bounds: Optional[tuple] = None, softcap: Optional[float] = None,
+        alibi: Optional[tuple] = None,
     ) -> int: ...  # fmt: skip

@@ -134,8 +134,10 @@ def test_run_batch_axis_with_verify_and_summary(data, tmp_path):
     assert summary["verify"]["ok"] and summary["peak_rss_bytes_max"] > 0
     assert summary["verify"]["full"] == 3 and summary["verify"]["status"] == "passed"
     assert 0 <= summary["mpi_wait_share"] <= 1 and summary["gflops"] > 0
-    # per-sequence timings and the provenance of the output file, plus the run's time
-    assert [t["sequence"] for t in summary["timings"]] == ["b=0", "b=1", "b=2"]
+    # timings per batch (the three short sequences are one packed call) and the provenance
+    # of the output file, plus the run's time
+    assert [t["sequence"] for t in summary["timings"]] == ["b=0..b=2 (3 sequences)"]
+    assert [t["sequences"] for t in summary["timings"]] == [3]
     assert all(t["seconds"] > 0 and t["compute_s"] > 0 for t in summary["timings"])
     prov = summary["provenance"]
     assert prov["causal"] is True and prov["ranks"] == 2 and prov["scale"] == D**-0.5
@@ -165,16 +167,19 @@ def _digests(out):
 
 
 def test_resume_after_kill_is_bitwise_identical(data, tmp_path):
+    """One sequence per ring call (RINGMPI_BATCH_TOKENS=0); kills inside batches of several:
+    tests/test_batch.py."""
     out = str(tmp_path / "out.h5")
     args = ["run", *data["batch"], "-o", out, "--causal", "--quiet"]
-    rc, _, se, _ = launch(2, *args)
+    one = {"RINGMPI_BATCH_TOKENS": "0"}
+    rc, _, se, _ = launch(2, *args, env=one)
     assert rc == 0, se
     want = _digests(out)
-    rc, _, _, _ = launch(2, *args, "--overwrite", env={"RINGMPI_TEST_KILL_AFTER": "1"})
+    rc, _, _, _ = launch(2, *args, "--overwrite", env={"RINGMPI_TEST_KILL_AFTER": "1", **one})
     assert rc != 0
     assert not os.path.exists(out)  # nothing under the final name after a kill
     assert len(glob.glob(out + ".parts/*.done")) == 1
-    rc, so, se, _ = launch(2, *args[:-1], "--resume")
+    rc, so, se, _ = launch(2, *args[:-1], "--resume", env=one)
     assert rc == 0, se
     assert "(1 already done)" in so
     assert _digests(out) == want
@@ -266,7 +271,7 @@ def test_verify_command_passes_and_fails(data, tmp_path, capsys):
     assert rc == 0, se
     assert main(["verify", out, *data["batch"]]) == 0
     assert "PASSED" in capsys.readouterr().out
-    part = sorted(glob.glob(out + ".parts/s000001.r*.h5"))[0]
+    part = sorted(glob.glob(out + ".parts/s000000.r*.h5"))[0]  # the batch of all three
     with h5py.File(part, "r+") as f:
         f["out"][0, 0, 0] += 1e-3
     assert main(["verify", out, *data["batch"]]) == 3

@@ -292,9 +292,9 @@ def test_vds_maps_every_layout_in_global_order(tmp_path):
             if rank == 0:
                 st.open()
             pos = positions(S, rank, size, layout)
-            st._write_part(0, pos, pos.reshape(-1, 1, 1).astype("f4"), -pos[None].astype("f4"))
+            st._write_part([(0, pos, pos.reshape(-1, 1, 1).astype("f4"), -pos[None].astype("f4"))])
             stores.append(st)
-        stores[0]._write_vds()
+        stores[0]._write_vds({0: (0,)})  # sequence 0 is its own batch
         with h5py.File(stores[0].path, "r") as f:
             np.testing.assert_array_equal(f["out"][:, 0, 0], np.arange(S))
             np.testing.assert_array_equal(f["lse"][0], -np.arange(S))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ringmpi.cpu import build, fused
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.softmax import init_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +31,8 @@ def fresh_default(monkeypatch):
 
 
 def _fake_cpu(monkeypatch, *flags):
-    monkeypatch.setattr(build, "_host_features", lambda: frozenset(flags))
-    monkeypatch.setattr(build, "_is_x86", lambda: True)
+    monkeypatch.setattr(cpu_isa, "host_features", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_isa, "is_x86", lambda: True)
 
 
 def test_host_isas_follow_cpu_features(monkeypatch):
@@ -42,7 +43,7 @@ def test_host_isas_follow_cpu_features(monkeypatch):
     assert build.resolve_isa("auto") == "avx2"
     _fake_cpu(monkeypatch, "sse2", "avx", "avx2")  # AVX2 without FMA: the kernel needs both
     assert fused.host_isas() == ("scalar",)
-    monkeypatch.setattr(build, "_is_x86", lambda: False)
+    monkeypatch.setattr(cpu_isa, "is_x86", lambda: False)
     assert fused.host_isas() == ("scalar",)
 
 

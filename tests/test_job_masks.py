@@ -287,9 +287,13 @@ def test_resume_with_other_window_refused_and_verify_catches_a_bad_row(mix, tmp_
     rc, so, se, _ = launch(2, "verify", out, *mix["single"], "--quiet")
     assert rc == 0 and "PASSED" in so, so + se
     # one query row of one head of a packed sequence, slightly off: verify must fail
-    part = os.path.join(out + ".parts", "s000001.r00001.h5")  # groups sorted: b_packed
+    # the four short groups are one batch: rank 1's part of it holds b_packed's rows after
+    # a_plain's (the part's "sequences" and "rows" attributes say where)
+    part = os.path.join(out + ".parts", "s000000.r00001.h5")
     with h5py.File(part, "r+") as f:
-        f["out"][7, 1, 3] += 1e-3
+        names = [str(n) for n in f.attrs["sequences"]]
+        row0 = int(f.attrs["rows"][names.index("b_packed")])
+        f["out"][row0 + 7, 1, 3] += 1e-3
     rc, so, se, _ = launch(2, "verify", out, *mix["single"], "--quiet")
     assert rc == 3 and "FAILED" in so and "b_packed" in so and "1 row(s) FAILED" in so, so + se
 

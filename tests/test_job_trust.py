@@ -33,6 +33,14 @@ from ringmpi.job.schema import InputError, scan
 from ringmpi.job.verify import rows_attention, sample_rows_of, verify
 from ringmpi.testing import assert_all
 
+
+@pytest.fixture(autouse=True)
+def _one_sequence_per_call(monkeypatch):
+    """These tests poke at one sequence's part file, marker or ring step: one sequence per
+    ring call (RINGMPI_BATCH_TOKENS=0); batches of several: tests/test_batch.py."""
+    monkeypatch.setenv("RINGMPI_BATCH_TOKENS", "0")
+
+
 H, HKV, D = 4, 2, 16
 
 

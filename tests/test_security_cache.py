@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ringmpi.cpu import build
+from ringmpi.cpu import cache as kernel_cache
 from ringmpi.files import UnsafePathError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +176,7 @@ def test_lock_wait_is_bounded_with_a_message(cache, monkeypatch):
 def test_lock_wait_setting_is_validated(monkeypatch, val):
     monkeypatch.setenv("RINGMPI_BUILD_LOCK_S", val)
     with pytest.raises(ValueError, match="RINGMPI_BUILD_LOCK_S"):
-        build._lock_wait_s()
+        kernel_cache.lock_wait_s()
 
 
 # -- the load sees the file the hash check saw (/proc/self/fd) ----------------------------------
@@ -183,7 +184,7 @@ def test_lock_wait_setting_is_validated(monkeypatch, val):
 
 def _swap_after_hashing(monkeypatch, path: Path, planted: Path) -> list:
     """Make the next hash of ``path`` swap ``planted`` in under its name once it is computed."""
-    real, swapped = build.sha256_fd, []
+    real, swapped = kernel_cache.sha256_fd, []
 
     def hash_then_swap(fd):
         digest = real(fd)
@@ -193,7 +194,7 @@ def _swap_after_hashing(monkeypatch, path: Path, planted: Path) -> list:
             swapped.append(True)
         return digest
 
-    monkeypatch.setattr(build, "sha256_fd", hash_then_swap)
+    monkeypatch.setattr(kernel_cache, "sha256_fd", hash_then_swap)
     return swapped
 
 
@@ -215,7 +216,7 @@ def test_without_proc_fd_the_checked_path_is_loaded(cache, tmp_path, monkeypatch
     """Elsewhere (no /proc/self/fd) the path is loaded: the same swap then wins, which is
     why Linux loads through the descriptor."""
     path = build.build_library("answer.c", ISA)
-    monkeypatch.setattr(build, "_fd_path", lambda fd: None)
+    monkeypatch.setattr(kernel_cache, "fd_path", lambda fd: None)
     _swap_after_hashing(monkeypatch, path, _planted_so(tmp_path))
     assert build.load_verified(path).answer() == 666
     assert (tmp_path / "planted-ran").read_text() == "ran\n"

@@ -23,6 +23,14 @@ import pytest
 from ringmpi.cli import main
 from ringmpi.job.sample import make_data
 
+
+@pytest.fixture(autouse=True)
+def _one_sequence_per_call(monkeypatch):
+    """These tests poke at one sequence's part file, marker or ring step: one sequence per
+    ring call (RINGMPI_BATCH_TOKENS=0); batches of several: tests/test_batch.py."""
+    monkeypatch.setenv("RINGMPI_BATCH_TOKENS", "0")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 H, HKV, D = 2, 1, 8
 

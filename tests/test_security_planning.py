@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ringmpi import interrupt
-from ringmpi.job import offsets, schema
+from ringmpi.job import inputs, offsets, schema
 from ringmpi.testing import assert_all
 
 S, H, HKV, D = 4096, 2, 1, 8
@@ -83,7 +83,7 @@ def test_interrupt_acts_while_a_file_of_many_groups_is_scanned(tmp_path, monkeyp
             for n, h in (("q", H), ("k", HKV), ("v", HKV)):
                 g[n] = _values(rng, (16, h, D))
     calls = []
-    real = schema._dataset
+    real = inputs.dataset
 
     def dataset(*args, **kwargs):
         calls.append(1)
@@ -91,7 +91,7 @@ def test_interrupt_acts_while_a_file_of_many_groups_is_scanned(tmp_path, monkeyp
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(schema, "_dataset", dataset)
+    monkeypatch.setattr(inputs, "dataset", dataset)
     with pytest.raises(interrupt.Interrupted):
         with interrupt.catching((signal.SIGINT,)):
             schema.scan([str(p)])
@@ -129,14 +129,14 @@ def test_offsets_changed_under_planning_fail_on_every_rank(comm, monkeypatch):
         _packed(p, groups=2)
     comm.Barrier()
     if comm.Get_rank() == comm.Get_size() - 1:  # what the last rank reads was changed
-        real = schema._read_cu
+        real = inputs.read_offsets
 
         def changed(*args, **kwargs):
             cu = real(*args, **kwargs)
             cu[1] += 1
             return cu
 
-        monkeypatch.setattr(schema, "_read_cu", changed)
+        monkeypatch.setattr(inputs, "read_offsets", changed)
     try:
         schema.make_plan(comm, [str(p)], None, comm.Get_size())
         err = "no error"

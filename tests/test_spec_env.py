@@ -1,4 +1,4 @@
-"""The environment registry (README table, info, every RINGMPI_* name) and the lazy imports."""
+"""The environment registry (the docs' table, info, every RINGMPI_* name) and the lazy imports."""
 
 import os
 import re
@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"<!-- env-table: [^>]*-->\n(.*?)\n<!-- /env-table -->", re.S)
 
 
-def test_readme_table_is_the_registry():
-    """The README's table is generated: `python -m ringmpi.env` prints it."""
-    found = _BLOCK.findall((ROOT / "README.md").read_text())
-    assert len(found) == 1, "README.md needs one env-table block"
-    assert found[0] == env.readme_block(), "README table differs: paste `python -m ringmpi.env`"
+def test_docs_table_is_the_registry():
+    """The table of docs/environment.md is generated: `python -m ringmpi.env` prints it."""
+    found = _BLOCK.findall((ROOT / "docs" / "environment.md").read_text())
+    assert len(found) == 1, "docs/environment.md needs one env-table block"
+    assert found[0] == env.table_block(), "docs table differs: paste `python -m ringmpi.env`"
+    assert "env-table" not in (ROOT / "README.md").read_text(), "the table lives in docs/ only"
 
 
 def test_every_ringmpi_variable_in_the_sources_is_registered():

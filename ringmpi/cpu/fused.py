@@ -205,7 +205,7 @@ def check_modifiers(softcap, alibi, h: int, sq: int) -> tuple:
     return cap, slopes, np.ascontiguousarray(qa, dtype=np.int64)
 
 
-def _mod_kw(softcap, alibi) -> dict:
+def modifier_keywords(softcap, alibi) -> dict:
     """The modifier keywords to hand to the numpy tile: only those that are set."""
     kw = {} if softcap is None else {"softcap": softcap}
     if alibi is not None:
@@ -289,7 +289,7 @@ class Kernel:
         if not ok:
             return numpy_tile.forward_tile(
                 q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-                bounds=bounds, **_mod_kw(softcap, alibi),
+                bounds=bounds, **modifier_keywords(softcap, alibi),
             )  # fmt: skip
         bsz, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
@@ -511,14 +511,14 @@ def forward_tile(
 
     The score modifiers of :mod:`ringmpi.tile` run in the kernel on every ISA path:
     ``softcap`` (s -> softcap * tanh(s / softcap), a vector tanh within a few ulps) and
-    ``alibi=(slopes (H,), qa (Sq,))`` (s += -slopes[h] * |qa[i] - k_pos[j]|), both before
+    ``alibi=(slopes (H,), qa (Sq,))`` (s += -slopes[h] * abs(qa[i] - k_pos[j])), both before
     the mask; hidden keys stay hidden and skipped blocks stay skipped.
     """
     kern = _default_kernel()
     if kern is None:
         return numpy_tile.forward_tile(
             q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-            bounds=bounds, **_mod_kw(softcap, alibi),
+            bounds=bounds, **modifier_keywords(softcap, alibi),
         )  # fmt: skip
     return kern.forward_tile(
         q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,

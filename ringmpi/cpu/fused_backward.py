@@ -242,7 +242,7 @@ def backward_tile(
     softcap : float, optional
         Scores become softcap * tanh(score / softcap) (dS then gains 1 - tanh^2).
     alibi : (slopes (H,), qa (Sq,)), optional
-        ALiBi: the score gains -slopes[h] * |qa[i] - k_pos[j]| (no gradient term).
+        ALiBi: the score gains -slopes[h] * abs(qa[i] - k_pos[j]) (no gradient term).
 
     Returns
     -------
@@ -298,7 +298,7 @@ def backward_tile_with(
         return _spec.backward_tile(
             q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
             scale=scale, causal=causal, progress=progress, bounds=bounds,
-            **fused._mod_kw(softcap, alibi),
+            **fused.modifier_keywords(softcap, alibi),
         )  # fmt: skip
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]

@@ -28,7 +28,7 @@ Score modifiers (keywords ``softcap`` and ``alibi``, see :mod:`ringmpi.tile`)
 change the score before the mask: with x = scale * q_i.k_j,
 
     s_ij = c * tanh(x / c)                          (softcap c)
-    s_ij += -slope_h * |qa_i - k_pos_j|             (alibi (slopes, qa))
+    s_ij += -slope_h * abs(qa_i - k_pos_j)             (alibi (slopes, qa))
 
 and the backward multiplies dS by ds/dx = 1 - tanh^2(x / c); ALiBi adds no
 gradient term (the slopes are constants). Neither changes which keys are
@@ -121,9 +121,15 @@ class _Modifiers:
             np.multiply(t, self.cap, out=s5)
             dcap = 1 - t * t
         if self.qa is not None:
-            # distances are exact integers; the product rounds once, in float64
-            dist = np.abs(self.qa_b[:, None] - k_pos[None, :]).astype(np.float64)
-            s5 -= (self.slopes * dist).astype(s5.dtype)
+            # |qa_i - k_j| once per block pair, in the score dtype (exact below 2^24 in
+            # float32), then one (n, nk) product per head: no (B, H, n, nk) temporary
+            dist = np.abs(self.qa_b[:, None] - k_pos[None, :]).astype(s5.dtype)
+            tmp = np.empty_like(dist)
+            for a, b in np.ndindex(*self.slopes.shape[1:3]):
+                slope = self.slopes[0, a, b, 0, 0]
+                if slope != 0:
+                    np.multiply(dist, s5.dtype.type(slope), out=tmp)
+                    s5[:, a, b] -= tmp
         return dcap
 
 

@@ -36,22 +36,22 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import configs, device, loader
-from .tile import (
-    _check_state,
-    _device_pos,
-    _device_rows,
-    _plan,
-    _rows,
-    _rows16,
-    _storage,
-    acc_dtype,
-    to_bf16_bits,
-)
+from . import configs, device, kernel_args, loader
+from .kernel_args import acc_dtype, to_bf16_bits
+from .sources import BACKWARD_FILES
 
 __all__ = ["KERNEL_FILES", "kernel_names", "chosen", "backward_tile"]
 
-KERNEL_FILES = ("attention_fwd.cu", "attention_bwd.cu")  # one module: bwd uses fwd's helpers
+KERNEL_FILES = BACKWARD_FILES  # one module: bwd uses fwd's helpers
+
+# the launch code's names for the shared helpers of ringmpi.gpu.kernel_args
+_check_state = kernel_args.check_state
+_rows = kernel_args.checked_rows
+_plan = kernel_args.device_plan
+_device_pos = kernel_args.device_pos
+_device_rows = kernel_args.device_rows
+_rows16 = kernel_args.padded_rows
+_storage = kernel_args.storage
 
 
 def kernel_names() -> tuple:

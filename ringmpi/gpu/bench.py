@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import softmax
 from ..files import write_json
-from . import backward, configs, device, tile
+from . import backward, configs, device, kernel_args, tile
 
 __all__ = ["bench_case", "main"]
 
@@ -94,7 +94,7 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
     pos = np.arange(n, dtype=np.int64)
     scale = 1.0 / np.sqrt(d)
     dev = device.current()
-    storage = tile._storage(sdt)
+    storage = kernel_args.storage(sdt)
 
     def forward():
         acc, m, l = softmax.init_state(q.shape, acc_t, cupy)

@@ -1,10 +1,7 @@
 """Load CUDA kernels from ``kernels/`` on the current device, compiled once and cached on disk.
 
-Sources are found by :func:`ringmpi.kernel_files.kernel_path` (``$RINGMPI_KERNEL_DIR`` first).
-Each file is prefixed with ``#line 1 "<path>"`` so compiler errors point at
-the real file and line. A module may be several files compiled as one
-translation unit, in order (the backward kernels use the forward file's
-helpers: ``("attention_fwd.cu", "attention_bwd.cu")``). Templates are
+The source text and options come from :mod:`ringmpi.gpu.sources` (``#line``
+directives, several files as one translation unit). Templates are
 instantiated through NVRTC name expressions, e.g. ``"attn_fwd_mma<half_t, 64>"``.
 
 Each instantiation is compiled on first use only, by NVRTC for the device's
@@ -35,22 +32,12 @@ from pathlib import Path
 from typing import Union
 
 from ..files import open_private_dir, open_private_file, sha256_fd, write_private
-from ..kernel_files import kernel_path
+from .sources import OPTIONS, source
 
 __all__ = ["OPTIONS", "source", "get_function", "precompile", "cache_dir", "last_path"]
 
-OPTIONS = ("-std=c++17",)
 _VERSION = 1
 last_path: dict = {}  # expression -> "cache" | "compiled" | "cupy: <why>" (diagnostics)
-
-
-def source(names: Union[str, tuple]) -> str:
-    """The text of ``kernels/<name>`` (or of several, concatenated), with ``#line`` directives."""
-    parts = []
-    for name in (names,) if isinstance(names, str) else names:
-        path = kernel_path(name)
-        parts.append(f'#line 1 "{path.as_posix()}"\n' + path.read_text())
-    return "\n".join(parts)
 
 
 def cache_dir() -> Path:

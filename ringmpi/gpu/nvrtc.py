@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .loader import OPTIONS, source
+from . import configs
+from .sources import BACKWARD_FILES, FORWARD_FILE, OPTIONS, source
 
 __all__ = [
     "NvrtcError",
@@ -255,11 +256,7 @@ def compile_source(
 
 def sources() -> dict:
     """{kernel file(s): name expressions} of every CUDA module the GPU tiles load."""
-    from .backward import KERNEL_FILES
-    from .backward import kernel_names as backward_names
-    from .tile import KERNEL_FILE, kernel_names
-
-    return {KERNEL_FILE: kernel_names(), KERNEL_FILES: backward_names()}
+    return {FORWARD_FILE: configs.forward_names(), BACKWARD_FILES: configs.backward_names()}
 
 
 def _compile_job(job: tuple) -> CompileResult:

@@ -43,8 +43,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import configs, device, loader, plan, tune
+from . import configs, device, kernel_args, loader, tune
+from .kernel_args import acc_dtype, from_bf16_bits, tile_dtype, to_bf16_bits
 from .plan import tile_flops
+from .sources import FORWARD_FILE
 
 __all__ = [
     "CONFIG_ENV",
@@ -59,9 +61,18 @@ __all__ = [
     "chosen",
 ]
 
-KERNEL_FILE = "attention_fwd.cu"
+KERNEL_FILE = FORWARD_FILE
 CONFIG_ENV = "RINGMPI_GPU_CONFIG"  # force one configuration by name (configs.Config.name)
 MAX_D = configs.MAX_D
+
+# the launch code's names for the shared helpers of ringmpi.gpu.kernel_args
+_check_state = kernel_args.check_state
+_rows = kernel_args.checked_rows
+_plan = kernel_args.device_plan
+_device_pos = kernel_args.device_pos
+_device_rows = kernel_args.device_rows
+_rows16 = kernel_args.padded_rows
+_storage = kernel_args.storage
 
 
 def kernel_names() -> tuple:
@@ -69,152 +80,15 @@ def kernel_names() -> tuple:
     return configs.forward_names()
 
 
-def _dtype_name(dtype) -> str:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:  # e.g. a CuPy-only bfloat16 type
-        return getattr(dtype, "name", getattr(dtype, "__name__", str(dtype)))
-
-
-def _storage(dtype) -> str:
-    name = _dtype_name(dtype)
-    kinds = {"float16": "half_t", "bfloat16": "bf16_t", "uint16": "bf16_t"}
-    kinds.update(float32="float", float64="double")
-    if name not in kinds:
-        raise TypeError(f"GPU tile: unsupported dtype {name}")
-    return kinds[name]
-
-
-def tile_dtype(dtype):
-    """Dtype q/k/v are kept in for the kernels: the input dtype, float32 for others."""
-    name = _dtype_name(dtype)
-    if name in ("float16", "uint16", "float32", "float64"):
-        return np.dtype(name)
-    if name == "bfloat16":
-        return dtype  # CuPy's own bfloat16 type, where it has one
-    return np.dtype(np.float32)
-
-
-def acc_dtype(dtype):
-    """Accumulation dtype of the state: float64 for float64 inputs, float32 otherwise."""
-    name = _dtype_name(dtype)
-    return np.dtype(np.float64) if name == "float64" else np.dtype(np.float32)
-
-
-def _xp(x):
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
-
-
-def to_bf16_bits(x):
-    """float array (numpy or CuPy) -> uint16 bfloat16 bits, round to nearest even.
-
-    Finite values round to nearest even (overflow gives +-inf, as IEEE does);
-    infinities stay infinite and every NaN becomes a quiet NaN of the same sign.
-    """
-    xp = _xp(x)
-    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
-    # add 0x7fff plus the lowest kept bit, then keep the upper half
-    r = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
-    # NaN (exponent all ones, mantissa non-zero): the rounding above could carry
-    # into the sign or clear the mantissa, so keep sign + exponent and set the quiet bit
-    nan = (u & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
-    quiet = ((u >> 16) | xp.uint32(0x0040)).astype(xp.uint16)
-    return xp.where(nan, quiet, r)
-
-
-def from_bf16_bits(u):
-    """uint16 bfloat16 bits (numpy or CuPy) -> float32, exactly."""
-    xp = _xp(u)
-    return (xp.asarray(u).astype(xp.uint32) << 16).view(xp.float32)
-
-
 # ----------------------------------------------------------------------------
 # device-side plan and kernels, cached
 # ----------------------------------------------------------------------------
-@functools.lru_cache(maxsize=128)
-def _device_pos_cached(dev: int, data: bytes):
-    import cupy
-
-    return cupy.asarray(np.frombuffer(data, dtype=np.int64))
-
-
-def _device_pos(pos: np.ndarray, dev: int):
-    """Device copy of an int64 position array, cached by content and device."""
-    return _device_pos_cached(dev, pos.tobytes())
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, g: int, causal: bool,
-                 lob: Optional[bytes], hib: Optional[bytes]):  # fmt: skip
-    import cupy
-
-    q_pos, k_pos = np.frombuffer(qb, dtype=np.int64), np.frombuffer(kb, dtype=np.int64)
-    rows = None
-    if lob is not None:
-        rows = (np.frombuffer(lob, dtype=np.int64), np.frombuffer(hib, dtype=np.int64))
-    env, order, pairs = plan.host_plan(q_pos, k_pos, bm, bn, g, causal, rows)
-    return cupy.asarray(env), cupy.asarray(order), pairs
-
-
-def _plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: configs.Config, g: int, causal: bool,
-          dev: int, rows: Optional[tuple] = None):  # fmt: skip
-    """(device block plan, device order, computed pairs per row group) for a call, cached.
-
-    ``rows`` is the checked (lo, hi) pair of :func:`ringmpi.gpu.plan.row_bounds`, or None.
-    """
-    g = g if kern.packed else 1
-    lob, hib = (None, None) if rows is None else (rows[0].tobytes(), rows[1].tobytes())
-    return _plan_cached(dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, g, causal,
-                        lob, hib)  # fmt: skip
-
-
-# a null device pointer for the kernels' optional row_lo / row_hi arguments
-_NULL = np.uint64(0)
-
-
-def _rows(bounds: Optional[tuple], q_pos: np.ndarray) -> Optional[tuple]:
-    """``bounds`` checked and made contiguous int64 (ValueError if malformed), or None."""
-    return None if bounds is None else plan.row_bounds(q_pos, False, bounds)
-
-
-def _device_rows(rows: Optional[tuple], dev: int) -> tuple:
-    """Kernel arguments row_lo, row_hi: device copies (cached), or two null pointers."""
-    if rows is None:
-        return _NULL, _NULL
-    return _device_pos(rows[0], dev), _device_pos(rows[1], dev)
-
-
 @functools.cache
 def _function(kern: configs.Config, dev: int):
     fn = loader.get_function(KERNEL_FILE, kern.expr, kernel_names())
     if kern.smem > 48 * 1024:  # opt in to more than the default 48 KiB
         fn.max_dynamic_shared_size_bytes = kern.smem
     return fn
-
-
-def _rows16(x, ld: int):
-    """Contiguous, 16-byte aligned copy of ``x`` with rows zero-padded to ``ld`` (if needed)."""
-    import cupy
-
-    if x.shape[-1] != ld:
-        out = cupy.zeros(x.shape[:-1] + (ld,), dtype=x.dtype)
-        out[..., : x.shape[-1]] = x
-        return out
-    if not x.flags.c_contiguous or x.data.ptr % 16:
-        return x.copy()  # CuPy allocations are 256-byte aligned
-    return x
-
-
-def _check_state(name, x, shape, dtype) -> None:
-    if tuple(x.shape) != tuple(shape) or x.dtype != dtype or not x.flags.c_contiguous:
-        raise ValueError(
-            f"GPU tile: {name} must be a C-contiguous {dtype} array of shape {tuple(shape)}, "
-            f"got {x.dtype} {tuple(x.shape)}"
-        )
 
 
 def forward_tile(

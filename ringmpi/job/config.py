@@ -48,6 +48,9 @@ class JobOptions:
         Per-rank part files + a virtual-dataset file, or one file written collectively.
     rope : bool ; rope_theta, rope_scale : float
         Rotary position embeddings on the projected q and k of features inputs.
+    checkpoint_every : float
+        Save the running ring state at most every this many seconds of a sequence
+        (:mod:`ringmpi.job.checkpoint`); 0: never.
     alibi : bool ; alibi_slopes_file : str or None
         ALiBi with the standard slopes for the input's H heads, or with the H
         slopes of a .npy/text file (:mod:`ringmpi.job.modifiers`).
@@ -67,6 +70,7 @@ class JobOptions:
     rope: bool = False
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
+    checkpoint_every: float = 600.0
     alibi: bool = False
     alibi_slopes_file: Optional[str] = None
 
@@ -135,6 +139,7 @@ def options_from_args(args) -> JobOptions:
         rope=args.rope,
         rope_theta=args.rope_theta,
         rope_scale=args.rope_scale,
+        checkpoint_every=args.checkpoint_every,
         alibi=args.alibi,
         alibi_slopes_file=args.alibi_slopes_file,
     )

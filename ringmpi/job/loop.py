@@ -1,11 +1,14 @@
-"""The sequence loop of the batch job: read, ring attention, write, for one ring's sequences.
+"""The sequence loop of the batch job: read, ring attention, write, for one ring's batches.
 
-:class:`SequenceLoop` runs the sequences a ring was dealt, one after another:
-its ranks read their own tokens (the next sequence's in a background thread
-while this one computes), call :func:`ringmpi.ring_attention` with the job's
-:class:`ringmpi.spec.AttentionSpec` (plus the sequence's own packing offsets)
-and write their part of the output. :meth:`SequenceLoop.summary` then sums the
-job over every rank. Only the main thread calls MPI.
+:class:`SequenceLoop` runs the batches a ring was dealt (:mod:`ringmpi.job.batch`:
+one long sequence, or consecutive shorter ones packed into one call), one
+after another: its ranks read their own tokens of every member (the next
+batch's in a background thread while this one computes), call
+:func:`ringmpi.ring_attention` once with the job's
+:class:`ringmpi.spec.AttentionSpec` plus the batch's packing offsets, split the
+result back to the members and write it (one part file per rank and one marker
+per batch). Collectives: a constant number per batch. :meth:`SequenceLoop.summary`
+then sums the job over every rank. Only the main thread calls MPI.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import os
 import platform
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,6 +31,8 @@ from ..collective import run_everywhere
 from ..partition import counts
 from ..spec import AttentionSpec
 from ..watchdog import watch
+from .batch import pack, split
+from .checkpoint import Checkpoints
 from .config import JobOptions
 from .progress import Progress
 from .reader import Reader, abandon, in_background
@@ -54,6 +60,8 @@ class JobContext:
     started_utc: str
     output: str
     notes: tuple = ()
+    budget: int = 0  # per-rank memory budget (bytes)
+    batch_tokens: int = 0  # tokens of one batch at most (0: one sequence per batch)
 
     @property
     def rank(self) -> int:
@@ -72,36 +80,40 @@ class JobContext:
         o = self.options
         return (float(o.rope_theta), float(o.rope_scale)) if o.rope else None
 
-    def spec_of(self, seq) -> AttentionSpec:
-        """The spec of one sequence: the job's, with the sequence's packing offsets."""
+    def spec_of(self, unit) -> AttentionSpec:
+        """The spec of a sequence or batch: the job's, with its packing offsets."""
         return dataclasses.replace(
-            self.spec, cu_seqlens=seq.cu_seqlens, cu_seqlens_k=seq.cu_seqlens_k
+            self.spec, cu_seqlens=unit.cu_seqlens, cu_seqlens_k=unit.cu_seqlens_k
         )
 
 
 class SequenceLoop:
-    """One ring's sequences ``todo`` (indices into the plan), then the job-wide summary.
+    """One ring's batches ``todo`` (:class:`ringmpi.job.batch.Batch`), then the job-wide summary.
 
     Parameters
     ----------
     ctx : JobContext
     store : output store (:func:`ringmpi.job.mpio.make_store`), already opened
-    todo : list of int
-        The sequences this ring computes, in order.
-    todo_all : list of int
-        Every sequence left to compute in the job (all rings).
+    todo : list of Batch
+        The batches this ring computes, in order.
+    left : list of Batch
+        Every batch left to compute in the job (all rings).
     done : set of int
         Sequences an earlier run finished (``--resume``).
     """
 
-    def __init__(self, ctx: JobContext, store, todo: list, todo_all: list, done) -> None:
+    def __init__(self, ctx: JobContext, store, todo: list, left: list, done) -> None:
         self.ctx, self.store = ctx, store
-        self.todo, self.todo_all, self.done = todo, todo_all, done
+        self.todo, self.left, self.done = todo, left, done
+        self.todo_all = [i for b in left for i in b.members]
+        todo_all = self.todo_all
         plan, spec = ctx.plan, ctx.spec
         self.show = ctx.rank == 0 and not ctx.options.quiet
         predicted = predicted_seconds(plan, todo_all, ctx.size, spec.causal, ctx.rate, spec.window)
-        self.bar = Progress([plan.sequences[i].length for i in todo], enabled=self.show,
-                            predicted=predicted)  # fmt: skip
+        work = [sum(float(plan.sequences[i].length) ** 2 for i in b.members) for b in todo]
+        unit = "batch" if any(not b.single for b in todo) else "sequence"
+        self.bar = Progress([b.length for b in todo], enabled=self.show, predicted=predicted,
+                            work=work, unit=unit)  # fmt: skip
         self.where = {"j": -1, "stage": "starting", "step": 0}
         self.reader = Reader(plan, ctx.ring_rank, ctx.ring_size, spec.layout,
                              strided=ctx.options.strided, rope=ctx.rope)  # fmt: skip
@@ -110,11 +122,20 @@ class SequenceLoop:
         self.tokens = 0
         self.timings: list = []
         self.reads: list = []  # every read started (a daemon thread each, one at a time)
+        self.finished = 0  # sequences this ring wrote
+        # checkpoints of a batch's ring state, named by its first sequence
+        self.ckpt = Checkpoints(store.parts, ctx.ring, store.meta, ctx.options.checkpoint_every,
+                                ctx.options.resume, todo=[b.members[0] for b in todo],
+                                finished=done)  # fmt: skip
 
     # -- reading ---------------------------------------------------------------------------
     def _start(self, j: int):
-        self.reads.append(in_background(self.reader.read, self.ctx.plan.sequences[self.todo[j]]))
+        self.reads.append(in_background(self._read_batch, self.todo[j]))
         return self.reads[-1]
+
+    def _read_batch(self, batch) -> list:
+        """This rank's (q, k, v) of every member of ``batch`` (in the reader thread)."""
+        return [self.reader.read(self.ctx.plan.sequences[i]) for i in batch.members]
 
     def _result(self, fut, name):
         """The read's result; an interrupt is noticed while waiting, a stuck read is watched."""
@@ -135,14 +156,15 @@ class SequenceLoop:
             bar.header(start_line(ctx.plan, self.todo_all, ctx.size, ctx.spec.layout,
                                   ctx.spec.causal, ctx.device, ctx.attrs["kernel"],
                                   ctx.attrs["isa"], ctx.rate, ring=ctx.ring_size,
-                                  window=ctx.spec.window, notes=ctx.notes))  # fmt: skip
+                                  window=ctx.spec.window, notes=ctx.notes,
+                                  units=self.left))  # fmt: skip
         prefetch = ctx.options.prefetch
         stopped = False
         self.nxt = None  # the read of the next sequence, started ahead
         try:
             self.nxt = self._start(0) if (self.todo and prefetch) else None
-            for j, i in enumerate(self.todo):
-                self._one(j, i, self.nxt if prefetch else self._start(j))
+            for j, batch in enumerate(self.todo):
+                self._one(j, batch, self.nxt if prefetch else self._start(j))
             self.where["stage"] = "finishing"
             self.store.finish()
         except KeyboardInterrupt as e:
@@ -167,28 +189,35 @@ class SequenceLoop:
             bar.close()
         return self.summary()
 
-    def _one(self, j: int, i: int, fut) -> None:
-        """Sequence ``todo[j] == i``: wait for its read ``fut``, start the next, compute, write."""
+    def _one(self, j: int, batch, fut) -> None:
+        """Batch ``todo[j]``: wait for its read ``fut``, start the next, compute, write."""
         ctx, bar, where = self.ctx, self.bar, self.where
-        seq = ctx.plan.sequences[i]
-        rs, spec = ctx.ring_size, ctx.spec_of(seq)
+        plan, rs = ctx.plan, ctx.ring_size
+        spec = ctx.spec_of(batch)
         where.update(j=j, stage="reading", step=0)
         t_seq = time.perf_counter()
-        n_here = int(counts(seq.length, rs, spec.layout, cu_seqlens=seq.cu_seqlens)[ctx.ring_rank])
-        bar.start(j, seq.name, seq.length, rs, ticks_per_step(ctx.attrs["kernel"], n_here))
+        n_here = int(
+            counts(batch.length, rs, spec.layout, cu_seqlens=batch.cu_seqlens)[ctx.ring_rank]
+        )
+        bar.start(j, batch.name, batch.length, rs, ticks_per_step(ctx.attrs["kernel"], n_here))
         t0 = time.perf_counter()
-        q, k, v = run_everywhere(ctx.ring, self._result, fut, seq.name)
+        parts = run_everywhere(ctx.ring, self._result, fut, batch.name)
         t_read = time.perf_counter() - t0
         self.read_wait += t_read
         where["stage"] = "ring"
         self.nxt = None
         if ctx.options.prefetch and j + 1 < len(self.todo):
             self.nxt = self._start(j + 1)
+        _test_kill_in_batch(ctx.rank, j)
+        rows = [len(p[0]) for p in parts]
+        q, k, v = pack(parts)
+        del parts
         if ctx.device == "gpu":
             import cupy
 
             q, k, v = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
         stats: dict = {}
+        start = self._resume_point(batch.members[0], batch.name, q)
         bar.computing()
 
         def on_step(step: int, nsteps: int) -> None:
@@ -196,32 +225,63 @@ class SequenceLoop:
             bar.step(step, nsteps)
 
         out, lse = ring_attention(q, k, v, ctx.ring, spec=spec, return_lse=True, stats=stats,
-                                  on_step=on_step,
-                                  on_tick=bar.tick if self.show else None)  # fmt: skip
+                                  on_step=on_step, on_tick=bar.tick if self.show else None,
+                                  _on_state=self.ckpt.on_state if self.ckpt.on else None,
+                                  _start=start)  # fmt: skip
+        del q, k, v
         where["stage"] = "writing"
         if ctx.device == "gpu":
             out, lse = out.get(), lse.get()
         for key in self.acc:
             self.acc[key] += float(stats.get(key, 0.0))
-        out, lse = np.asarray(out), np.asarray(lse)
-        pos = self.reader.positions(seq)
-        run_everywhere(ctx.ring, check_output, ctx.plan.files[0], seq, pos, out, lse)
+        seqs = [plan.sequences[i] for i in batch.members]
+        items = [
+            (i, self.reader.positions(s), o, ls)
+            for i, s, (o, ls) in zip(
+                batch.members, seqs, split(np.asarray(out), np.asarray(lse), rows)
+            )
+        ]
+        run_everywhere(ctx.ring, lambda: [check_output(plan.files[0], s, *it[1:])
+                                          for s, it in zip(seqs, items)])  # fmt: skip
         t0 = time.perf_counter()
         try:
-            self.store.write(i, pos, out, lse)
+            self.store.write_batch(items)
         except BaseException:
-            _drop_tmp_part(self.store, i)  # a full disk: no half-written part left behind
+            _drop_tmp_part(self.store, batch.members[0])  # a full disk: no half-written part
             raise
+        self.ckpt.finish(batch.members[0])
         self.write_s += time.perf_counter() - t0
-        self.tokens += seq.length
+        self.tokens += batch.length
         secs = time.perf_counter() - t_seq
         self.timings.append({
-            "sequence": seq.name, "tokens": seq.length, "seconds": secs, "read_wait_s": t_read,
+            "sequence": batch.name, "sequences": len(batch.members), "tokens": batch.length,
+            "seconds": secs, "read_wait_s": t_read,
             "compute_s": float(stats.get("compute_s", 0.0)),
             "mpi_wait_s": float(stats.get("wait_s", 0.0)), "write_s": time.perf_counter() - t0,
+            "ring_steps": int(stats.get("steps", 0)),
+            "ring_steps_resumed": int(stats.get("steps_resumed", 0)),
         })  # fmt: skip
         bar.finish_seq(secs)
-        _test_kill(ctx.rank, j + 1)
+        self.finished += len(batch.members)
+        _test_kill(ctx.rank, self.finished)
+
+    def _resume_point(self, i: int, name: str, q) -> Optional[tuple]:
+        """The checkpoint the batch of first sequence ``i`` resumes from (collective over the
+        ring), said on stderr."""
+        from ..backend import select
+
+        ctx = self.ctx
+        b, (s, h, d) = 1, q.shape[-3:]
+        acc_dtype = select(q).acc_dtype(q.dtype)
+        shapes = [(b, h, s, d), (b, h, s), (b, h, s)]
+        start = self.ckpt.start(i, name, shapes, str(np.dtype(acc_dtype)))
+        if start is not None and ctx.ring_rank == 0 and not ctx.options.quiet:
+            self.bar.close()
+            s, p = start[0], ctx.ring_size
+            print(f"ringmpi: sequence {name}: resuming at ring step {s}/{p} from a "
+                  f"checkpoint ({s} step(s) done, {p - s} to compute)", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        return start
 
     # -- the end ---------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -283,15 +343,19 @@ class SequenceLoop:
         if j < 0:
             err.where = "the start, before any sequence"
         else:
-            i = self.todo[j]
+            batch = self.todo[j]
+            i = batch.members[0]
             text = f"sequence {i + 1}/{len(plan.sequences)} ({plan.sequences[i].name})"
+            if not batch.single:
+                last = batch.members[-1]
+                text = f"sequences {i + 1}-{last + 1}/{len(plan.sequences)} ({batch.name})"
             if where["stage"] == "ring":
                 text += f", ring step {min(where['step'] + 1, self.ctx.ring_size)}"
                 text += f"/{self.ctx.ring_size}"
             else:
                 text += f", while {where['stage']}"
             err.where = text
-        err.finished = len(self.done) + max(j, 0)
+        err.finished = len(self.done) + self.finished
         return err
 
 
@@ -317,6 +381,13 @@ def _test_kill(rank: int, completed: int) -> None:
     """Test hook: RINGMPI_TEST_KILL_AFTER=n SIGKILLs rank 0 after n sequences of this run."""
     n = os.environ.get("RINGMPI_TEST_KILL_AFTER")
     if rank == 0 and n is not None and completed >= int(n):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _test_kill_in_batch(rank: int, j: int) -> None:
+    """Test hook: RINGMPI_TEST_KILL_IN_BATCH=j SIGKILLs rank 0 once batch j is read."""
+    n = os.environ.get("RINGMPI_TEST_KILL_IN_BATCH")
+    if rank == 0 and n is not None and j == int(n):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -451,6 +451,15 @@ class SingleFileStore(OutputStore):
         path = os.path.join(self.parts, f"s{i:06d}.done")
         run_on_root(self.comm, write_json, path, marker)
 
+    def write_batch(self, items: list) -> None:
+        """Write a batch's sequences one collective write each (every one flushed and marked).
+
+        One file holds every sequence here, so a batch saves no files; the
+        per-sequence markers keep --resume exact (a batch's write is not one step).
+        """
+        for i, pos, out, lse in items:
+            self.write(i, pos, out, lse)
+
     # -- end ---------------------------------------------------------------------------------
     def finish(self) -> None:
         """Close the file collectively; rank 0 fsyncs it and renames it into place."""

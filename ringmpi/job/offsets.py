@@ -6,7 +6,7 @@ input may have many groups: pickled into that one broadcast they would cost rank
 a copy of all of them at once, and every rank the whole pickle before anything is
 checked. Instead :func:`strip` replaces each offsets array by its length and
 SHA-256; each other rank then reads the arrays from the first input itself, with
-the same bounded slab reads and checks as rank 0 (:func:`ringmpi.job.schema._read_cu`),
+the same bounded slab reads and checks as rank 0 (:func:`ringmpi.job.inputs.read_offsets`),
 and :func:`fill` refuses, on every rank alike, an array that differs from what rank 0
 checked (the file changed while the job was planning).
 """
@@ -18,6 +18,8 @@ import os
 from dataclasses import replace
 
 import numpy as np
+
+from . import inputs
 
 __all__ = ["strip", "fill", "digest"]
 
@@ -65,12 +67,11 @@ def fill(plan, sums: dict):
         ``{(sequence index, name): (entries, sha256)}`` from :func:`strip`.
     """
     from .. import interrupt
-    from .schema import _read_cu, fail, open_input
 
     if not sums:
         return plan
     path = plan.files[0]
-    f = open_input(path)
+    f = inputs.open_input(path)
     try:
         fsize = os.path.getsize(path)
         seqs = list(plan.sequences)
@@ -80,10 +81,10 @@ def fill(plan, sums: dict):
             node = f[s.group] if s.group else f
             if name not in node:
                 gone = "is gone (the file changed while the job was planning)"
-                fail(path, f"'{name}' of sequence {s.name} {gone}")
-            cu = _read_cu(path, node, name, fsize, n - 1)
+                inputs.fail(path, f"'{name}' of sequence {s.name} {gone}")
+            cu = inputs.read_offsets(path, node, name, fsize, n - 1)
             if digest(cu) != (n, sha):
-                fail(
+                inputs.fail(
                     path,
                     f"'{name}' of sequence {s.name} differs from what rank 0 checked "
                     "(the file changed while the job was planning)",

@@ -49,12 +49,16 @@ class Progress:
     Parameters
     ----------
     lengths : sequence of int
-        Tokens of each sequence to do, in order.
+        Tokens of each sequence (or batch of sequences) to do, in order.
     enabled : bool
     stream : text stream, optional
         Default ``sys.stderr``.
     predicted : float, optional
         Predicted seconds of compute for all of it (the start line's figure).
+    work : sequence of float, optional
+        The work of each item (default length**2; a batch: the sum over its sequences).
+    unit : str
+        What an item is called in the lines ("sequence", "batch").
     """
 
     def __init__(
@@ -63,10 +67,13 @@ class Progress:
         enabled: bool = True,
         stream: Optional[TextIO] = None,
         predicted: Optional[float] = None,
+        work: Optional[Sequence[float]] = None,
+        unit: str = "sequence",
     ):
         self.lengths = [int(n) for n in lengths]
         self.total = len(self.lengths)
-        self.work = [float(n) ** 2 for n in self.lengths]
+        self.work = [float(n) ** 2 for n in self.lengths] if work is None else list(work)
+        self.unit = unit
         self.all_work = sum(self.work) or 1.0
         self.enabled = enabled
         self.stream = stream or sys.stderr
@@ -120,7 +127,7 @@ class Progress:
 
     def _status(self) -> str:
         eta = self.eta()
-        where = f"sequence {self.index + 1}/{self.total} {self.name}"
+        where = f"{self.unit} {self.index + 1}/{self.total} {self.name}"
         if self.nsteps:
             where += f" ring step {min(self.steps_done + 1, self.nsteps)}/{self.nsteps}"
         left = f", ETA {duration(eta)}" if eta is not None else ""
@@ -193,7 +200,8 @@ class Progress:
         eta = self.eta() if self.index + 1 < self.total else None
         left = f", ETA {duration(eta)}" if eta is not None else ""
         self._write(
-            f"ringmpi: sequence {self.index + 1}/{self.total} {self.name}: {self.tokens:,} tokens"
+            f"ringmpi: {self.unit} {self.index + 1}/{self.total} {self.name}: "
+            f"{self.tokens:,} tokens"
             f" in {seconds:.2f} s ({rate:,.0f} tokens/s); {100 * self.fraction():.0f}% done{left}\n"
         )
         self._last = time.perf_counter()

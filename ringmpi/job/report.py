@@ -177,17 +177,20 @@ def one_process_note(env=None) -> str:
 
 
 def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=None,
-               window=None, notes=()) -> str:  # fmt: skip
+               window=None, notes=(), units=None) -> str:  # fmt: skip
     """The job's first line: what, where, how much memory, how long (predicted).
 
     ``notes``: more clauses (BLAS threads, a run of one process), joined with "; ".
+    ``units``: what one ring call computes (:class:`ringmpi.job.batch.Batch`: one
+    sequence or several packed), which sizes the memory; default the sequences.
     """
     ring = size if ring is None else ring
     seqs = [plan.sequences[i] for i in todo]
+    units = seqs if units is None else list(units)
     tokens = sum(s.length for s in seqs)
-    ahead = len(seqs) > size // ring  # read-ahead of a next sequence on some ring
+    ahead = len(units) > size // ring  # read-ahead of a next call's inputs on some ring
     mem = max((rank_bytes(plan, n, prefetch=ahead, n_local_k=nk, ranks=ring) for n, nk in
-               (seq_counts(s, ring, layout) for s in seqs)), default=0)  # fmt: skip
+               (seq_counts(s, ring, layout) for s in units)), default=0)  # fmt: skip
     mem = (mem + resident_bytes()) / 2**30  # the peak resident memory it should match
     where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
     text = (
@@ -198,6 +201,7 @@ def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=No
         + (f", window {tuple(window)}" if window is not None else "")
         + (", packed" if any(s.packed for s in seqs) else "")
         + (", cross" if any(s.cross for s in seqs) else "")
+        + (f", {len(units)} ring call(s)" if len(units) != len(seqs) else "")
         + f", {where}; ~{mem:.2f} GiB per rank"
     )
     if rate > 0 and tokens:

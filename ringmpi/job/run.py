@@ -31,6 +31,7 @@ from ..collective import run_everywhere, run_on_root
 from ..grid import grid
 from ..spec import AttentionSpec
 from . import modifiers
+from .batch import batch_tokens, make_batches
 from .budget import check_memory, memory_budget
 from .config import JobOptions, split_keywords
 from .devices import gpu_probe, pick_device
@@ -179,10 +180,12 @@ def run(
             if short:
                 msg = f"sequence {short[0]} has fewer tokens than the {rs} ranks of a ring"
                 raise InputError(msg)
+        cap = run_on_root(comm, batch_tokens, plan, rs, layout, budget)
         ring, across = (comm, None) if rs == size else grid(comm, ring_size=rs)
         ctx = JobContext(plan=plan, spec=spec, options=opts, comm=comm, ring=ring, ring_size=rs,
                          device=dev, attrs={}, rate=rate, t_start=t_start,
-                         started_utc=started_utc, output=output, notes=notes)  # fmt: skip
+                         started_utc=started_utc, output=output, notes=notes, budget=budget,
+                         batch_tokens=cap)  # fmt: skip
         try:
             return _job(ctx, across)
         finally:
@@ -215,6 +218,8 @@ def _job(ctx: JobContext, across) -> dict:
     meta["window"] = list(spec.window) if spec.window is not None else None
     meta["rope"] = list(ctx.rope) if ctx.rope else None
     meta.update(_spec_attrs(spec))
+    # how sequences are packed into calls decides the rounding of each: resume must match
+    meta["batch_tokens"] = ctx.batch_tokens
     attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, ctx.device,
                         window=spec.window, rope=ctx.rope)  # fmt: skip
     attrs.update(_spec_attrs(spec))
@@ -225,7 +230,10 @@ def _job(ctx: JobContext, across) -> dict:
     store = make_store(mode, ctx.output, comm, plan, meta, attrs=attrs, overwrite=opts.overwrite,
                        compress=opts.compress, ring=ctx.ring)  # fmt: skip
     done = store.open(opts.resume)
-    todo_all = [i for i in range(len(plan.sequences)) if i not in done]
-    # rings take the sequences in turn; the last may get fewer
-    todo = todo_all[(0 if across is None else across.Get_rank()) :: nrings]
-    return SequenceLoop(ctx, store, todo, todo_all, done).run()
+    # the batches follow from the plan alone (not from what is done), so a resumed run
+    # computes every batch it redoes exactly as the first run did
+    every = make_batches(plan, range(len(plan.sequences)), ctx.batch_tokens, nrings)
+    left = [b for b in every if not set(b.members) <= done]
+    # rings take the batches in turn; the last may get fewer
+    todo = left[(0 if across is None else across.Get_rank()) :: nrings]
+    return SequenceLoop(ctx, store, todo, left, done).run()

@@ -35,22 +35,15 @@ from typing import Optional
 import numpy as np
 
 from .. import interrupt
-from ..collective import CollectiveError, run_everywhere, run_on_root
-from . import offsets, trust
+from ..collective import run_everywhere, run_on_root
+from . import inputs, offsets
+from .inputs import InputError, check_offsets, fail, guarded, open_input
+from .weights import read_weights
 
 __all__ = [
     "InputError", "SeqInfo", "Plan", "expand_inputs", "open_input", "scan", "make_plan",
-    "check_offsets",
+    "check_offsets", "fail",
 ]  # fmt: skip
-
-FLOAT_DTYPES = ("float16", "float32", "float64")
-# Any declared dimension above this is treated as corrupt rather than merely large.
-MAX_DIM = 1 << 40
-MAX_PACKED = 1 << 22  # packed sequences per group: cu_seqlens is read whole on rank 0
-
-
-class InputError(CollectiveError):
-    """A problem with the input or output files, phrased as one line naming the file."""
 
 
 @dataclass
@@ -139,11 +132,6 @@ class Plan:
         return len(self.sequences) if self.structure == "batch" else 0
 
 
-def fail(path: str, problem: str):
-    """Raise InputError "PATH: PROBLEM"."""
-    raise InputError(f"{path}: {problem}")
-
-
 def expand_inputs(args: Sequence[str]) -> list:
     """Expand shell-style globs (sorted) in each argument, keeping the argument order."""
     files = []
@@ -158,201 +146,6 @@ def expand_inputs(args: Sequence[str]) -> list:
     if not files:
         raise InputError("no input file given")
     return files
-
-
-def open_input(path: str):
-    """Open an HDF5 file for reading (no locking); InputError naming the file if it cannot."""
-    import h5py
-
-    if not os.path.exists(path):
-        fail(path, "no such file")
-    if os.path.isdir(path):
-        fail(path, "is a directory, not an HDF5 file")
-    why = trust.check_regular(path)
-    if why:
-        fail(path, why)
-    trust.disable_plugins()
-    try:
-        f = h5py.File(path, "r", locking=False)
-    except OSError as e:
-        reason = str(e).split("(", 1)[-1].rstrip(")") if "(" in str(e) else str(e)
-        fail(path, f"cannot open as HDF5 (truncated or not an HDF5 file: {reason})")
-    try:
-        why = trust.check_links(f)
-    except Exception as e:  # noqa: BLE001 - damaged link metadata
-        first = str(e).splitlines()[0] if str(e) else ""
-        why = f"unreadable HDF5 links ({type(e).__name__}: {first})"
-    if why:
-        f.close()
-        fail(path, why)
-    return f
-
-
-def _trusted(path: str, ds) -> None:
-    """Refuse a dataset that reads another file or was not written in full (see trust)."""
-    try:
-        why = trust.check_layout(ds) or trust.check_written(ds)
-    except (OSError, RuntimeError, ValueError, KeyError) as e:
-        why = f"dataset '{ds.name}' has unreadable storage metadata ({e})"
-    if why:
-        fail(path, why)
-
-
-def _check_storage(path: str, ds, size: int) -> None:
-    """Refuse declared shapes that cannot be real and data that lies past the end of file."""
-    for n in ds.shape:
-        if n > MAX_DIM:
-            fail(path, f"dataset '{ds.name}' declares an absurd shape {ds.shape}")
-    try:
-        end = 0
-        if ds.chunks is None:
-            off = ds.id.get_offset()
-            if off is not None:
-                end = off + ds.id.get_storage_size()
-        elif hasattr(ds.id, "chunk_iter") and ds.id.get_num_chunks() <= 1_000_000:
-            ends = [0]
-            ds.id.chunk_iter(lambda c: ends.append(c.byte_offset + c.size))
-            end = max(ends)
-    except (OSError, RuntimeError, ValueError, KeyError) as e:
-        fail(path, f"dataset '{ds.name}' has unreadable storage metadata ({e})")
-    if end > size:
-        fail(path, f"dataset '{ds.name}' extends past the end of the file (truncated?)")
-
-
-def _dataset(path: str, f, name: str, ndim: int, fsize: int):
-    import h5py
-
-    try:
-        obj = f.get(name)
-    except (KeyError, OSError, RuntimeError) as e:
-        fail(path, f"cannot open dataset '{name}' ({e})")
-    if obj is None:
-        fail(path, f"missing dataset '{name}'")
-    if not isinstance(obj, h5py.Dataset):
-        fail(path, f"'{name}' is not a dataset")
-    if obj.dtype.kind != "f" or obj.dtype.name not in FLOAT_DTYPES:
-        fail(path, f"dataset '{name}' has dtype {obj.dtype}, expected float16, float32 or float64")
-    if obj.ndim != ndim:
-        fail(path, f"dataset '{name}' has shape {obj.shape}, expected {ndim} dimensions")
-    _check_storage(path, obj, fsize)
-    _trusted(path, obj)
-    return obj
-
-
-def _scan_file(path: str, structure_hint: Optional[str]) -> dict:
-    """Metadata of one file: {"mode", "structure", "seqs": [(group, batch, shapes)], ...}."""
-    f = open_input(path)
-    try:
-        fsize = os.path.getsize(path)
-        if "q" in f or "x" in f:
-            top = "q" if "q" in f else "x"
-            nd = f[top].ndim if hasattr(f[top], "ndim") else 0
-            structure = "batch" if nd == (4 if top == "q" else 3) else "single"
-            groups = [""]
-        else:
-            structure = "groups"
-            groups = sorted(k for k in f if hasattr(f[k], "keys") and ("q" in f[k] or "x" in f[k]))
-            if not groups:
-                where = "at the root or in any group"
-                fail(path, f"no dataset 'q' (or features 'x') {where}; {_found(f)}")
-        if structure_hint and structure != structure_hint:
-            problem = f"{structure} structure, first input is {structure_hint}"
-            fail(path, f"shards do not line up: {problem}")
-        mode = "qkv" if "q" in (f[groups[0]] if groups[0] else f) else "features"
-        extra = 1 if structure == "batch" else 0
-        seqs = []
-        for g in groups:
-            interrupt.check()  # planning a file of many groups can take long: Ctrl-C acts
-            node = f[g] if g else f
-            if mode == "qkv":
-                shapes = {n: _dataset(path, node, n, 3 + extra, fsize) for n in ("q", "k", "v")}
-            else:
-                if "q" in node:
-                    fail(path, f"group '{g}' holds q but others hold features x")
-                shapes = {"x": _dataset(path, node, "x", 2 + extra, fsize)}
-                if "x_kv" in node:
-                    shapes["x_kv"] = _dataset(path, node, "x_kv", 2 + extra, fsize)
-            info = {n: (d.shape, d.dtype.name) for n, d in shapes.items()}
-            for name in ("cu_seqlens", "cu_seqlens_k"):
-                if name in node:
-                    if structure == "batch":
-                        what = f"'{name}' (packed sequences) cannot be combined with a batch axis"
-                        fail(path, f"{what} (4-D q): store one group per sequence instead")
-                    # the tokens it splits: q (x), or k (x_kv) for the key offsets
-                    q_name, kv_name = ("q", "k") if mode == "qkv" else ("x", "x_kv")
-                    data = q_name if name == "cu_seqlens" else kv_name
-                    tokens = info.get(data, info[q_name])[0][extra]
-                    info[name] = _read_cu(path, node, name, fsize, tokens)
-            seqs.append((g, info))
-        return {"mode": mode, "structure": structure, "seqs": seqs}
-    finally:
-        f.close()
-
-
-def _read_cu(path: str, node, name: str, fsize: int, tokens: int) -> np.ndarray:
-    """The packed-sequence offsets ``name`` of a group, checked to be a 1-D integer dataset.
-
-    At most ``tokens + 1`` entries (``tokens``: the length of the data it splits) are
-    accepted, checked before anything is read; they are read in slabs of 1 Mi.
-    """
-    import h5py
-
-    ds = node[name]
-    where = f"dataset '{ds.name}'"
-    if not isinstance(ds, h5py.Dataset):
-        fail(path, f"'{ds.name}' is not a dataset")
-    if ds.dtype.kind not in "iu":
-        fail(path, f"{where} has dtype {ds.dtype}, expected integer offsets [0, ..., S]")
-    if ds.ndim != 1 or ds.shape[0] < 2:
-        fail(path, f"{where} has shape {ds.shape}, expected (n+1,) offsets [0, ..., S]")
-    if ds.shape[0] > MAX_PACKED + 1:
-        fail(path, f"{where} declares {ds.shape[0] - 1} packed sequences (at most {MAX_PACKED})")
-    if ds.shape[0] > tokens + 1:
-        fail(path, f"{where} has {ds.shape[0]} offsets for {tokens} tokens (at most {tokens + 1})")
-    _check_storage(path, ds, fsize)
-    _trusted(path, ds)
-    cu = np.empty(ds.shape[0], dtype=np.int64)
-    step = 1 << 20
-    for a in range(0, ds.shape[0], step):
-        interrupt.check()
-        part = ds[a : a + step]
-        if part.size and (int(part.max()) > MAX_DIM or int(part.min()) < -MAX_DIM):
-            fail(path, f"{where} holds an offset beyond +-{MAX_DIM}")
-        cu[a : a + step] = part
-    return cu
-
-
-def check_offsets(path: str, where: str, name: str, cu: np.ndarray, n: int) -> None:
-    """Refuse packed-sequence offsets that do not start at 0, decrease or do not end at ``n``."""
-    if cu[0] != 0:
-        fail(path, f"{where}'{name}' starts at {cu[0]}, expected 0")
-    down = np.flatnonzero(cu[1:] < cu[:-1])  # neighbours compared: np.diff wraps near 2**63
-    if len(down):
-        i = int(down[0])
-        fail(path, f"{where}'{name}' decreases at index {i + 1} ({cu[i]} -> {cu[i + 1]})")
-    if cu[-1] != n:
-        fail(path, f"{where}'{name}' ends at {cu[-1]} but the sequence has {n} tokens")
-
-
-def _found(f, limit: int = 8) -> str:
-    """'found: a (10, 4) float32, grp/b (3,) int64, ...' for an error message."""
-    import h5py
-
-    items = []
-
-    def visit(name, obj):
-        if isinstance(obj, h5py.Dataset):
-            items.append(f"{name} {obj.shape} {obj.dtype}")
-        return None if len(items) <= limit else True
-
-    try:
-        f.visititems(visit)
-    except Exception:  # noqa: BLE001 - a damaged file: say what could be listed
-        pass
-    if not items:
-        return "the file holds no dataset"
-    more = f", ... ({len(items) - limit}+ more)" if len(items) > limit else ""
-    return "found: " + ", ".join(items[:limit]) + more
 
 
 def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
@@ -374,78 +167,6 @@ def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
     if h % hkv:
         fail(path, f"{where}H={h} query heads is not a multiple of Hkv={hkv} key/value heads")
     return (qs[extra], ks[extra]), (h, hkv, d), qt, (qs[0] if extra else None)
-
-
-WEIGHT_NAMES = ("wq", "wk", "wv")
-BIAS_NAMES = ("bq", "bk", "bv")
-
-
-def _read_weights(path: str) -> dict:
-    """Shapes of a weights file: wq (F, H*D), wk/wv (F, Hkv*D), optional bq (H*D,), bk/bv.
-
-    The convention is (in, out): q = x @ wq + bq. A torch ``Linear.weight`` is
-    (out, in): refused where the shapes tell (not for square matrices).
-    """
-    f = open_input(path)
-    try:
-        fsize = os.path.getsize(path)
-        extra = sorted(set(f.keys()) - set(WEIGHT_NAMES) - set(BIAS_NAMES) - {"sinks"})
-        if extra:
-            use = "it reads wq, wk, wv, the optional biases bq, bk, bv and sinks"
-            fail(path, f"holds '{extra[0]}', which the job does not use ({use}): remove it")
-        w = {n: _dataset(path, f, n, 2, fsize) for n in WEIGHT_NAMES}
-        b = {n: _dataset(path, f, n, 1, fsize) for n in BIAS_NAMES if n in f}
-        if b and len(b) != 3:
-            fail(path, f"has {', '.join(sorted(b))} but not all of bq, bk, bv (give all three)")
-        try:
-            h, hkv = int(f.attrs["num_heads"]), int(f.attrs["num_kv_heads"])
-        except (KeyError, TypeError, ValueError):
-            fail(path, "needs integer root attributes 'num_heads' and 'num_kv_heads'")
-        fq, nq = w["wq"].shape
-        fk, nk = w["wk"].shape
-        cols = {w[n].shape[1] for n in WEIGHT_NAMES}
-        torch = (len(cols) == 1 and fq != fk) or (b and b["bq"].shape[0] == fq != nq)
-        if torch:  # (out, in) shapes: torch.nn.Linear.weight
-            hint = "the job expects (in, out), q = x @ wq + bq: store weight.T"
-            fail(
-                path,
-                f"wq {w['wq'].shape}, wk {w['wk'].shape} look like torch Linear "
-                f"weights (out, in); {hint}",
-            )
-        if w["wv"].shape != (fk, nk):
-            fail(path, f"wk has shape {w['wk'].shape} but wv has shape {w['wv'].shape}")
-        if fq != fk:
-            fail(path, f"wq has {fq} input features but wk and wv have {fk}")
-        if h < 1 or hkv < 1 or nq % h or nk % hkv or nq // max(h, 1) != nk // max(hkv, 1):
-            fail(path, f"wq {w['wq'].shape}, wk {w['wk'].shape} do not fit H={h}, Hkv={hkv}")
-        if h % hkv:
-            fail(path, f"num_heads={h} is not a multiple of num_kv_heads={hkv}")
-        for n, width in (("bq", nq), ("bk", nk), ("bv", nk)):
-            if n in b and b[n].shape != (width,):
-                fail(
-                    path, f"bias {n} has shape {b[n].shape}, expected ({width},) (w{n[1]} columns)"
-                )
-        sinks = None
-        if "sinks" in f:  # per-head sink logits: small, read here once
-            ds = _dataset(path, f, "sinks", 1, fsize)
-            sinks = np.asarray(ds[...], dtype=np.float64)
-            if sinks.shape != (h,) or not np.isfinite(sinks).all():
-                fail(path, f"sinks must hold num_heads={h} finite numbers, got shape {sinks.shape}")
-            sinks = tuple(float(x) for x in sinks)
-        return {"features": fq, "heads": h, "kv_heads": hkv, "head_dim": nq // h, "sinks": sinks}
-    finally:
-        f.close()
-
-
-def _guarded(path: str, fn, *args):
-    """Call ``fn``; any unexpected failure on a damaged file becomes an InputError naming it."""
-    try:
-        return fn(*args)
-    except InputError:
-        raise
-    except Exception as e:  # noqa: BLE001 - corrupt metadata raises all kinds of errors
-        msg = str(e).splitlines()[0] if str(e) else ""
-        fail(path, f"unreadable HDF5 metadata ({type(e).__name__}: {msg})")
 
 
 def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
@@ -471,7 +192,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     metas, structure = [], None
     for p in files:
         interrupt.check()
-        metas.append(_guarded(p, _scan_file, p, structure))
+        metas.append(guarded(p, inputs.scan_file, p, structure))
         structure = metas[0]["structure"]
     first = metas[0]
     mode = first["mode"]
@@ -481,7 +202,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     if mode == "features":
         if weights is None:
             fail(files[0], "holds raw features 'x'; give the projection weights with --weights")
-        w = _guarded(weights, _read_weights, weights)
+        w = guarded(weights, read_weights, weights)
     elif weights is not None:
         fail(weights, f"weights given but {files[0]} holds q, k, v (weights need features 'x')")
     per_seq: dict = {g: [] for g in names}

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..collective import run_everywhere, run_on_root
 from ..files import exclusive_temp, fsync_path, replace_with, write_json
-from ..partition import positions
+from ..partition import counts, positions
 from .outdir import lock_output, open_parts_dir, unlock_output, valid_marker, vds_name
 from .reader import local_runs
 from .schema import InputError, Plan
@@ -61,30 +61,41 @@ def part_name(seq_index: int, rank: int) -> str:
     return f"s{seq_index:06d}.r{rank:05d}.h5"
 
 
-def _virtual_dataset(node, name: str, layout) -> None:
-    """Create a virtual dataset with NaN fill and no modification time (reruns: same bytes)."""
-    from h5py import h5d, h5s, h5t
+def _virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
+    """A virtual dataset from low-level mappings, with NaN fill and no modification time.
 
-    dt = np.dtype(layout.dtype)
-    try:
-        dcpl = layout._get_dcpl(node.file.filename)
-    except AttributeError:  # another h5py: fall back to the public call (timestamped)
-        node.create_virtual_dataset(name, layout, fillvalue=dt.type(np.nan))
-        return
-    dcpl.set_obj_track_times(False)
+    ``maps``: (target start, count, stride, block, source file, source shape,
+    source start, source block) hyperslabs, one per run of tokens (built with
+    the HDF5 calls directly: h5py's VirtualSource slicing costs milliseconds
+    per run, which made the file of 10,000 sequences take minutes).
+    """
+    from h5py import h5d, h5p, h5s, h5t
+
+    dt = np.dtype(dtype)
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    dcpl.set_layout(h5d.VIRTUAL)
+    dcpl.set_obj_track_times(False)  # reruns: the same bytes
     dcpl.set_fill_value(np.array(np.nan, dtype=dt))
-    space = h5s.create_simple(layout.shape)
+    src_name = name.encode()
+    for start, count, stride, block, fname, src_shape, src_start, src_block in maps:
+        vspace = h5s.create_simple(shape)
+        vspace.select_hyperslab(start, count, stride, block)
+        sspace = h5s.create_simple(src_shape)
+        sspace.select_hyperslab(src_start, (1,) * len(src_shape), None, src_block)
+        dcpl.set_virtual(vspace, fname.encode(), src_name, sspace)
     tid = h5t.py_create(dt, logical=1)
-    h5d.create(node.id, name=name.encode(), tid=tid, space=space, dcpl=dcpl)
+    h5d.create(node.id, name=src_name, tid=tid, space=h5s.create_simple(shape), dcpl=dcpl)
 
 
 def label_dims(node, batch: bool) -> None:
     """Name the axes of ``out`` (token, head, head_dim) and ``lse`` (head, token)."""
+    from h5py import h5ds
+
     lead = ("sequence",) if batch else ()
     for name, labels in (("out", ("token", "head", "head_dim")), ("lse", ("head", "token"))):
         ds = node[name]
         for axis, label in enumerate(lead + labels):
-            ds.dims[axis].label = label
+            h5ds.set_label(ds.id, axis, label.encode())  # ds.dims[axis].label, without the proxies
 
 
 def write_offsets(f, plan: Plan) -> None:
@@ -214,6 +225,7 @@ class OutputStore:
         self.rank = 0 if self.ring is None else self.ring.Get_rank()
         self.size = 1 if self.ring is None else self.ring.Get_size()
         self.layout = meta["layout"]
+        self.batches: dict = {}  # first member -> the members of each batch written or kept
 
     # -- start -------------------------------------------------------------
     def _prepare_root(self, resume: bool) -> dict:
@@ -302,7 +314,29 @@ class OutputStore:
 
     def _marker_ok(self, marker, i: int) -> bool:
         """Does ``marker`` describe sequence ``i`` of this plan, in this store's format?"""
-        return valid_marker(marker, self.plan.sequences[i].name, self.size)
+        return valid_marker(marker, self.plan.sequences[i].name, self.size) and (
+            self._members(marker, i) is not None
+        )
+
+    def _members(self, marker: dict, i: int) -> Optional[tuple]:
+        """The sequences marker ``s<i>.done`` covers (its batch), or None if it does not add up.
+
+        A batch's members are increasing plan indices starting at ``i``, named as
+        in this plan; a marker without ``members`` covers ``i`` alone.
+        """
+        if "members" not in marker:
+            return (i,)
+        members, names = marker.get("members"), marker.get("names")
+        seqs = self.plan.sequences
+        if not (isinstance(members, list) and isinstance(names, list)) or len(members) < 2:
+            return None
+        if len(names) != len(members) or not all(type(j) is int for j in members):
+            return None
+        if members[0] != i or any(b <= a for a, b in zip(members, members[1:])):
+            return None
+        if members[-1] >= len(seqs) or [seqs[j].name for j in members] != names:
+            return None
+        return tuple(members)
 
     def open(self, resume: bool = False) -> set:
         """Create (or, with ``resume``, reopen) the output; return the indices already done."""
@@ -326,7 +360,12 @@ class OutputStore:
             from mpi4py import MPI
 
             comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
-        return {i for i, good in zip(sorted(done), ok.tolist()) if good}
+        kept = set()
+        for i, good in zip(sorted(done), ok.tolist()):
+            if good:
+                self.batches[i] = self._members(done[i], i)
+                kept.update(self.batches[i])
+        return kept
 
     def _attrs_ok(self, path: str, i: int) -> bool:
         """Does part file ``path`` say it is this rank's part of sequence ``i`` in this plan?"""
@@ -345,16 +384,32 @@ class OutputStore:
             return False
 
     # -- one sequence --------------------------------------------------------
-    def _write_part(self, i: int, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> list:
-        final = os.path.join(self.parts, part_name(i, self.rank))
+    def _write_part(self, items: list) -> list:
+        """This rank's part of a batch: ``items`` [(i, pos, out, lse), ...] in one file.
+
+        The members' rows follow each other (``out``, ``lse``, ``pos``); a batch of
+        more than one also records the member names (``sequences``) and where each
+        one's rows start (``rows``, n_members + 1 offsets). Returns [size, CRC32].
+        """
+        first = items[0][0]
+        final = os.path.join(self.parts, part_name(first, self.rank))
+        if len(items) == 1:
+            _, pos, out, lse = items[0]
+        else:
+            pos = np.concatenate([it[1] for it in items])
+            out = np.concatenate([it[2] for it in items], axis=0)
+            lse = np.concatenate([it[3] for it in items], axis=1)
 
         def fill(f):
             for name, a in (("out", out), ("lse", lse), ("pos", pos)):
                 f.create_dataset(name, data=a, **self._filters(a))
-            f.attrs["sequence"] = self.plan.sequences[i].name
+            f.attrs["sequence"] = self.plan.sequences[first].name
             f.attrs["rank"] = self.rank
             f.attrs["nranks"] = self.size
             f.attrs["layout"] = self.layout
+            if len(items) > 1:
+                f.attrs["sequences"] = [self.plan.sequences[it[0]].name for it in items]
+                f.attrs["rows"] = np.cumsum([0] + [len(it[1]) for it in items]).astype(np.int64)
 
         try:
             _write_h5(final, fill)
@@ -390,23 +445,50 @@ class OutputStore:
         out : array (n, H, D)
         lse : array (H, n)
         """
+        self.write_batch([(i, pos, out, lse)])
+
+    def write_batch(self, items: list) -> None:
+        """Write a batch of sequences: a part file per rank, one marker (collective over the ring).
+
+        ``items``: [(i, pos, out, lse), ...] as for :meth:`write`, the members in
+        order. The marker ``s<first>.done`` names every member (``members``: their
+        indices, ``names``), so a crash loses at most the batch being written.
+        """
         ring = self.ring
-        info = run_everywhere(ring, self._write_part, i, pos, out, lse)
+        info = run_everywhere(ring, self._write_part, items)
         infos = [info] if ring is None else ring.gather(info, root=0)
-        marker = {"sequence": self.plan.sequences[i].name, "parts": infos}
-        path = os.path.join(self.parts, f"s{i:06d}.done")
+        first = items[0][0]
+        marker = {"sequence": self.plan.sequences[first].name, "parts": infos}
+        if len(items) > 1:
+            marker["members"] = [int(it[0]) for it in items]
+            marker["names"] = [self.plan.sequences[it[0]].name for it in items]
+        self.batches[first] = tuple(int(it[0]) for it in items)
+        path = os.path.join(self.parts, f"s{first:06d}.done")
         run_on_root(ring, write_json, path, marker)
 
     # -- end -------------------------------------------------------------------
-    def _sources(self, i: int):
-        """Yield (relative part file, runs) for each rank of sequence ``i``."""
+    def _sources(self, i: int, where: dict, starts: dict):
+        """Yield (relative part file, rows in it, first row, runs) for each rank of sequence ``i``.
+
+        ``where[i]`` is the batch holding ``i`` (its members, in order): the part
+        is the first member's, ``i``'s rows start after the earlier members'
+        (``starts`` caches each batch's row offsets per rank).
+        """
+        members = where[i]
+        if members not in starts:
+            seqs = [self.plan.sequences[j] for j in members]
+            per = [counts(s.length, self.size, self.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
+            starts[members] = np.concatenate([np.zeros((1, self.size), np.int64),
+                                              np.cumsum(per, axis=0)])  # fmt: skip
+        rows, k = starts[members], members.index(i)
         seq = self.plan.sequences[i]
         rel = vds_name(os.path.basename(self.parts))
         for r in range(self.size):
             pos = positions(seq.length, r, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
-            yield f"{rel}/{part_name(i, r)}", len(pos), local_runs(pos)
+            yield (f"{rel}/{part_name(members[0], r)}", int(rows[-1, r]), int(rows[k, r]),
+                   local_runs(pos))  # fmt: skip
 
-    def _write_vds(self) -> None:
+    def _write_vds(self, where: dict) -> None:
         import h5py
 
         plan = self.plan
@@ -416,7 +498,7 @@ class OutputStore:
         fd, tmp = exclusive_temp(self.path)  # a new file: never a planted name
         os.close(fd)
         try:
-            self._fill_vds(tmp, h5py, plan, h, d, dt, lt)
+            self._fill_vds(tmp, h5py, plan, h, d, dt, lt, where)
             fsync_path(tmp)
             os.replace(tmp, self.path)
         except BaseException:
@@ -425,47 +507,58 @@ class OutputStore:
             raise
         fsync_path(os.path.dirname(self.path))
 
-    def _fill_vds(self, tmp, h5py, plan, h, d, dt, lt) -> None:
+    def _fill_vds(self, tmp, h5py, plan, h, d, dt, lt, where: dict) -> None:
+        missing = [s.name for i, s in enumerate(plan.sequences) if i not in where]
+        if missing:  # cannot happen when every ring finished: never stitch a hole
+            raise ValueError(f"no part holds sequence {missing[0]}")
+        starts: dict = {}
+        batch = plan.structure == "batch"
         with h5py.File(tmp, "w", locking="best-effort") as f:
             for key, val in self.attrs.items():
                 f.attrs[key] = val
             f.attrs["structure"] = plan.structure
-            if plan.structure == "batch":
-                b, s = len(plan.sequences), plan.sequences[0].length
-                lays = [(h5py.VirtualLayout((b, s, h, d), dt), h5py.VirtualLayout((b, h, s), lt))]
-            else:
-                lays = []
-                for seq in plan.sequences:
-                    s = seq.length
-                    lays.append((h5py.VirtualLayout((s, h, d), dt), h5py.VirtualLayout((h, s), lt)))
-            for i in range(len(plan.sequences)):
-                lo, ll = lays[0] if plan.structure == "batch" else lays[i]
-                bi = (i,) if plan.structure == "batch" else ()
-                for fname, n, rns in self._sources(i):
-                    so = h5py.VirtualSource(fname, "out", shape=(n, h, d), dtype=dt)
-                    sl = h5py.VirtualSource(fname, "lse", shape=(h, n), dtype=lt)
+            maps_o, maps_l = [], []
+            for i, seq in enumerate(plan.sequences):
+                bi = (i,) if batch else ()
+                one = (1,) if batch else ()
+                for fname, n, row0, rns in self._sources(i, where, starts):
                     for g0, cnt, step, o in rns:
-                        sel = slice(g0, g0 + step * (cnt - 1) + 1, step)
-                        lo[bi + (sel,)] = so[o : o + cnt]
-                        ll[bi + (slice(None), sel)] = sl[:, o : o + cnt]
-                if plan.structure != "batch":
-                    g = plan.sequences[i].group
+                        # out (S, H, D) <- rows [o, o + cnt) of the part's out (n, H, D)
+                        maps_o.append((bi + (g0, 0, 0), one + (cnt, 1, 1), one + (step, 1, 1),
+                                       one + (1, h, d), fname, (n, h, d), (row0 + o, 0, 0),
+                                       (cnt, h, d)))  # fmt: skip
+                        maps_l.append((bi + (0, g0), one + (1, cnt), one + (1, step),
+                                       one + (h, 1), fname, (h, n), (0, row0 + o),
+                                       (h, cnt)))  # fmt: skip
+                if not batch:
+                    g = seq.group
                     node = f.require_group(g) if g else f
-                    _virtual_dataset(node, "out", lo)
-                    _virtual_dataset(node, "lse", ll)
+                    _virtual_dataset(node, "out", (seq.length, h, d), dt, maps_o)
+                    _virtual_dataset(node, "lse", (h, seq.length), lt, maps_l)
                     label_dims(node, batch=False)
-            if plan.structure == "batch":
-                _virtual_dataset(f, "out", lays[0][0])
-                _virtual_dataset(f, "lse", lays[0][1])
+                    maps_o, maps_l = [], []
+            if batch:
+                b, s = len(plan.sequences), plan.sequences[0].length
+                _virtual_dataset(f, "out", (b, s, h, d), dt, maps_o)
+                _virtual_dataset(f, "lse", (b, h, s), lt, maps_l)
                 label_dims(f, batch=True)
             write_offsets(f, plan)
 
     def finish(self) -> None:
-        """Rank 0 writes the virtual-dataset file and renames it into place (collective)."""
+        """Rank 0 writes the virtual-dataset file and renames it into place (collective).
+
+        Rank 0 learns every ring's batches with one gather (from each ring's first rank).
+        """
+        mine = self.batches if self.rank == 0 else {}
+        every = [mine] if self.comm is None else self.comm.gather(mine, root=0)
+        where = {}
+        for batches in every or ():
+            for members in batches.values():
+                where.update((i, members) for i in members)
 
         def vds():
             try:
-                self._write_vds()
+                self._write_vds(where)
             except (OSError, RuntimeError, ValueError) as e:
                 raise InputError(f"{self.path}: cannot write output ({e})") from e
 

@@ -1,6 +1,6 @@
 """What an input file may make the job do: read itself, and only what was written.
 
-The contents of an input are not trusted (see README, "Security model"). Before a
+The contents of an input are not trusted (see docs/security.md). Before a
 dataset is used the scan checks that
 
 * no link on the way is an HDF5 external link (or a user-defined link): the file

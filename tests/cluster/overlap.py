@@ -11,7 +11,7 @@ and sends 2 Bk Hkv D elements. The step's compute hides the transfer when
 
 with F the rank's achieved flop/s (measured here, in the same call), L the link's
 bytes/s per direction (measured here with the same neighbour exchange), b bytes per
-element and c = 1 (0.5 causal). With Hkv = H this is the README's
+element and c = 1 (0.5 causal). With Hkv = H this is docs/design.md's
 ``Bk >= F / L * b / 2``. The crossover is N* = P * Bk*. For each (N, causal) the
 median of ``--repeat`` calls gives the MPI wait share (time blocked in Waitall after
 the compute, slowest rank, over the call). The check: rows at N <= N*/2 must show

@@ -32,11 +32,12 @@ def _cupy_modules() -> dict:
 
 def clear_caches() -> None:
     """Forget every per-process GPU cache of ringmpi (device facts, kernels, plans, tuning)."""
-    from ringmpi.gpu import backward, device, loader, tile, tune
+    from ringmpi.gpu import backward, device, kernel_args, loader, tile, tune
 
     for f in (device.props, device.check_arch, tile._function, backward._function,
-              loader._function, tile._device_pos_cached, tile._plan_cached):  # fmt: skip
+              loader._function):  # fmt: skip
         f.cache_clear()
+    kernel_args.clear_caches()
     loader.last_path.clear()
     tune.forget()
 

@@ -1,0 +1,147 @@
+"""Batches: consecutive short sequences of a ring packed into one ring call.
+
+A dataset of many moderate sequences spent its time around the kernels: a
+read, a ring call, a part file, a marker and an fsync per sequence per rank,
+and several collectives each. The loop therefore takes the sequences a ring
+was dealt in runs (:func:`make_batches`) of up to ``cap`` tokens
+(:func:`batch_tokens`: ``RINGMPI_BATCH_TOKENS``, lowered to what the memory
+budget allows) and computes each run as ONE packed sequence: the members one
+after another along the token axis, their boundaries as ``cu_seqlens``
+(a member that is itself packed keeps its own boundaries inside), so no token
+sees another member's (the masks skip those tiles). Each rank's tokens of the
+batch are exactly its tokens of every member, in member order
+(:func:`ringmpi.partition.positions` applies the layout within each packed
+sequence), so the reads concatenate and the outputs split back (:func:`split`).
+
+Results: a batch of one sequence is the very call the job made before
+(bitwise). A member of a larger batch is computed by the same tiles against
+the same keys, but the key blocks a tile folds at a time start at the batch's
+block boundaries, not the member's: the float32 sums group differently, so
+the member equals its own call to rounding (well inside verify's tolerance),
+not bit for bit. ``RINGMPI_BATCH_TOKENS=0`` turns batching off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .. import env
+from .budget import rank_bytes
+from .schema import InputError
+
+__all__ = ["Batch", "batch_tokens", "make_batches", "pack", "split", "DEFAULT_TOKENS"]
+
+DEFAULT_TOKENS = int(env.REGISTRY["RINGMPI_BATCH_TOKENS"].default)
+BALANCE = 4  # batches per ring at least, when the rings share many short sequences
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Sequences ``members`` (plan indices, consecutive in the ring's order) as one packed call.
+
+    ``length``/``length_k``: query / key tokens of all members; ``cu_seqlens`` and
+    ``cu_seqlens_k``: the packed offsets (None, as the sequence itself has, for a
+    batch of one).
+    """
+
+    members: tuple
+    length: int
+    length_k: int
+    cu_seqlens: Optional[tuple]
+    cu_seqlens_k: Optional[tuple]
+    name: str
+
+    @property
+    def single(self) -> bool:
+        return len(self.members) == 1
+
+
+def batch_tokens(plan, ring_size: int, layout: str, budget: int) -> int:
+    """Tokens one batch may hold: ``RINGMPI_BATCH_TOKENS`` (default 65,536), within ``budget``.
+
+    The memory check is the one a single sequence of that many tokens gets
+    (:func:`ringmpi.job.budget.rank_bytes` on the rank holding the most);
+    0 disables batching (every batch one sequence).
+    """
+    try:
+        cap = env.get("RINGMPI_BATCH_TOKENS")
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if cap <= 0:
+        return 0
+
+    def fits(n: int) -> bool:
+        n_local = -(-n // ring_size) + 2  # zigzag/striped: at most a chunk or two more per rank
+        return rank_bytes(plan, n_local, prefetch=True, n_local_k=n_local, ranks=ring_size) <= (
+            budget
+        )
+
+    while cap > 256 and not fits(cap):
+        cap //= 2
+    return cap if fits(cap) else 0
+
+
+def make_batches(plan, todo, cap: int, rings: int = 1) -> list:
+    """Split ``todo`` (plan indices, in order) into consecutive :class:`Batch` runs of <= ``cap``.
+
+    A sequence of ``cap`` tokens or more (queries or keys) is a batch of its own;
+    so is every sequence when ``cap`` is 0. With ``rings`` rings sharing the
+    work, a batch holds at most 1/(BALANCE x rings) of all the tokens, so that
+    every ring gets batches and the last batches even out the rings' times.
+    """
+    todo = list(todo)
+    total = sum(max(plan.sequences[i].length, plan.sequences[i].length_k) for i in todo)
+    if cap > 0 and rings > 1:
+        cap = max(1, min(cap, -(-total // (BALANCE * rings))))
+    out, run, tokens = [], [], 0
+    for i in todo:
+        s = plan.sequences[i]
+        n = max(s.length, s.length_k)
+        if run and (tokens + n > cap or n >= cap):
+            out.append(_batch(plan, run))
+            run, tokens = [], 0
+        run.append(i)
+        tokens += n
+        if n >= cap:
+            out.append(_batch(plan, run))
+            run, tokens = [], 0
+    if run:
+        out.append(_batch(plan, run))
+    return out
+
+
+def _batch(plan, members: list) -> Batch:
+    seqs = [plan.sequences[i] for i in members]
+    if len(seqs) == 1:
+        s = seqs[0]
+        return Batch((members[0],), s.length, s.length_k, s.cu_seqlens, s.cu_seqlens_k, s.name)
+    cu, cu_k, cross = [0], [0], False
+    for s in seqs:
+        own = s.cu_seqlens if s.cu_seqlens is not None else (0, s.length)
+        own_k = s.cu_seqlens_k if s.cu_seqlens_k is not None else own
+        if s.cu_seqlens is None and s.length_k != s.length:
+            own_k = (0, s.length_k)
+        cross = cross or tuple(own_k) != tuple(own)
+        base, base_k = cu[-1], cu_k[-1]
+        cu.extend(base + int(x) for x in own[1:])
+        cu_k.extend(base_k + int(x) for x in own_k[1:])
+    name = f"{seqs[0].name}..{seqs[-1].name} ({len(seqs)} sequences)"
+    return Batch(tuple(members), cu[-1], cu_k[-1], tuple(cu), tuple(cu_k) if cross else None, name)
+
+
+def pack(parts: list) -> tuple:
+    """One (q, k, v) from the members' (q, k, v), concatenated along the token axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate([p[a] for p in parts], axis=0) for a in range(3))
+
+
+def split(out: np.ndarray, lse: np.ndarray, rows: list) -> list:
+    """The members' (out (n_s, H, D), lse (H, n_s)) from the batch's, ``rows`` = [n_s, ...]."""
+    if len(rows) == 1:
+        return [(out, lse)]
+    edges = np.cumsum([0] + list(rows))
+    return [(out[a:b], lse[:, a:b]) for a, b in zip(edges[:-1], edges[1:])]
