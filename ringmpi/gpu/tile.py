@@ -198,7 +198,7 @@ def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=Non
     row_lo, row_hi = _device_rows(rows, dev)
     cap, slopes, apos = mods
     if slopes is None:
-        mod_args = (_NULL, _NULL)
+        mod_args = (kernel_args.NULL, kernel_args.NULL)
     else:
         mod_args = (cupy.asarray(slopes, dtype=cupy.float64), _device_pos(apos, dev))
     if kern.packed:  # 1-D grid over (q block in order, batch, K/V head); base-2 scale
