@@ -4,6 +4,7 @@
     python jobs/kernel_ab.py --baseline 78b76ac    # compare with the kernels of a revision
     python jobs/kernel_ab.py --accuracy --keys 4096 16384 65536 262144
     python jobs/kernel_ab.py --speed --n 8192 --d 64 --rounds 9
+    python jobs/kernel_ab.py --mods --n 4096 --causal    # softcap / ALiBi cost, current kernels
 
 Accuracy: queries standard normal, keys mean 0.5, values mean 1 and spread 0.1 (the shape
 of real activations, where float32 rounding errors do not cancel as they do for zero-mean
@@ -16,6 +17,10 @@ status is 1 when a current kernel's ratio exceeds ``--limit`` (default 2).
 Speed: both builds of each tile on the same arrays, interleaved A B B A for ``--rounds``
 rounds in one process (so machine noise hits both alike); medians in GFLOP/s and the
 ratio current / baseline.
+
+Modifiers (``--mods``): the current tiles plain, with softcap (30), with ALiBi (standard
+slopes) and with both, interleaved in one process, CPU time; GFLOP/s and the ratio to
+plain (the same flops are counted, so the ratio is the modifier's cost).
 
 The baseline's kernel sources come from ``git show REV:kernels/...`` into a private
 temporary directory and are compiled through ``ringmpi.cpu.build`` (its cache, its flags).
@@ -216,11 +221,58 @@ def speed(pairs: dict, n: int, d: int, heads: int, rounds: int, causal: bool) ->
         )
 
 
+def modifiers(kern, lib, n: int, d: int, heads: int, rounds: int, causal: bool) -> None:
+    """Median GFLOP/s (CPU time) of the current tiles plain and with softcap / ALiBi."""
+    from ringmpi.job.modifiers import alibi_slopes
+
+    rng = np.random.default_rng(1)
+    q, k, v, do = (x.astype(np.float32) for x in real_shaped(rng, n, n, heads, d))
+    pos = np.arange(n, dtype=np.int64)
+    sc = 1 / np.sqrt(d)
+    alibi = (np.asarray(alibi_slopes(heads)), pos)
+    mods = {"plain": {}, "softcap": dict(softcap=30.0), "alibi": dict(alibi=alibi)}
+    mods["both"] = dict(softcap=30.0, alibi=alibi)
+
+    def state():
+        return (
+            np.zeros_like(q),
+            np.full(q.shape[:-1], -np.inf, np.float32),
+            np.zeros(q.shape[:-1], np.float32),
+        )
+
+    lses = {}
+    for name, kw in mods.items():  # each variant's own lse and delta for its backward
+        st = state()
+        kern.forward_tile(q, k, v, pos, pos, *st, scale=sc, causal=causal, **kw)
+        out, lse = kern.finalize(*st)
+        lses[name] = (lse, (do * out).sum(-1))
+    times = {(p, m): [] for p in ("fwd", "bwd") for m in mods}
+    for _ in range(rounds):
+        for name, kw in mods.items():
+            st = state()
+            t = time.process_time()
+            kern.forward_tile(q, k, v, pos, pos, *st, scale=sc, causal=causal, **kw)
+            times[("fwd", name)].append(time.process_time() - t)
+            dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+            t = time.process_time()
+            fused_backward.backward_tile_with(
+                lib, q, k, v, do, *lses[name], pos, pos, dq, dk, dv, scale=sc, causal=causal,
+                **kw,
+            )  # fmt: skip
+            times[("bwd", name)].append(time.process_time() - t)
+    print(f"modifiers: N={n} D={d} H={heads} causal={causal}, {rounds} rounds, CPU time medians")
+    for p, per in (("fwd", 4.0), ("bwd", 10.0)):
+        fl = per * heads * n * n * d / (2 if causal else 1)
+        g = {m: fl / np.median(times[(p, m)]) / 1e9 for m in mods}
+        print(f"  {p}: " + "  ".join(f"{m} {g[m]:6.1f} GF/s ({g[m] / g['plain']:.2f}x)" for m in g))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", default="HEAD", help="git revision of the baseline kernels")
     ap.add_argument("--accuracy", action="store_true", help="only the accuracy tables")
     ap.add_argument("--speed", action="store_true", help="only the speed comparison")
+    ap.add_argument("--mods", action="store_true", help="only the softcap / ALiBi cost")
     ap.add_argument("--keys", type=int, nargs="+", default=[4096, 16384, 65536, 262144])
     ap.add_argument(
         "--isa", nargs="+", default=None, help="ISA paths (default: every one the host runs)"
@@ -233,8 +285,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--causal", action="store_true")
     a = ap.parse_args(argv)
-    both = not (a.accuracy or a.speed)
+    both = not (a.accuracy or a.speed or a.mods)
     isas = a.isa or build.host_isas()
+    if a.mods:
+        print(f"ISA path {isas[0]}")
+        modifiers(*kernels(isas[0], None), a.n, a.d, a.heads, a.rounds, a.causal)
+        return 0
     with tempfile.TemporaryDirectory(prefix="ringmpi-ab-") as tmp:
         base = baseline_dir(a.baseline, tmp)
         ok = True

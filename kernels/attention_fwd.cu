@@ -19,6 +19,11 @@
 //            q block j, lo_min/hi_max bound what any row sees; over all its
 //            rows, lo_max/hi_min is what every row sees; klo/khi are the
 //            min/max key position of a block of BN keys.
+//   softcap, slopes, apos : score modifiers (ringmpi/tile.py), last arguments of
+//            every kernel: softcap > 0 maps each scaled score x to
+//            softcap tanh(x / softcap); slopes (H,) float64 or null: ALiBi adds
+//            -slopes[h] |apos[i] - k_pos[j]| (apos (Sq,) int64: the rows' ALiBi
+//            positions in key coordinates), after the cap, before the mask.
 //
 // For one query row with scaled scores s_j over the visible keys:
 //   m'  = max(m, max_j s_j);  m_safe = (m' == -inf) ? 0 : m'
@@ -216,6 +221,19 @@ __device__ __forceinline__ void row_range(const long long* row_lo, const long lo
   }
 }
 
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+
+// One scaled score through the modifiers: cap > 0: cap tanh(x / cap); then with
+// alibi, x - slope |qa - kp|. The base-2 kernel passes cap and slope times log2(e).
+template <typename A>
+__device__ __forceinline__ A modify_score(A x, A cap, A slope, long long qa, long long kp,
+                                          bool alibi) {
+  if (cap > (A)0) x = cap * tanh_acc(x / cap);
+  if (alibi) x -= slope * (A)(qa > kp ? qa - kp : kp - qa);
+  return x;
+}
+
 // ----------------------------------------------------------------------------
 // fp16 / bf16 tensor-core kernel, flash-attention-2 style.
 // CTA = 4 warps = 64 query rows (16 per warp); key blocks of 64 rows are
@@ -232,7 +250,9 @@ __global__ void __launch_bounds__(128, 1)
                  float* __restrict__ l_state, const long long* __restrict__ q_pos,
                  const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                  const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
-                 int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal) {
+                 int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal,
+                 float softcap, const double* __restrict__ slopes,
+                 const long long* __restrict__ apos) {
   constexpr int BM = 64, BN = 64, NTHREADS = 128;
   constexpr int LDS = HD + 8;    // smem row stride (elements): conflict-free fragment loads
   constexpr int KD = HD / 16;    // k-steps of S = Q K^T over the head dim
@@ -282,13 +302,16 @@ __global__ void __launch_bounds__(128, 1)
   load_tile(Vs, vg, kb * BN, Sk, BN);
   cp_commit();
   // visible key range of each row of the block (padding rows see nothing)
-  __shared__ long long rlo_s[BM], rhi_s[BM];
+  __shared__ long long rlo_s[BM], rhi_s[BM], qa_s[BM];
   for (int r = tid; r < BM; r += NTHREADS) {
     long long lo = RING_POS_MAX, hi = RING_POS_MIN;
     if (q0 + r < Sq) row_range(row_lo, row_hi, q_pos, causal, q0 + r, lo, hi);
     rlo_s[r] = lo;
     rhi_s[r] = hi;
+    qa_s[r] = (slopes != nullptr && q0 + r < Sq) ? apos[q0 + r] : 0;
   }
+  const bool mods = softcap > 0.f || slopes != nullptr;
+  const float slope = slopes != nullptr ? (float)slopes[h] : 0.f;
   cp_wait<1>();  // Q has landed (the first K/V block may still be in flight)
   __syncthreads();
 
@@ -386,6 +409,11 @@ __global__ void __launch_bounds__(128, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[nt][e] * scale;
+        if (mods) {
+          const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
+          const long long kp = kj < Sk ? k_pos[kj] : 0;
+          x = modify_score(x, softcap, slope, qa_s[rl + 8 * (e >> 1)], kp, slopes != nullptr);
+        }
         if (partial || need_mask) {
           const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
           bool vis = kj < Sk;
@@ -497,7 +525,8 @@ __global__ void __launch_bounds__(128, 1)
                   const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                   const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                   const int* __restrict__ order, int B, int H, int Hkv, int Sq, int Sk, int D,
-                  int ld, float scale_log2, int causal) {
+                  int ld, float scale_log2, int causal, float softcap,
+                  const double* __restrict__ slopes, const long long* __restrict__ apos) {
   constexpr int BM = 128, NTHREADS = 128, MT = 2;
   constexpr int LDS = HD + 8;  // smem row stride: 8 rows of an ldmatrix hit 8 distinct 16 B banks
   constexpr int KD = HD / 16, NTS = BN / 8, NTO = HD / 8, CH = HD / 8;
@@ -506,6 +535,8 @@ __global__ void __launch_bounds__(128, 1)
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ long long rlo_s[BM], rhi_s[BM];  // visible key range of each packed row
+  __shared__ long long qa_s[BM];  // ALiBi position of each packed row
+  __shared__ float sl_s[BM];      // its head's ALiBi slope times log2(e)
   __shared__ float m_in[BM];     // the max each row came in with (base 2)
   __shared__ float m_st[BM];     // the max the stored acc, l are scaled to (base 2)
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
@@ -552,7 +583,13 @@ __global__ void __launch_bounds__(128, 1)
     rlo_s[r] = lo;
     rhi_s[r] = hi;
     m_in[r] = m_st[r] = ok ? m_state[row_of(r0 + r)] * RING_LOG2E : neg_inf<float>();
+    const bool al = ok && slopes != nullptr;
+    qa_s[r] = al ? apos[(r0 + r) / G] : 0;
+    sl_s[r] = al ? (float)slopes[hk * G + (r0 + r) % G] * RING_LOG2E : 0.f;
   }
+  // modifiers in base 2: t = x log2(e), so the cap is softcap log2(e) (see modify_score)
+  const bool mods = softcap > 0.f || slopes != nullptr;
+  const float cap2 = softcap > 0.f ? softcap * RING_LOG2E : 0.f;
   auto load_kv = [&](int st, int kblock) {
     T* kd = Ks + st * BN * LDS;
     T* vd = Vs + st * BN * LDS;
@@ -676,12 +713,16 @@ __global__ void __launch_bounds__(128, 1)
       for (int e = 0; e < 2; ++e) {
         const int kj = k0 + nt * 8 + tg * 2 + e;
         long long kp = 0;
-        if (need_mask && kj < Sk) kp = k_pos[kj];
+        if ((need_mask || slopes != nullptr) && kj < Sk) kp = k_pos[kj];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             float x = s[mt][nt][2 * r + e] * scale_log2;
+            if (mods) {
+              const int lr = warp * 32 + mt * 16 + r * 8 + gr;
+              x = modify_score(x, cap2, sl_s[lr], qa_s[lr], kp, slopes != nullptr);
+            }
             if (partial || need_mask) {
               const int lr = warp * 32 + mt * 16 + r * 8 + gr;
               const bool vis = kj < Sk && (!need_mask || (rlo_s[lr] <= kp && kp <= rhi_s[lr]));
@@ -787,7 +828,8 @@ __global__ void __launch_bounds__(256, 1)
                   const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
                   const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
                   const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
-                  int ld, A scale, int causal) {
+                  int ld, A scale, int causal, A softcap, const double* __restrict__ slopes,
+                  const long long* __restrict__ apos) {
   constexpr int NTHREADS = 256;
   constexpr int LD = DMAX + 1;  // odd stride: rows fall in different banks
   constexpr int LP = BN + 1;
@@ -827,10 +869,14 @@ __global__ void __launch_bounds__(256, 1)
   // are summed from zero (pv, rsum) and added by compensated summation
   A o[RM][RD], oc[RM][RD], mrow[RM], lrow[RM], lc[RM];
   long long rlo[RM], rhi[RM];  // visible key positions of each row (none for padding)
+  long long qar[RM];           // ALiBi position of each row
+  const bool mods = softcap > zero || slopes != nullptr;
+  const A slope = slopes != nullptr ? (A)slopes[h] : zero;
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
     const int row = q0 + ty + 16 * i;
     const bool valid = row < Sq;
+    qar[i] = (valid && slopes != nullptr) ? apos[row] : 0;
     mrow[i] = valid ? m_state[qrow0 + row] : neg_inf<A>();
     lrow[i] = (valid && tx == 0) ? l_state[qrow0 + row] : zero;
     lc[i] = zero;
@@ -884,6 +930,11 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int j = 0; j < RN; ++j) {
         A x = s[i][j] * scale;
+        if (mods) {
+          const int kj = k0 + tx + 16 * j;
+          const long long kp = kj < Sk ? k_pos[kj] : 0;
+          x = modify_score(x, softcap, slope, qar[i], kp, slopes != nullptr);
+        }
         if (partial || need_mask) {
           const int kj = k0 + tx + 16 * j;
           bool vis = kj < Sk;

@@ -210,7 +210,7 @@ def _gpu_backend() -> Backend:
         decode=_gpu_decode,
         max_d=MAX_D,
         notes=("forward and backward: CUDA tiles",),
-        forward_mods=(),
+        forward_mods=_MODS,  # the CUDA forward kernels apply softcap and ALiBi
         backward_mods=(),
     )
 

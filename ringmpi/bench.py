@@ -21,8 +21,9 @@ and writes JSON (and a PNG plot when matplotlib is importable) with:
   torch is importable (a yardstick only, never a dependency);
 * the cost of the score modifiers (``--mods plain softcap alibi both``): the same
   cases with softcap (``--softcap``), with ALiBi (the standard geometric slopes for
-  H heads) or both, side by side in one run; the flops counted are the same, so the
-  GFLOP/s show each modifier's cost directly (the ``vs_plain`` column, ``xplain``).
+  H heads, as ``ringmpi run --alibi``) or both, side by side in one run; the flops
+  counted are the same, so the GFLOP/s show each modifier's cost directly (the
+  ``vs_plain`` column, ``xplain`` in the table).
 """
 
 from __future__ import annotations
@@ -50,17 +51,14 @@ _LAUNCH_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI
 _MODS = {"plain": (), "softcap": ("softcap",), "alibi": ("alibi",), "both": ("softcap", "alibi")}
 
 
-def alibi_slopes(h: int) -> list:
-    """The standard ALiBi slopes for ``h`` heads: 2^(-8 i / h), i = 1..h (Press et al.)."""
-    return [2.0 ** (-8.0 * i / h) for i in range(1, h + 1)]
-
-
 def _mod_kw(mod: str, args) -> dict:
     """The ring_attention keywords of one ``--mods`` entry."""
     kw = {}
     if "softcap" in _MODS[mod]:
         kw["softcap"] = args.softcap
     if "alibi" in _MODS[mod]:
+        from .job.modifiers import alibi_slopes  # the job's --alibi slopes
+
         kw["alibi_slopes"] = alibi_slopes(args.heads)
     return kw
 

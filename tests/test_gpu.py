@@ -79,10 +79,11 @@ def kernel_for(dtype: str, d: int, causal: bool):
     return gpu_tile.chosen(storage_of(dtype), d, causal, device.current())
 
 
-def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None):
+def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None, mods=None):
     """Carry a state through one K/V block on the CPU, then fold a second block on both.
 
-    ``bounds`` (lo, hi): the per-row mask of both blocks (the tiles' ``bounds``).
+    ``bounds`` (lo, hi): the per-row mask of both blocks (the tiles' ``bounds``); ``mods``:
+    the tiles' score modifier keywords (``softcap``, ``alibi``).
     """
     sq, sk, sk0 = len(q_pos), len(k_pos), len(k_pos0)
     acc_t = np.float64 if dtype == "float64" else np.float32
@@ -94,6 +95,7 @@ def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None
     scale = 1.0 / np.sqrt(d)
     acc, m, l = softmax.init_state(qn.shape, acc_t)
     kw = {} if bounds is None else {"bounds": bounds}
+    kw.update(mods or {})
     if sk0:
         cpu.forward_tile(qn, k0, v0, q_pos, k_pos0, acc, m, l, scale=scale, causal=causal, **kw)
     ga, gm, gl = (cupy.asarray(x) for x in (acc, m, l))
@@ -771,3 +773,25 @@ def test_backward_tile_real_values_long(dtype, d, shape):
 
     bwd_kernels(dtype, d)
     realcases.backward_long(cupy, dtype, d, *shape, seed=d)
+
+
+def test_every_configuration_with_softcap_and_alibi(monkeypatch):
+    """Softcap and ALiBi in each forward configuration against the numpy tile, under masks."""
+    rng = np.random.default_rng(25)
+    for dtype in DTYPES:
+        for d in (64, 200):
+            for kern in configs.forward_candidates(storage_of(dtype), d, smem_limit()):
+                monkeypatch.setenv(gpu_tile.CONFIG_ENV, kern.name)
+                q_pos = np.arange(150, dtype=np.int64) + 60
+                k_pos, k_pos0 = np.arange(190, dtype=np.int64), np.arange(70, dtype=np.int64)
+                lo, hi = q_pos - 70, q_pos - 10
+                hi[::7] = lo[::7] - 1  # empty rows stay empty
+                slopes = np.array([0.5, 0.25, 0.125, 2.0**-6, 2.0**-8, 0.0])
+                alibi = (slopes, q_pos + 3)  # cross-attention style offset of qa
+                cases = [dict(softcap=2.0), dict(alibi=alibi), dict(softcap=5.0, alibi=alibi)]
+                for mods in cases:
+                    for causal, bounds in ((True, None), (False, (lo, hi))):
+                        c, g, _, _, vn = run_pair(rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0,
+                                                  causal, bounds, mods)  # fmt: skip
+                        what = f"{kern.name} {dtype} D={d} {sorted(mods)} causal={causal}"
+                        check_state(c, g, dtype, np.abs(vn).max(), what)

@@ -105,6 +105,8 @@ def forward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
+    softcap: Optional[float] = None,
+    alibi: Optional[tuple] = None,
 ) -> int:
     """Fold one K/V block into the online-softmax state on the GPU, in place.
 
@@ -126,6 +128,11 @@ def forward_tile(
     bounds : (lo, hi), optional
         numpy int64 arrays (Sq,): query i sees key j iff lo[i] <= k_pos[j] <= hi[i]
         (lo[i] > hi[i]: no key; the row keeps m = -inf and l = 0).
+    softcap : float, optional
+        Scores become softcap * tanh(score / softcap) (before ALiBi and the mask).
+    alibi : (slopes (H,), qa (Sq,)), optional
+        ALiBi: the score gains -slopes[h] * |qa[i] - k_pos[j]| (numpy arrays; qa int64,
+        the rows' positions in key coordinates, see :mod:`ringmpi.tile`).
 
     Returns
     -------
@@ -144,6 +151,9 @@ def forward_tile(
     if len(q_pos) != sq or len(k_pos) != sk:
         raise ValueError("GPU tile: q_pos/k_pos lengths do not match Sq/Sk")
     rows = _rows(bounds, q_pos)
+    from ..cpu.fused import check_modifiers  # the same checks as the C tiles'
+
+    mods = check_modifiers(softcap, alibi, h, sq)
     adt = acc_dtype(q.dtype)
     _check_state("acc", acc, q.shape, adt)
     _check_state("m", m, q.shape[:3], adt)
@@ -152,7 +162,7 @@ def forward_tile(
         return 0
     dev = device.current()
     kern = chosen(_storage(q.dtype), d, bool(causal), dev)
-    flops = _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, bool(causal), dev, rows)
+    flops = _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, bool(causal), dev, rows, mods)
     if progress is not None:
         done = cupy.cuda.Event(block=False, disable_timing=True)
         done.record()
@@ -162,10 +172,12 @@ def forward_tile(
     return flops
 
 
-def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=None) -> int:
+def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=None,
+            mods=(0.0, None, None)) -> int:  # fmt: skip
     """Enqueue configuration ``kern`` on the current stream; return the flops it computes.
 
-    ``rows``: the (lo, hi) per-row bounds from :func:`_rows`, or None.
+    ``rows``: the (lo, hi) per-row bounds from :func:`_rows`, or None. ``mods``: (softcap
+    or 0, slopes (H,) float64 or None, qa (Sq,) int64 or None) from ``check_modifiers``.
     """
     import cupy
 
@@ -184,14 +196,21 @@ def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=Non
     pos = (_device_pos(q_pos, dev), _device_pos(k_pos, dev))
     ints = tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld))
     row_lo, row_hi = _device_rows(rows, dev)
+    cap, slopes, apos = mods
+    if slopes is None:
+        mod_args = (kernel_args.NULL, kernel_args.NULL)
+    else:
+        mod_args = (cupy.asarray(slopes, dtype=cupy.float64), _device_pos(apos, dev))
     if kern.packed:  # 1-D grid over (q block in order, batch, K/V head); base-2 scale
         args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, order, np.int32(bsz), *ints)
-        args += (np.float32(scale * _LOG2E), np.int32(causal))
+        args += (np.float32(scale * _LOG2E), np.int32(causal), np.float32(cap), *mod_args)
         grid = (len(order) * bsz * hkv,)
         flops = 4 * pairs * d * bsz * hkv
     else:
         fscale = np.float64(scale) if acc.dtype == np.float64 else np.float32(scale)
         args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, *ints, fscale, np.int32(causal))
+        ftype = np.float32 if kern.mma else type(fscale)
+        args += (ftype(cap), *mod_args)
         grid = (-(-sq // kern.bm), h, bsz)
         flops = 4 * pairs * d * bsz * h
     _function(kern, dev)(grid, (kern.threads,), args, shared_mem=kern.smem)

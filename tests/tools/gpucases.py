@@ -101,7 +101,7 @@ def out_correction(dout, q, k, v, out, causal, mask):
     qh, kh, _, scale, group = _prepare(q, k, v, None)
     m = make_mask(qh.shape[-2], kh.shape[-2], causal, mask.get("window"),
                   mask.get("cu_seqlens"), mask.get("cu_seqlens_k"))  # fmt: skip
-    p, _ = _probs(qh, kh, scale, m)
+    p, *_ = _probs(qh, kh, scale, m)
     do, o_ring = (np.moveaxis(x, -3, -2) for x in (dout, out))
     o_exact = p @ np.repeat(np.moveaxis(v, -3, -2), group, axis=-3)
     dd = np.sum(do * (o_ring - o_exact), axis=-1, keepdims=True)

@@ -141,6 +141,7 @@ def _forward(expr, grid, block, args, smem):
     adt = np.float64 if storage == "double" else np.float32
     _need(block == (kern.threads,), expr, f"block {block}, kernel expects ({kern.threads},)")
     _need(smem == kern.smem, expr, f"shared memory {smem} B, the configuration needs {kern.smem}")
+    *args, cap, slopes, apos = args  # the score modifiers (softcap, ALiBi) come last
     if kern.packed:
         q, k, v, acc, m, l, qp, kp, env, rlo, rhi, order, b_arg, *ints, scale, causal = args
         bsz = _int(b_arg, expr, "B")
@@ -162,6 +163,13 @@ def _forward(expr, grid, block, args, smem):
     rows = _rows_arg(rlo, rhi, expr, sq)
     causal = bool(_int(causal, expr, "causal"))
     _need(isinstance(scale, adt if not kern.mma else np.float32), expr, "scale has the wrong type")
+    _need(type(cap) is type(scale), expr, "softcap has the wrong type")
+    mod_kw = {"softcap": float(cap)} if cap > 0 else {}
+    if not isinstance(slopes, np.uint64):  # a null pointer: no ALiBi
+        mod_kw["alibi"] = (_dev(slopes, expr, "slopes", np.float64, (h,)).copy(),
+                           _dev(apos, expr, "apos", np.int64, (sq,)).copy())  # fmt: skip
+    else:
+        _need(isinstance(apos, np.uint64), expr, "apos without slopes")
     g = h // hkv if kern.packed else 1
     nqb = -(-g * sq // kern.bm)
     if kern.packed:
@@ -178,7 +186,7 @@ def _forward(expr, grid, block, args, smem):
 
     numpy_tile.forward_tile(
         _decode(qa, d, storage), _decode(ka, d, storage), _decode(va, d, storage), q_pos,
-        k_pos, acc_a, m_a, l_a, scale=scale, causal=causal, bounds=rows,
+        k_pos, acc_a, m_a, l_a, scale=scale, causal=causal, bounds=rows, **mod_kw,
     )  # fmt: skip
 
 
