@@ -131,7 +131,7 @@ def forward_tile(
     softcap : float, optional
         Scores become softcap * tanh(score / softcap) (before ALiBi and the mask).
     alibi : (slopes (H,), qa (Sq,)), optional
-        ALiBi: the score gains -slopes[h] * |qa[i] - k_pos[j]| (numpy arrays; qa int64,
+        ALiBi: the score gains -slopes[h] * abs(qa[i] - k_pos[j]) (numpy arrays; qa int64,
         the rows' positions in key coordinates, see :mod:`ringmpi.tile`).
 
     Returns
