@@ -86,6 +86,30 @@ def test_every_flag_of_the_spec_comes_from_its_fields():
     )
 
 
+def test_the_run_flags_default_to_the_job_options_defaults():
+    from ringmpi.job.config import options_from_args
+
+    args = build_parser().parse_args(["run", "x.h5", "-o", "o.h5"])
+    assert options_from_args(args) == JobOptions()
+    args = build_parser().parse_args(
+        [
+            "run",
+            "x.h5",
+            "-o",
+            "o.h5",
+            "--no-prefetch",
+            "--strided-read",
+            "blocks",
+            "--ring-size",
+            "2",
+            "--device",
+            "cpu",
+        ]  # fmt: skip
+    )
+    opts = options_from_args(args)
+    assert (opts.prefetch, opts.strided, opts.ring_size, opts.device) == (False, "blocks", 2, "cpu")
+
+
 def test_keywords_and_objects_do_not_mix():
     with pytest.raises(ValueError, match="either spec= or"):
         split_keywords(AttentionSpec(causal=True), None, {"window": (3, 0)})

@@ -75,6 +75,8 @@ class JobOptions:
     alibi_slopes_file: Optional[str] = None
 
 
+_JOB_FIELDS = dataclasses.fields(JobOptions)
+_FLAG_OF = {"strided": "strided_read", "prefetch": "no_prefetch"}
 _SPEC = {f.name for f in dataclasses.fields(AttentionSpec)}
 _JOB = {f.name for f in dataclasses.fields(JobOptions)}
 # per sequence, from the inputs; heads x ring is a library feature the job does not offer
@@ -124,22 +126,8 @@ def options_from_args(args) -> JobOptions:
             ring = int(ring)
         except ValueError:
             pass  # choose_ring_size words the error with the flag's name
-    return JobOptions(
-        device=args.device,
-        weights=args.weights,
-        resume=args.resume,
-        quiet=args.quiet,
-        max_memory=args.max_memory,
-        strided=args.strided_read,
-        prefetch=not args.no_prefetch,
-        overwrite=args.overwrite,
-        compress=args.compress,
-        ring_size=ring,
-        output_mode=args.output_mode,
-        rope=args.rope,
-        rope_theta=args.rope_theta,
-        rope_scale=args.rope_scale,
-        checkpoint_every=args.checkpoint_every,
-        alibi=args.alibi,
-        alibi_slopes_file=args.alibi_slopes_file,
-    )
+    # the flags are the fields' names, but for these two
+    names = {f.name: _FLAG_OF.get(f.name, f.name) for f in _JOB_FIELDS}
+    kw = {k: getattr(args, flag) for k, flag in names.items() if hasattr(args, flag)}
+    kw.update(prefetch=not args.no_prefetch, ring_size=ring)
+    return JobOptions(**kw)
