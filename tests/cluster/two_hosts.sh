@@ -27,6 +27,8 @@ cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${PYTHON:-$REPO/.venv/bin/python}
 MPIEXEC=${MPIEXEC:-$(dirname "$PY")/mpiexec}
+# the kill checks count finished sequences by their markers: one sequence per ring call
+export RINGMPI_BATCH_TOKENS=0
 OVERLAP_N=${OVERLAP_N:-1024 2048 4096 8192 16384 32768}
 KILL_LIMIT=15
 IF=rmpi0 # the veth's name inside both namespaces (FI_TCP_IFACE is one name for all ranks)
