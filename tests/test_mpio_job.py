@@ -30,6 +30,14 @@ from ringmpi.job.mpio import resolve_mode
 from ringmpi.job.sample import make_data
 from ringmpi.job.schema import InputError
 
+
+@pytest.fixture(autouse=True)
+def _one_sequence_per_call(monkeypatch):
+    """These tests kill and damage the one-file output per sequence: one sequence per ring
+    call (RINGMPI_BATCH_TOKENS=0); the launches inherit it (faults._env copies os.environ)."""
+    monkeypatch.setenv("RINGMPI_BATCH_TOKENS", "0")
+
+
 pytestmark = pytest.mark.timeout(600)
 
 REQUIRE = os.environ.get("RINGMPI_REQUIRE_MPIO") == "1"
@@ -134,6 +142,24 @@ def test_single_equals_parts(mpio, tmp_path, p, layout, batch):
     # and the verifier reads it, also in a separate run on other ranks
     res = F.run_cli(p, "verify", str(single), *inp, "--quiet", timeout=300)
     assert res.rc == 0, res.err
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_single_with_batches_equals_parts_with_batches(mpio, tmp_path, p):
+    """Short sequences packed into one call: the one file gets each member's rows and a
+    marker per sequence, bitwise the part-file output of the same batches."""
+    inp = _inputs(tmp_path, False, seqs=5, seq_len=150)
+    env = {"RINGMPI_BATCH_TOKENS": "400"}  # batches of two sequences, the last alone
+    single, parts = tmp_path / "single.h5", tmp_path / "parts.h5"
+    res = _run(p, inp, single, "--causal", "--output-mode", "single", "--verify", env=env)
+    assert res.rc == 0, res.err
+    res = _run(p, inp, parts, "--causal", "--output-mode", "parts", env=env)
+    assert res.rc == 0, res.err
+    assert len(list(Path(str(parts) + ".parts").glob("*.done"))) == 3  # three batches
+    a, b = _datasets(single), _datasets(parts)
+    assert sorted(a) == sorted(b) and len(a) == 10
+    for k in a:
+        assert a[k][0] == b[k][0], f"{k}: values differ between single and parts"
 
 
 @pytest.mark.parametrize("codec", ["gzip", "lzf"])
