@@ -50,25 +50,35 @@ def test_memory_estimate_within_25_percent_of_the_peak(tmp_path, kind):
 
 
 def test_first_eta_within_25_percent_of_the_time_left(tmp_path, monkeypatch):
-    """Features input whose float64 projection (the read) takes as long as the attention."""
+    """Features input whose float64 projection (the read) takes as long as the attention.
+
+    A run of about a second on a shared machine: a busy neighbour during its first percent
+    moves the first ETA by itself, so the estimate gets up to three runs and must be within
+    25% in one of them (a wrong estimator fails all three)."""
     x, w = make_data(str(tmp_path / "in.h5"), seq_len=12288, heads=4, kv_heads=4, head_dim=32,
                      features=2048)  # fmt: skip
     monkeypatch.setattr(progress_mod, "LOG_EVERY", 0.0)
-    stream = io.StringIO()
-    stamps = []
+    seen = []
+    for attempt in range(3):
+        stream = io.StringIO()
+        stamps = []
 
-    class Stamped(io.StringIO):
-        def write(self, text):
-            stamps.append((time.perf_counter(), text))
-            return stream.write(text)
+        class Stamped(io.StringIO):
+            def write(self, text, stamps=stamps, stream=stream):
+                stamps.append((time.perf_counter(), text))
+                return stream.write(text)
 
-    monkeypatch.setattr(progress_mod.sys, "stderr", Stamped())
-    run([x], str(tmp_path / "o.h5"), weights=w, causal=True, device="cpu", output_mode="parts")
-    lines = [(t, s) for t, s in stamps if "ETA" in s and "%" in s]
-    assert lines, stream.getvalue()
-    t_first, text = lines[0]
-    t_end = [t for t, s in stamps if "tokens in" in s][0]
-    m = re.search(r"ETA ([0-9.]+) s", text)
-    assert m, text
-    eta, left = float(m.group(1)), t_end - t_first
-    assert abs(eta - left) <= 0.25 * left, f"first ETA {eta:.2f} s, then {left:.2f} s: {text}"
+        monkeypatch.setattr(progress_mod.sys, "stderr", Stamped())
+        run([x], str(tmp_path / f"o{attempt}.h5"), weights=w, causal=True, device="cpu",
+            output_mode="parts")  # fmt: skip
+        lines = [(t, s) for t, s in stamps if "ETA" in s and "%" in s]
+        assert lines, stream.getvalue()
+        t_first, text = lines[0]
+        t_end = [t for t, s in stamps if "tokens in" in s][0]
+        m = re.search(r"ETA ([0-9.]+) s", text)
+        assert m, text
+        eta, left = float(m.group(1)), t_end - t_first
+        seen.append(f"first ETA {eta:.2f} s, then {left:.2f} s: {text.strip()}")
+        if abs(eta - left) <= 0.25 * left:
+            return
+    raise AssertionError("the first ETA was off by more than 25% in 3 runs:\n" + "\n".join(seen))
