@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R|auto",
         default=None,
         help="split the ranks into rings of R ranks, one sequence per ring at a time "
-        "(default: one ring of all ranks); auto: the planner's choice for this job",
+        "(default: one ring of all ranks); auto: a ring size per sequence (rings of one "
+        "for short work, larger rings for long sequences)",
     )
     r.add_argument(
         "--verify", action="store_true", help="compare with the dense reference afterwards"

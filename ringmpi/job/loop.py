@@ -100,11 +100,22 @@ class SequenceLoop:
         Every batch left to compute in the job (all rings).
     done : set of int
         Sequences an earlier run finished (``--resume``).
+    before : list of SequenceLoop
+        The job's earlier phases (``--ring-size auto``: rings of another size),
+        already run: the summary counts them, the start line was theirs.
+    last : bool
+        The job's last phase: write the output's index and return the summary.
+    job_left : list of (Batch, ring size), optional
+        Every batch left in the job, all phases (default ``left`` on this ring size):
+        the start line.
     """
 
-    def __init__(self, ctx: JobContext, store, todo: list, left: list, done) -> None:
+    def __init__(self, ctx: JobContext, store, todo: list, left: list, done, before=(),
+                 last: bool = True, job_left: Optional[list] = None) -> None:  # fmt: skip
         self.ctx, self.store = ctx, store
         self.todo, self.left, self.done = todo, left, done
+        self.before, self.last = list(before), last
+        self.job_left = [(b, ctx.ring_size) for b in left] if job_left is None else job_left
         self.todo_all = [i for b in left for i in b.members]
         todo_all = self.todo_all
         plan, spec = ctx.plan, ctx.spec
@@ -152,12 +163,19 @@ class SequenceLoop:
     def run(self) -> dict:
         """Compute and write every sequence of ``todo``; the summary (collective over comm)."""
         ctx, bar = self.ctx, self.bar
-        if self.show:
-            bar.header(start_line(ctx.plan, self.todo_all, ctx.size, ctx.spec.layout,
+        if self.show and not self.before:
+            every = [i for b, _ in self.job_left for i in b.members]
+            bar.header(start_line(ctx.plan, every, ctx.size, ctx.spec.layout,
                                   ctx.spec.causal, ctx.device, ctx.attrs["kernel"],
                                   ctx.attrs["isa"], ctx.rate, ring=ctx.ring_size,
                                   window=ctx.spec.window, notes=ctx.notes,
-                                  units=self.left))  # fmt: skip
+                                  units=[b for b, _ in self.job_left],
+                                  unit_rings=[r for _, r in self.job_left]))  # fmt: skip
+        if self.show and (self.before or not self.last):  # --ring-size auto: say the phase
+            rings = ctx.size // ctx.ring_size
+            n = sum(len(b.members) for b in self.left)
+            bar.note(f"{rings} ring(s) of {ctx.ring_size}: {n} sequence(s) in {len(self.left)} "
+                     "call(s)")  # fmt: skip
         prefetch = ctx.options.prefetch
         stopped = False
         self.nxt = None  # the read of the next sequence, started ahead
@@ -165,8 +183,9 @@ class SequenceLoop:
             self.nxt = self._start(0) if (self.todo and prefetch) else None
             for j, batch in enumerate(self.todo):
                 self._one(j, batch, self.nxt if prefetch else self._start(j))
-            self.where["stage"] = "finishing"
-            self.store.finish()
+            if self.last:
+                self.where["stage"] = "finishing"
+                self.store.finish()
         except KeyboardInterrupt as e:
             stopped = True
             bar.close()
@@ -187,7 +206,7 @@ class SequenceLoop:
             if not stopped:
                 self.reader.close()
             bar.close()
-        return self.summary()
+        return self.summary() if self.last else {}
 
     def _one(self, j: int, batch, fut) -> None:
         """Batch ``todo[j]``: wait for its read ``fut``, start the next, compute, write."""
@@ -263,7 +282,7 @@ class SequenceLoop:
         })  # fmt: skip
         bar.finish_seq(secs)
         self.finished += len(batch.members)
-        _test_kill(ctx.rank, self.finished)
+        _test_kill(ctx.rank, self.finished + sum(b.finished for b in self.before))
 
     def _resume_point(self, i: int, name: str, q) -> Optional[tuple]:
         """The checkpoint the batch of first sequence ``i`` resumes from (collective over the
@@ -286,15 +305,19 @@ class SequenceLoop:
     # -- the end ---------------------------------------------------------------------------
     def summary(self) -> dict:
         """The job's summary, identical on every rank (sums and maxima over ``comm``)."""
-        ctx, acc = self.ctx, self.acc
-        size, rs = ctx.size, ctx.ring_size
+        ctx = self.ctx
+        size = ctx.size
         wall = time.perf_counter() - ctx.t_start
-        mine = np.array(
-            [acc["flops"], acc["wait_s"], acc["total_s"], acc["compute_s"],
-             self.read_wait + self.write_s, self.read_wait, self.write_s,
-             self.reader.bytes_read, self.tokens / rs],
-            dtype=np.float64,
-        )  # fmt: skip
+        phases = self.before + [self]
+        sizes = sorted({p.ctx.ring_size for p in phases}, reverse=True)
+        # every ring's ranks count their ring's tokens: / ring size, then summed over comm
+        mine = np.zeros(9 + len(sizes), dtype=np.float64)
+        for p in phases:
+            a = p.acc
+            mine[:9] += [a["flops"], a["wait_s"], a["total_s"], a["compute_s"],
+                         p.read_wait + p.write_s, p.read_wait, p.write_s,
+                         p.reader.bytes_read, p.tokens / p.ctx.ring_size]  # fmt: skip
+            mine[9 + sizes.index(p.ctx.ring_size)] += p.tokens / p.ctx.ring_size
         peak = np.array([peak_rss(), wall], dtype=np.float64)
         if ctx.comm is not None:
             from mpi4py import MPI
@@ -307,13 +330,15 @@ class SequenceLoop:
         wall = float(peak[1])
         tokens = int(round(mine[8]))  # every ring's ranks counted their ring's tokens
         hosts = [platform.node()] if ctx.comm is None else ctx.comm.allgather(platform.node())
+        by_size = {int(r): int(round(t)) for r, t in zip(sizes, mine[9:])}
         return {
             "ranks": size,
-            "ring_size": rs,
+            "ring_size": sizes[0] if len(sizes) == 1 else "auto",
+            "ring_sizes": by_size,  # tokens computed by rings of each size
             "layout": ctx.spec.layout,
             "causal": bool(ctx.spec.causal),
             "device": ctx.device,
-            "sequences": len(self.todo_all),
+            "sequences": sum(len(p.todo_all) for p in phases),
             "skipped_done": len(self.done),
             "tokens": tokens,
             "wall_s": wall,
@@ -332,7 +357,7 @@ class SequenceLoop:
             "started_utc": ctx.started_utc,
             "finished_utc": utc(),
             "hosts": hosts,
-            "timings": self.timings,
+            "timings": [t for p in phases for t in p.timings],
             "provenance": ctx.attrs,
         }
 
@@ -355,7 +380,7 @@ class SequenceLoop:
             else:
                 text += f", while {where['stage']}"
             err.where = text
-        err.finished = len(self.done) + self.finished
+        err.finished = len(self.done) + self.finished + sum(b.finished for b in self.before)
         return err
 
 

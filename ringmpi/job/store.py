@@ -145,6 +145,7 @@ class OutputStore:
         overwrite: bool = False,
         compress: Optional[str] = None,
         ring=None,
+        ring_sizes=None,
     ):
         if compress not in (None,) + COMPRESSION:
             raise InputError(f"compression must be one of {', '.join(COMPRESSION)}, not {compress}")
@@ -160,6 +161,19 @@ class OutputStore:
         self.size = 1 if self.ring is None else self.ring.Get_size()
         self.layout = meta["layout"]
         self.batches: dict = {}  # first member -> the members of each batch written or kept
+        # ranks of the ring that wrote each sequence (--ring-size auto: per sequence)
+        self.ring_sizes = ring_sizes
+        self.mine: dict = {}  # first member -> (members, ring size): batches this rank reports
+        self.world_rank = 0 if comm is None else comm.Get_rank()
+
+    def use_ring(self, ring) -> None:
+        """Write the next batches from ``ring`` (the job's next phase of ring size)."""
+        self.ring = ring
+        self.rank, self.size = ring.Get_rank(), ring.Get_size()
+
+    def size_of(self, i: int) -> int:
+        """Ranks of the ring that writes (wrote) the batch starting at sequence ``i``."""
+        return self.size if self.ring_sizes is None else int(self.ring_sizes[i])
 
     # -- start -------------------------------------------------------------
     def _prepare_root(self, resume: bool) -> dict:
@@ -248,7 +262,7 @@ class OutputStore:
 
     def _marker_ok(self, marker, i: int) -> bool:
         """Does ``marker`` describe sequence ``i`` of this plan, in this store's format?"""
-        return valid_marker(marker, self.plan.sequences[i].name, self.size) and (
+        return valid_marker(marker, self.plan.sequences[i].name, self.size_of(i)) and (
             self._members(marker, i) is not None
         )
 
@@ -269,8 +283,10 @@ class OutputStore:
                 )
             ok = []
             for i, marker in sorted(done.items()):  # every rank checks its ring rank's part
-                p = os.path.join(self.parts, part_name(i, self.rank))
-                ok.append(_crc32(p) == tuple(marker["parts"][self.rank]) and self._attrs_ok(p, i))
+                n = self.size_of(i)
+                r = self.world_rank % n  # its rank in the ring that wrote it
+                p = os.path.join(self.parts, part_name(i, r))
+                ok.append(_crc32(p) == tuple(marker["parts"][r]) and self._attrs_ok(p, i, r, n))
             return ok
 
         ok = np.array(run_everywhere(comm, visible), dtype=np.int32)
@@ -283,10 +299,12 @@ class OutputStore:
             if good:
                 self.batches[i] = self._members(done[i], i)
                 kept.update(self.batches[i])
+                if self.world_rank == 0:
+                    self.mine[i] = (self.batches[i], self.size_of(i))
         return kept
 
-    def _attrs_ok(self, path: str, i: int) -> bool:
-        """Does part file ``path`` say it is this rank's part of sequence ``i`` in this plan?"""
+    def _attrs_ok(self, path: str, i: int, rank: int, nranks: int) -> bool:
+        """Is part file ``path`` rank ``rank``'s (of ``nranks``) part of sequence ``i``?"""
         import h5py
 
         try:
@@ -294,8 +312,8 @@ class OutputStore:
                 a = f.attrs
                 return (
                     a.get("sequence") == self.plan.sequences[i].name
-                    and int(a.get("rank", -1)) == self.rank
-                    and int(a.get("nranks", -1)) == self.size
+                    and int(a.get("rank", -1)) == rank
+                    and int(a.get("nranks", -1)) == nranks
                     and a.get("layout") == self.layout
                 )
         except (OSError, ValueError, TypeError):
@@ -381,29 +399,33 @@ class OutputStore:
             marker["members"] = [int(it[0]) for it in items]
             marker["names"] = [self.plan.sequences[it[0]].name for it in items]
         self.batches[first] = tuple(int(it[0]) for it in items)
+        if self.rank == 0:
+            self.mine[first] = (self.batches[first], self.size)
         path = os.path.join(self.parts, f"s{first:06d}.done")
         run_on_root(ring, write_json, path, marker)
 
     # -- end -------------------------------------------------------------------
-    def _write_vds(self, where: dict) -> None:
+    def _write_vds(self, where: dict, nranks: Optional[dict] = None) -> None:
         """Rank 0: the virtual-dataset file over the parts (:func:`ringmpi.job.vds.write_vds`)."""
-        write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout, where)
+        write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout, where,
+                  nranks=nranks)  # fmt: skip
 
     def finish(self) -> None:
         """Rank 0 writes the virtual-dataset file and renames it into place (collective).
 
-        Rank 0 learns every ring's batches with one gather (from each ring's first rank).
+        Rank 0 learns every ring's batches with one gather (what each ring's first
+        rank wrote, in every phase, and the batches a resume kept).
         """
-        mine = self.batches if self.rank == 0 else {}
-        every = [mine] if self.comm is None else self.comm.gather(mine, root=0)
-        where = {}
+        every = [self.mine] if self.comm is None else self.comm.gather(self.mine, root=0)
+        where, nranks = {}, {}
         for batches in every or ():
-            for members in batches.values():
+            for first, (members, n) in batches.items():
                 where.update((i, members) for i in members)
+                nranks[first] = n
 
         def vds():
             try:
-                self._write_vds(where)
+                self._write_vds(where, nranks)
             except (OSError, RuntimeError, ValueError) as e:
                 raise InputError(f"{self.path}: cannot write output ({e})") from e
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -37,6 +38,7 @@ class _Parts:
     parts: str
     size: int
     layout: str
+    nranks: dict  # first member of a batch -> ranks that wrote it (default size)
 
 
 def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
@@ -97,22 +99,30 @@ def _sources(ctx, i: int, where: dict, starts: dict):
     (``starts`` caches each batch's row offsets per rank).
     """
     members = where[i]
+    size = ctx.nranks.get(members[0], ctx.size)
     if members not in starts:
         seqs = [ctx.plan.sequences[j] for j in members]
-        per = [counts(s.length, ctx.size, ctx.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
-        starts[members] = np.concatenate([np.zeros((1, ctx.size), np.int64),
+        per = [counts(s.length, size, ctx.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
+        starts[members] = np.concatenate([np.zeros((1, size), np.int64),
                                           np.cumsum(per, axis=0)])  # fmt: skip
     rows, k = starts[members], members.index(i)
     seq = ctx.plan.sequences[i]
     rel = vds_name(os.path.basename(ctx.parts))
-    for r in range(ctx.size):
-        pos = positions(seq.length, r, ctx.size, ctx.layout, cu_seqlens=seq.cu_seqlens)
+    for r in range(size):
+        pos = positions(seq.length, r, size, ctx.layout, cu_seqlens=seq.cu_seqlens)
         yield (f"{rel}/{part_name(members[0], r)}", int(rows[-1, r]), int(rows[k, r]),
                local_runs(pos))  # fmt: skip
 
 
 def write_vds(
-    path: str, plan, attrs: dict, parts: str, size: int, layout: str, where: dict
+    path: str,
+    plan,
+    attrs: dict,
+    parts: str,
+    size: int,
+    layout: str,
+    where: dict,
+    nranks: Optional[dict] = None,
 ) -> None:
     """Write the virtual-dataset file ``path`` stitching the part files in ``parts``.
 
@@ -125,10 +135,13 @@ def write_vds(
         The parts folder; ``size`` ranks per ring wrote it, tokens laid out by ``layout``.
     where : dict
         Sequence index -> the members of the batch whose part files hold it.
+    nranks : dict, optional
+        First member of a batch -> ranks of the ring that wrote it (default ``size``:
+        ``--ring-size auto`` gives each sequence its own).
     """
     import h5py
 
-    ctx = _Parts(plan, attrs, parts, size, layout)
+    ctx = _Parts(plan, attrs, parts, size, layout, nranks or {})
     h, d = plan.heads, plan.head_dim
     dt = np.dtype(plan.dtype)
     lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
