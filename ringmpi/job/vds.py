@@ -41,8 +41,10 @@ class _Parts:
     nranks: dict  # first member of a batch -> ranks that wrote it (default size)
 
 
-def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
+def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list):
     """A virtual dataset from low-level mappings, with NaN fill and no modification time.
+
+    ``node``: an h5py group or its low-level ``GroupID``; returns the new ``DatasetID``.
 
     ``maps``: (target start, count, stride, block, source file, source shape,
     source start, source block) hyperslabs, one per run of tokens (built with
@@ -50,6 +52,7 @@ def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
     per run, which made the file of 10,000 sequences take minutes).
     """
     from h5py import h5d, h5p, h5s, h5t
+    from h5py._objects import ObjectID
 
     dt = np.dtype(dtype)
     dcpl = h5p.create(h5p.DATASET_CREATE)
@@ -64,18 +67,27 @@ def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
         sspace.select_hyperslab(src_start, (1,) * len(src_shape), None, src_block)
         dcpl.set_virtual(vspace, fname.encode(), src_name, sspace)
     tid = h5t.py_create(dt, logical=1)
-    h5d.create(node.id, name=src_name, tid=tid, space=h5s.create_simple(shape), dcpl=dcpl)
+    gid = node if isinstance(node, ObjectID) else node.id  # a GroupID's .id is its number
+    return h5d.create(gid, name=src_name, tid=tid, space=h5s.create_simple(shape), dcpl=dcpl)
 
 
 def label_dims(node, batch: bool) -> None:
     """Name the axes of ``out`` (token, head, head_dim) and ``lse`` (head, token)."""
+    label_ids(node["out"].id, node["lse"].id, batch)
+
+
+def label_ids(out_id, lse_id, batch: bool) -> None:
+    """:func:`label_dims` on the low-level ``DatasetID`` s of ``out`` and ``lse``."""
     from h5py import h5ds
 
-    lead = ("sequence",) if batch else ()
-    for name, labels in (("out", ("token", "head", "head_dim")), ("lse", ("head", "token"))):
-        ds = node[name]
+    lead = (b"sequence",) if batch else ()
+    for dsid, labels in ((out_id, _OUT_AXES), (lse_id, _LSE_AXES)):
         for axis, label in enumerate(lead + labels):
-            h5ds.set_label(ds.id, axis, label.encode())  # ds.dims[axis].label, without the proxies
+            h5ds.set_label(dsid, axis, label)  # ds.dims[axis].label, without the proxies
+
+
+_OUT_AXES = (b"token", b"head", b"head_dim")
+_LSE_AXES = (b"head", b"token")
 
 
 def write_offsets(f, plan: Plan) -> None:
@@ -89,6 +101,18 @@ def write_offsets(f, plan: Plan) -> None:
             cu = getattr(seq, name)
             if cu is not None:
                 node.create_dataset(name, data=np.asarray(cu, dtype=np.int64), track_times=False)
+
+
+def _group(f, h5py, path: str):
+    """The ``GroupID`` of group ``path`` of ``f`` (created with its parents), or the root's."""
+    if not path:
+        return f.id
+    name = path.encode()
+    if f.id.links.exists(name) if "/" not in path else path in f:
+        return h5py.h5g.open(f.id, name)
+    lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    return h5py.h5g.create(f.id, name, lcpl=lcpl)
 
 
 def _sources(ctx, i: int, where: dict, starts: dict):
@@ -182,15 +206,14 @@ def _fill_vds(ctx, tmp, h5py, plan, h, d, dt, lt, where: dict) -> None:
                                    one + (h, 1), fname, (h, n), (0, row0 + o),
                                    (h, cnt)))  # fmt: skip
             if not batch:
-                g = seq.group
-                node = f.require_group(g) if g else f
-                virtual_dataset(node, "out", (seq.length, h, d), dt, maps_o)
-                virtual_dataset(node, "lse", (h, seq.length), lt, maps_l)
-                label_dims(node, batch=False)
+                node = _group(f, h5py, seq.group)
+                o = virtual_dataset(node, "out", (seq.length, h, d), dt, maps_o)
+                ls = virtual_dataset(node, "lse", (h, seq.length), lt, maps_l)
+                label_ids(o, ls, batch=False)
                 maps_o, maps_l = [], []
         if batch:
             b, s = len(plan.sequences), plan.sequences[0].length
-            virtual_dataset(f, "out", (b, s, h, d), dt, maps_o)
-            virtual_dataset(f, "lse", (b, h, s), lt, maps_l)
-            label_dims(f, batch=True)
+            o = virtual_dataset(f, "out", (b, s, h, d), dt, maps_o)
+            ls = virtual_dataset(f, "lse", (b, h, s), lt, maps_l)
+            label_ids(o, ls, batch=True)
         write_offsets(f, plan)
