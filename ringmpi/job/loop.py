@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import platform
 import signal
 import sys
 import time
@@ -36,9 +35,10 @@ from .checkpoint import Checkpoints
 from .config import JobOptions
 from .progress import Progress
 from .reader import Reader, abandon, in_background
-from .report import peak_rss, predicted_seconds, start_line, ticks_per_step, utc
+from .report import predicted_seconds, start_line, ticks_per_step
 from .schema import InputError
 from .store import part_name
+from .summary import job_summary
 
 __all__ = ["JobContext", "SequenceLoop"]
 
@@ -304,62 +304,8 @@ class SequenceLoop:
 
     # -- the end ---------------------------------------------------------------------------
     def summary(self) -> dict:
-        """The job's summary, identical on every rank (sums and maxima over ``comm``)."""
-        ctx = self.ctx
-        size = ctx.size
-        wall = time.perf_counter() - ctx.t_start
-        phases = self.before + [self]
-        sizes = sorted({p.ctx.ring_size for p in phases}, reverse=True)
-        # every ring's ranks count their ring's tokens: / ring size, then summed over comm
-        mine = np.zeros(9 + len(sizes), dtype=np.float64)
-        for p in phases:
-            a = p.acc
-            mine[:9] += [a["flops"], a["wait_s"], a["total_s"], a["compute_s"],
-                         p.read_wait + p.write_s, p.read_wait, p.write_s,
-                         p.reader.bytes_read, p.tokens / p.ctx.ring_size]  # fmt: skip
-            mine[9 + sizes.index(p.ctx.ring_size)] += p.tokens / p.ctx.ring_size
-        peak = np.array([peak_rss(), wall], dtype=np.float64)
-        if ctx.comm is not None:
-            from mpi4py import MPI
-
-            tot = np.empty_like(mine)
-            ctx.comm.Allreduce(mine, tot, op=MPI.SUM)
-            mx = np.empty_like(peak)
-            ctx.comm.Allreduce(peak, mx, op=MPI.MAX)
-            mine, peak = tot, mx
-        wall = float(peak[1])
-        tokens = int(round(mine[8]))  # every ring's ranks counted their ring's tokens
-        hosts = [platform.node()] if ctx.comm is None else ctx.comm.allgather(platform.node())
-        by_size = {int(r): int(round(t)) for r, t in zip(sizes, mine[9:])}
-        return {
-            "ranks": size,
-            "ring_size": sizes[0] if len(sizes) == 1 else "auto",
-            "ring_sizes": by_size,  # tokens computed by rings of each size
-            "layout": ctx.spec.layout,
-            "causal": bool(ctx.spec.causal),
-            "device": ctx.device,
-            "sequences": sum(len(p.todo_all) for p in phases),
-            "skipped_done": len(self.done),
-            "tokens": tokens,
-            "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "gflops": mine[0] / wall / 1e9 if wall > 0 else 0.0,
-            "flops": float(mine[0]),
-            "peak_rss_bytes_max": int(peak[0]),
-            "mpi_wait_share": float(mine[1] / mine[2]) if mine[2] > 0 else 0.0,
-            "io_share": float(mine[4] / (wall * size)) if wall > 0 else 0.0,
-            "read_wait_s": float(mine[5] / size),
-            "write_s": float(mine[6] / size),
-            "read_mb_per_rank": float(mine[7] / size / 1e6),
-            "output": os.path.abspath(ctx.output),
-            "parts": os.path.abspath(ctx.output) + ".parts",
-            "output_mode": getattr(self.store, "mode", "parts"),
-            "started_utc": ctx.started_utc,
-            "finished_utc": utc(),
-            "hosts": hosts,
-            "timings": [t for p in phases for t in p.timings],
-            "provenance": ctx.attrs,
-        }
+        """The job's summary, identical on every rank (:func:`ringmpi.job.summary.job_summary`)."""
+        return job_summary(self.ctx, self.before + [self], len(self.done), self.store)
 
     def _interrupted(self, e: KeyboardInterrupt):
         """An Interrupted saying at which sequence and ring step the job stopped."""
