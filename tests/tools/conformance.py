@@ -38,8 +38,8 @@ from . import standin
 
 __all__ = [
     "Case", "CASES", "MODS", "FUSED", "VARIANTS", "TOL", "Variant", "registry_names", "variant",
-    "Problem", "problem", "spec_of", "run_forward", "run_backward", "assemble", "visible_pairs",
-    "close", "spec_forward", "spec_backward", "environ",
+    "Problem", "problem", "spec_of", "run_forward", "run_forward_merged", "run_backward",
+    "assemble", "visible_pairs", "close", "spec_forward", "spec_backward", "environ",
 ]  # fmt: skip
 
 #: tile vs the numpy tile (the spec), relative to max(1, max |spec|): the same terms summed
@@ -296,6 +296,27 @@ def run_forward(var: Variant, case: str, mod: str, dtype: str, mods=None) -> tup
     out, lse = be.finish(*state)
     return (var.to_host(out).astype(np.float64), var.to_host(lse).astype(np.float64),
             var.to_host(state[2]), flops)  # fmt: skip
+
+
+def run_forward_merged(var: Variant, case: str, mod: str, dtype: str) -> tuple:
+    """Each key block from an empty state, finished alone, then :func:`ringmpi.softmax.merge`.
+
+    Returns out (B, Sq, H, D) and lse (B, H, Sq), float64: what the carried state of
+    :func:`run_forward` must equal (the tile's (acc, m, l) is a mergeable partial result).
+    """
+    p = problem(case, mod, dtype)
+    be, st = var.be, _storage(dtype)
+    tdt, adt = be.tile_dtype(st), be.acc_dtype(st)
+    q = var.to_dev(_head_major(p.q, p.q_pos).astype(tdt))
+    out = lse = None
+    for kp in p.k_blocks:
+        k, v = (var.to_dev(_head_major(x, kp).astype(tdt)) for x in (p.k, p.v))
+        state = softmax.init_state(q.shape, adt, var.xp)
+        be.forward_tile(q, k, v, p.q_pos, kp, *state, **_tile_kw(p, case))
+        o, s = (var.to_host(x).astype(np.float64) for x in be.finish(*state))
+        o = np.moveaxis(o, 1, 2)  # merge takes (B, H, S, D) with lse (B, H, S)
+        out, lse = (o, s) if out is None else softmax.merge(out, lse, o, s)
+    return np.moveaxis(out, 1, 2), lse
 
 
 def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
