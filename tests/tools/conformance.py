@@ -1,19 +1,16 @@
 """Helpers of the conformance suite (tests/test_conformance.py): every registered tile vs the spec.
 
 A *variant* is one registered tile backend as it runs here: ``numpy`` (the spec itself),
-``fused-<isa>`` for every ISA path the host executes (the registered fused backend with
-its default forward kernel and backward library pointed at that path's builds, in this
-process), and ``gpu-standin`` (the registered GPU backend on the CuPy stand-in of
-tests/tools/standin.py: its Python side, argument checks and launch plans; the arithmetic
-there is the numpy tile's, the CUDA kernels do not run). The tiles are always called
-through the :class:`ringmpi.backend.Backend` that :func:`ringmpi.backend.select` returns,
-never the modules' raw functions, so what is checked is what the ring loops run.
-
-A *case* is a mask (with its shapes: odd sizes, GQA, batch) and a *modifier* set; the
-inputs are shaped like real data (:func:`ringmpi.testing.random_qkv` ``realistic=True``:
-nonzero means, small value spread, a few huge sink keys). Every query row of the case is
-fed in an order from the case's layout, the keys in ``blocks`` visiting K/V blocks of that
-layout, folded one after the other into one state (forward) or one dq (backward).
+``fused-<isa>`` for every ISA path the host executes (the fused backend with its default
+kernels pointed at that path's builds, in this process), and ``gpu-standin`` (the GPU
+backend on the CuPy stand-in of tests/tools/standin.py: its Python side, argument checks
+and launch plans; the arithmetic there is the numpy tile's, no CUDA runs). Tiles are
+called through the :class:`ringmpi.backend.Backend` that ``select`` returns: what is
+checked is what the ring loops run. A *case* is a mask (with shapes: odd sizes, GQA,
+batch) and a *modifier* set, on values shaped like real data (``random_qkv(realistic=True)``:
+means, small value spread, huge sink keys). Every query row is fed in the case layout's
+order; the keys come in ``blocks`` visiting K/V blocks of that layout, folded one after
+the other into one state (forward) or one dq (backward).
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
+from unittest import mock
 
 import numpy as np
 
@@ -38,8 +36,8 @@ from . import standin
 
 __all__ = [
     "Case", "CASES", "MODS", "FUSED", "VARIANTS", "TOL", "Variant", "registry_names", "variant",
-    "Problem", "problem", "spec_of", "run_forward", "run_forward_merged", "run_backward",
-    "assemble", "visible_pairs", "close", "spec_forward", "spec_backward", "environ",
+    "Problem", "problem", "spec_of", "run_forward", "run_backward", "assemble", "visible_pairs",
+    "close", "spec_forward", "spec_backward",
 ]  # fmt: skip
 
 #: tile vs the numpy tile (the spec), relative to max(1, max |spec|): the same terms summed
@@ -152,21 +150,6 @@ class Variant:
 
 
 @contextmanager
-def environ(**values):
-    """Environment variables set for a block, restored (or removed) afterwards."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
 def _fused_isa(isa: str):
     """The fused backend's default kernels (forward and backward) built for ``isa``.
 
@@ -174,34 +157,31 @@ def _fused_isa(isa: str):
     :mod:`ringmpi.cpu.fused_backward` at that path's builds (what ``$RINGMPI_CPU_ISA``
     selects in a fresh process) and restores them afterwards.
     """
-    kern = fused.load(isa)
     path = build.build_library("cpu_backward.c", isa)
-    lib = fused_backward.open_library(path)
-    fwd = ("_default", "_default_error", "_default_tried")
-    bwd = ("_lib", "_lib_path", "_error", "_tried")
-    saved = [getattr(fused, n) for n in fwd], [getattr(fused_backward, n) for n in bwd]
-    for n, val in zip(fwd, (kern, None, True)):
-        setattr(fused, n, val)
-    for n, val in zip(bwd, (lib, path, None, True)):
-        setattr(fused_backward, n, val)
+    swap = [(fused, {"_default": fused.load(isa), "_default_error": None, "_default_tried": True}),
+            (fused_backward, {"_lib": fused_backward.open_library(path), "_lib_path": path,
+                              "_error": None, "_tried": True})]  # fmt: skip
+    saved = [(mod, {n: getattr(mod, n) for n in values}) for mod, values in swap]
     try:
+        for mod, values in swap:
+            for n, val in values.items():
+                setattr(mod, n, val)
         yield
     finally:
-        for n, val in zip(fwd, saved[0]):
-            setattr(fused, n, val)
-        for n, val in zip(bwd, saved[1]):
-            setattr(fused_backward, n, val)
+        for mod, values in saved:
+            for n, val in values.items():
+                setattr(mod, n, val)
 
 
 @contextmanager
 def variant(name: str):
-    """The registered backend of variant ``name`` (see :data:`VARIANTS`), for a block."""
+    """The registered backend of variant ``name`` (one of :data:`VARIANTS`), for a block."""
     kind, _, isa = name.partition("-")
     if kind == "gpu":
         with standin.installed() as cupy:
             yield Variant(name, backend.select(cupy.zeros(1, dtype=np.float32)), cupy)
         return
-    with environ(RINGMPI_CPU_KERNEL=kind):
+    with mock.patch.dict(os.environ, RINGMPI_CPU_KERNEL=kind):
         if kind == "fused":
             with _fused_isa(isa):
                 yield Variant(name, backend.select(np.zeros(1)), np)
@@ -238,7 +218,13 @@ def _storage(dtype: str) -> np.dtype:
 
 @functools.cache
 def problem(case: str, mod: str, dtype: str) -> Problem:
-    """Inputs and dense references of one case (cached), values rounded to ``dtype``."""
+    """Inputs and dense references of one case (cached), values rounded to ``dtype``.
+
+    Parameters
+    ----------
+    case, mod, dtype : str
+        Keys of :data:`CASES` and :data:`MODS`; the storage dtype (float16, float32, float64).
+    """
     c = CASES[case]
     spec = spec_of(case, mod)
     rng = np.random.default_rng(sorted(CASES).index(case) * 31 + len(mod))
@@ -266,66 +252,76 @@ def problem(case: str, mod: str, dtype: str) -> Problem:
     return Problem(q, k, v, dout, q_pos, kb, bounds, mods, ref, grads, peer, peer_grads)
 
 
-def _tile_kw(p: Problem, case: str) -> dict:
+def _tile_kw(p: Problem, case: str, mods: Optional[dict] = None) -> dict:
+    """The tile keywords of a case; ``mods`` replaces its modifier keywords."""
     c = CASES[case]
-    return dict(scale=c.d**-0.5, causal=c.causal, bounds=p.bounds, **p.mods)
+    kw = dict(scale=c.d**-0.5, causal=c.causal, bounds=p.bounds)
+    return {**kw, **(p.mods if mods is None else mods)}
 
 
-def run_forward(var: Variant, case: str, mod: str, dtype: str, mods=None) -> tuple:
+def _blocks(var: Variant, p: Problem, tdt):
+    """(positions, k, v) of each visiting key block, on the variant's device in ``tdt``."""
+    for kp in p.k_blocks:
+        yield (kp, *(var.to_dev(_head_major(x, kp).astype(tdt)) for x in (p.k, p.v)))
+
+
+def run_forward(var: Variant, case: str, mod: str, dtype: str, *, mods=None, merged=False):
     """One variant's forward tile over every key block of a case, then the backend's finish.
 
-    ``mods`` replaces the case's modifier keywords (to show that a wrong one is caught).
+    Parameters
+    ----------
+    var : Variant
+    case, mod, dtype : str
+        Keys of :data:`CASES` and :data:`MODS`; the storage dtype (float16, float32, float64).
+    mods : dict, optional
+        Modifier keywords replacing the case's (to show that a wrong one is caught).
+    merged : bool
+        Each key block from an empty state, finished alone, the partial results combined
+        with :func:`ringmpi.softmax.merge` (what the carried state must equal).
 
     Returns
     -------
-    out : (B, Sq, H, D) float64, rows in q_pos order ; lse : (B, H, Sq) float64
-    l : (B, H, Sq) the final state's row sums ; flops : list of int, one per tile call
+    out : (B, Sq, H, D) float64, rows in q_pos order
+    lse : (B, H, Sq) float64
+    l : (B, H, Sq) the carried state's row sums (None when ``merged``)
+    flops : list of int, one per tile call
     """
     p = problem(case, mod, dtype)
     be, st = var.be, _storage(dtype)
     tdt, adt = be.tile_dtype(st), be.acc_dtype(st)
     q = var.to_dev(_head_major(p.q, p.q_pos).astype(tdt))
     state = softmax.init_state(q.shape, adt, var.xp)
-    flops = []
-    kw = _tile_kw(p, case)
-    if mods is not None:
-        kw = {**{n: x for n, x in kw.items() if n not in ("softcap", "alibi")}, **mods}
-    for kp in p.k_blocks:
-        k, v = (var.to_dev(_head_major(x, kp).astype(tdt)) for x in (p.k, p.v))
-        flops.append(be.forward_tile(q, k, v, p.q_pos, kp, *state, **kw))
-    out, lse = be.finish(*state)
-    return (var.to_host(out).astype(np.float64), var.to_host(lse).astype(np.float64),
-            var.to_host(state[2]), flops)  # fmt: skip
-
-
-def run_forward_merged(var: Variant, case: str, mod: str, dtype: str) -> tuple:
-    """Each key block from an empty state, finished alone, then :func:`ringmpi.softmax.merge`.
-
-    Returns out (B, Sq, H, D) and lse (B, H, Sq), float64: what the carried state of
-    :func:`run_forward` must equal (the tile's (acc, m, l) is a mergeable partial result).
-    """
-    p = problem(case, mod, dtype)
-    be, st = var.be, _storage(dtype)
-    tdt, adt = be.tile_dtype(st), be.acc_dtype(st)
-    q = var.to_dev(_head_major(p.q, p.q_pos).astype(tdt))
     out = lse = None
-    for kp in p.k_blocks:
-        k, v = (var.to_dev(_head_major(x, kp).astype(tdt)) for x in (p.k, p.v))
-        state = softmax.init_state(q.shape, adt, var.xp)
-        be.forward_tile(q, k, v, p.q_pos, kp, *state, **_tile_kw(p, case))
-        o, s = (var.to_host(x).astype(np.float64) for x in be.finish(*state))
-        o = np.moveaxis(o, 1, 2)  # merge takes (B, H, S, D) with lse (B, H, S)
-        out, lse = (o, s) if out is None else softmax.merge(out, lse, o, s)
-    return np.moveaxis(out, 1, 2), lse
+    flops = []
+    for kp, k, v in _blocks(var, p, tdt):
+        if merged:
+            state = softmax.init_state(q.shape, adt, var.xp)
+        flops.append(be.forward_tile(q, k, v, p.q_pos, kp, *state, **_tile_kw(p, case, mods)))
+        if merged:
+            o, s = (var.to_host(x).astype(np.float64) for x in be.finish(*state))
+            o = np.moveaxis(o, 1, 2)  # merge takes (B, H, S, D) with lse (B, H, S)
+            out, lse = (o, s) if out is None else softmax.merge(out, lse, o, s)
+    if merged:
+        return np.moveaxis(out, 1, 2), lse, None, flops
+    out, lse = (var.to_host(x).astype(np.float64) for x in be.finish(*state))
+    return out, lse, var.to_host(state[2]), flops
 
 
 def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
     """One variant's backward tile over every key block, from the float64 forward's lse/delta.
 
+    Parameters
+    ----------
+    var : Variant
+    case, mod, dtype : str
+        As in :func:`run_forward`.
+
     Returns
     -------
-    dq : (B, Sq, H, D) float64, rows in q_pos order ; dk, dv : list of (B, Hkv, Sk_b, D)
-    float64 per key block ; lse : (B, H, Sq), the lse the tiles got ; flops : list of int
+    dq : (B, Sq, H, D) float64, rows in q_pos order
+    dk, dv : lists of (B, Hkv, Sk_b, D) float64, one per key block
+    lse : (B, H, Sq) float64, the (rounded) lse the tiles got
+    flops : list of int, one per tile call
     """
     p = problem(case, mod, dtype)
     be, st = var.be, _storage(dtype)
@@ -338,12 +334,10 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
     lse_d, delta_d = var.to_dev(lse), var.to_dev(delta)
     dq = var.xp.zeros(q.shape, adt)
     dks, dvs, flops = [], [], []
-    for kp in p.k_blocks:
-        k, v = (var.to_dev(_head_major(x, kp).astype(tdt)) for x in (p.k, p.v))
+    for kp, k, v in _blocks(var, p, tdt):
         dk, dv = var.xp.zeros(k.shape, adt), var.xp.zeros(v.shape, adt)
-        kw = _tile_kw(p, case)
         flops.append(be.backward_tile(q, k, v, dout, lse_d, delta_d, p.q_pos, kp, dq, dk, dv,
-                                      **kw))  # fmt: skip
+                                      **_tile_kw(p, case)))  # fmt: skip
         dks.append(var.to_host(dk).astype(np.float64))
         dvs.append(var.to_host(dv).astype(np.float64))
     dq = np.moveaxis(var.to_host(dq).astype(np.float64), 1, 2)
@@ -351,7 +345,7 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
 
 
 def assemble(p: Problem, dks: list, dvs: list) -> tuple:
-    """Per-block dk, dv (B, Hkv, Sk_b, D) -> global (B, Nk, Hkv, D)."""
+    """Per-block dk, dv (lists of (B, Hkv, Sk_b, D)) -> global (B, Nk, Hkv, D) each."""
     dk, dv = np.zeros(p.k.shape), np.zeros(p.v.shape)
     for kp, a, b in zip(p.k_blocks, dks, dvs):
         dk[:, kp] += np.moveaxis(a, 1, 2)
@@ -360,7 +354,7 @@ def assemble(p: Problem, dks: list, dvs: list) -> tuple:
 
 
 def visible_pairs(case: str, mod: str, dtype: str) -> list:
-    """(query row, key) pairs visible in each tile call of a case."""
+    """(query row, key) pairs visible in each tile call of a case (same keys as :func:`problem`)."""
     p = problem(case, mod, dtype)
     c = CASES[case]
     if p.bounds is None:  # the causal flag, or no mask
@@ -373,7 +367,15 @@ def visible_pairs(case: str, mod: str, dtype: str) -> list:
 
 
 def close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> float:
-    """Assert ``got`` within :data:`TOL` of the spec's ``want`` (inf entries equal); err/bound."""
+    """Assert ``got`` within :data:`TOL` of the spec's ``want`` (inf entries equal); err/bound.
+
+    Parameters
+    ----------
+    got, want : arrays of one shape
+        A variant's result and the numpy tile's.
+    dtype, what : str
+        The storage dtype (picks the tolerance); a label for the message.
+    """
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     fin = np.isfinite(want)
     assert np.array_equal(got[~fin], want[~fin]), f"{what}: infinite entries differ"
