@@ -272,7 +272,10 @@ def test_sinks_through_ring_attention(var, mod, dtype):
               alibi_slopes=(0.25, 0.0625, 0.0, 0.015625) if alibi else None)  # fmt: skip
     dev = [var.to_dev(x) for x in (q, k, v, dout)]
     comm = MPI.COMM_SELF
-    out, lse = ringmpi.ring_attention(*dev[:3], comm, layout="contiguous", return_lse=True, **kw)
+    stats = {}
+    out, lse = ringmpi.ring_attention(*dev[:3], comm, layout="contiguous", return_lse=True,
+                                      stats=stats, **kw)  # fmt: skip
+    assert stats["tile"] == var.be.describe()  # the variant's tiles ran (its ISA path)
     out, lse = var.to_host(out), var.to_host(lse)
     ref, ref_lse = reference.attention(q, k, v, **kw)
     low = dtype != "float64"
@@ -290,7 +293,8 @@ def test_sinks_through_ring_attention(var, mod, dtype):
                                             comm, layout="contiguous", **kw)  # fmt: skip
         return
     got = ringmpi.ring_attention_backward(dev[3], *dev[:3], var.to_dev(out), var.to_dev(lse),
-                                          comm, layout="contiguous", **kw)  # fmt: skip
+                                          comm, layout="contiguous", stats=stats, **kw)  # fmt: skip
+    assert stats["tile"] == var.be.describe()
     want = reference.attention_backward(dout, q, k, v, **kw)
     peer_g = dense_backward(dout, q, k, v, **kw) if low else (None,) * 4
     for g, w, o, nm in zip(got, want, peer_g, ("dq", "dk", "dv", "dsinks")):
