@@ -23,6 +23,9 @@ allowed. Sinks act at finish, so they are checked through ``ring_attention`` at 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -309,3 +312,35 @@ def test_registry_is_what_select_builds():
         assert v.be.backward_tile is numpy_tile.backward_tile
     with conf.variant(f"fused-{fused.host_isas()[0]}") as v:
         assert v.be.name == "fused"
+
+
+_ENV_RUN = """
+import sys
+import numpy as np
+from tools import conformance as conf
+from ringmpi import backend
+var = conf.Variant("env", backend.select(np.zeros(1)), np)
+out, lse, _, _ = conf.run_forward(var, "packed_window", "both", "float32")
+dq, dks, dvs, _, _ = conf.run_backward(var, "packed_window", "both", "float32")
+np.savez(sys.argv[1], out=out, lse=lse, dq=dq, dk=np.concatenate(dks, 2), dv=np.concatenate(dvs, 2))
+print(var.be.describe())
+"""
+
+
+@pytest.mark.skipif(not conf.FUSED, reason="no fused C tiles on this host (no C compiler)")
+def test_in_process_isa_equals_the_environment(tmp_path):
+    """The in-process ISA switch gives bit for bit what RINGMPI_CPU_ISA gives a fresh process."""
+    isa = fused.host_isas()[-1]  # the narrowest: never the default of auto
+    env = dict(os.environ, RINGMPI_CPU_ISA=isa, RINGMPI_CPU_KERNEL="fused", PYTHONPATH="tests")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", _ENV_RUN, str(tmp_path / "r.npz")], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"fused: forward: fused C ({isa}); backward: fused C ({isa})"
+    got = np.load(tmp_path / "r.npz")
+    with conf.variant(f"fused-{isa}") as v:
+        out, lse, _, _ = conf.run_forward(v, "packed_window", "both", "float32")
+        dq, dks, dvs, _, _ = conf.run_backward(v, "packed_window", "both", "float32")
+    want = dict(out=out, lse=lse, dq=dq, dk=np.concatenate(dks, 2), dv=np.concatenate(dvs, 2))
+    for name, x in want.items():
+        np.testing.assert_array_equal(got[name], x, err_msg=name)
