@@ -25,7 +25,7 @@ from unittest import mock
 import numpy as np
 
 import ringmpi
-from ringmpi import backend, softmax
+from ringmpi import backend, gpu, softmax
 from ringmpi.cpu import build, fused, fused_backward
 from ringmpi.mask import tile_modifiers
 from ringmpi.reference import attention, attention_backward
@@ -36,13 +36,13 @@ from . import standin
 
 __all__ = [
     "Case", "CASES", "MODS", "FUSED", "VARIANTS", "TOL", "Variant", "registry_names", "variant",
-    "Problem", "problem", "spec_of", "run_forward", "run_backward", "assemble", "visible_pairs",
-    "close", "spec_forward", "spec_backward",
+    "Problem", "problem", "spec_of", "run_forward", "run_backward", "visible_pairs", "close",
+    "spec_result", "storage",
 ]  # fmt: skip
 
 #: tile vs the numpy tile (the spec), relative to max(1, max |spec|): the same terms summed
 #: in another order (float32: a few hundred terms, exp within a few ulps; float64 ~1e-15)
-TOL = {"float16": 2e-5, "float32": 2e-5, "float64": 1e-12}
+TOL = {"float16": 2e-5, "bfloat16": 2e-5, "float32": 2e-5, "float64": 1e-12}
 
 #: whether the fused C tiles (forward and backward) build here (no C compiler: they do not)
 FUSED = fused.available() and fused_backward.available()
@@ -125,11 +125,8 @@ def spec_of(case: str, mod: str) -> AttentionSpec:
 
 def registry_names() -> set:
     """The tile backends :mod:`ringmpi.backend` can build (its ``_<name>_backend`` factories)."""
-    return {
-        n[1 : -len("_backend")]
-        for n in vars(backend)
-        if n.startswith("_") and n.endswith("_backend") and callable(getattr(backend, n))
-    }
+    names = [n for n in vars(backend) if n.startswith("_") and n.endswith("_backend")]
+    return {n[1 : -len("_backend")] for n in names if callable(getattr(backend, n))}
 
 
 @dataclass
@@ -198,7 +195,7 @@ def _head_major(x: np.ndarray, idx) -> np.ndarray:
 class Problem:
     """Inputs (float64 holding values rounded to the storage dtype), positions, references."""
 
-    q: np.ndarray
+    q: np.ndarray  # (B, Nq, H, D), k and v (B, Nk, Hkv, D), dout like q
     k: np.ndarray
     v: np.ndarray
     dout: np.ndarray
@@ -212,8 +209,14 @@ class Problem:
     peer_grads: Optional[tuple]
 
 
-def _storage(dtype: str) -> np.dtype:
-    return np.dtype(np.float16 if dtype == "float16" else dtype)
+def storage(dtype: str) -> np.dtype:
+    """The input dtype of a storage name (bfloat16 travels as uint16 bits, :mod:`ringmpi.gpu`)."""
+    return np.dtype({"float16": np.float16, "bfloat16": np.uint16}.get(dtype, dtype))
+
+
+def _tile(var: Variant, x: np.ndarray, tdt):
+    """float64 ``x`` on the variant's device in tile dtype ``tdt`` (uint16: bfloat16 bits)."""
+    return var.to_dev(gpu.to_bf16_bits(x) if tdt == np.uint16 else x.astype(tdt))
 
 
 @functools.cache
@@ -223,15 +226,21 @@ def problem(case: str, mod: str, dtype: str) -> Problem:
     Parameters
     ----------
     case, mod, dtype : str
-        Keys of :data:`CASES` and :data:`MODS`; the storage dtype (float16, float32, float64).
+        Keys of :data:`CASES` and :data:`MODS`; the storage dtype (float16, bfloat16 (GPU),
+        float32, float64).
     """
     c = CASES[case]
     spec = spec_of(case, mod)
     rng = np.random.default_rng(sorted(CASES).index(case) * 31 + len(mod))
     q, k, v = random_qkv(rng, c.nq, c.h, c.hkv, c.d, batch=c.b, realistic=True, nk=c.nk)
     dout = 0.2 + 0.1 * rng.standard_normal(q.shape)
-    st = _storage(dtype)
-    q, k, v, dout = (x.astype(st).astype(np.float64) for x in (q, k, v, dout))
+
+    def rounded(x):  # the values the storage dtype holds, as float64
+        if dtype == "bfloat16":
+            return gpu.from_bf16_bits(gpu.to_bf16_bits(x)).astype(np.float64)
+        return x.astype(storage(dtype)).astype(np.float64)
+
+    q, k, v, dout = (rounded(x) for x in (q, k, v, dout))
     mask = spec.mask(c.nq, c.nk)
     q_pos = np.concatenate(
         [ringmpi.positions(c.nq, r, 2, c.layout, cu_seqlens=mask.cu_q) for r in range(2)]
@@ -262,7 +271,7 @@ def _tile_kw(p: Problem, case: str, mods: Optional[dict] = None) -> dict:
 def _blocks(var: Variant, p: Problem, tdt):
     """(positions, k, v) of each visiting key block, on the variant's device in ``tdt``."""
     for kp in p.k_blocks:
-        yield (kp, *(var.to_dev(_head_major(x, kp).astype(tdt)) for x in (p.k, p.v)))
+        yield (kp, *(_tile(var, _head_major(x, kp), tdt) for x in (p.k, p.v)))
 
 
 def run_forward(var: Variant, case: str, mod: str, dtype: str, *, mods=None, merged=False):
@@ -272,7 +281,8 @@ def run_forward(var: Variant, case: str, mod: str, dtype: str, *, mods=None, mer
     ----------
     var : Variant
     case, mod, dtype : str
-        Keys of :data:`CASES` and :data:`MODS`; the storage dtype (float16, float32, float64).
+        Keys of :data:`CASES` and :data:`MODS`; the storage dtype (float16, bfloat16 (GPU),
+        float32, float64).
     mods : dict, optional
         Modifier keywords replacing the case's (to show that a wrong one is caught).
     merged : bool
@@ -287,9 +297,9 @@ def run_forward(var: Variant, case: str, mod: str, dtype: str, *, mods=None, mer
     flops : list of int, one per tile call
     """
     p = problem(case, mod, dtype)
-    be, st = var.be, _storage(dtype)
+    be, st = var.be, storage(dtype)
     tdt, adt = be.tile_dtype(st), be.acc_dtype(st)
-    q = var.to_dev(_head_major(p.q, p.q_pos).astype(tdt))
+    q = _tile(var, _head_major(p.q, p.q_pos), tdt)
     state = softmax.init_state(q.shape, adt, var.xp)
     out = lse = None
     flops = []
@@ -324,9 +334,9 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
     flops : list of int, one per tile call
     """
     p = problem(case, mod, dtype)
-    be, st = var.be, _storage(dtype)
+    be, st = var.be, storage(dtype)
     tdt, adt = be.tile_dtype(st), be.acc_dtype(st)
-    q, dout = (var.to_dev(_head_major(x, p.q_pos).astype(tdt)) for x in (p.q, p.dout))
+    q, dout = (_tile(var, _head_major(x, p.q_pos), tdt) for x in (p.q, p.dout))
     out = _head_major(p.ref[0], p.q_pos)
     lse = np.ascontiguousarray(p.ref[1][..., p.q_pos]).astype(adt)
     # delta = dout . out in the accumulation dtype, from the rounded dout
@@ -342,15 +352,6 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
         dvs.append(var.to_host(dv).astype(np.float64))
     dq = np.moveaxis(var.to_host(dq).astype(np.float64), 1, 2)
     return dq, dks, dvs, lse.astype(np.float64), flops
-
-
-def assemble(p: Problem, dks: list, dvs: list) -> tuple:
-    """Per-block dk, dv (lists of (B, Hkv, Sk_b, D)) -> global (B, Nk, Hkv, D) each."""
-    dk, dv = np.zeros(p.k.shape), np.zeros(p.v.shape)
-    for kp, a, b in zip(p.k_blocks, dks, dvs):
-        dk[:, kp] += np.moveaxis(a, 1, 2)
-        dv[:, kp] += np.moveaxis(b, 1, 2)
-    return dk, dv
 
 
 def visible_pairs(case: str, mod: str, dtype: str) -> list:
@@ -387,14 +388,7 @@ def close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> float:
 
 
 @functools.cache
-def spec_forward(case: str, mod: str, dtype: str) -> tuple:
-    """:func:`run_forward` of the numpy backend (the spec), cached."""
+def spec_result(direction: str, case: str, mod: str, dtype: str) -> tuple:
+    """:func:`run_forward` (``"fwd"``) or :func:`run_backward` of the numpy backend, cached."""
     with variant("numpy") as var:
-        return run_forward(var, case, mod, dtype)
-
-
-@functools.cache
-def spec_backward(case: str, mod: str, dtype: str) -> tuple:
-    """:func:`run_backward` of the numpy backend (the spec), cached."""
-    with variant("numpy") as var:
-        return run_backward(var, case, mod, dtype)
+        return (run_forward if direction == "fwd" else run_backward)(var, case, mod, dtype)
