@@ -95,6 +95,8 @@ CASES = {
     "packed_window": Case(211, 211, window=(20, 7), cu_q=PACKED, layout="striped"),
     "cross_causal": Case(77, 203, causal=True, h=6, hkv=2, d=59),  # bottom-right
     "cross_packed": Case(90, 200, causal=True, cu_q=(0, 40, 41, 90), cu_k=(0, 100, 103, 200)),
+    # keys 0..139 are hidden from every query: two of the three tile calls see nothing
+    "cross_window": Case(40, 200, causal=True, window=(20, 0), layout="contiguous"),
     # rows 0..141 see no key (bottom-right causal, Lq > Lk); the middle packed query
     # sequence of empty_packed has no keys at all
     "empty_rows": Case(203, 61, causal=True, d=59, layout="contiguous", blocks=2),
