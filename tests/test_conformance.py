@@ -14,11 +14,11 @@ delta), and is held to two rules:
   three times backward plus what the float32 lse moves; 1e-12 relative in float64).
 
 Rows that see no key must give out 0, lse -inf, l 0 and no gradient, exactly; every tile
-call's flops count every visible pair and no more than all pairs (0 for a call
-that sees no pair). A case a backend
-cannot run must be refused by ``Backend.supports`` with a reason naming the option, and
-the tile then raises rather than answering: only the refusals listed in MAY_REFUSE are
-allowed. Sinks act at finish, so they are checked through ``ring_attention`` at P = 1.
+call's flops count every visible pair and no more than all pairs (0 for a call that sees
+no pair). A case a backend cannot run must be refused by ``Backend.supports`` with a
+reason naming the option, and the tile then raises rather than answering: only the
+refusals listed in MAY_REFUSE are allowed. Sinks act at finish, so they are checked
+through ``ring_attention`` at P = 1.
 """
 
 from __future__ import annotations
