@@ -183,7 +183,10 @@ def variant(name: str):
     with mock.patch.dict(os.environ, RINGMPI_CPU_KERNEL=kind):
         if kind == "fused":
             with _fused_isa(isa):
-                yield Variant(name, backend.select(np.zeros(1)), np)
+                be = backend.select(np.zeros(1))
+                if be.describe().count(f"fused C ({isa})") != 2:  # the switch did not take
+                    raise RuntimeError(f"{name}: the backend runs {be.describe()!r}")
+                yield Variant(name, be, np)
         else:
             yield Variant(name, backend.select(np.zeros(1)), np)
 
