@@ -170,10 +170,12 @@ def test_forward(var, case, mod, dtype):
     tag = f"{var.name} {case} {mod} {dtype}"
     conf.close(out, want_out, dtype, f"{tag} out")
     conf.close(lse, want_lse, dtype, f"{tag} lse")
-    # the carried state equals the blocks' partial results merged (softmax.merge)
-    m_out, m_lse, _, _ = conf.run_forward(var, case, mod, dtype, merged=True)
-    conf.close(m_out, out, dtype, f"{tag} merged out")
-    conf.close(m_lse, lse, dtype, f"{tag} merged lse")
+    # the carried state equals the blocks' partial results merged (softmax.merge); on the
+    # stand-in (numpy arithmetic, slow launch checks) without modifiers only
+    if var.be.name != "gpu" or mod == "plain":
+        m_out, m_lse, _, _ = conf.run_forward(var, case, mod, dtype, merged=True)
+        conf.close(m_out, out, dtype, f"{tag} merged out")
+        conf.close(m_lse, lse, dtype, f"{tag} merged lse")
     peer = (None, None) if p.peer is None else p.peer
     qp = p.q_pos
     assert_close(None, out, p.ref[0][:, qp], None if peer[0] is None else peer[0][:, qp],
