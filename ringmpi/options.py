@@ -10,9 +10,11 @@ import argparse
 import os
 import sys
 
-from .options_run import MAX_TOKENS, SAMPLE_ROWS, add_run_command
-from .options_run import RUN_EXAMPLES as RUN_EXAMPLES  # re-exported: they lived here
+from .options_run import MAX_TOKENS as MAX_TOKENS  # re-exported: they lived here
+from .options_run import RUN_EXAMPLES as RUN_EXAMPLES
+from .options_run import SAMPLE_ROWS as SAMPLE_ROWS
 from .options_run import SCHEMA as SCHEMA
+from .options_run import add_run_command, add_verify_flags
 from .spec import AttentionSpec, cli_fields, parse_scale, parse_window
 
 __all__ = [
@@ -172,27 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("output", help="output file written by 'ringmpi run'")
     v.add_argument("inputs", nargs="+", metavar="INPUT", help="the inputs of that run")
     v.add_argument("--weights", help="projection weights file for raw-feature inputs")
-    v.add_argument(
-        "--max-tokens",
-        type=int,
-        default=MAX_TOKENS,
-        metavar="N",
-        help="check sequences up to N tokens in full (default %(default)s)",
-    )
-    v.add_argument(
-        "--sample-rows",
-        type=int,
-        default=None,
-        metavar="R",
-        help="random query rows per head checked in a longer sequence (default S/128 within "
-        f"[256, {SAMPLE_ROWS}]; 0 skips such sequences)",
-    )
-    v.add_argument(
-        "--full",
-        action="store_true",
-        help="check every row of every sequence, whatever its length (slow: the run's flops "
-        "in numpy float64)",
-    )
+    add_verify_flags(v)
     v.add_argument("--seed", type=int, default=0, help="seed of the row sample (default 0)")
     v.add_argument("--quiet", action="store_true", help="no progress lines")
 

@@ -15,8 +15,8 @@ from typing import Callable
 from .job.budget import parse_size
 from .spec import cli_fields
 
-__all__ = ["add_run_command", "positive", "seconds", "SCHEMA", "RUN_EXAMPLES", "MAX_TOKENS",
-           "SAMPLE_ROWS"]  # fmt: skip
+__all__ = ["add_run_command", "add_verify_flags", "positive", "seconds", "SCHEMA",
+           "RUN_EXAMPLES", "MAX_TOKENS", "SAMPLE_ROWS"]  # fmt: skip
 
 MAX_TOKENS = 4096  # = ringmpi.job.verify.MAX_TOKENS (not imported: keeps --help fast)
 SAMPLE_ROWS = 2048  # = ringmpi.job.verify.SAMPLE_ROWS
@@ -62,6 +62,43 @@ def positive(text: str) -> float:
 def seconds(text: str) -> float:
     """A finite number of seconds >= 0 (``--checkpoint-every``)."""
     return _number(text, lambda x: x >= 0, "a number of seconds >= 0")
+
+
+def add_verify_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """Add the flags that choose what verify checks: max tokens in full, sampled rows, full.
+
+    ``ringmpi verify`` takes them as they are; ``ringmpi run`` with ``prefix``
+    "verify-" (``--verify-max-tokens``, ...: what its ``--verify`` checks).
+
+    Parameters
+    ----------
+    p : argparse.ArgumentParser
+        The subcommand's parser.
+    prefix : str
+        Put before each flag's name (its help then starts with "--verify: ").
+    """
+    note = "--verify: " if prefix else ""
+    p.add_argument(
+        f"--{prefix}max-tokens",
+        type=int,
+        default=MAX_TOKENS,
+        metavar="N",
+        help=note + "check sequences up to N tokens in full (default %(default)s)",
+    )
+    p.add_argument(
+        f"--{prefix}sample-rows",
+        type=int,
+        default=None,
+        metavar="R",
+        help=note + "check R random query rows per head of longer sequences "
+        f"(default S/128 within [256, {SAMPLE_ROWS}]; 0 skips them)",
+    )
+    p.add_argument(
+        f"--{prefix}full",
+        action="store_true",
+        help=note + "check every row of every sequence, whatever its length (slow: the run's "
+        "flops in numpy float64)",
+    )
 
 
 def add_run_command(sub, fmt) -> argparse.ArgumentParser:
@@ -173,27 +210,7 @@ def add_run_command(sub, fmt) -> argparse.ArgumentParser:
     r.add_argument(
         "--verify", action="store_true", help="compare with the dense reference afterwards"
     )
-    r.add_argument(
-        "--verify-max-tokens",
-        type=int,
-        default=MAX_TOKENS,
-        metavar="N",
-        help="--verify: check sequences up to N tokens in full (default %(default)s)",
-    )
-    r.add_argument(
-        "--verify-sample-rows",
-        type=int,
-        default=None,
-        metavar="R",
-        help="--verify: check R random query rows per head of longer sequences "
-        f"(default S/128 within [256, {SAMPLE_ROWS}]; 0 skips them)",
-    )
-    r.add_argument(
-        "--verify-full",
-        action="store_true",
-        help="--verify: check every row of every sequence (slow: as many flops as the run, "
-        "in numpy float64)",
-    )
+    add_verify_flags(r, prefix="verify-")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     r.add_argument("--summary-json", metavar="FILE", help="write the summary as JSON (rank 0)")
     r.add_argument(
