@@ -303,7 +303,8 @@ def test_realcases_rule_can_fail(cupy, monkeypatch):
 
     def chained(expr, grid, block, args, smem):
         q, k, v, acc, m, l, qp, kp = (x._a for x in args[:8])
-        scale = np.float32(float(args[-2]))
+        scale = np.float32(float(args[-5]))  # before causal and the 3 modifier arguments
+        assert scale > 0
         s = np.einsum("hqd,kd->hqk", q[0], k[0, 0], dtype=np.float32) * scale
         s[:, kp[None, :] > qp[:, None]] = -np.inf  # causal
         mx = s.max(-1, keepdims=True)
@@ -334,7 +335,9 @@ def test_realcases_backward_rule_can_fail(cupy, monkeypatch):
         if "_dkdv_" in expr:
             q, k, _, do, lse, _, _, dv = (x._a for x in args[:8])
             s = np.einsum("hqd,kd->hqk", q[0], k[0, 0], dtype=np.float32)
-            p = np.exp(s * np.float32(float(args[-2])) - lse[0][..., None])
+            scale = np.float32(float(args[-5]))  # before causal and the 3 modifier arguments
+            assert scale > 0
+            p = np.exp(s * scale - lse[0][..., None])
             o = np.zeros(dv.shape[2:], np.float32)
             for i in range(q.shape[2]):  # every query row of both heads, in order
                 for h in range(q.shape[1]):
@@ -390,18 +393,95 @@ def test_forward_modifiers_reach_every_configuration(cupy, monkeypatch, dtype):
         tile.forward_tile(dq, dk, dv, q_pos, k_pos, *st, scale=0.1, causal=True, softcap=-1.0)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_ring_attention_with_modifiers_on_the_gpu_backend(cupy, dtype):
-    """ring_attention on device arrays with softcap + ALiBi (+ a window) against float64.
+MOD_SETS = {
+    "softcap": dict(softcap=2.5),
+    "alibi": dict(alibi=True),
+    "softcap+alibi": dict(softcap=4.0, alibi=True),
+}
 
-    The CUDA backward does not apply the modifiers yet: it refuses them with the reason.
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("mods", list(MOD_SETS))
+def test_backward_modifiers_reach_every_configuration(cupy, monkeypatch, dtype, mods):
+    """softcap and ALiBi reach both backward kernels of every configuration pair.
+
+    Each (dK/dV, dQ) pair of configurations is forced in turn; the stand-in runs the
+    numpy tile on what each launch hands it, so a kernel argument that is dropped,
+    misordered or of the wrong type fails here (against the numpy tile called directly
+    with the same modifiers, under a window with empty rows). The CUDA arithmetic runs in
+    tests/test_gpu.py on a device.
     """
-    import ringmpi
+    import itertools
 
-    mods = dict(softcap=4.0, alibi_slopes=[0.5, 0.25, 0.0625, 0.0], window=(60, 0))
-    _, (ql, kl, vl, dl), (out, lse), _ = gpucases.forward_case(
-        cupy, self_comm(), dtype, "zigzag", True, mask=mods
-    )
+    from ringmpi.cpu import numpy_tile
+    from ringmpi.gpu import backward, configs
+    from ringmpi.softmax import finalize, init_state
+
+    rng = np.random.default_rng(4)
+    bsz, h, hkv, sq, sk = 1, 4, 2, 70, 90
+    adt = np.float64 if dtype == "float64" else np.float32
+    q_pos = np.arange(20, 20 + sq, dtype=np.int64)
+    k_pos = np.arange(sk, dtype=np.int64)[::-1].copy()  # not sorted
+    lo, hi = q_pos - 45, q_pos.copy()
+    hi[::9] = lo[::9] - 1  # rows that see no key
+    slopes = np.array([0.5, 0.25, 0.125, 0.0])
+    mod_kw = {"softcap": MOD_SETS[mods]["softcap"]} if "softcap" in MOD_SETS[mods] else {}
+    if "alibi" in MOD_SETS[mods]:
+        mod_kw["alibi"] = (slopes, q_pos + 5)  # a bottom-right offset of the ALiBi rows
+    for d in (64, 200):
+        shapes = [(bsz, h, sq, d), (bsz, hkv, sk, d), (bsz, hkv, sk, d), (bsz, h, sq, d)]
+        q, k, v, do = (gpucases.rounded(x, dtype).astype(adt) for x in gpucases.data(rng, shapes))
+        kw = dict(scale=d**-0.5, causal=True, bounds=(lo, hi))
+        state = init_state(q.shape, adt)
+        numpy_tile.forward_tile(q, k, v, q_pos, k_pos, *state, **kw, **mod_kw)
+        out, lse = finalize(*state)
+        delta = (do * out).sum(-1)
+        want = [np.zeros_like(x) for x in (q, k, v)]
+        numpy_tile.backward_tile(q, k, v, do, lse, delta, q_pos, k_pos, *want, **kw, **mod_kw)
+        plain = [np.zeros_like(x) for x in (q, k, v)]
+        numpy_tile.backward_tile(q, k, v, do, lse, delta, q_pos, k_pos, *plain, **kw)
+        assert not np.allclose(plain[0], want[0]), "the modifiers do not change dq"
+        dev = [gpucases.to_device(cupy, x, dtype) for x in (k, v)]
+        pairs = list(itertools.product(*configs.backward_all(STORAGE[dtype], d)))
+        assert len(pairs) >= 2 or dtype == "float64", pairs
+        for k_dkdv, k_dq in pairs:
+            monkeypatch.setattr(backward, "chosen", lambda s, dd, dv_, a=k_dkdv, b=k_dq: (a, b))
+            got = [cupy.zeros(x.shape, dtype=adt) for x in (q, k, v)]
+            n0 = len(cupy.launches)
+            backward.backward_tile(
+                cupy.asarray(q), *dev, cupy.asarray(do), cupy.asarray(lse),
+                cupy.asarray(delta), q_pos, k_pos, *got, **kw, **mod_kw,
+            )  # fmt: skip
+            ran = [e for e, *_ in cupy.launches[n0:]]
+            assert ran == [k_dkdv.expr, k_dq.expr], ran
+            for name, g, w in zip(("dq", "dk", "dv"), got, want):
+                what = f"{k_dkdv.name}/{k_dq.name} D={d} {name}"
+                np.testing.assert_allclose(g.get(), w, rtol=0, atol=1e-5 * np.abs(w).max(),
+                                           err_msg=what)  # fmt: skip
     with pytest.raises(ValueError, match="softcap"):
-        ringmpi.ring_attention_backward(dl, ql, kl, vl, out, lse, self_comm(), causal=True,
-                                        layout="zigzag", **mods)  # fmt: skip
+        backward.backward_tile(
+            cupy.asarray(q), *dev, cupy.asarray(do), cupy.asarray(lse), cupy.asarray(delta),
+            q_pos, k_pos, *got, scale=0.1, causal=True, softcap=0.0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="slopes"):
+        backward.backward_tile(
+            cupy.asarray(q), *dev, cupy.asarray(do), cupy.asarray(lse), cupy.asarray(delta),
+            q_pos, k_pos, *got, scale=0.1, causal=True, alibi=(slopes[:3], q_pos),
+        )  # fmt: skip
+
+
+RING_MODS = [
+    ("softcap, window 60,0", dict(softcap=4.0, window=(60, 0))),
+    ("alibi, packed", dict(alibi_slopes=[0.5, 0.25, 0.0625, 0.0], cu_seqlens=(0, 40, 41, 203))),
+    ("both, packed window 25,4",
+     dict(softcap=3.0, alibi_slopes=[0.125, 0.5, 0.0, 2.0**-5], window=(25, 4),
+          cu_seqlens=(0, 90, 203))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("case", RING_MODS, ids=[c[0] for c in RING_MODS])
+def test_ring_backward_with_modifiers_on_the_gpu_backend(cupy, dtype, case):
+    """ring_attention(_backward) on device arrays with softcap / ALiBi against float64 (P=1)."""
+    _, mods = case
+    gpucases.backward_case(cupy, self_comm(), dtype, "zigzag", True, mask=mods)
