@@ -258,7 +258,9 @@ __global__ void __launch_bounds__(128, 1)
         float x = st[nt][e] * scale_log2, dx = 1.f;
         if (mods) {
           if (cap2 > 0.f) x = softcap_apply(x, cap2, dx);
-          if (alibi) x += alibi_term(slope2, q0 + col < Sq ? apos[q0 + col] : 0LL, kp[e >> 1]);
+          // (a padding key, kp = RING_POS_MAX, gets no ALiBi term: its row is never stored)
+          if (alibi && kp[e >> 1] != RING_POS_MAX)
+            x += alibi_term(slope2, q0 + col < Sq ? apos[q0 + col] : 0LL, kp[e >> 1]);
         }
         float p = fast_exp2(x - ls[col]);
         if (need_mask && (kp[e >> 1] < pl[col] || kp[e >> 1] > ph[col])) p = 0.f;
@@ -655,7 +657,8 @@ __global__ void __launch_bounds__(256, 1)
           A x = s[i][j] * scale, dx = (A)1;
           if (mods) {
             if (softcap > zero) x = softcap_apply(x, softcap, dx);
-            if (alibi) x += alibi_term(slope, q0 + qj < Sq ? apos[q0 + qj] : 0LL, kp[i]);
+            if (alibi && kp[i] != RING_POS_MAX)  // not for a padding key (never stored)
+              x += alibi_term(slope, q0 + qj < Sq ? apos[q0 + qj] : 0LL, kp[i]);
           }
           A p = exp_acc(x - Ls[qj]);
           if (need_mask && (kp[i] < Ql[qj] || kp[i] > Qh[qj])) p = zero;
