@@ -123,13 +123,18 @@ def dataset(path: str, f, name: str, ndim: int, fsize: int):
         fail(path, f"missing dataset '{name}'")
     if not isinstance(obj, h5py.Dataset):
         fail(path, f"'{name}' is not a dataset")
-    if obj.dtype.kind != "f" or obj.dtype.name not in FLOAT_DTYPES:
-        fail(path, f"dataset '{name}' has dtype {obj.dtype}, expected float16, float32 or float64")
-    if obj.ndim != ndim:
-        fail(path, f"dataset '{name}' has shape {obj.shape}, expected {ndim} dimensions")
-    check_storage(path, obj, fsize)
-    trusted(path, obj)
-    return obj
+    return _checked(path, name, obj, obj.dtype.name, ndim, fsize)
+
+
+def _checked(path: str, name: str, ds, dtype_name: str, ndim: int, fsize: int):
+    """``ds`` (an h5py.Dataset or a LiteDataset) after the float/rank/storage/trust checks."""
+    if ds.dtype.kind != "f" or dtype_name not in FLOAT_DTYPES:
+        fail(path, f"dataset '{name}' has dtype {ds.dtype}, expected float16, float32 or float64")
+    if ds.ndim != ndim:
+        fail(path, f"dataset '{name}' has shape {ds.shape}, expected {ndim} dimensions")
+    check_storage(path, ds, fsize)
+    trusted(path, ds)
+    return ds
 
 
 class LiteDataset:
@@ -188,13 +193,7 @@ def lite_dataset(path: str, gid, group: str, name: str, ndim: int, fsize: int) -
     if not isinstance(obj, h5d.DatasetID):
         fail(path, f"'{name}' is not a dataset")
     ds = LiteDataset(obj, full, path)
-    if ds.dtype.kind != "f" or ds.dtype_name not in FLOAT_DTYPES:
-        fail(path, f"dataset '{name}' has dtype {ds.dtype}, expected float16, float32 or float64")
-    if ds.ndim != ndim:
-        fail(path, f"dataset '{name}' has shape {ds.shape}, expected {ndim} dimensions")
-    check_storage(path, ds, fsize)
-    trusted(path, ds)
-    return ds
+    return _checked(path, name, ds, ds.dtype_name, ndim, fsize)
 
 
 def scan_file(path: str, structure_hint: Optional[str]) -> dict:
