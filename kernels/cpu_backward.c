@@ -120,23 +120,9 @@ int rm_backward_simd_width_bytes(void) { return rm_simd_bytes(); }
 static void FN(rb_pack)(const RM_T *restrict k, const RM_T *restrict v, int64_t a, int64_t nk,
                         int64_t D, int64_t Dp, RM_T *restrict kt, RM_T *restrict vt,
                         RM_T *restrict kr) {
-    const int64_t np = (nk + KW - 1) / KW;
-    for (int64_t p = 0; p < np; p++) {
-        const int64_t nc = nk - p * KW < KW ? nk - p * KW : KW;
-        const RM_T *ks = k + (a + p * KW) * D, *vs = v + (a + p * KW) * D;
-        RM_T *kd = kt + p * D * KW, *vd = vt + p * D * KW;
-        for (int64_t d = 0; d < D; d++) {
-            for (int64_t c = 0; c < nc; c++) {
-                kd[d * KW + c] = ks[c * D + d];
-                vd[d * KW + c] = vs[c * D + d];
-            }
-            for (int64_t c = nc; c < KW; c++) kd[d * KW + c] = vd[d * KW + c] = 0;
-        }
-    }
-    for (int64_t j = 0; j < nk; j++) {
-        memcpy(kr + j * Dp, k + (a + j) * D, (size_t)D * sizeof(RM_T));
-        for (int64_t d = D; d < Dp; d++) kr[j * Dp + d] = 0;
-    }
+    FN(rm_pack_panels)(k + a * D, nk, D, KW, kt);
+    FN(rm_pack_panels)(v + a * D, nk, D, KW, vt);
+    FN(rm_pack_rows)(k + a * D, nk, D, Dp, kr);
 }
 
 /* One strip of R rows against np panels: acc = X (R x D, row stride ldx) Y^T (panels).

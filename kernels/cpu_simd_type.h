@@ -9,8 +9,9 @@
  *   V_LOAD, ..., V_EXP  the vector operations of that type (cpu_simd.h)
  *   FN(name)            name_f32 / name_f64, the functions of this type
  *
- * and the elementwise functions both kernels share: FN(rm_tanh) and the score modifiers
- * of ringmpi.tile on one row of scores, FN(rm_softcap_row) and FN(rm_alibi_row).
+ * and the functions both kernels share: the packing of K/V blocks (FN(rm_pack_panels),
+ * FN(rm_pack_rows)), FN(rm_tanh) and the score modifiers of ringmpi.tile on one row of
+ * scores, FN(rm_softcap_row) and FN(rm_alibi_row).
  */
 #undef RM_T
 #undef RM_V
@@ -146,5 +147,32 @@ static inline void FN(rm_alibi_row)(RM_T *restrict row, int64_t j0, int64_t j1, 
     for (int64_t j = j0; j < j1; j++) {
         const int64_t dist = a > kq[j] ? a - kq[j] : kq[j] - a;
         row[j] -= (RM_T)(slope * (double)dist);
+    }
+}
+
+/* Rows [0, nk) of src (row stride D) as transposed panels of kw columns: dst (np, D, kw)
+ * row-major, np = ceil(nk / kw), so one vector load gives kw / RM_W consecutive rows of one
+ * feature; zero past nk. The panel is written in order (unit-stride stores); its kw source
+ * rows are read column by column and stay in L1. */
+static inline void FN(rm_pack_panels)(const RM_T *restrict src, int64_t nk, int64_t D,
+                                      int64_t kw, RM_T *restrict dst) {
+    const int64_t np = (nk + kw - 1) / kw;
+    for (int64_t p = 0; p < np; p++) {
+        RM_T *pd = dst + p * D * kw;
+        const RM_T *ps = src + p * kw * D;
+        const int64_t nc = nk - p * kw < kw ? nk - p * kw : kw;
+        for (int64_t d = 0; d < D; d++) {
+            for (int64_t c = 0; c < nc; c++) pd[d * kw + c] = ps[c * D + d];
+            for (int64_t c = nc; c < kw; c++) pd[d * kw + c] = 0;
+        }
+    }
+}
+
+/* Rows [0, nk) of src (row stride D) padded to Dp columns: dst (nk, Dp), zero past D. */
+static inline void FN(rm_pack_rows)(const RM_T *restrict src, int64_t nk, int64_t D, int64_t Dp,
+                                    RM_T *restrict dst) {
+    for (int64_t j = 0; j < nk; j++) {
+        memcpy(dst + j * Dp, src + j * D, (size_t)D * sizeof(RM_T));
+        for (int64_t d = D; d < Dp; d++) dst[j * Dp + d] = 0;
     }
 }

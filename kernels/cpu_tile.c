@@ -129,25 +129,11 @@ int rm_simd_width_bytes(void) { return rm_simd_bytes(); }
 _Static_assert(KW % (NS * RM_W) == 0, "a K panel must span whole 64-byte row-sum groups");
 
 /* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
- * V rows vp (b - a, Dp), zero padded past D. The panel is written in order (unit-stride
- * stores); its KW source rows are read column by column and stay in L1. */
+ * V rows vp (b - a, Dp), zero padded past D. */
 static void FN(rm_pack)(const RM_T *k, const RM_T *v, int64_t a, int64_t b, int64_t D,
                         int64_t Dp, RM_T *kt, RM_T *vp) {
-    int64_t nk = b - a;
-    int64_t np = (nk + KW - 1) / KW;
-    for (int64_t p = 0; p < np; p++) {
-        RM_T *dst = kt + p * D * KW;
-        const RM_T *src = k + (a + p * KW) * D;
-        const int64_t nc = nk - p * KW < KW ? nk - p * KW : KW;
-        for (int64_t d = 0; d < D; d++) {
-            for (int64_t c = 0; c < nc; c++) dst[d * KW + c] = src[c * D + d];
-            for (int64_t c = nc; c < KW; c++) dst[d * KW + c] = 0;
-        }
-    }
-    for (int64_t j = 0; j < nk; j++) {
-        memcpy(vp + j * Dp, v + (a + j) * D, (size_t)D * sizeof(RM_T));
-        for (int64_t d = D; d < Dp; d++) vp[j * Dp + d] = 0;
-    }
+    FN(rm_pack_panels)(k + a * D, b - a, D, KW, kt);
+    FN(rm_pack_rows)(v + a * D, b - a, D, Dp, vp);
 }
 
 /* S (RM_R x ldS) = Qs (RM_R x D) K^T for all panels of one block; rmax (RM_R x RM_W) gets
