@@ -283,3 +283,16 @@ def test_both_fused_kernels_load_per_isa_through_one_loader():
         assert fwd.simd_width == bwd.simd_width == {"avx512": 64, "avx2": 32, "scalar": 0}[isa]
         assert f"cpu_backward-{isa}-" in bwd.path.name
         assert fused_backward.LOADER.load(isa) is bwd  # memoized
+
+
+@needs_compiler
+def test_pinned_default_is_restored():
+    """LOADER.pinned(isa) makes the module-level tiles run that path, then restores the default."""
+    from ringmpi.cpu import fused_backward
+
+    before = fused.isa(), fused_backward.simd_width()
+    for isa in fused.host_isas():
+        with fused.LOADER.pinned(isa), fused_backward.LOADER.pinned(isa) as bwd:
+            assert fused.isa() == isa and fused.library_path() == fused.load(isa).path
+            assert fused_backward.library_path() == bwd.path and bwd.isa == isa
+        assert (fused.isa(), fused_backward.simd_width()) == before

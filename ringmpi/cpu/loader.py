@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -345,6 +346,29 @@ class Loader:
                     if self.warn:
                         print(f"ringmpi: {note} ({first})", file=sys.stderr, flush=True)
             return self._default
+
+    @contextmanager
+    def pinned(self, isa: str):
+        """A ``with`` block in which the default kernel is the build for path ``isa``.
+
+        What ``$RINGMPI_CPU_ISA=isa`` selects in a fresh process, for tests that run the
+        module-level tiles (and the backends built on them) on every path in one process;
+        the previous default is restored afterwards.
+
+        Parameters
+        ----------
+        isa : str
+            ``avx512``, ``avx2`` or ``scalar`` (one the host executes).
+        """
+        kern = self.load(isa)
+        with self._lock:
+            saved = (self._default, self._default_error, self._default_tried)
+            self._default, self._default_error, self._default_tried = kern, None, True
+        try:
+            yield kern
+        finally:
+            with self._lock:
+                self._default, self._default_error, self._default_tried = saved
 
     def error(self) -> Optional[str]:
         """Why there is no default kernel (None when there is one)."""
