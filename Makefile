@@ -32,7 +32,7 @@ RANKS ?= 1 2 3 4
 # built pages: inside the (private) virtual environment, not a shared /tmp
 DOCS_OUT ?= $(VENV)/docs-html
 
-.PHONY: venv install constraints lint docs test test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
+.PHONY: venv install constraints lint docs test test-fast test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,19 @@ docs: $(VENV)/.installed
 	$(VENV)/bin/sphinx-build -q -W --keep-going -b html docs $(DOCS_OUT)
 
 test: lint docs test-serial test-mpi
+
+# the inner loop (a few minutes): lint, the tile/spec/mask unit tests and the
+# conformance suite, then the ring at P = 2 and 3 (odd included)
+FAST_TESTS ?= tests/test_conformance.py tests/test_spec.py tests/test_keywords.py \
+	tests/test_mask.py tests/test_softmax.py tests/test_partition.py tests/test_structure.py \
+	tests/test_batch.py tests/test_rings_auto.py
+FAST_MPI ?= tests/test_ring_mpi.py tests/test_masks_mpi.py
+test-fast: lint
+	$(PY) -m pytest -q -p no:cacheprovider -x $(FAST_TESTS)
+	for p in 2 3; do \
+	  timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $$p $(PY) -m mpi4py -m pytest -q -p no:cacheprovider \
+	    --with-mpi -m mpi $(FAST_MPI) || exit $$?; \
+	done
 
 # the suites on Debian's Open MPI + mpi4py 3.1 / numpy 1.24 / h5py-mpi 3.7 in .site-venv
 # (apt-get installs what is missing); SITE_RANKS, SITE_STAGES: see the script

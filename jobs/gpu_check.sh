@@ -30,6 +30,10 @@
 #   env       CuPy sees a GPU (else exit 2); mpi4py loads an MPI library (else exit 3);
 #             ringmpi.gpu.info(); NVRTC and its builtins found (their folder on LD_LIBRARY_PATH)
 #   compile   every forward and backward kernel compiles for this GPU (NVRTC, cached)
+#   mods      the score modifiers first (tests/test_gpu.py -k softcap, one process): softcap
+#             and ALiBi in every forward configuration and in the backward kernels against
+#             the numpy tile, and ring_attention_backward with them against the dense
+#             float64 reference (the rerun of a failure: GPU_CHECK_STAGES=mods)
 #   tests1    tests/test_gpu.py on one process (tiles, every configuration, rings P=1)
 #   ranks     mpiexec -n 2 gives COMM_WORLD size 2
 #   staged    the MPI tests of tests/test_gpu.py at P=2, staged ring (RINGMPI_CUDA_AWARE=0)
@@ -58,7 +62,7 @@ mkdir -p "$OUT" && [[ -w "$OUT" ]] || { echo "gpu_check: cannot write to $OUT"; 
 OUT=$(cd "$OUT" && pwd)
 
 BUDGET=${GPU_CHECK_BUDGET:-480}
-STAGES=${GPU_CHECK_STAGES:-compile tests1 ranks staged aware bench}
+STAGES=${GPU_CHECK_STAGES:-compile mods tests1 ranks staged aware bench}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 START=$SECONDS
 summary=()
@@ -299,6 +303,12 @@ for files, names in ((tile.KERNEL_FILE, tile.kernel_names()),
 cupy.cuda.Device().synchronize()
 sys.exit(1 if bad else 0)
 PYEOF
+    fi
+    if wanted mods; then  # before tests1, so a slow tests1 cannot crowd them out
+        local modk=(-k softcap)
+        [[ -n "${GPU_CHECK_K:-}" ]] && modk=()  # GPU_CHECK_K is already in tests
+        run_stage mods 120 "$PY" "${tests[@]}" ${junit:+"${junit[0]}=$OUT/mods.xml"} \
+            -m "not mpi" "${modk[@]}" tests/test_gpu.py
     fi
     if wanted tests1; then
         run_stage tests1 200 "$PY" "${tests[@]}" ${junit:+"${junit[0]}=$OUT/tests1.xml"} \

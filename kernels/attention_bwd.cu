@@ -2,9 +2,9 @@
 // contribution to dQ, dK and dV (same math as backward_tile in
 // ringmpi/cpu/numpy_tile.py, which is the specification).
 //
-// Compiled after attention_fwd.cu (the loader concatenates the two): it uses
-// that file's storage types, conversions, Mma<T>, ldsm_x4*, cp_async16, the
-// block plan tests (block_live, block_full, next_kblock) and row_range.
+// Its storage types, conversions, Mma<T>, ldsm_x4*, cp_async16, the block plan
+// tests (block_live, block_full, next_kblock), row_range and the score modifiers
+// come from attention_common.cuh, shared with attention_fwd.cu.
 //
 // Layouts (row-major, contiguous):
 //   q, dout : (B, H,   Sq, ld)  storage type T (rounded to k's type by the host)
@@ -18,10 +18,17 @@
 //             key j iff row_lo[i] <= k_pos[j] <= row_hi[i]; null row_lo/row_hi:
 //             causal or every key), the block plan over q blocks of BM rows
 //             and k blocks of BN keys of the kernel
+//   softcap, slopes, apos : the score modifiers, last arguments of every kernel,
+//             as in attention_fwd.cu (softcap > 0, else none; slopes (H,)
+//             float64 or null; apos (Sq,) int64 ALiBi positions of the rows)
 //
-// For one head, P_ij = exp(scale q_i.k_j - lse_i) over the visible pairs:
-//   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,
-//   dK = scale dS^T Q.
+// For one head, with x_ij = scale q_i.k_j and s_ij = modify_score(x_ij) (softcap
+// c tanh(x / c), then ALiBi -slope_h |apos_i - k_pos_j|), P_ij = exp(s_ij - lse_i)
+// over the visible pairs:
+//   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta) * ds/dx,  dQ = scale dS K,
+//   dK = scale dS^T Q,
+// where ds/dx = 1 - tanh^2(x / c) = 1 - (s_c / c)^2 under a softcap (s_c the capped
+// score; softcap_apply) and 1 otherwise (ALiBi's slopes are constants).
 // A block pair the plan marks as not live is skipped, a full one needs no
 // mask, the others are masked per element (P = 0 outside [lo, hi]). A row
 // with lse = -inf saw no key: P = exp(s - +inf) = 0, no gradient. Two
@@ -31,7 +38,9 @@
 // or every key (dQ): the partials are added to dk, dv, dq every
 // RING_FLUSH_KEYS rows/keys (tensor cores) or RING_FLUSH_BLOCKS blocks (CUDA
 // cores, whose blocks are summed from zero first); see "long sums" in
-// attention_fwd.cu.
+// attention_common.cuh.
+
+#include "attention_common.cuh"
 
 // base-2 log-sum-exp of a row: +inf for a row without keys (or padding), so
 // exp2(s - lse2) = 0 there
@@ -70,7 +79,9 @@ __global__ void __launch_bounds__(128, 1)
                       float* __restrict__ dv, const long long* __restrict__ q_pos,
                       const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                       const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
-                      int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal) {
+                      int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal,
+                      float softcap, const double* __restrict__ slopes,
+                      const long long* __restrict__ apos) {
   constexpr int BN = 64, NTHREADS = 128, LDS = HD + 8;
   constexpr int KD = HD / 16, NTQ = BM / 8, NTO = HD / 8, CH = HD / 8;
   constexpr unsigned ROWB = LDS * sizeof(T);
@@ -173,6 +184,9 @@ __global__ void __launch_bounds__(128, 1)
   int nflush = 0;  // (q block, head) steps in the partial
 
   const float scale_log2 = scale * RING_LOG2E;
+  // modifiers in base 2 (see modify_score): the cap and the slopes times log2(e)
+  const bool alibi = slopes != nullptr, mods = softcap > 0.f || alibi;
+  const float cap2 = softcap > 0.f ? softcap * RING_LOG2E : 0.f;
   // ldmatrix row addresses: A fragments of K and V (this warp's 16 keys), B
   // fragments of Q and dO as stored (for S^T, dP^T) and transposed (for dK, dV)
   const int arow = warp * 16 + (lane & 15), acol = (lane >> 4) * 8;
@@ -226,21 +240,32 @@ __global__ void __launch_bounds__(128, 1)
       }
     }
 
-    // P^T = exp2(S^T scale log2e - lse2) (0 where masked), dS^T = P^T (dP^T - delta)
+    // P^T = exp2(s - lse2) (0 where masked), dS^T = P^T (dP^T - delta) ds/dx, with
+    // s = S^T scale log2e through the modifiers and ds/dx their derivative (1 - t^2
+    // under a softcap, else 1; ALiBi's is 1)
     const bool need_mask = !block_full(bounds, nqb, qb, klo_me, khi_me);
     const float* ls = Ls + stage * BM;
     const float* es = Es + stage * BM;
     const long long* pl = Pl + stage * BM;
     const long long* ph = Ph + stage * BM;
+    const int q0 = qb * BM;
+    const float slope2 = alibi ? (float)slopes[hk * G + gi] * RING_LOG2E : 0.f;
 #pragma unroll
     for (int nt = 0; nt < NTQ; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + tg * 2 + (e & 1);  // query row within the block
-        float p = fast_exp2(st[nt][e] * scale_log2 - ls[col]);
+        float x = st[nt][e] * scale_log2, dx = 1.f;
+        if (mods) {
+          if (cap2 > 0.f) x = softcap_apply(x, cap2, dx);
+          // (a padding key, kp = RING_POS_MAX, gets no ALiBi term: its row is never stored)
+          if (alibi && kp[e >> 1] != RING_POS_MAX)
+            x += alibi_term(slope2, q0 + col < Sq ? apos[q0 + col] : 0LL, kp[e >> 1]);
+        }
+        float p = fast_exp2(x - ls[col]);
         if (need_mask && (kp[e >> 1] < pl[col] || kp[e >> 1] > ph[col])) p = 0.f;
         st[nt][e] = p;
-        dpt[nt][e] = p * (dpt[nt][e] - es[col]);
+        dpt[nt][e] = p * (dpt[nt][e] - es[col]) * dx;
       }
     }
 
@@ -291,7 +316,8 @@ __global__ void __launch_bounds__(128, 1)
                     const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
                     const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
                     const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
-                    int ld, float scale, int causal) {
+                    int ld, float scale, int causal, float softcap,
+                    const double* __restrict__ slopes, const long long* __restrict__ apos) {
   constexpr int BM = 64, NTHREADS = 128, LDS = HD + 8;
   constexpr int KD = HD / 16, NTS = BN / 8, NTO = HD / 8, CH = HD / 8;
   constexpr unsigned ROWB = LDS * sizeof(T);
@@ -376,6 +402,16 @@ __global__ void __launch_bounds__(128, 1)
   int nflush = 0;  // key blocks in the partial
 
   const float scale_log2 = scale * RING_LOG2E;
+  // modifiers in base 2 (see modify_score): the cap and this head's slope times log2(e)
+  const bool alibi = slopes != nullptr, mods = softcap > 0.f || alibi;
+  const float cap2 = softcap > 0.f ? softcap * RING_LOG2E : 0.f;
+  const float slope2 = alibi ? (float)slopes[h] * RING_LOG2E : 0.f;
+  long long qar[2];  // ALiBi positions of this thread's two rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = q0 + warp * 16 + gr + 8 * r;
+    qar[r] = (alibi && row < Sq) ? apos[row] : 0;
+  }
   const int arow = warp * 16 + (lane & 15), acol = (lane >> 4) * 8;
   const unsigned q_a = smem_addr(Qs + arow * LDS + acol), o_a = smem_addr(Os + arow * LDS + acol);
   const int brow = (lane & 7) + ((lane >> 4) << 3), bcol = ((lane >> 3) & 1) * 8;
@@ -417,7 +453,8 @@ __global__ void __launch_bounds__(128, 1)
       }
     }
 
-    // dS = P (dP - delta), P = exp2(S scale log2e - lse2), 0 where masked
+    // dS = P (dP - delta) ds/dx, P = exp2(s - lse2), 0 where masked; s = S scale log2e
+    // through the modifiers, ds/dx their derivative (1 - t^2 under a softcap, else 1)
     const int k0 = kb * BN;
     const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
     const bool partial = k0 + BN > Sk;
@@ -426,13 +463,18 @@ __global__ void __launch_bounds__(128, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
-        float p = fast_exp2(s[nt][e] * scale_log2 - l2[e >> 1]);
+        float x = s[nt][e] * scale_log2, dx = 1.f;
+        if (mods) {
+          if (cap2 > 0.f) x = softcap_apply(x, cap2, dx);
+          if (alibi) x += alibi_term(slope2, qar[e >> 1], kj < Sk ? k_pos[kj] : 0LL);
+        }
+        float p = fast_exp2(x - l2[e >> 1]);
         if (partial && kj >= Sk) p = 0.f;
         if (need_mask && kj < Sk) {
           const long long kp = k_pos[kj];
           if (kp < rlo[e >> 1] || kp > rhi[e >> 1]) p = 0.f;
         }
-        s[nt][e] = p * (dp[nt][e] - dl[e >> 1]);
+        s[nt][e] = p * (dp[nt][e] - dl[e >> 1]) * dx;
       }
     }
 
@@ -483,7 +525,9 @@ __global__ void __launch_bounds__(256, 1)
                        A* __restrict__ dk, A* __restrict__ dv, const long long* __restrict__ q_pos,
                        const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                        const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
-                       int H, int Hkv, int Sq, int Sk, int D, int ld, A scale, int causal) {
+                       int H, int Hkv, int Sq, int Sk, int D, int ld, A scale, int causal,
+                       A softcap, const double* __restrict__ slopes,
+                       const long long* __restrict__ apos) {
   constexpr int NTHREADS = 256, LD = DMAX + 1, LP = BM + 1;
   constexpr int RN = BN / 16, RM = BM / 16, RD = DMAX / 16;
   static_assert(BM % 16 == 0 && BN % 16 == 0 && DMAX % 16 == 0, "tile sizes");
@@ -550,6 +594,7 @@ __global__ void __launch_bounds__(256, 1)
     }
   };
   int nflush = 0;  // steps in dka, dva
+  const bool alibi = slopes != nullptr, mods = softcap > zero || alibi;
 
   for (; qb < nqb; qb = next_qblock(qb + 1, nqb, bounds, klo_me, khi_me)) {
     const int q0 = qb * BM;
@@ -557,6 +602,7 @@ __global__ void __launch_bounds__(256, 1)
     const bool need_mask = !block_full(bounds, nqb, qb, klo_me, khi_me);
     for (int gi = 0; gi < G; ++gi) {
       const long long qrow0 = ((long long)b * H + hk * G + gi) * Sq;
+      const A slope = alibi ? (A)slopes[hk * G + gi] : zero;
       __syncthreads();  // the previous tile's readers are done (K/V stored)
       for (int i = tid; i < BM * DMAX; i += NTHREADS) {
         const int r = i / DMAX, c = i % DMAX;
@@ -607,10 +653,17 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int j = 0; j < RM; ++j) {
           const int qj = tx + 16 * j;
-          A p = exp_acc(s[i][j] * scale - Ls[qj]);
+          // the modifiers and their derivative ds/dx (1 - t^2 under a softcap, else 1)
+          A x = s[i][j] * scale, dx = (A)1;
+          if (mods) {
+            if (softcap > zero) x = softcap_apply(x, softcap, dx);
+            if (alibi && kp[i] != RING_POS_MAX)  // not for a padding key (never stored)
+              x += alibi_term(slope, q0 + qj < Sq ? apos[q0 + qj] : 0LL, kp[i]);
+          }
+          A p = exp_acc(x - Ls[qj]);
           if (need_mask && (kp[i] < Ql[qj] || kp[i] > Qh[qj])) p = zero;
           Pt[(ty + 16 * i) * LP + qj] = p;
-          St[(ty + 16 * i) * LP + qj] = p * (dp[i][j] - Es[qj]);
+          St[(ty + 16 * i) * LP + qj] = p * (dp[i][j] - Es[qj]) * dx;
         }
       __syncthreads();
 
@@ -668,7 +721,8 @@ __global__ void __launch_bounds__(256, 1)
                      const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
                      const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
                      const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
-                     int ld, A scale, int causal) {
+                     int ld, A scale, int causal, A softcap, const double* __restrict__ slopes,
+                     const long long* __restrict__ apos) {
   constexpr int NTHREADS = 256, LD = DMAX + 1, LP = BN + 1;
   constexpr int RM = BM / 16, RN = BN / 16, RD = DMAX / 16;
   static_assert(BM % 16 == 0 && BN % 16 == 0 && DMAX % 16 == 0, "tile sizes");
@@ -702,11 +756,14 @@ __global__ void __launch_bounds__(256, 1)
     Os[r * LD + c] = ok ? to_acc<A>(dout[gq]) : zero;
   }
   A lr[RM], dl[RM], dqa[RM][RD];
-  long long rlo[RM], rhi[RM];
+  long long rlo[RM], rhi[RM], qar[RM];  // visible keys and ALiBi position of each row
+  const bool alibi = slopes != nullptr, mods = softcap > zero || alibi;
+  const A slope = alibi ? (A)slopes[h] : zero;
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
     const int row = q0 + ty + 16 * i;
     const bool ok = row < Sq;
+    qar[i] = (alibi && ok) ? apos[row] : 0;
     lr[i] = lse_natural<A>(ok ? lse[qrow0 + row] : zero, ok);
     dl[i] = ok ? delta[qrow0 + row] : zero;
     rlo[i] = RING_POS_MAX;
@@ -775,14 +832,20 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int j = 0; j < RN; ++j) {
         const int kj = k0 + tx + 16 * j;
-        A p = exp_acc(s[i][j] * scale - lr[i]);
+        // the modifiers and their derivative ds/dx (1 - t^2 under a softcap, else 1)
+        A x = s[i][j] * scale, dx = (A)1;
+        if (mods) {
+          if (softcap > zero) x = softcap_apply(x, softcap, dx);
+          if (alibi) x += alibi_term(slope, qar[i], kj < Sk ? k_pos[kj] : 0LL);
+        }
+        A p = exp_acc(x - lr[i]);
         if (kj >= Sk) {
           p = zero;
         } else if (need_mask) {
           const long long kp = k_pos[kj];
           if (kp < rlo[i] || kp > rhi[i]) p = zero;
         }
-        Ss[(ty + 16 * i) * LP + tx + 16 * j] = p * (dp[i][j] - dl[i]);
+        Ss[(ty + 16 * i) * LP + tx + 16 * j] = p * (dp[i][j] - dl[i]) * dx;
       }
     __syncthreads();
 

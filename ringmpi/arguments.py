@@ -22,7 +22,7 @@ from .backend import Backend, is_cupy, select
 from .collective import agree_views
 from .mask import Mask
 from .partition import counts
-from .spec import AttentionSpec
+from .spec import AttentionSpec, modifier_fields
 
 __all__ = ["agree", "to_internal", "report", "RingArgs"]
 
@@ -153,7 +153,7 @@ _SAME = ("ndim", "q shape", "kv shape", "dtype", "tile dtype", "device")
 _FIELDS = tuple(AttentionSpec.__dataclass_fields__)
 
 
-def _view(comm, spec, arrays: dict, be, check_finite: bool, decode: bool) -> dict:
+def _view(comm, spec, arrays: dict, be, check_finite: bool, decode) -> dict:
     """This rank's description of the call, with its local error message or None."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     err = _shape_errors(q, k, v)
@@ -166,8 +166,12 @@ def _view(comm, spec, arrays: dict, be, check_finite: bool, decode: bool) -> dic
             spec.check_heads(int(q.shape[-2]))
         except ValueError as e:
             err = str(e)
-        if decode and spec.alibi_slopes is not None:
-            err = err or "alibi_slopes needs token positions, which a decode cache has not"
+        if decode:  # the modifiers decode does not apply: refused
+            for name, _ in modifier_fields():
+                if getattr(spec, name) is not None and name not in decode:
+                    why = ("needs token positions, which a decode cache has not"
+                           if name == "alibi_slopes" else "is not supported by decode")  # fmt: skip
+                    err = err or f"{name} {why}"
     if err is None:
         backward = "dout" in arrays
         why = be.supports(spec, q.dtype, int(q.shape[-1]), backward=backward, tiles=not decode)
@@ -220,7 +224,7 @@ def _counts(views: list, size: int, spec, mask, what: str) -> dict:
 
 def agree(
     comm: MPI.Comm, spec: AttentionSpec, arrays: dict, *, what: str = "ring_attention",
-    check_finite: bool = False, decode: bool = False,
+    check_finite: bool = False, decode=(),
 ) -> RingArgs:  # fmt: skip
     """Check the call on every rank together (one ``allgather``) and return what they agreed.
 
@@ -237,9 +241,10 @@ def agree(
         The caller's name, the prefix of every error message.
     check_finite : bool
         Also reject NaN or Inf in the arrays.
-    decode : bool
-        Decode: q is the same on every rank, any number of cached keys per rank,
-        no layout and no mask.
+    decode : tuple of str
+        Non-empty for decode: q is the same on every rank, any number of cached
+        keys per rank, no layout and no mask; it names the score modifiers the
+        caller applies (the others are refused).
 
     Returns
     -------

@@ -20,6 +20,7 @@ from mpi4py import MPI
 from . import cost, interrupt, softmax
 from .arguments import RingArgs, agree, report, to_internal
 from .hybrid import HeadGroups
+from .keywords import spec_keywords
 from .mask import plan_steps, tile_modifiers
 from .partition import positions
 from .ring import KVRing
@@ -29,6 +30,7 @@ from .watchdog import watch
 __all__ = ["ring_attention"]
 
 
+@spec_keywords
 def ring_attention(
     q,
     k,
@@ -48,11 +50,9 @@ def ring_attention(
     cu_seqlens_k=None,
     on_tick: Optional[Callable[[int], None]] = None,
     spec: Optional[AttentionSpec] = None,
-    alibi_slopes=None,
-    softcap: Optional[float] = None,
-    sinks=None,
     _on_state: Optional[Callable] = None,
     _start: Optional[tuple] = None,
+    **modifiers,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
 
@@ -107,21 +107,11 @@ def ring_attention(
         all-to-all inside each group of U consecutive ranks turns sequence shards
         into head shards, the ring runs over the R groups. Cut the inputs with
         ``shard(..., head_parallel=U)``. numpy arrays only.
-    alibi_slopes : float array (H,), optional
-        ALiBi, the same on every rank: the score of query i and key j gains
-        -slope_h * abs(i - j) in global positions (within its packed sequence;
-        bottom-right aligned for cross-attention, as FlashAttention's alibi).
-    softcap : float > 0, optional
-        Scores become softcap * tanh(score / softcap), after the scale and
-        before ALiBi and the masks (Gemma 2, FlashAttention's ``softcap``).
-    sinks : float array (H,), optional
-        Per-head sink logits (gpt-oss): each row's softmax denominator gains
-        exp(sink_h), a virtual key of value 0; ``lse`` includes it, and a row
-        with no visible key gets out 0 and lse = sink_h.
+    {modifiers}
     spec : ringmpi.spec.AttentionSpec, optional
         All of causal, layout, scale, head_parallel, window, cu_seqlens,
-        cu_seqlens_k, alibi_slopes, softcap and sinks as one value (then leave
-        those keywords at their defaults).
+        cu_seqlens_k and the score modifiers as one value (then leave those
+        keywords at their defaults).
     _on_state : callable, optional
         Checkpoint seam (private: :mod:`ringmpi.job.checkpoint` uses it). Called as
         ``_on_state(done, acc, m, l)`` after each completed ring step (``done`` =
@@ -154,8 +144,7 @@ def ring_attention(
     comm = MPI.COMM_WORLD if comm is None else comm
     spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                            head_parallel=head_parallel, alibi_slopes=alibi_slopes,
-                            softcap=softcap, sinks=sinks)  # fmt: skip
+                            head_parallel=head_parallel, **modifiers)  # fmt: skip
     arrays = {"q": q, "k": k, "v": v}
     args = agree(comm, spec, arrays, what="ring_attention", check_finite=check_finite)
     be = args.backend

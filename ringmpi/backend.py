@@ -211,7 +211,7 @@ def _gpu_backend() -> Backend:
         max_d=MAX_D,
         notes=("forward and backward: CUDA tiles",),
         forward_mods=_MODS,  # the CUDA forward kernels apply softcap and ALiBi
-        backward_mods=(),
+        backward_mods=_MODS,  # the CUDA backward kernels apply them too
     )
 
 

@@ -31,6 +31,7 @@ from mpi4py import MPI
 from . import cost, interrupt
 from .arguments import RingArgs, agree, report, to_internal
 from .hybrid import HeadGroups
+from .keywords import spec_keywords
 from .mask import plan_steps, tile_modifiers
 from .partition import positions
 from .ring import KVRing
@@ -42,6 +43,7 @@ __all__ = ["ring_attention_backward", "TAG_DKV"]
 TAG_DKV = 7302
 
 
+@spec_keywords
 def ring_attention_backward(
     dout,
     q,
@@ -61,9 +63,7 @@ def ring_attention_backward(
     cu_seqlens=None,
     cu_seqlens_k=None,
     spec: Optional[AttentionSpec] = None,
-    alibi_slopes=None,
-    softcap: Optional[float] = None,
-    sinks=None,
+    **modifiers,
 ):
     """Exact gradients of ring attention for this rank's shards.
 
@@ -82,10 +82,8 @@ def ring_attention_backward(
     comm : mpi4py.MPI.Comm, optional
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
     causal, layout, scale, head_parallel, window, cu_seqlens, cu_seqlens_k
-        Exactly as given to the forward call.
-    alibi_slopes, softcap, sinks
-        Exactly as given to the forward call (:func:`ringmpi.ring_attention`);
-        with ``softcap`` the gradient goes through tanh (dS times 1 - tanh^2).
+        Exactly as given to the forward call, and so are the score modifiers:
+    {modifiers}
     check_finite : bool
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
         (or lse holds NaN or +Inf).
@@ -117,8 +115,7 @@ def ring_attention_backward(
     comm = MPI.COMM_WORLD if comm is None else comm
     spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                            head_parallel=head_parallel, alibi_slopes=alibi_slopes,
-                            softcap=softcap, sinks=sinks)  # fmt: skip
+                            head_parallel=head_parallel, **modifiers)  # fmt: skip
     # every array and option in one allgather: identical errors everywhere
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     args = agree(comm, spec, arrays, what="ring_attention_backward", check_finite=check_finite)

@@ -24,6 +24,9 @@ and writes JSON (and a PNG plot when matplotlib is importable) with:
   H heads, as ``ringmpi run --alibi``) or both, side by side in one run; the flops
   counted are the same, so the GFLOP/s show each modifier's cost directly (the
   ``vs_plain`` column, ``xplain`` in the table).
+
+The meters and the yardstick are :mod:`ringmpi.bench_measure`, the table and the
+plot :mod:`ringmpi.bench_report`.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Optional
 
+from .bench_measure import RssPeak, kernel_isa, matmul_rate, model_flops, torch_sdpa
+from .bench_report import plot, summarize
 from .files import write_json
 
 __all__ = ["main"]
@@ -103,65 +107,6 @@ def _cases(args) -> list[dict]:
     ]
 
 
-def _model_flops(n: int, h: int, d: int, causal: bool, pass_: str = "fwd") -> float:
-    per = 4.0 if pass_ == "fwd" else 10.0  # two matrix products forward, five backward
-    return per * n * n * h * d / (2 if causal else 1)
-
-
-def _isa() -> str:
-    """The CPU kernel and its ISA path, e.g. 'fused avx2' (or 'numpy')."""
-    import numpy as np
-
-    from .backend import select
-
-    name = select(np.empty(0, np.float32)).name
-    if name != "fused":
-        return name
-    from .cpu import fused
-
-    return f"fused {fused.isa()}"
-
-
-class _RssPeak:
-    """Sample this process's resident set in a thread; ``peak`` is the maximum seen."""
-
-    def __init__(self, period: float = 0.002):
-        self.period, self.peak, self._stop = period, 0, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            time.sleep(self.period)
-
-    def __enter__(self):
-        self.peak = self.rss()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self.rss())
-
-
-def _matmul_rate(np, n: int = 2048, reps: int = 3) -> float:
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    b = a.T.copy()
-    a @ b
-    best = 1e9
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best / 1e9
-
-
 def _worker(args) -> int:
     """Measure every case at this world size; rank 0 writes the JSON."""
     import gc
@@ -178,7 +123,7 @@ def _worker(args) -> int:
     h = args.heads
     hkv = args.kv_heads or h
     comm.Barrier()
-    mm = comm.gather(_matmul_rate(np), root=0)
+    mm = comm.gather(matmul_rate(), root=0)
     # warm-up: compile/load the kernel, touch MPI paths
     s = int(counts(256 * size, size, args.layout)[rank])
     x = np.ones((s, h, 16), dtype=dt)
@@ -193,7 +138,7 @@ def _worker(args) -> int:
         for _ in range(args.repeat):
             gc.collect()
             tracemalloc.start()  # numpy reports its buffers to tracemalloc
-            with _RssPeak() as mon:
+            with RssPeak() as mon:
                 base = mon.rss()
                 rng = np.random.default_rng(rank)
                 s = int(counts(n, size, args.layout)[rank])
@@ -224,7 +169,7 @@ def _worker(args) -> int:
         tpeaks = comm.gather(tpeak, root=0)
         stats_all = comm.gather(best_stats, root=0)
         if rank == 0:
-            flops = _model_flops(n, h, d, causal, pass_)
+            flops = model_flops(n, h, d, causal, pass_)
             results.append(
                 dict(
                     case,
@@ -241,51 +186,15 @@ def _worker(args) -> int:
                 )
             )
     if rank == 0:
-        doc = dict(p=size, matmul_gflops_per_rank=float(np.median(mm)), runs=results, isa=_isa())
+        doc = dict(
+            p=size, matmul_gflops_per_rank=float(np.median(mm)), runs=results, isa=kernel_isa()
+        )
         text = json.dumps(doc, indent=1)
         if args.worker_json:
             Path(args.worker_json).write_text(text)
         else:
             print(text)
     return 0
-
-
-def _torch_sdpa(cases, args, threads: int) -> list[dict]:
-    try:
-        import torch
-    except ImportError:
-        return []
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    dt = getattr(torch, args.dtype)
-    out = []
-    try:
-        for c in cases:
-            if c["mod"] != "plain":
-                continue  # SDPA has no softcap / ALiBi: a yardstick for plain rows only
-            h = args.heads
-            bwd = c["pass_"] == "bwd"
-            q, k, v = (
-                torch.randn(1, h, c["n"], c["d"], dtype=dt, requires_grad=bwd) for _ in range(3)
-            )
-            f = torch.nn.functional.scaled_dot_product_attention
-            best = 1e30
-            for _ in range(args.repeat):
-                if bwd:  # autograd through SDPA: time the backward call only
-                    y = f(q, k, v, is_causal=c["causal"])
-                    g = torch.randn_like(y)
-                    t = time.perf_counter()
-                    y.backward(g)
-                else:
-                    t = time.perf_counter()
-                    f(q, k, v, is_causal=c["causal"])
-                best = min(best, time.perf_counter() - t)
-                q.grad = k.grad = v.grad = None
-            rate = _model_flops(c["n"], h, c["d"], c["causal"], c["pass_"]) / best / 1e9
-            out.append(dict(c, threads=threads, time_s=best, gflops_per_thread=rate / threads))
-    finally:
-        torch.set_num_threads(old)
-    return out
 
 
 def _mpiexec(args) -> str:
@@ -305,84 +214,6 @@ def _launch(args, p: int, argv: list[str]) -> dict:
         cmd += ["ringmpi.bench", *argv, "--worker", "--worker-json", path]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(Path(path).read_text())
-
-
-def _summarize(doc: dict) -> None:
-    """Add fractions of matmul, scaling efficiency and torch ratios; print the table."""
-    mm = {w["p"]: w["matmul_gflops_per_rank"] for w in doc["workers"]}
-    key = lambda r: (r["n"], r["d"], r["causal"], r["pass_"], r.get("mod", "plain"))  # noqa: E731
-    t1 = {key(r): r["time_s"] for r in doc["runs"] if r["p"] == 1}
-    plain = {key(r)[:4] + (r["p"],): r["gflops_per_rank"] for r in doc["runs"]
-             if r.get("mod", "plain") == "plain"}  # fmt: skip
-    torch = {(key(t), t["threads"]): t["gflops_per_thread"] for t in doc["torch"]}
-    for r in doc["runs"]:
-        r["frac_matmul"] = r["gflops_per_rank"] / mm[r["p"]]
-        r["scaling_eff"] = t1[key(r)] / (r["p"] * r["time_s"]) if key(r) in t1 else None
-        tv = torch.get((key(r), r["p"]))
-        r["torch_gflops_per_thread"] = tv
-        r["vs_torch"] = r["gflops_per_rank"] / tv if tv else None
-        pv = plain.get(key(r)[:4] + (r["p"],))
-        r["vs_plain"] = r["gflops_per_rank"] / pv if pv else None
-    hdr = (
-        f"{'pass':>4} {'P':>2} {'N':>6} {'D':>4} {'causal':>6} {'mod':>7} {'time s':>8} "
-        f"{'GF/s/rank':>9} {'xplain':>6} "
-        f"{'xmatmul':>7} {'eff':>5} {'torch':>7} {'xtorch':>6} {'wait s':>7} {'MiB/rank':>8}"
-    )
-    isa = doc["workers"][0].get("isa") if doc["workers"] else None
-    print(f"float32 matmul GFLOP/s per rank: {mm}   CPU kernel: {isa}")
-    print(hdr)
-    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-    for r in doc["runs"]:
-        print(
-            f"{r['pass_']:>4} {r['p']:>2} {r['n']:>6} {r['d']:>4} {str(r['causal']):>6} "
-            f"{r.get('mod', 'plain'):>7} {r['time_s']:>8.3f} "
-            f"{r['gflops_per_rank']:>9.1f} {fmt(r['vs_plain'], '>6.2f')} {r['frac_matmul']:>7.2f} "
-            f"{fmt(r['scaling_eff'], '>5.2f')} {fmt(r['torch_gflops_per_thread'], '>7.1f')} "
-            f"{fmt(r['vs_torch'], '>6.2f')} {r['wait_s']:>7.3f} {r['peak_mem_mib_per_rank']:>8.1f}"
-        )
-
-
-def _plot(doc: dict, path: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    runs = [r for r in doc["runs"] if r.get("pass_", "fwd") == "fwd" and
-            r.get("mod", "plain") == "plain"]  # the plain forward rows  # fmt: skip
-    trs = [t for t in doc["torch"] if t.get("pass_", "fwd") == "fwd"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = sorted({(r["n"], r["d"], r["causal"]) for r in runs})
-    ps = sorted({r["p"] for r in runs})
-    width = 0.8 / (len(ps) + 1)
-    for i, p in enumerate(ps):
-        vals = {(r["n"], r["d"], r["causal"]): r["gflops_per_rank"] for r in runs}
-        vals = {k: v for k, v in vals.items()}
-        ys = [
-            next((r["gflops_per_rank"] for r in runs if r["p"] == p and
-                  (r["n"], r["d"], r["causal"]) == lab), 0.0)
-            for lab in labels
-        ]  # fmt: skip
-        ax.bar([j + i * width for j in range(len(labels))], ys, width, label=f"ringmpi P={p}")
-    ty = [
-        next((t["gflops_per_thread"] for t in trs if t["threads"] == 1 and
-              (t["n"], t["d"], t["causal"]) == lab), 0.0)
-        for lab in labels
-    ]  # fmt: skip
-    if any(ty):
-        ax.bar([j + len(ps) * width for j in range(len(labels))], ty, width, label="torch SDPA 1t")
-    for w in doc["workers"]:
-        ax.axhline(w["matmul_gflops_per_rank"], ls="--", lw=0.8, color="gray")
-    ax.set_xticks([j + width * len(ps) / 2 for j in range(len(labels))])
-    ax.set_xticklabels([f"N={n}\nD={d}{' c' if c else ''}" for n, d, c in labels], fontsize=7)
-    ax.set_ylabel("GFLOP/s per rank (dashed: fp32 matmul)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -411,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch_runs: list[dict] = []
     if not args.no_torch:
         for p in sorted({w["p"] for w in workers}):
-            torch_runs += _torch_sdpa(cases, args, p)
+            torch_runs += torch_sdpa(cases, args.heads, args.dtype, args.repeat, p)
     doc = dict(
         meta=dict(
             dtype=args.dtype,
@@ -427,13 +258,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         runs=[r for w in workers for r in w["runs"]],
         torch=torch_runs,
     )
-    _summarize(doc)
+    summarize(doc)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, doc)  # complete file or none
     print(f"wrote {out}")
     if not args.no_plot:
-        png = _plot(doc, args.plot or str(out.with_suffix(".png")))
+        png = plot(doc, args.plot or str(out.with_suffix(".png")))
         print(f"wrote {png}" if png else "matplotlib not importable: no plot")
     return 0
 

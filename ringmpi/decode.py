@@ -23,15 +23,21 @@ from mpi4py import MPI
 from . import softmax
 from .arguments import agree
 from .backend import is_cupy
+from .keywords import spec_keywords
 from .spec import AttentionSpec
 from .watchdog import watch
 
 __all__ = ["decode_attention"]
 
 
+#: the score modifiers decode applies itself (the others are refused on every rank)
+DECODE_MODIFIERS = ("softcap", "sinks")
+
+
+@spec_keywords
 def decode_attention(
     q, k, v, comm: Optional[MPI.Comm] = None, *, scale: Optional[float] = None,
-    return_lse: bool = False, softcap: Optional[float] = None, sinks=None, alibi_slopes=None,
+    return_lse: bool = False, **modifiers,
 ):  # fmt: skip
     """Attention of a few queries against a cache sharded over the ranks; exact on every rank.
 
@@ -48,22 +54,23 @@ def decode_attention(
         Score scale, default 1/sqrt(D).
     return_lse : bool
         Also return the log-sum-exp over the whole cache, (..., H, Sq).
-    softcap : float > 0, optional
-        Scores become softcap * tanh(score / softcap) (as :func:`ringmpi.ring_attention`).
-    sinks : float array (H,), optional
-        Per-head sink logits, folded in once after the merge (lse includes them).
-    alibi_slopes : None
-        Refused (ValueError on every rank): ALiBi needs token positions, and the
-        cache shards here have none.
+    {modifiers}
 
     Returns
     -------
     out : array, shape and dtype of q (identical on every rank)
     lse : array (..., H, Sq), float32 (float64 for float64 inputs); with ``return_lse``.
+
+    Notes
+    -----
+    Of the score modifiers, decode applies ``softcap`` and ``sinks`` (folded in
+    once after the merge); any other (``alibi_slopes``: it needs token positions,
+    which the cache shards here have not) is refused with a ValueError on every rank.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    spec = AttentionSpec(scale=scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
-    args = agree(comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention", decode=True)
+    spec = AttentionSpec(scale=scale, **modifiers)
+    args = agree(comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention",
+                 decode=DECODE_MODIFIERS)  # fmt: skip
     be, d, sc = args.backend, q.shape[-1], args.scale
     cap = args.spec.softcap
     out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype, cap)  # (B, H, Sq, D), (B, H, Sq)

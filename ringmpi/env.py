@@ -111,8 +111,6 @@ _VARS = [
         "cache key)"),
     Var("RINGMPI_KERNEL_DIR", None, _text,
         "read kernel sources from this folder instead of the package"),
-    Var("RINGMPI_LINK_GBPS", "10", _positive,
-        "link rate (Gbit/s) `--ring-size auto` plans with"),
     Var("RINGMPI_BATCH_TOKENS", "65536", _tokens,
         "`ringmpi run` packs consecutive shorter sequences into one ring call of at most this "
         "many tokens (lowered to fit the memory budget); `0`: one sequence per call"),

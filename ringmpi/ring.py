@@ -200,6 +200,31 @@ def _maybe_fault(rank: int, step: int) -> None:
             raise RuntimeError(f"injected fault on rank {rank} at ring step {step}")
 
 
+class LocalRing:
+    """The exchanger of a ring of one rank: nothing to send, nothing to wait for."""
+
+    prev = next = 0
+    wait_s = 0.0
+    polls = 0
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    def start(self, send_buf, recv_buf, tag: int = TAG_KV, dest=None, source=None) -> None:
+        raise RuntimeError("a ring of one rank exchanges no block")
+
+    def test(self) -> None:
+        """Raise a recorded interrupt (the tiles' progress callback)."""
+        self.ticks += 1
+        interrupt.check()
+
+    def wait(self) -> None:
+        """Nothing was posted."""
+
+    def free(self, abandon: bool = False) -> None:
+        """Nothing to release."""
+
+
 class KVRing:
     """K/V blocks travelling the ring; iterate to get each step's block.
 
@@ -236,6 +261,10 @@ class KVRing:
         self.bytes_sent = 0
         self.shape = k.shape
         b, hkv, s, d = k.shape
+        self.local = None
+        if self.size == 1 and self.first == 0:  # a ring of one: nothing travels, no copy
+            self.local, self.bufs, self.ring = (k, v), [], LocalRing()
+            return
         size = 2 * b * hkv * max(counts) * d
         self.bufs = [backend.xp.empty(size, dtype=k.dtype) for _ in range(2)]
         first = self.view(self.bufs[0], s)
@@ -269,6 +298,12 @@ class KVRing:
         return (self.rank - step) % self.size
 
     def __iter__(self) -> Iterator[tuple]:
+        if self.local is not None:
+            for step in range(self.nsteps):  # one step (or none)
+                interrupt.check()
+                _maybe_fault(self.rank, step)
+                yield step, 0, self.local[0], self.local[1]
+            return
         for step in range(self.first, self.nsteps):
             interrupt.check()
             _maybe_fault(self.rank, step)

@@ -7,25 +7,38 @@ the token layout, the heads x ring degree) travels as one frozen
 here once: :meth:`AttentionSpec.validate` checks and normalises them, so two
 ranks' specs compare equal exactly when they describe the same call.
 
-A new option is one more field here (with its rule in ``validate``; its
-attribute form in ``to_attrs``/``from_attrs`` is generic; with
-``metadata=_flag(...)`` it is also a ``ringmpi run`` flag, recorded in the
-output's attributes and the resume fingerprint, and given to verify, with no
-other edit), one reason in :meth:`ringmpi.backend.Backend.supports` for the
-tiles that cannot run it, and the tiles that can.
+A new option is one more field here (with its rule in ``validate``, the rule
+itself in :mod:`ringmpi.spec_rules`; its attribute form in
+``to_attrs``/``from_attrs`` is generic; with ``metadata=_flag(...)`` it is also a
+``ringmpi run`` flag, recorded in the output's attributes and the resume
+fingerprint, and given to verify, with no other edit; with
+``metadata=_modifier(...)`` a score modifier, also a keyword of
+``ring_attention``, its backward and decode (:mod:`ringmpi.keywords`) and
+refused up front by the job where the tiles lack it), its name in the
+``forward_mods``/``backward_mods`` of the backends whose tiles run it
+(:meth:`ringmpi.backend.Backend.supports` refuses it elsewhere), and the tiles.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
 from .partition import check_cu_seqlens, check_layout
+from .spec_rules import (
+    check_head_parallel,
+    check_offsets,
+    check_per_head,
+    check_scale,
+    check_softcap,
+    check_window,
+    parse_scale,
+    parse_softcap,
+    parse_window,
+)
 
 __all__ = [
     "AttentionSpec",
@@ -35,125 +48,8 @@ __all__ = [
     "parse_scale",
     "parse_softcap",
     "cli_fields",
+    "modifier_fields",
 ]
-
-
-def check_window(window) -> Optional[tuple]:
-    """``window`` as (left, right) ints >= -1, or None (also for (-1, -1)); ValueError otherwise."""
-    if window is None:
-        return None
-    try:
-        left, right = (int(x) for x in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be None or (left, right), got {window!r}") from None
-    if left < -1 or right < -1 or (left, right) != tuple(window):
-        raise ValueError(f"window sizes must be integers >= -1 (-1: unbounded), got {window!r}")
-    return None if (left, right) == (-1, -1) else (left, right)
-
-
-def check_offsets(name: str, cu) -> Optional[tuple]:
-    """Packed-sequence offsets as a tuple of ints (comparable across ranks), or None.
-
-    Parameters
-    ----------
-    name : str
-        The argument's name, for the error message.
-    cu : int array (n_seq + 1,), list, CuPy array or None
-        Offsets [0, n1, n1 + n2, ..., N]; their sum N is checked later, against the
-        sequence length (:meth:`AttentionSpec.mask`).
-    """
-    if cu is None:
-        return None
-    try:
-        a = np.asarray(cu.get() if hasattr(cu, "get") else cu)
-    except (TypeError, ValueError):
-        a = np.zeros(0)
-    if a.ndim != 1 or len(a) < 2 or a.dtype.kind not in "iu" or a[0] != 0 or (np.diff(a) < 0).any():
-        raise ValueError(f"{name} must be 1-D integer offsets [0, ..., N], never decreasing")
-    return tuple(int(x) for x in a)
-
-
-def _check_scale(scale) -> Optional[float]:
-    if scale is None:
-        return None
-    try:
-        x = float(scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"scale must be a number, got {scale!r}") from None
-    if not math.isfinite(x):
-        raise ValueError(f"scale must be finite, got {x}")
-    return x
-
-
-def _check_per_head(name: str, x) -> Optional[tuple]:
-    """A per-head float array (slopes, sinks) as a tuple of finite floats, or None."""
-    if x is None:
-        return None
-    try:
-        a = np.asarray(x.get() if hasattr(x, "get") else x)
-        ok = a.ndim == 1 and len(a) > 0 and a.dtype.kind in "iuf"
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be a 1-D array of floats, one per query head")
-    a = a.astype(np.float64)
-    if not np.isfinite(a).all():
-        raise ValueError(f"{name} must be finite, got {a.tolist()}")
-    return tuple(float(v) for v in a)
-
-
-def _check_softcap(c) -> Optional[float]:
-    if c is None:
-        return None
-    try:
-        x = float(c)
-    except (TypeError, ValueError):
-        raise ValueError(f"softcap must be a number > 0, got {c!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"softcap must be a finite number > 0, got {x}")
-    return x
-
-
-def _check_head_parallel(u) -> int:
-    if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1:
-        raise ValueError(f"head_parallel={u!r} must be a positive integer (a divisor of the ranks)")
-    return int(u)
-
-
-def parse_scale(text: str) -> float:
-    """``--scale``: a finite number (checked before anything is created)."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = float("nan")
-    if not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
-    return x
-
-
-def parse_window(text: str) -> tuple:
-    """``--window L[,R]``: (L, R), or (L, L) for one number; integers >= -1 (-1: unbounded)."""
-    parts = [t.strip() for t in str(text).split(",")]
-    try:
-        vals = [int(t) for t in parts]
-    except ValueError:
-        vals = []
-    if len(vals) not in (1, 2) or min(vals) < -1:
-        raise argparse.ArgumentTypeError(
-            f"expected LEFT or LEFT,RIGHT, integers >= -1 (-1: unbounded), not {text!r}"
-        )
-    return (vals[0], vals[-1])
-
-
-def parse_softcap(text: str) -> float:
-    """``--softcap C``: a finite number > 0 (checked before anything is created)."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = float("nan")
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, not {text!r}")
-    return x
 
 
 def _flag(help: str, **argparse_keywords) -> dict:
@@ -163,6 +59,22 @@ def _flag(help: str, **argparse_keywords) -> dict:
     value, ``action="store_true"`` for a bool); the default is the field's.
     """
     return {"cli": dict(help=help, **argparse_keywords)}
+
+
+def _modifier(kind: str, doc: str, tile: bool = True) -> dict:
+    """Field metadata: a score modifier, a keyword of every public attention function.
+
+    ``kind`` and ``doc`` are its entry in their docstrings' Parameters
+    (:func:`ringmpi.keywords.spec_keywords` adds the keyword, with default None,
+    and the entry); ``tile``: the tiles apply it (False: it acts at finalize).
+    """
+    return {"modifier": {"kind": kind, "doc": doc, "tile": tile}}
+
+
+def modifier_fields() -> list:
+    """[(name, {"kind", "doc", "tile"}), ...]: the score-modifier fields, in field order."""
+    return [(f.name, f.metadata["modifier"]) for f in dataclasses.fields(AttentionSpec)
+            if "modifier" in f.metadata]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -227,17 +139,43 @@ class AttentionSpec:
         ),
     )
     head_parallel: int = 1
-    alibi_slopes: Optional[tuple] = None
-    softcap: Optional[float] = field(
+    # score modifiers: each also a keyword of ring_attention, its backward and decode
+    alibi_slopes: Optional[tuple] = field(
         default=None,
-        metadata=_flag(
-            "logit soft-capping: scores become C*tanh(score/C), after the scale, before ALiBi "
-            "and the masks (Gemma 2's convention)",
-            type=parse_softcap,
-            metavar="C",
+        metadata=_modifier(
+            "float array (H,), optional",
+            "ALiBi, the same on every rank: the score of query i and key j gains "
+            "-slope_h * abs(i - j) in global positions (within its packed sequence; "
+            "bottom-right aligned for cross-attention, as FlashAttention's alibi).",
         ),
     )
-    sinks: Optional[tuple] = None
+    softcap: Optional[float] = field(
+        default=None,
+        metadata={
+            **_flag(
+                "logit soft-capping: scores become C*tanh(score/C), after the scale, before "
+                "ALiBi and the masks (Gemma 2's convention)",
+                type=parse_softcap,
+                metavar="C",
+            ),
+            **_modifier(
+                "float > 0, optional",
+                "Scores become softcap * tanh(score / softcap), after the scale and before "
+                "ALiBi and the masks (Gemma 2, FlashAttention's ``softcap``); the gradient "
+                "goes through tanh (dS times 1 - tanh^2).",
+            ),
+        },
+    )
+    sinks: Optional[tuple] = field(
+        default=None,
+        metadata=_modifier(
+            "float array (H,), optional",
+            "Per-head sink logits (gpt-oss): each row's softmax denominator gains "
+            "exp(sink_h), a virtual key of value 0; ``lse`` includes it, and a row with no "
+            "visible key gets out 0 and lse = sink_h. The backward also returns ``dsinks``.",
+            tile=False,
+        ),
+    )
 
     @classmethod
     def of(cls, spec: Optional[AttentionSpec] = None, **options) -> AttentionSpec:
@@ -281,12 +219,12 @@ class AttentionSpec:
             window=check_window(self.window),
             cu_seqlens=cu_q,
             cu_seqlens_k=cu_k,
-            scale=_check_scale(self.scale),
+            scale=check_scale(self.scale),
             layout=check_layout(self.layout),
-            head_parallel=_check_head_parallel(self.head_parallel),
-            alibi_slopes=_check_per_head("alibi_slopes", self.alibi_slopes),
-            softcap=_check_softcap(self.softcap),
-            sinks=_check_per_head("sinks", self.sinks),
+            head_parallel=check_head_parallel(self.head_parallel),
+            alibi_slopes=check_per_head("alibi_slopes", self.alibi_slopes),
+            softcap=check_softcap(self.softcap),
+            sinks=check_per_head("sinks", self.sinks),
         )
 
     def check_heads(self, h: int) -> None:

@@ -370,8 +370,13 @@ def visibility(q_pos, k_pos, causal, bounds=None):
     return np.ones((len(q_pos), len(k_pos)), bool)
 
 
-def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None):
-    """(reference increments, GPU results, flops, progress calls, tolerance bounds)."""
+def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None,
+                 mods=None):  # fmt: skip
+    """(reference increments, GPU results, flops, progress calls, tolerance bounds).
+
+    ``mods``: the tiles' score modifier keywords (``softcap``, ``alibi``), applied to the
+    state's forward, the numpy backward tile and the GPU backward tile alike.
+    """
     sq, sk = len(q_pos), len(k_pos)
     g = h // hkv
     adt = np.float64 if dtype == "float64" else np.float32
@@ -384,6 +389,7 @@ def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=
     q64, k64, v64, do64 = (x.astype(np.float64) for x in (qn, kn, vn, don))
     scale = 1.0 / np.sqrt(d)
     kw = {} if bounds is None else {"bounds": bounds}
+    kw.update(mods or {})
     # lse and out of a real ring state: an earlier block, then this one
     acc, m, l = softmax.init_state(q64.shape, np.float64)
     for kk, vv, pp in ((k0, v0, k_pos0), (k64, v64, k_pos)):
@@ -409,10 +415,18 @@ def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=
     # dense |P| and |dS| bound what rounding P and dS to 16 bits can move
     kf, vf = grouped(k64, g), grouped(v64, g)
     vis = visibility(q_pos, k_pos, causal, bounds)
+    s = scale * q64 @ np.swapaxes(kf, -1, -2)
+    dcap = 1.0
+    if (mods or {}).get("softcap"):
+        t_cap = np.tanh(s / mods["softcap"])
+        s, dcap = mods["softcap"] * t_cap, 1 - t_cap * t_cap
+    if (mods or {}).get("alibi") is not None:
+        slopes, qa = mods["alibi"]
+        s = s - np.asarray(slopes)[:, None, None] * np.abs(qa[:, None] - k_pos[None, :])
     with np.errstate(invalid="ignore", over="ignore"):
-        p = np.where(vis, np.exp(scale * q64 @ np.swapaxes(kf, -1, -2) - lse[..., None]), 0.0)
+        p = np.where(vis, np.exp(s - lse[..., None]), 0.0)
     p = np.nan_to_num(p)
-    ds = p * (do64 @ np.swapaxes(vf, -1, -2) - delta[..., None])
+    ds = p * (do64 @ np.swapaxes(vf, -1, -2) - delta[..., None]) * dcap
     gsum = lambda x: x.reshape(b, hkv, g, sk, d).sum(2)  # noqa: E731
     bounds = (
         scale * np.abs(ds) @ np.abs(kf),
@@ -505,6 +519,33 @@ def test_backward_tile_masks(dtype, layout):
             assert flops == want, what
             assert 10 * visible * d * 4 <= flops <= 10 * len(q_pos) * len(k_pos) * d * 4, what
             assert calls, "progress was never called"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_tile_softcap_and_alibi(dtype):
+    """Softcap, ALiBi and both in the backward kernels against the numpy tile, under masks.
+
+    Causal and per-row bounds (a window with empty rows), GQA, D = 64 (tensor cores for
+    fp16/bf16) and 200 (CUDA cores), ALiBi rows offset as in cross-attention.
+    """
+    rng = np.random.default_rng(26)
+    q_pos = np.arange(150, dtype=np.int64) + 60
+    k_pos, k_pos0 = np.arange(190, dtype=np.int64), np.arange(70, dtype=np.int64)
+    lo, hi = q_pos - 70, q_pos - 10
+    hi[::7] = lo[::7] - 1  # empty rows stay empty
+    slopes = np.array([0.5, 0.25, 0.125, 2.0**-6, 2.0**-8, 0.0])
+    alibi = (slopes, q_pos + 3)
+    for d in (64, 200):
+        _, k_dq = bwd_kernels(dtype, d)
+        for mods in (dict(softcap=2.0), dict(alibi=alibi), dict(softcap=5.0, alibi=alibi)):
+            for causal, bounds in ((True, None), (False, (lo, hi))):
+                ref, got, flops, calls, tol, visible = run_backward(
+                    rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0, causal, bounds, mods
+                )
+                what = f"{dtype} D={d} {sorted(mods)} causal={causal} bounds={bounds is not None}"
+                check_backward(ref, got, tol, dtype, what)
+                want = gpu.backward.backward_flops(k_dq, q_pos, k_pos, causal, 2, 6, d, bounds)
+                assert flops == want and calls, what
 
 
 def test_kernels_load_from_the_disk_cache():
@@ -735,6 +776,38 @@ def test_ring_masks_mpi(comm, layout, dtype):
     gpu.bind_device(comm)
     for case in RING_MASKS:
         ring_mask_case(comm, dtype, layout, case)
+
+
+GPU_RING_MODS = [
+    ("softcap, window 60,0", 203, None, True, dict(softcap=4.0, window=(60, 0))),
+    ("alibi, packed causal", 203, None, True,
+     dict(alibi_slopes=[0.5, 0.25, 0.0625, 0.0], cu_seqlens=(0, 40, 41, 203))),
+    ("both, packed cross causal", 163, 150, True,
+     dict(softcap=3.0, alibi_slopes=[0.125, 0.5, 0.0, 2.0**-5], cu_seqlens=(0, 3, 100, 101, 163),
+          cu_seqlens_k=(0, 9, 70, 70, 150))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_backward_ring_softcap_alibi_single_process(dtype):
+    """ring_attention_backward on CuPy arrays with softcap / ALiBi against the float64 reference."""
+    from mpi4py import MPI
+    from tools import gpucases
+
+    for _, n, nk, causal, mask in GPU_RING_MODS:
+        gpucases.backward_case(cupy, MPI.COMM_SELF, dtype, "zigzag", causal, mask=mask, n=n,
+                               nk=nk, d=64)  # fmt: skip
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_backward_ring_softcap_alibi_mpi(comm, layout, dtype):
+    from tools import gpucases
+
+    gpu.bind_device(comm)
+    for _, n, nk, causal, mask in GPU_RING_MODS:
+        gpucases.backward_case(cupy, comm, dtype, layout, causal, mask=mask, n=n, nk=nk, d=64)
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringmpi import arguments
-from ringmpi.gpu import backward, configs, nvrtc
+from ringmpi.gpu import backward, configs, nvcc, nvrtc
 from ringmpi.gpu import tile as gpu
 
 SKIP_NVRTC = os.environ.get("RINGMPI_SKIP_NVRTC") == "1"
@@ -67,6 +67,44 @@ def test_no_register_spills(results, arch):
 def test_compile_error_is_reported():
     res = nvrtc.compile_source("__global__ void f() { undefined_thing(); }", (), "sm_80")
     assert not res.ok and "undefined_thing" in res.log
+
+
+@needs_nvrtc
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("arch", nvrtc.ARCHS)
+def test_nvrtc_gives_no_warning(results, arch):
+    res = results[arch]
+    assert res.ok, res.log
+    warnings = [ln for ln in res.log.splitlines() if "warning" in ln.lower()]
+    assert not warnings, f"{arch}: NVRTC warnings:\n" + "\n".join(warnings[:20])
+
+
+# nvcc (the CUDA toolkit's compiler), where one is installed: the same module texts with
+# every instantiation, -arch=sm_90 -c, warnings as errors (ringmpi/gpu/nvcc.py)
+needs_nvcc = pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc: nvcc check skipped")
+
+
+@needs_nvcc
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("module", list(nvrtc.sources()), ids=str)
+def test_nvcc_compiles_every_kernel_without_warnings(module):
+    names = nvrtc.sources()[module]
+    ok, log = nvcc.compile_module(module, names, "sm_90", nvcc.find_nvcc(), timeout=3000)
+    assert ok, f"nvcc -arch=sm_90 -c {module}:\n{log}"
+
+
+@needs_nvcc
+@pytest.mark.timeout(600)
+def test_nvcc_check_reports_a_warning(tmp_path, monkeypatch):
+    """The nvcc check is not vacuous: a kernel with an unused variable fails it."""
+    (tmp_path / "attention_common.cuh").write_text("// empty\n")
+    (tmp_path / "w.cu").write_text(
+        '#include "attention_common.cuh"\n'
+        "template <int N> __global__ void k(int* p) { int unused = N; p[0] = 1; }\n"
+    )
+    monkeypatch.setenv("RINGMPI_KERNEL_DIR", str(tmp_path))
+    ok, log = nvcc.compile_module("w.cu", ("k<1>",), "sm_90", nvcc.find_nvcc())
+    assert not ok and "unused" in log, log
 
 
 # ---------------------------------------------------------------------------

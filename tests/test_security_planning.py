@@ -83,15 +83,15 @@ def test_interrupt_acts_while_a_file_of_many_groups_is_scanned(tmp_path, monkeyp
             for n, h in (("q", H), ("k", HKV), ("v", HKV)):
                 g[n] = _values(rng, (16, h, D))
     calls = []
-    real = inputs.dataset
+    real = inputs.lite_dataset
 
-    def dataset(*args, **kwargs):
+    def lite_dataset(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:  # Ctrl-C while the first group is looked at
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(inputs, "dataset", dataset)
+    monkeypatch.setattr(inputs, "lite_dataset", lite_dataset)
     with pytest.raises(interrupt.Interrupted):
         with interrupt.catching((signal.SIGINT,)):
             schema.scan([str(p)])

@@ -42,7 +42,7 @@ def test_get_parses_and_names_the_variable(monkeypatch):
     assert env.get("RINGMPI_WATCHDOG_S") is None
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", " Fused ")
     assert env.get("RINGMPI_CPU_KERNEL") == "fused"
-    for name, bad in (("RINGMPI_CPU_KERNEL", "gpu"), ("RINGMPI_LINK_GBPS", "-1"),
+    for name, bad in (("RINGMPI_CPU_KERNEL", "gpu"), ("RINGMPI_BUILD_LOCK_S", "-1"),
                       ("RINGMPI_WATCHDOG_S", "soon")):  # fmt: skip
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
@@ -52,12 +52,12 @@ def test_get_parses_and_names_the_variable(monkeypatch):
 
 
 def test_info_lists_the_variables_that_are_set():
-    e = dict(os.environ, RINGMPI_POLL="0", RINGMPI_LINK_GBPS="25")
+    e = dict(os.environ, RINGMPI_POLL="0", RINGMPI_BUILD_LOCK_S="25")
     out = subprocess.run([sys.executable, "-m", "ringmpi", "info"], env=e, capture_output=True,
                          text=True, timeout=300, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "env       RINGMPI_LINK_GBPS=25" in lines and "env       RINGMPI_POLL=0" in lines
+    assert "env       RINGMPI_BUILD_LOCK_S=25" in lines and "env       RINGMPI_POLL=0" in lines
     tiles = [x for x in lines if x.startswith("cpu tiles ")]
     assert len(tiles) == 1 and "forward" in tiles[0] and "backward" in tiles[0], lines
 

@@ -11,6 +11,9 @@ contract in :mod:`ringmpi.tile`) for CuPy arrays in the head-major layout:
     bounds = (lo, hi), optional: numpy int64 arrays (Sq,); query i sees key j iff
           lo[i] <= k_pos[j] <= hi[i] (lo[i] > hi[i]: no key, and lse[i] = -inf).
           When given, ``causal`` is ignored; without it: causal or every key.
+    softcap, alibi: the score modifiers of :mod:`ringmpi.tile`, as in the forward
+          (:func:`ringmpi.gpu.tile.forward_tile`); dS goes through the softcap's
+          derivative 1 - tanh^2, ALiBi adds no gradient term.
 
 A (query block, key block) pair no row of the block sees is skipped in both
 kernels; elements outside a row's [lo, hi] get P = 0 and so no gradient; a row
@@ -42,7 +45,7 @@ from .sources import BACKWARD_FILES
 
 __all__ = ["KERNEL_FILES", "kernel_names", "chosen", "backward_tile"]
 
-KERNEL_FILES = BACKWARD_FILES  # one module: bwd uses fwd's helpers
+KERNEL_FILES = BACKWARD_FILES  # its own module (shared code: kernels/attention_common.cuh)
 
 # the launch code's names for the shared helpers of ringmpi.gpu.kernel_args
 _check_state = kernel_args.check_state
@@ -112,6 +115,8 @@ def backward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
+    softcap: Optional[float] = None,
+    alibi: Optional[tuple] = None,
 ) -> int:
     """Add one K/V block's gradient contributions on the GPU, in place.
 
@@ -132,6 +137,12 @@ def backward_tile(
         progress a pending exchange); without it the launches are asynchronous.
     bounds : (lo, hi), optional
         numpy int64 arrays (Sq,): query i sees key j iff lo[i] <= k_pos[j] <= hi[i].
+    softcap : float, optional
+        Scores become softcap * tanh(score / softcap) (before ALiBi and the mask); dS is
+        multiplied by 1 - tanh^2.
+    alibi : (slopes (H,), qa (Sq,)), optional
+        ALiBi: the score gains -slopes[h] * abs(qa[i] - k_pos[j]) (numpy arrays; qa int64,
+        the rows' positions in key coordinates, see :mod:`ringmpi.tile`).
 
     Returns
     -------
@@ -152,6 +163,9 @@ def backward_tile(
     if len(q_pos) != sq or len(k_pos) != sk:
         raise ValueError("GPU backward tile: q_pos/k_pos lengths do not match Sq/Sk")
     rows = _rows(bounds, q_pos)
+    from ..cpu.fused import check_modifiers  # the same checks as the C tiles'
+
+    mods = check_modifiers(softcap, alibi, h, sq)
     storage = _storage(k.dtype)
     adt = acc_dtype(k.dtype)
     for name, x, shape in (("lse", lse, q.shape[:3]), ("delta", delta, q.shape[:3])):
@@ -179,6 +193,7 @@ def backward_tile(
     row_lo, row_hi = _device_rows(rows, dev)
     fscale = np.float64(scale) if adt == np.float64 else np.float32(scale)
     tail = tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld)) + (fscale, np.int32(causal))
+    tail += kernel_args.modifier_args(mods, type(fscale), dev)  # softcap, slopes, apos
 
     env, _, _ = _plan(q_pos, k_pos, k_dkdv, 1, bool(causal), dev, rows)
     grid = (-(-sk // k_dkdv.bn), hkv, bsz)

@@ -30,6 +30,7 @@ __all__ = [
     "device_rows",
     "padded_rows",
     "check_state",
+    "modifier_args",
     "clear_caches",
 ]
 
@@ -207,6 +208,27 @@ def padded_rows(x, ld: int):
     if not x.flags.c_contiguous or x.data.ptr % 16:
         return x.copy()  # CuPy allocations are 256-byte aligned
     return x
+
+
+def modifier_args(mods: tuple, ftype, dev: int) -> tuple:
+    """The kernels' last three arguments: (softcap, slopes, apos), null pointers when unused.
+
+    Parameters
+    ----------
+    mods : (float, numpy.ndarray (H,) float64 or None, numpy.ndarray (Sq,) int64 or None)
+        What :func:`ringmpi.cpu.fused.check_modifiers` returns: the softcap (0: none), the
+        ALiBi slopes and the rows' ALiBi positions.
+    ftype : numpy scalar type
+        The kernel's type of ``softcap`` (numpy.float32 or numpy.float64).
+    dev : int
+        CUDA device id.
+    """
+    import cupy
+
+    cap, slopes, apos = mods
+    if slopes is None:
+        return ftype(cap), NULL, NULL
+    return ftype(cap), cupy.asarray(slopes, dtype=cupy.float64), device_pos(apos, dev)
 
 
 def check_state(name: str, x, shape: tuple, dtype) -> None:

@@ -196,21 +196,16 @@ def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=Non
     pos = (_device_pos(q_pos, dev), _device_pos(k_pos, dev))
     ints = tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld))
     row_lo, row_hi = _device_rows(rows, dev)
-    cap, slopes, apos = mods
-    if slopes is None:
-        mod_args = (kernel_args.NULL, kernel_args.NULL)
-    else:
-        mod_args = (cupy.asarray(slopes, dtype=cupy.float64), _device_pos(apos, dev))
     if kern.packed:  # 1-D grid over (q block in order, batch, K/V head); base-2 scale
         args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, order, np.int32(bsz), *ints)
-        args += (np.float32(scale * _LOG2E), np.int32(causal), np.float32(cap), *mod_args)
+        args += (np.float32(scale * _LOG2E), np.int32(causal))
+        args += kernel_args.modifier_args(mods, np.float32, dev)
         grid = (len(order) * bsz * hkv,)
         flops = 4 * pairs * d * bsz * hkv
     else:
         fscale = np.float64(scale) if acc.dtype == np.float64 else np.float32(scale)
         args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, *ints, fscale, np.int32(causal))
-        ftype = np.float32 if kern.mma else type(fscale)
-        args += (ftype(cap), *mod_args)
+        args += kernel_args.modifier_args(mods, np.float32 if kern.mma else type(fscale), dev)
         grid = (-(-sq // kern.bm), h, bsz)
         flops = 4 * pairs * d * bsz * h
     _function(kern, dev)(grid, (kern.threads,), args, shared_mem=kern.smem)

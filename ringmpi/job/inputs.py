@@ -10,6 +10,7 @@ file for :func:`ringmpi.job.schema.scan`. Every problem is an :class:`InputError
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -131,6 +132,71 @@ def dataset(path: str, f, name: str, ndim: int, fsize: int):
     return obj
 
 
+class LiteDataset:
+    """What the checks read of a dataset (name, shape, dtype, chunks, ...), from its low-level id.
+
+    The scan of a file of thousands of groups spent most of its time building
+    h5py's high-level objects (groups, datasets, their file objects); this holds
+    the same facts from one ``H5Dopen`` and its creation property list, and
+    :func:`check_storage` / :func:`trusted` accept it like an ``h5py.Dataset``.
+    """
+
+    __slots__ = ("id", "name", "shape", "ndim", "dtype", "dtype_name", "chunks", "size", "file",
+                 "dcpl")  # fmt: skip
+
+    def __init__(self, dsid, name: str, filename: str) -> None:
+        from types import SimpleNamespace
+
+        from h5py import h5d
+
+        self.id, self.name = dsid, name
+        self.shape = tuple(int(n) for n in dsid.shape)
+        self.ndim = len(self.shape)
+        self.dtype = dsid.dtype
+        self.dtype_name = _dtype_name(self.dtype)
+        self.dcpl = dsid.get_create_plist()  # read once, by the trust checks too
+        self.chunks = self.dcpl.get_chunk() if self.dcpl.get_layout() == h5d.CHUNKED else None
+        self.size = math.prod(self.shape)
+        self.file = SimpleNamespace(filename=filename)
+
+
+_NAMES: dict = {}
+
+
+def _dtype_name(dt) -> str:
+    """``dt.name``, cached (numpy computes it in Python: slow on thousands of datasets)."""
+    name = _NAMES.get(dt)
+    if name is None:
+        name = _NAMES[dt] = dt.name
+    return name
+
+
+def lite_dataset(path: str, gid, group: str, name: str, ndim: int, fsize: int) -> LiteDataset:
+    """:func:`dataset` on the low-level ``GroupID`` ``gid`` of group ``group`` (same checks)."""
+    from h5py import h5d, h5o
+
+    key = name.encode()
+    full = f"/{group}/{name}" if group else f"/{name}"
+    try:
+        obj = h5o.open(gid, key) if gid.links.exists(key) else None
+    except KeyError:  # a dangling soft link: nothing there (as Group.get)
+        obj = None
+    except (OSError, RuntimeError) as e:
+        fail(path, f"cannot open dataset '{name}' ({e})")
+    if obj is None:
+        fail(path, f"missing dataset '{name}'")
+    if not isinstance(obj, h5d.DatasetID):
+        fail(path, f"'{name}' is not a dataset")
+    ds = LiteDataset(obj, full, path)
+    if ds.dtype.kind != "f" or ds.dtype_name not in FLOAT_DTYPES:
+        fail(path, f"dataset '{name}' has dtype {ds.dtype}, expected float16, float32 or float64")
+    if ds.ndim != ndim:
+        fail(path, f"dataset '{name}' has shape {ds.shape}, expected {ndim} dimensions")
+    check_storage(path, ds, fsize)
+    trusted(path, ds)
+    return ds
+
+
 def scan_file(path: str, structure_hint: Optional[str]) -> dict:
     """Metadata of one file: {"mode", "structure", "seqs": [(group, batch, shapes)], ...}."""
     f = open_input(path)
@@ -151,34 +217,40 @@ def scan_file(path: str, structure_hint: Optional[str]) -> dict:
             problem = f"{structure} structure, first input is {structure_hint}"
             fail(path, f"shards do not line up: {problem}")
         mode = "qkv" if "q" in (f[groups[0]] if groups[0] else f) else "features"
-        extra = 1 if structure == "batch" else 0
         seqs = []
         for g in groups:
             interrupt.check()  # planning a file of many groups can take long: Ctrl-C acts
-            node = f[g] if g else f
-            if mode == "qkv":
-                shapes = {n: dataset(path, node, n, 3 + extra, fsize) for n in ("q", "k", "v")}
-            else:
-                if "q" in node:
-                    fail(path, f"group '{g}' holds q but others hold features x")
-                shapes = {"x": dataset(path, node, "x", 2 + extra, fsize)}
-                if "x_kv" in node:
-                    shapes["x_kv"] = dataset(path, node, "x_kv", 2 + extra, fsize)
-            info = {n: (d.shape, d.dtype.name) for n, d in shapes.items()}
-            for name in ("cu_seqlens", "cu_seqlens_k"):
-                if name in node:
-                    if structure == "batch":
-                        what = f"'{name}' (packed sequences) cannot be combined with a batch axis"
-                        fail(path, f"{what} (4-D q): store one group per sequence instead")
-                    # the tokens it splits: q (x), or k (x_kv) for the key offsets
-                    q_name, kv_name = ("q", "k") if mode == "qkv" else ("x", "x_kv")
-                    data = q_name if name == "cu_seqlens" else kv_name
-                    tokens = info.get(data, info[q_name])[0][extra]
-                    info[name] = read_offsets(path, node, name, fsize, tokens)
-            seqs.append((g, info))
+            seqs.append((g, _scan_group(path, f, g, mode, structure, fsize)))
         return {"mode": mode, "structure": structure, "seqs": seqs}
     finally:
         f.close()
+
+
+def _scan_group(path: str, f, g: str, mode: str, structure: str, fsize: int) -> dict:
+    """{dataset: (shape, dtype name)} of group ``g`` ("" the root), plus its offsets arrays."""
+    from h5py import h5g
+
+    extra = 1 if structure == "batch" else 0
+    gid = h5g.open(f.id, g.encode()) if g else f.id  # low-level: no h5py objects
+    names = ("q", "k", "v") if mode == "qkv" else ("x", "x_kv")
+    if mode != "qkv" and gid.links.exists(b"q"):
+        fail(path, f"group '{g}' holds q but others hold features x")
+    shapes = {}
+    for n in names:
+        if n != "x_kv" or gid.links.exists(b"x_kv"):
+            shapes[n] = lite_dataset(path, gid, g, n, (3 if mode == "qkv" else 2) + extra, fsize)
+    info = {n: (d.shape, d.dtype_name) for n, d in shapes.items()}
+    for name in ("cu_seqlens", "cu_seqlens_k"):
+        if gid.links.exists(name.encode()):
+            if structure == "batch":
+                what = f"'{name}' (packed sequences) cannot be combined with a batch axis"
+                fail(path, f"{what} (4-D q): store one group per sequence instead")
+            # the tokens it splits: q (x), or k (x_kv) for the key offsets
+            q_name, kv_name = ("q", "k") if mode == "qkv" else ("x", "x_kv")
+            data = q_name if name == "cu_seqlens" else kv_name
+            tokens = info.get(data, info[q_name])[0][extra]
+            info[name] = read_offsets(path, f[g] if g else f, name, fsize, tokens)
+    return info
 
 
 def read_offsets(path: str, node, name: str, fsize: int, tokens: int) -> np.ndarray:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import platform
 import signal
 import sys
 import time
@@ -36,9 +35,10 @@ from .checkpoint import Checkpoints
 from .config import JobOptions
 from .progress import Progress
 from .reader import Reader, abandon, in_background
-from .report import peak_rss, predicted_seconds, start_line, ticks_per_step, utc
+from .report import predicted_seconds, start_line, ticks_per_step
 from .schema import InputError
 from .store import part_name
+from .summary import job_summary
 
 __all__ = ["JobContext", "SequenceLoop"]
 
@@ -100,11 +100,22 @@ class SequenceLoop:
         Every batch left to compute in the job (all rings).
     done : set of int
         Sequences an earlier run finished (``--resume``).
+    before : list of SequenceLoop
+        The job's earlier phases (``--ring-size auto``: rings of another size),
+        already run: the summary counts them, the start line was theirs.
+    last : bool
+        The job's last phase: write the output's index and return the summary.
+    job_left : list of (Batch, ring size), optional
+        Every batch left in the job, all phases (default ``left`` on this ring size):
+        the start line.
     """
 
-    def __init__(self, ctx: JobContext, store, todo: list, left: list, done) -> None:
+    def __init__(self, ctx: JobContext, store, todo: list, left: list, done, before=(),
+                 last: bool = True, job_left: Optional[list] = None) -> None:  # fmt: skip
         self.ctx, self.store = ctx, store
         self.todo, self.left, self.done = todo, left, done
+        self.before, self.last = list(before), last
+        self.job_left = [(b, ctx.ring_size) for b in left] if job_left is None else job_left
         self.todo_all = [i for b in left for i in b.members]
         todo_all = self.todo_all
         plan, spec = ctx.plan, ctx.spec
@@ -152,12 +163,19 @@ class SequenceLoop:
     def run(self) -> dict:
         """Compute and write every sequence of ``todo``; the summary (collective over comm)."""
         ctx, bar = self.ctx, self.bar
-        if self.show:
-            bar.header(start_line(ctx.plan, self.todo_all, ctx.size, ctx.spec.layout,
+        if self.show and not self.before:
+            every = [i for b, _ in self.job_left for i in b.members]
+            bar.header(start_line(ctx.plan, every, ctx.size, ctx.spec.layout,
                                   ctx.spec.causal, ctx.device, ctx.attrs["kernel"],
                                   ctx.attrs["isa"], ctx.rate, ring=ctx.ring_size,
                                   window=ctx.spec.window, notes=ctx.notes,
-                                  units=self.left))  # fmt: skip
+                                  units=[b for b, _ in self.job_left],
+                                  unit_rings=[r for _, r in self.job_left]))  # fmt: skip
+        if self.show and (self.before or not self.last):  # --ring-size auto: say the phase
+            rings = ctx.size // ctx.ring_size
+            n = sum(len(b.members) for b in self.left)
+            bar.note(f"{rings} ring(s) of {ctx.ring_size}: {n} sequence(s) in {len(self.left)} "
+                     "call(s)")  # fmt: skip
         prefetch = ctx.options.prefetch
         stopped = False
         self.nxt = None  # the read of the next sequence, started ahead
@@ -165,8 +183,9 @@ class SequenceLoop:
             self.nxt = self._start(0) if (self.todo and prefetch) else None
             for j, batch in enumerate(self.todo):
                 self._one(j, batch, self.nxt if prefetch else self._start(j))
-            self.where["stage"] = "finishing"
-            self.store.finish()
+            if self.last:
+                self.where["stage"] = "finishing"
+                self.store.finish()
         except KeyboardInterrupt as e:
             stopped = True
             bar.close()
@@ -187,7 +206,7 @@ class SequenceLoop:
             if not stopped:
                 self.reader.close()
             bar.close()
-        return self.summary()
+        return self.summary() if self.last else {}
 
     def _one(self, j: int, batch, fut) -> None:
         """Batch ``todo[j]``: wait for its read ``fut``, start the next, compute, write."""
@@ -263,7 +282,7 @@ class SequenceLoop:
         })  # fmt: skip
         bar.finish_seq(secs)
         self.finished += len(batch.members)
-        _test_kill(ctx.rank, self.finished)
+        _test_kill(ctx.rank, self.finished + sum(b.finished for b in self.before))
 
     def _resume_point(self, i: int, name: str, q) -> Optional[tuple]:
         """The checkpoint the batch of first sequence ``i`` resumes from (collective over the
@@ -285,56 +304,8 @@ class SequenceLoop:
 
     # -- the end ---------------------------------------------------------------------------
     def summary(self) -> dict:
-        """The job's summary, identical on every rank (sums and maxima over ``comm``)."""
-        ctx, acc = self.ctx, self.acc
-        size, rs = ctx.size, ctx.ring_size
-        wall = time.perf_counter() - ctx.t_start
-        mine = np.array(
-            [acc["flops"], acc["wait_s"], acc["total_s"], acc["compute_s"],
-             self.read_wait + self.write_s, self.read_wait, self.write_s,
-             self.reader.bytes_read, self.tokens / rs],
-            dtype=np.float64,
-        )  # fmt: skip
-        peak = np.array([peak_rss(), wall], dtype=np.float64)
-        if ctx.comm is not None:
-            from mpi4py import MPI
-
-            tot = np.empty_like(mine)
-            ctx.comm.Allreduce(mine, tot, op=MPI.SUM)
-            mx = np.empty_like(peak)
-            ctx.comm.Allreduce(peak, mx, op=MPI.MAX)
-            mine, peak = tot, mx
-        wall = float(peak[1])
-        tokens = int(round(mine[8]))  # every ring's ranks counted their ring's tokens
-        hosts = [platform.node()] if ctx.comm is None else ctx.comm.allgather(platform.node())
-        return {
-            "ranks": size,
-            "ring_size": rs,
-            "layout": ctx.spec.layout,
-            "causal": bool(ctx.spec.causal),
-            "device": ctx.device,
-            "sequences": len(self.todo_all),
-            "skipped_done": len(self.done),
-            "tokens": tokens,
-            "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "gflops": mine[0] / wall / 1e9 if wall > 0 else 0.0,
-            "flops": float(mine[0]),
-            "peak_rss_bytes_max": int(peak[0]),
-            "mpi_wait_share": float(mine[1] / mine[2]) if mine[2] > 0 else 0.0,
-            "io_share": float(mine[4] / (wall * size)) if wall > 0 else 0.0,
-            "read_wait_s": float(mine[5] / size),
-            "write_s": float(mine[6] / size),
-            "read_mb_per_rank": float(mine[7] / size / 1e6),
-            "output": os.path.abspath(ctx.output),
-            "parts": os.path.abspath(ctx.output) + ".parts",
-            "output_mode": getattr(self.store, "mode", "parts"),
-            "started_utc": ctx.started_utc,
-            "finished_utc": utc(),
-            "hosts": hosts,
-            "timings": self.timings,
-            "provenance": ctx.attrs,
-        }
+        """The job's summary, identical on every rank (:func:`ringmpi.job.summary.job_summary`)."""
+        return job_summary(self.ctx, self.before + [self], len(self.done), self.store)
 
     def _interrupted(self, e: KeyboardInterrupt):
         """An Interrupted saying at which sequence and ring step the job stopped."""
@@ -355,7 +326,7 @@ class SequenceLoop:
             else:
                 text += f", while {where['stage']}"
             err.where = text
-        err.finished = len(self.done) + self.finished
+        err.finished = len(self.done) + self.finished + sum(b.finished for b in self.before)
         return err
 
 

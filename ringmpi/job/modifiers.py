@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..collective import run_on_root
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, modifier_fields
 from . import trust
 from .schema import InputError
 
@@ -175,7 +175,7 @@ def check_tiles(spec: AttentionSpec, device: str) -> None:
     """
     from ..backend import select
 
-    wanted = [f for f in ("softcap", "alibi_slopes") if getattr(spec, f) is not None]
+    wanted = [f for f, meta in modifier_fields() if meta["tile"] and getattr(spec, f) is not None]
     if not wanted:
         return
     try:
@@ -189,7 +189,8 @@ def check_tiles(spec: AttentionSpec, device: str) -> None:
         return  # the job reports an unusable backend itself, the usual way
     missing = [f for f in wanted if f not in be.forward_mods or f not in be.backward_mods]
     if missing:
-        flags = ", ".join("--" + ("alibi" if f == "alibi_slopes" else f) for f in missing)
+        flags = ", ".join("--" + ("alibi" if f == "alibi_slopes" else f.replace("_", "-"))
+                          for f in missing)  # fmt: skip
         hint = "; RINGMPI_CPU_KERNEL=numpy runs them on the CPU" if device == "cpu" else ""
         raise InputError(f"{flags}: the {be.name} tiles do not apply {', '.join(missing)} yet"
                          f"{hint}")  # fmt: skip

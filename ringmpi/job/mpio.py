@@ -38,8 +38,6 @@ import os
 import signal
 import sys
 import time
-import zlib
-from typing import Optional
 
 import numpy as np
 
@@ -47,9 +45,10 @@ from ..collective import run_everywhere, run_on_root
 from ..files import fsync_path, write_json
 from ..partition import positions
 from ..watchdog import watch
+from .mpio_io import collective_io as _io
+from .mpio_io import crc as _crc
 from .outdir import unlock_output
 from .outmode import MODES, mpio_status, resolve_mode
-from .reader import local_runs
 from .schema import InputError
 from .store import OutputStore
 from .vds import label_dims, write_offsets
@@ -58,68 +57,6 @@ __all__ = ["MODES", "mpio_status", "resolve_mode", "SingleFileStore", "make_stor
 
 EXIT_IO = 1  # exit status of a job aborted by a failed parallel-HDF5 step
 TMP_NAME = "single.h5.tmp"
-
-
-def _crc(*arrays) -> int:
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
-    return crc
-
-
-def _runs(pos: np.ndarray) -> list:
-    """Sorted positions as arithmetic runs (first, count, step)."""
-    return [(first, cnt, step) for first, cnt, step, _ in local_runs(pos)]
-
-
-def _selection(dset, lead: tuple, pos: np.ndarray, axis: int):
-    """File dataspace selecting tokens ``pos`` (sorted) along ``axis``, at index ``lead``."""
-    import h5py
-
-    space = dset.id.get_space()
-    space.select_none()
-    shape = dset.shape
-    for first, cnt, step in _runs(pos):
-        start = [0] * len(shape)
-        count = [1] * len(shape)
-        block = list(shape)
-        for d, b in enumerate(lead):
-            start[d], block[d] = b, 1
-        start[axis], count[axis], block[axis] = first, cnt, 1
-        stride = [1] * len(shape)
-        stride[axis] = max(step, 1)
-        space.select_hyperslab(
-            tuple(start), tuple(count), tuple(stride), tuple(block), op=h5py.h5s.SELECT_OR
-        )
-    return space
-
-
-def _dxpl():
-    import h5py
-
-    dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
-    dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)  # filtered (compressed) writes need it
-    return dxpl
-
-
-def _io(dset, lead: tuple, pos: np.ndarray, axis: int, arr: Optional[np.ndarray]):
-    """Collective write of ``arr`` (or read, ``arr`` None) at tokens ``pos`` of ``dset``."""
-    import h5py
-
-    fspace = _selection(dset, lead, pos, axis)
-    shape = list(dset.shape[len(lead) :])
-    shape[axis - len(lead)] = len(pos)
-    buf = np.empty(shape, dtype=dset.dtype) if arr is None else np.ascontiguousarray(arr)
-    mem = buf
-    mspace = h5py.h5s.create_simple(tuple(shape) if buf.size else (1,))
-    if not buf.size:  # a rank without tokens still takes part in the collective call
-        mspace.select_none()
-        mem = np.zeros(1, dtype=dset.dtype)
-    if arr is None:
-        dset.id.read(mspace, fspace, mem, dxpl=_dxpl())
-    else:
-        dset.id.write(mspace, fspace, mem, dxpl=_dxpl())
-    return buf
 
 
 class SingleFileStore(OutputStore):

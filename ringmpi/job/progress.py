@@ -147,6 +147,11 @@ class Progress:
             self._last = now
             self._write(f"ringmpi: {self._status()}\n")
 
+    def note(self, text: str) -> None:
+        """One more line between sequences (e.g. the next phase of ring sizes)."""
+        if self.enabled:
+            self._write(f"ringmpi: {text}\n")
+
     def header(self, text: str) -> None:
         """The start line of the job."""
         if self.enabled:

@@ -177,26 +177,32 @@ def one_process_note(env=None) -> str:
 
 
 def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=None,
-               window=None, notes=(), units=None) -> str:  # fmt: skip
+               window=None, notes=(), units=None, unit_rings=None) -> str:  # fmt: skip
     """The job's first line: what, where, how much memory, how long (predicted).
 
     ``notes``: more clauses (BLAS threads, a run of one process), joined with "; ".
     ``units``: what one ring call computes (:class:`ringmpi.job.batch.Batch`: one
     sequence or several packed), which sizes the memory; default the sequences.
+    ``unit_rings``: the ring size of each unit (``--ring-size auto``), default
+    ``ring`` for all.
     """
     ring = size if ring is None else ring
     seqs = [plan.sequences[i] for i in todo]
     units = seqs if units is None else list(units)
+    rings = [ring] * len(units) if unit_rings is None else list(unit_rings)
     tokens = sum(s.length for s in seqs)
-    ahead = len(units) > size // ring  # read-ahead of a next call's inputs on some ring
-    mem = max((rank_bytes(plan, n, prefetch=ahead, n_local_k=nk, ranks=ring) for n, nk in
-               (seq_counts(s, ring, layout) for s in units)), default=0)  # fmt: skip
+    mem = 0
+    for r in set(rings):
+        mine = [u for u, ur in zip(units, rings) if ur == r]
+        ahead = len(mine) > size // r  # read-ahead of a next call's inputs on some ring
+        mem = max([mem] + [rank_bytes(plan, n, prefetch=ahead, n_local_k=nk, ranks=r)
+                           for n, nk in (seq_counts(s, r, layout) for s in mine)])  # fmt: skip
     mem = (mem + resident_bytes()) / 2**30  # the peak resident memory it should match
     where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
     text = (
         f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
         f"D={plan.head_dim}, {plan.dtype}), {size} rank(s)"
-        + (f" as {size // ring} rings of {ring}" if ring != size else "")
+        + _rings_text(size, ring, rings, units)
         + f", {layout}{', causal' if causal else ''}"
         + (f", window {tuple(window)}" if window is not None else "")
         + (", packed" if any(s.packed for s in seqs) else "")
@@ -209,6 +215,17 @@ def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=No
         text += f"; predicted ~{duration(secs)} at {rate / 1e9:.1f} GFLOP/s per rank (measured)"
     text += "".join(f"; {n}" for n in notes)
     return text
+
+
+def _rings_text(size: int, ring: int, rings: list, units: list) -> str:
+    """' as 2 rings of 2', or per ring size under --ring-size auto; '' for one ring of all."""
+    if len(set(rings)) <= 1:
+        return f" as {size // ring} rings of {ring}" if ring != size else ""
+    parts = []
+    for r in sorted(set(rings), reverse=True):
+        n = sum(len(getattr(u, "members", (0,))) for u, ur in zip(units, rings) if ur == r)
+        parts.append(f"{n} sequence(s) on {'rings' if size // r > 1 else 'a ring'} of {r}")
+    return " as " + " and ".join(parts) + " (--ring-size auto)"
 
 
 def peak_rss() -> int:

@@ -22,7 +22,7 @@ sequences stay marked done for ``--resume``.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Optional
@@ -38,6 +38,7 @@ from .devices import gpu_probe, pick_device
 from .loop import JobContext, SequenceLoop
 from .mpio import make_store, resolve_mode
 from .report import format_summary, measure_rate, one_process_note, provenance, utc
+from .rings import assign_ring_sizes, phases
 from .schema import InputError, make_plan
 from .store import fingerprint
 from .threads import limit_blas
@@ -54,33 +55,19 @@ __all__ = [
 
 
 def choose_ring_size(ring_size, plan, size: int, layout: str, causal: bool, budget: int,
-                     rate: float) -> int:  # fmt: skip
-    """Ranks per ring: ``ring_size`` checked, or for ``"auto"`` the planner's choice.
+                     window=None) -> list:  # fmt: skip
+    """Ranks per ring for every sequence (a list in plan order): ``ring_size`` checked.
 
-    ``auto`` takes the ring size with the shortest predicted job among those whose
-    per-rank memory fits ``budget`` for the longest sequence (many sequences:
-    small rings, each holding one sequence with big blocks that hide the
-    exchange; one long sequence: one ring of all ranks). The link rate is
-    ``RINGMPI_LINK_GBPS`` (default 10 Gbit/s), the compute rate ``rate`` (flop/s).
+    None: one ring of all ``size`` ranks; a number R: rings of R for every
+    sequence; ``"auto"``: each sequence its own ring size
+    (:func:`ringmpi.job.rings.assign_ring_sizes`: rings of one for short work,
+    larger rings for sequences that would hold one rank too long or do not fit).
     """
+    n = len(plan.sequences)
     if ring_size is None:
-        return size
+        return [size] * n
     if ring_size == "auto":
-        from ..plan import recommend
-
-        longest = max(s.length for s in plan.sequences)
-        rec = recommend(
-            longest, plan.heads, plan.kv_heads, plan.head_dim, ranks=size,
-            memory_per_rank_bytes=budget, sequences=len(plan.sequences), causal=causal,
-            dtype="float64" if plan.dtype == "float64" else "float32",
-            gflops=(rate / 1e9) or 50.0,
-            link_gbps=float(os.environ.get("RINGMPI_LINK_GBPS", "10")),
-        )  # fmt: skip
-        r = rec["ring_size"]
-        shortest = min(s.length for s in plan.sequences)
-        while r < size and (not rec["fits"] or shortest < r):  # keep every rank busy
-            r = min(d for d in range(r + 1, size + 1) if size % d == 0)
-        return r
+        return assign_ring_sizes(plan, size, layout, causal, budget, window)
     try:
         r = int(ring_size)
     except (TypeError, ValueError):
@@ -88,7 +75,7 @@ def choose_ring_size(ring_size, plan, size: int, layout: str, causal: bool, budg
         raise InputError(msg) from None
     if r < 1 or size % r:
         raise InputError(f"--ring-size {r} does not divide the {size} ranks into whole rings")
-    return r
+    return [r] * n
 
 
 def run(
@@ -166,33 +153,25 @@ def run(
     notes = (blas.text,) + ((one_process_note(),) if size == 1 else ())
     layout, causal = spec.layout, spec.causal
     try:
-        calibrate = rank == 0 and (ring_size == "auto" or not opts.quiet)
-        rate = measure_rate(plan, dev) if calibrate else 0.0
-        rs = run_on_root(
-            comm, choose_ring_size, ring_size, plan, size, layout, causal, budget, rate
-        )
-        run_everywhere(
-            comm, lambda: [check_memory(plan, s, rs, layout, budget) for s in plan.sequences]
-        )
-        if rs != size:
-            short = run_on_root(
-                comm, lambda: [s.name for s in plan.sequences if min(s.length, s.length_k) < rs]
-            )
-            if short:
-                msg = f"sequence {short[0]} has fewer tokens than the {rs} ranks of a ring"
-                raise InputError(msg)
-        cap = run_on_root(comm, batch_tokens, plan, rs, layout, budget)
-        ring, across = (comm, None) if rs == size else grid(comm, ring_size=rs)
-        ctx = JobContext(plan=plan, spec=spec, options=opts, comm=comm, ring=ring, ring_size=rs,
-                         device=dev, attrs={}, rate=rate, t_start=t_start,
+        rate = measure_rate(plan, dev) if rank == 0 and not opts.quiet else 0.0
+        sizes = run_on_root(comm, choose_ring_size, ring_size, plan, size, layout, causal,
+                            budget, spec.window)  # fmt: skip
+        run_everywhere(comm, lambda: [check_memory(plan, s, r, layout, budget)
+                                      for s, r in zip(plan.sequences, sizes)])  # fmt: skip
+        short = run_on_root(comm, lambda: [
+            s.name for s, r in zip(plan.sequences, sizes)
+            if r != size and min(s.length, s.length_k) < r
+        ])  # fmt: skip
+        if short:
+            r = sizes[[s.name for s in plan.sequences].index(short[0])]
+            raise InputError(f"sequence {short[0]} has fewer tokens than the {r} ranks of a ring")
+        caps = {r: run_on_root(comm, batch_tokens, plan, r, layout, budget)
+                for r in sorted(set(sizes))}  # fmt: skip
+        ctx = JobContext(plan=plan, spec=spec, options=opts, comm=comm, ring=comm,
+                         ring_size=max(sizes), device=dev, attrs={}, rate=rate, t_start=t_start,
                          started_utc=started_utc, output=output, notes=notes, budget=budget,
-                         batch_tokens=cap)  # fmt: skip
-        try:
-            return _job(ctx, across)
-        finally:
-            if across is not None:
-                ring.Free()
-                across.Free()
+                         batch_tokens=caps[max(sizes)])  # fmt: skip
+        return _job(ctx, sizes, caps)
     finally:
         blas.restore()
 
@@ -207,34 +186,82 @@ def _spec_attrs(spec: AttentionSpec) -> dict:
     return {k: v for k, v in spec.to_attrs().items() if k not in skip}
 
 
-def _job(ctx: JobContext, across) -> dict:
-    """Open the output, run the loop of this rank's ring (collective)."""
+def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
+    """Open the output, run each phase's rings over their batches (collective).
+
+    ``sizes``: ranks per ring of every sequence; ``caps``: batch tokens per ring size.
+    """
     plan, spec, opts, comm = ctx.plan, ctx.spec, ctx.options, ctx.comm
-    size, rs = ctx.size, ctx.ring_size
-    nrings = size // rs
+    size = ctx.size
+    todo_phases = phases(sizes)
+    mixed = len(todo_phases) > 1
+    nrings = size // min(sizes)
     mode = resolve_mode(opts.output_mode, comm, nrings)  # before anything is written
     layout, causal, scale = spec.layout, spec.causal, spec.scale
+    rs = max(sizes) if mixed else sizes[0]
     meta = run_on_root(comm, fingerprint, plan, layout, causal, scale, size, rs)
+    if mixed:  # which ring wrote which sequence: resume reads the parts by it
+        meta["ring_size"] = "auto"
+        meta["ring_sizes"] = [int(r) for r in sizes]
     # masks, positions and modifiers: a resumed run must use the same (compared via the manifest)
     meta["window"] = list(spec.window) if spec.window is not None else None
     meta["rope"] = list(ctx.rope) if ctx.rope else None
     meta.update(_spec_attrs(spec))
     # how sequences are packed into calls decides the rounding of each: resume must match
-    meta["batch_tokens"] = ctx.batch_tokens
+    tokens = [caps[r] for r, _ in todo_phases]
+    meta["batch_tokens"] = tokens if mixed else tokens[0]
     attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, ctx.device,
                         window=spec.window, rope=ctx.rope)  # fmt: skip
     attrs.update(_spec_attrs(spec))
-    attrs["ring_size"] = rs
+    attrs["ring_size"] = rs if not mixed else "auto"
+    if mixed:
+        attrs["ring_sizes"] = [int(r) for r in sizes]
     # what computes: a resume under another device, tile or CPU ISA would mix results
     meta["compute"] = [attrs.get(k) for k in ("device", "kernel", "isa")]
     ctx.attrs = attrs
-    store = make_store(mode, ctx.output, comm, plan, meta, attrs=attrs, overwrite=opts.overwrite,
-                       compress=opts.compress, ring=ctx.ring)  # fmt: skip
-    done = store.open(opts.resume)
-    # the batches follow from the plan alone (not from what is done), so a resumed run
-    # computes every batch it redoes exactly as the first run did
-    every = make_batches(plan, range(len(plan.sequences)), ctx.batch_tokens, nrings)
-    left = [b for b in every if not set(b.members) <= done]
-    # rings take the batches in turn; the last may get fewer
-    todo = left[(0 if across is None else across.Get_rank()) :: nrings]
-    return SequenceLoop(ctx, store, todo, left, done).run()
+    ring, across = _rings(comm, todo_phases[0][0], size)
+    try:
+        store = make_store(mode, ctx.output, comm, plan, meta, attrs=attrs,
+                           overwrite=opts.overwrite, compress=opts.compress, ring=ring,
+                           **({"ring_sizes": sizes} if mixed else {}))  # fmt: skip
+        done = store.open(opts.resume)
+        # the batches follow from the plan alone (not from what is done), so a resumed
+        # run computes every batch it redoes exactly as the first run did
+        lefts = []
+        for r, members in todo_phases:
+            every = make_batches(plan, members, caps[r], size // r)
+            lefts.append([b for b in every if not set(b.members) <= done])
+        job_left = [(b, r) for (r, _), left in zip(todo_phases, lefts) for b in left]
+        loops: list = []
+        for p, ((r, _), left) in enumerate(zip(todo_phases, lefts)):
+            if p:
+                _free(ring, across)
+                ring, across = None, None
+                ring, across = _rings(comm, r, size)
+                store.use_ring(ring)
+            nr = size // r
+            # rings take the batches in turn; the last may get fewer
+            todo = left[(0 if across is None else across.Get_rank()) :: nr]
+            pctx = dataclasses.replace(ctx, ring=ring, ring_size=r, batch_tokens=caps[r])
+            last = p == len(todo_phases) - 1
+            loop = SequenceLoop(pctx, store, todo, left, done, before=loops, last=last,
+                                job_left=job_left)  # fmt: skip
+            if last:
+                return loop.run()
+            loop.run()
+            loops.append(loop)
+        raise AssertionError("unreachable: the last phase returns")
+    finally:
+        _free(ring, across)
+
+
+def _rings(comm, r: int, size: int) -> tuple:
+    """(this rank's ring of ``r`` ranks, the communicator across rings or None)."""
+    return (comm, None) if r == size else grid(comm, ring_size=r)
+
+
+def _free(ring, across) -> None:
+    """Free a ring made by :func:`_rings` (the job's own communicator is kept)."""
+    if across is not None:
+        ring.Free()
+        across.Free()

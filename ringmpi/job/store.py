@@ -25,42 +25,31 @@ a final name is always complete. A sequence counts as done only when its marker
 exists; ``--resume`` checks each rank's part against the marker (size and CRC32)
 and recomputes anything missing or damaged. The computation is deterministic for
 fixed inputs, layout and ranks, so a resumed run gives the same bytes.
+Rank 0 starts or reopens the parts folder with :mod:`ringmpi.job.store_open`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import stat
 from typing import Optional
 
 import numpy as np
 
 from ..collective import run_everywhere, run_on_root
-from ..files import exclusive_temp, fsync_path, replace_with, write_json
+from ..files import fsync_path, replace_with, write_json
 from .outdir import (
     crc32_of as _crc32,
 )
-from .outdir import (
-    lock_output,
-    marker_members,
-    open_parts_dir,
-    unlock_output,
-    valid_marker,
-)
+from .outdir import marker_members, unlock_output, valid_marker
 from .schema import InputError, Plan
+from .store_open import prepare_parts
 from .vds import label_dims, part_name, write_vds
 
 __all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims"]
 
 FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 COMPRESSION = ("gzip", "lzf")
-# single.h5.tmp: the one-file output being written (ringmpi.job.mpio); .NAME.<hex>.tmp: the
-# exclusive temporaries of ringmpi.files.exclusive_temp
-_NAMES = r"(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json|single\.h5)"
-_OURS = re.compile(rf"^({_NAMES}(\.tmp)?|\.{_NAMES}\.[0-9a-f]{{12}}\.tmp)$")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _write_h5(path: str, fill) -> None:
@@ -145,6 +134,7 @@ class OutputStore:
         overwrite: bool = False,
         compress: Optional[str] = None,
         ring=None,
+        ring_sizes=None,
     ):
         if compress not in (None,) + COMPRESSION:
             raise InputError(f"compression must be one of {', '.join(COMPRESSION)}, not {compress}")
@@ -160,95 +150,30 @@ class OutputStore:
         self.size = 1 if self.ring is None else self.ring.Get_size()
         self.layout = meta["layout"]
         self.batches: dict = {}  # first member -> the members of each batch written or kept
+        # ranks of the ring that wrote each sequence (--ring-size auto: per sequence)
+        self.ring_sizes = ring_sizes
+        self.mine: dict = {}  # first member -> (members, ring size): batches this rank reports
+        self.world_rank = 0 if comm is None else comm.Get_rank()
+
+    def use_ring(self, ring) -> None:
+        """Write the next batches from ``ring`` (the job's next phase of ring size)."""
+        self.ring = ring
+        self.rank, self.size = ring.Get_rank(), ring.Get_size()
+
+    def size_of(self, i: int) -> int:
+        """Ranks of the ring that writes (wrote) the batch starting at sequence ``i``."""
+        return self.size if self.ring_sizes is None else int(self.ring_sizes[i])
 
     # -- start -------------------------------------------------------------
     def _prepare_root(self, resume: bool) -> dict:
-        d = os.path.dirname(self.path)
-        if not os.path.isdir(d):
-            raise InputError(f"{self.path}: output directory {d} does not exist")
-        for p in self.plan.files + ([self.plan.weights] if self.plan.weights else []):
-            if os.path.exists(self.path) and os.path.samefile(p, self.path):
-                raise InputError(f"{self.path}: output would overwrite input {p}")
-            folder = os.path.dirname(os.path.abspath(p))
-            if os.path.isdir(self.parts) and os.path.samefile(folder, self.parts):
-                raise InputError(f"{self.path}: input {p} is inside the output's parts folder")
-        try:
-            manifest = os.path.join(self.parts, "manifest.json")
-            existed = os.path.lexists(self.parts)
-            if existed and not (resume or self.overwrite) and not os.path.isdir(self.parts):
-                raise InputError(f"{self.parts}: exists and is not the job's parts folder")
-            dfd = open_parts_dir(self.parts, create=not existed)
-            try:
-                lock_output(self.parts, dfd)
-                names = os.listdir(dfd)
-                if resume and "manifest.json" in names:
-                    return self._resume_markers(dfd, manifest)
-                # fresh start: never replace an earlier result unasked
-                if not self.overwrite and os.path.lexists(self.path):
-                    raise InputError(
-                        f"{self.path}: output exists; use --overwrite to replace it, or another -o"
-                    )
-                if not self.overwrite and "manifest.json" in names:
-                    raise InputError(
-                        f"{self.parts}: holds an unfinished run; use --resume to continue it, "
-                        "--overwrite to start again, or another -o"
-                    )
-                # nothing stale may survive under a final name (unlink never follows a symlink)
-                if os.path.lexists(self.path):
-                    os.remove(self.path)
-                for name in names:
-                    if _OURS.match(name):
-                        os.unlink(name, dir_fd=dfd)
-            finally:
-                os.close(dfd)
-            fd, probe = exclusive_temp(manifest)  # can we write here at all?
-            os.close(fd)
-            os.unlink(probe)
-            write_json(manifest, self.meta)
-            return {}
-        except OSError as e:
-            raise InputError(f"{self.path}: cannot write output ({e.strerror or e})") from e
-
-    def _resume_markers(self, dfd: int, manifest: str) -> dict:
-        """The run's manifest must match; {index: marker} of the well-formed markers."""
-
-        def load(name):
-            fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dfd)
-            with os.fdopen(fd) as fh:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise ValueError("not a regular file")
-                return json.loads(fh.read(1 << 24))
-
-        try:
-            old = load("manifest.json")
-        except (OSError, ValueError) as e:
-            raise InputError(f"{manifest}: unreadable ({e}); rerun without --resume") from e
-        if not isinstance(old, dict):
-            raise InputError(f"{manifest}: not a manifest; rerun without --resume")
-        diff = [k for k in sorted(set(old) | set(self.meta)) if old.get(k) != self.meta.get(k)]
-        if diff:
-            raise InputError(
-                f"{manifest}: made by a different run (differs in {', '.join(diff)}); "
-                "rerun without --resume"
-            )
-        done = {}
-        seqs = self.plan.sequences
-        for name in sorted(os.listdir(dfd)):
-            m = re.fullmatch(r"s(\d{6})\.done", name)
-            if not m or int(m.group(1)) >= len(seqs):
-                continue
-            i = int(m.group(1))
-            try:
-                marker = load(name)
-            except (OSError, ValueError):
-                continue  # an unreadable marker means: redo that sequence
-            if self._marker_ok(marker, i):
-                done[i] = marker
-        return done
+        """Rank 0: the parts folder started or reopened (:mod:`ringmpi.job.store_open`)."""
+        return prepare_parts(
+            self.path, self.plan, self.meta, resume, self.overwrite, self._marker_ok
+        )
 
     def _marker_ok(self, marker, i: int) -> bool:
         """Does ``marker`` describe sequence ``i`` of this plan, in this store's format?"""
-        return valid_marker(marker, self.plan.sequences[i].name, self.size) and (
+        return valid_marker(marker, self.plan.sequences[i].name, self.size_of(i)) and (
             self._members(marker, i) is not None
         )
 
@@ -269,8 +194,10 @@ class OutputStore:
                 )
             ok = []
             for i, marker in sorted(done.items()):  # every rank checks its ring rank's part
-                p = os.path.join(self.parts, part_name(i, self.rank))
-                ok.append(_crc32(p) == tuple(marker["parts"][self.rank]) and self._attrs_ok(p, i))
+                n = self.size_of(i)
+                r = self.world_rank % n  # its rank in the ring that wrote it
+                p = os.path.join(self.parts, part_name(i, r))
+                ok.append(_crc32(p) == tuple(marker["parts"][r]) and self._attrs_ok(p, i, r, n))
             return ok
 
         ok = np.array(run_everywhere(comm, visible), dtype=np.int32)
@@ -283,10 +210,12 @@ class OutputStore:
             if good:
                 self.batches[i] = self._members(done[i], i)
                 kept.update(self.batches[i])
+                if self.world_rank == 0:
+                    self.mine[i] = (self.batches[i], self.size_of(i))
         return kept
 
-    def _attrs_ok(self, path: str, i: int) -> bool:
-        """Does part file ``path`` say it is this rank's part of sequence ``i`` in this plan?"""
+    def _attrs_ok(self, path: str, i: int, rank: int, nranks: int) -> bool:
+        """Is part file ``path`` rank ``rank``'s (of ``nranks``) part of sequence ``i``?"""
         import h5py
 
         try:
@@ -294,8 +223,8 @@ class OutputStore:
                 a = f.attrs
                 return (
                     a.get("sequence") == self.plan.sequences[i].name
-                    and int(a.get("rank", -1)) == self.rank
-                    and int(a.get("nranks", -1)) == self.size
+                    and int(a.get("rank", -1)) == rank
+                    and int(a.get("nranks", -1)) == nranks
                     and a.get("layout") == self.layout
                 )
         except (OSError, ValueError, TypeError):
@@ -381,29 +310,33 @@ class OutputStore:
             marker["members"] = [int(it[0]) for it in items]
             marker["names"] = [self.plan.sequences[it[0]].name for it in items]
         self.batches[first] = tuple(int(it[0]) for it in items)
+        if self.rank == 0:
+            self.mine[first] = (self.batches[first], self.size)
         path = os.path.join(self.parts, f"s{first:06d}.done")
         run_on_root(ring, write_json, path, marker)
 
     # -- end -------------------------------------------------------------------
-    def _write_vds(self, where: dict) -> None:
+    def _write_vds(self, where: dict, nranks: Optional[dict] = None) -> None:
         """Rank 0: the virtual-dataset file over the parts (:func:`ringmpi.job.vds.write_vds`)."""
-        write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout, where)
+        write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout, where,
+                  nranks=nranks)  # fmt: skip
 
     def finish(self) -> None:
         """Rank 0 writes the virtual-dataset file and renames it into place (collective).
 
-        Rank 0 learns every ring's batches with one gather (from each ring's first rank).
+        Rank 0 learns every ring's batches with one gather (what each ring's first
+        rank wrote, in every phase, and the batches a resume kept).
         """
-        mine = self.batches if self.rank == 0 else {}
-        every = [mine] if self.comm is None else self.comm.gather(mine, root=0)
-        where = {}
+        every = [self.mine] if self.comm is None else self.comm.gather(self.mine, root=0)
+        where, nranks = {}, {}
         for batches in every or ():
-            for members in batches.values():
+            for first, (members, n) in batches.items():
                 where.update((i, members) for i in members)
+                nranks[first] = n
 
         def vds():
             try:
-                self._write_vds(where)
+                self._write_vds(where, nranks)
             except (OSError, RuntimeError, ValueError) as e:
                 raise InputError(f"{self.path}: cannot write output ({e})") from e
 

@@ -80,41 +80,41 @@ def check_links(f) -> str:
 
     Hard and soft links stay inside the file; an external link or a user-defined
     link would make HDF5 open another file, so it is refused, named by its path.
+    One H5Lvisit over the file (each group's links once, soft links not
+    followed: their targets are walked from the root), no object opened.
     """
-    import h5py
+    from h5py import h5l
 
-    seen, todo, count = set(), [("", f)], 0
-    while todo:
-        prefix, group = todo.pop()
-        for name in group:  # H5Literate: names only, nothing is opened
-            count += 1
-            if count > MAX_LINKS:
-                return f"holds more than {MAX_LINKS} links"
-            where = f"{prefix}/{name}"
-            link = group.get(name, getlink=True)
-            if isinstance(link, h5py.ExternalLink):
-                return (
-                    f"'{where}' is an external link to {link.filename}:{link.path}: "
-                    "inputs are read only from themselves"
-                )
-            if isinstance(link, h5py.SoftLink):
-                continue  # a path inside this file: its links are walked from the root
-            if not isinstance(link, h5py.HardLink):
-                return f"'{where}' is a user-defined link: inputs are read only from themselves"
-            if group.get(name, getclass=True) is h5py.Group:
-                sub = group[name]
-                addr = h5py.h5o.get_info(sub.id).addr
-                if addr not in seen:
-                    seen.add(addr)
-                    todo.append((where, sub))
-    return ""
+    seen, why = [0], []
+
+    def visit(name: bytes, info):
+        seen[0] += 1
+        if seen[0] > MAX_LINKS:
+            why.append(f"holds more than {MAX_LINKS} links")
+            return 1
+        kind = info.type
+        if kind == h5l.TYPE_HARD or kind == h5l.TYPE_SOFT:
+            return None
+        where = "/" + name.decode("utf-8", "replace")
+        if kind == h5l.TYPE_EXTERNAL:
+            target = f.id.links.get_val(name)
+            fname, path = (x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+                           for x in target)  # fmt: skip
+            why.append(f"'{where}' is an external link to {fname}:{path}: "
+                       "inputs are read only from themselves")  # fmt: skip
+        else:
+            why.append(f"'{where}' is a user-defined link: inputs are read only from themselves")
+        return 1
+
+    f.id.links.visit(visit, info=True)
+    return why[0] if why else ""
 
 
 def check_layout(ds) -> str:
     """A reason to refuse dataset ``ds`` (external raw storage; a VDS unless allowed), or ''."""
     from h5py import h5d
 
-    dcpl = ds.id.get_create_plist()
+    dcpl = _dcpl(ds)
     if dcpl.get_external_count() > 0:
         name = dcpl.get_external(0)[0].decode(errors="replace")
         return (
@@ -153,13 +153,19 @@ def _vds_sources(ds, dcpl) -> str:
     return ""
 
 
+def _dcpl(ds):
+    """The dataset's creation property list (kept by a LiteDataset, else read)."""
+    dcpl = getattr(ds, "dcpl", None)
+    return ds.id.get_create_plist() if dcpl is None else dcpl
+
+
 def check_written(ds) -> str:
     """A reason to refuse ``ds`` (storage short of its logical size, too many chunks), or ''."""
     from h5py import h5d
 
     if ds.size == 0:
         return ""
-    layout = ds.id.get_create_plist().get_layout()
+    layout = _dcpl(ds).get_layout()
     if layout == h5d.COMPACT or layout == h5d.VIRTUAL:
         return ""
     if ds.chunks is None:

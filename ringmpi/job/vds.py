@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -37,10 +38,13 @@ class _Parts:
     parts: str
     size: int
     layout: str
+    nranks: dict  # first member of a batch -> ranks that wrote it (default size)
 
 
-def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
+def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list):
     """A virtual dataset from low-level mappings, with NaN fill and no modification time.
+
+    ``node``: an h5py group or its low-level ``GroupID``; returns the new ``DatasetID``.
 
     ``maps``: (target start, count, stride, block, source file, source shape,
     source start, source block) hyperslabs, one per run of tokens (built with
@@ -48,6 +52,7 @@ def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
     per run, which made the file of 10,000 sequences take minutes).
     """
     from h5py import h5d, h5p, h5s, h5t
+    from h5py._objects import ObjectID
 
     dt = np.dtype(dtype)
     dcpl = h5p.create(h5p.DATASET_CREATE)
@@ -62,18 +67,27 @@ def virtual_dataset(node, name: str, shape: tuple, dtype, maps: list) -> None:
         sspace.select_hyperslab(src_start, (1,) * len(src_shape), None, src_block)
         dcpl.set_virtual(vspace, fname.encode(), src_name, sspace)
     tid = h5t.py_create(dt, logical=1)
-    h5d.create(node.id, name=src_name, tid=tid, space=h5s.create_simple(shape), dcpl=dcpl)
+    gid = node if isinstance(node, ObjectID) else node.id  # a GroupID's .id is its number
+    return h5d.create(gid, name=src_name, tid=tid, space=h5s.create_simple(shape), dcpl=dcpl)
 
 
 def label_dims(node, batch: bool) -> None:
     """Name the axes of ``out`` (token, head, head_dim) and ``lse`` (head, token)."""
+    label_ids(node["out"].id, node["lse"].id, batch)
+
+
+def label_ids(out_id, lse_id, batch: bool) -> None:
+    """:func:`label_dims` on the low-level ``DatasetID`` s of ``out`` and ``lse``."""
     from h5py import h5ds
 
-    lead = ("sequence",) if batch else ()
-    for name, labels in (("out", ("token", "head", "head_dim")), ("lse", ("head", "token"))):
-        ds = node[name]
+    lead = (b"sequence",) if batch else ()
+    for dsid, labels in ((out_id, _OUT_AXES), (lse_id, _LSE_AXES)):
         for axis, label in enumerate(lead + labels):
-            h5ds.set_label(ds.id, axis, label.encode())  # ds.dims[axis].label, without the proxies
+            h5ds.set_label(dsid, axis, label)  # ds.dims[axis].label, without the proxies
+
+
+_OUT_AXES = (b"token", b"head", b"head_dim")
+_LSE_AXES = (b"head", b"token")
 
 
 def write_offsets(f, plan: Plan) -> None:
@@ -89,6 +103,18 @@ def write_offsets(f, plan: Plan) -> None:
                 node.create_dataset(name, data=np.asarray(cu, dtype=np.int64), track_times=False)
 
 
+def _group(f, h5py, path: str):
+    """The ``GroupID`` of group ``path`` of ``f`` (created with its parents), or the root's."""
+    if not path:
+        return f.id
+    name = path.encode()
+    if f.id.links.exists(name) if "/" not in path else path in f:
+        return h5py.h5g.open(f.id, name)
+    lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    return h5py.h5g.create(f.id, name, lcpl=lcpl)
+
+
 def _sources(ctx, i: int, where: dict, starts: dict):
     """Yield (relative part file, rows in it, first row, runs) for each rank of sequence ``i``.
 
@@ -97,22 +123,30 @@ def _sources(ctx, i: int, where: dict, starts: dict):
     (``starts`` caches each batch's row offsets per rank).
     """
     members = where[i]
+    size = ctx.nranks.get(members[0], ctx.size)
     if members not in starts:
         seqs = [ctx.plan.sequences[j] for j in members]
-        per = [counts(s.length, ctx.size, ctx.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
-        starts[members] = np.concatenate([np.zeros((1, ctx.size), np.int64),
+        per = [counts(s.length, size, ctx.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
+        starts[members] = np.concatenate([np.zeros((1, size), np.int64),
                                           np.cumsum(per, axis=0)])  # fmt: skip
     rows, k = starts[members], members.index(i)
     seq = ctx.plan.sequences[i]
     rel = vds_name(os.path.basename(ctx.parts))
-    for r in range(ctx.size):
-        pos = positions(seq.length, r, ctx.size, ctx.layout, cu_seqlens=seq.cu_seqlens)
+    for r in range(size):
+        pos = positions(seq.length, r, size, ctx.layout, cu_seqlens=seq.cu_seqlens)
         yield (f"{rel}/{part_name(members[0], r)}", int(rows[-1, r]), int(rows[k, r]),
                local_runs(pos))  # fmt: skip
 
 
 def write_vds(
-    path: str, plan, attrs: dict, parts: str, size: int, layout: str, where: dict
+    path: str,
+    plan,
+    attrs: dict,
+    parts: str,
+    size: int,
+    layout: str,
+    where: dict,
+    nranks: Optional[dict] = None,
 ) -> None:
     """Write the virtual-dataset file ``path`` stitching the part files in ``parts``.
 
@@ -125,10 +159,13 @@ def write_vds(
         The parts folder; ``size`` ranks per ring wrote it, tokens laid out by ``layout``.
     where : dict
         Sequence index -> the members of the batch whose part files hold it.
+    nranks : dict, optional
+        First member of a batch -> ranks of the ring that wrote it (default ``size``:
+        ``--ring-size auto`` gives each sequence its own).
     """
     import h5py
 
-    ctx = _Parts(plan, attrs, parts, size, layout)
+    ctx = _Parts(plan, attrs, parts, size, layout, nranks or {})
     h, d = plan.heads, plan.head_dim
     dt = np.dtype(plan.dtype)
     lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
@@ -169,15 +206,14 @@ def _fill_vds(ctx, tmp, h5py, plan, h, d, dt, lt, where: dict) -> None:
                                    one + (h, 1), fname, (h, n), (0, row0 + o),
                                    (h, cnt)))  # fmt: skip
             if not batch:
-                g = seq.group
-                node = f.require_group(g) if g else f
-                virtual_dataset(node, "out", (seq.length, h, d), dt, maps_o)
-                virtual_dataset(node, "lse", (h, seq.length), lt, maps_l)
-                label_dims(node, batch=False)
+                node = _group(f, h5py, seq.group)
+                o = virtual_dataset(node, "out", (seq.length, h, d), dt, maps_o)
+                ls = virtual_dataset(node, "lse", (h, seq.length), lt, maps_l)
+                label_ids(o, ls, batch=False)
                 maps_o, maps_l = [], []
         if batch:
             b, s = len(plan.sequences), plan.sequences[0].length
-            virtual_dataset(f, "out", (b, s, h, d), dt, maps_o)
-            virtual_dataset(f, "lse", (b, h, s), lt, maps_l)
-            label_dims(f, batch=True)
+            o = virtual_dataset(f, "out", (b, s, h, d), dt, maps_o)
+            ls = virtual_dataset(f, "lse", (b, h, s), lt, maps_l)
+            label_ids(o, ls, batch=True)
         write_offsets(f, plan)

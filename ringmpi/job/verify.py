@@ -32,11 +32,14 @@ mask other than plain causal, the all-row value-range check uses the range of
 the value rows of each query's packed sequence (a superset of its visible keys:
 looser, never wrong), and every row's lse must be -inf exactly when the mask
 leaves it no key.
+
+This module splits the work over the ranks and judges it; the dense rows are
+:mod:`ringmpi.job.verify_rows`, what is read :mod:`ringmpi.job.verify_read`, the
+words :mod:`ringmpi.job.verify_report`.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -46,11 +49,11 @@ import numpy as np
 
 from ..collective import run_everywhere
 from ..mask import make_mask
-from ..rope import apply_rope, positions_in_sequence
-from ..spec import AttentionSpec
 from ..testing import EPS
 from .progress import LOG_EVERY, duration
-from .schema import InputError, Plan, make_plan
+from .schema import InputError, make_plan
+from .verify_read import output_meta, read_head
+from .verify_report import describe_mask, format_verify
 from .verify_rows import (
     RANGE_SLACK,
     SAMPLE_ROWS,
@@ -73,57 +76,6 @@ __all__ = [
 ]
 
 MAX_TOKENS = 4096  # longest sequence checked in full by default (longer: sampled rows)
-
-
-def _read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
-    """Whole-sequence inputs of one head: q (S, D) for query head ``head`` or k, v (S_k, D).
-
-    Features inputs are projected in float64, x @ w + b (biases when the weights
-    file has them; keys and values from ``x_kv`` when the sequence has it), rotated
-    by ``rope`` = (theta, scale) at the positions within each packed sequence (q
-    and k only), then rounded to the input dtype.
-    """
-    import h5py
-
-    dt = np.dtype(plan.dtype)
-    names = ("k", "v") if kv else ("q",)
-    parts: dict = {n: [] for n in names}
-    w = None
-    if plan.mode == "features":
-        with h5py.File(plan.weights, "r", locking=False) as f:
-            d = plan.head_dim
-            cut = slice(head * d, (head + 1) * d)
-            w = {n: np.asarray(f["w" + n][:, cut], np.float64) for n in names}
-            bias = {n: np.asarray(f["b" + n][cut], np.float64) for n in names if "b" + n in f}
-    src = "x_kv" if (kv and seq.x_kv) else "x"
-    for path in plan.files:
-        with h5py.File(path, "r", locking=False) as f:
-            node = f[seq.group] if seq.group else f
-            b = (seq.batch,) if seq.batch is not None else ()
-            for n in names:
-                if w is None:
-                    parts[n].append(node[n][b + (slice(None), head)])
-                else:
-                    y = np.asarray(node[src][b], np.float64) @ w[n]
-                    parts[n].append(y + bias[n] if n in bias else y)
-    full = {n: np.concatenate(parts[n]) for n in names}
-    if rope is not None and w is not None:
-        cu = (seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k) if kv else (
-            seq.cu_seqlens)  # fmt: skip
-        n = "k" if kv else "q"
-        pos = positions_in_sequence(np.arange(len(full[n])), cu)
-        full[n] = apply_rope(full[n][:, None, :], pos, *rope)[:, 0]
-    return tuple(full[n].astype(dt) for n in names)
-
-
-def _attr(f, key: str):
-    """A root attribute: typed (format 2) or a JSON string (format 1)."""
-    val = f.attrs[key]
-    if isinstance(val, bytes):
-        val = val.decode()
-    if isinstance(val, str) and int(f.attrs.get("format", 1)) < 2:
-        return json.loads(val)
-    return val.item() if isinstance(val, np.generic) else val
 
 
 class _Reporter:
@@ -202,6 +154,17 @@ def _at(per_head, h: int):
     return None if per_head is None else per_head[h]
 
 
+def _reduced(comm, a: np.ndarray, op: str) -> np.ndarray:
+    """``a`` reduced elementwise over ``comm`` (``op`` "max" or "sum"); ``a`` itself without one."""
+    if comm is None:
+        return a
+    from mpi4py import MPI
+
+    out = np.empty_like(a)
+    comm.Allreduce(a, out, op=MPI.MAX if op == "max" else MPI.SUM)
+    return out
+
+
 def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet, full) -> dict:
     """The body of :func:`verify` (collective over ``comm``)."""
     import h5py
@@ -213,21 +176,7 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
     if full:
         max_tokens = max([s.length for s in plan.sequences] + [int(max_tokens)])
 
-    def attrs():
-        try:
-            with h5py.File(output, "r") as f:
-                got = {k: _attr(f, k) for k in ("causal", "scale", "layout")}
-                # positions (outputs before them have none: no rope)
-                got["rope"] = bool(f.attrs.get("rope", False))
-                got["rope_theta"] = float(f.attrs.get("rope_theta", 10000.0))
-                got["rope_scale"] = float(f.attrs.get("rope_scale", 1.0))
-                # the whole spec the run recorded (any later field by its own name)
-                got["spec"] = AttentionSpec.from_attrs(f.attrs)
-                return got
-        except (OSError, KeyError, ValueError, TypeError) as e:
-            raise InputError(f"{output}: not a ringmpi output file ({e})") from e
-
-    meta = run_everywhere(comm, attrs)
+    meta = run_everywhere(comm, output_meta, output)
     spec = meta["spec"]  # outputs before windows have none: window None
     window = spec.window
     rope = (meta["rope_theta"], meta["rope_scale"]) if meta["rope"] else None
@@ -283,8 +232,8 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 seq = plan.sequences[i]
                 mask = masks[i]
                 what = f"sequence {seq.name}, head {h}, {mode[i]}"
-                (q,) = _read_head(plan, seq, h, kv=False, rope=rope)
-                k, v = _read_head(plan, seq, h // group, kv=True, rope=rope)
+                (q,) = read_head(plan, seq, h, kv=False, rope=rope)
+                k, v = read_head(plan, seq, h // group, kv=True, rope=rope)
                 node = f[seq.group] if seq.group else f
                 b = (seq.batch,) if seq.batch is not None else ()
                 ring_o = np.asarray(node["out"][b + (slice(None), h)], np.float64)
@@ -338,12 +287,7 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 row_errs.append((i, rows, eo, el, own & (mism | ~whole_fin | out_range)))
 
     run_everywhere(comm, work)
-    if comm is not None:
-        from mpi4py import MPI
-
-        mx = np.empty_like(errs)
-        comm.Allreduce(errs, mx, op=MPI.MAX)
-        errs = mx
+    errs = _reduced(comm, errs, "max")
     eps = EPS[plan.dtype]
     tol = np.stack([2 * errs[:, 1] + eps, 2 * errs[:, 3] + eps], axis=1)
     # rows failing the comparison (counted once per row, also when several checks fail)
@@ -352,15 +296,7 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
         bad_rows = flagged.copy()
         bad_rows[rows] |= (eo > tol[i, 0]) | (el > tol[i, 1])
         failed[i] += np.count_nonzero(bad_rows)
-    if comm is not None:
-        from mpi4py import MPI
-
-        tot = np.empty_like(cnt)
-        comm.Allreduce(cnt, tot, op=MPI.SUM)
-        cnt = tot
-        tf = np.empty_like(failed)
-        comm.Allreduce(failed, tf, op=MPI.SUM)
-        failed = tf
+    cnt, failed = _reduced(comm, cnt, "sum"), _reduced(comm, failed, "sum")
     rows_out = []
     for i in checked:
         s = plan.sequences[i]
@@ -395,73 +331,7 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
         "failed": nfail,
         "max_tokens": int(max_tokens),
         "sample_rows": -1 if sample_rows is None else int(sample_rows),  # -1: S / 128 rule
-        "mask": _describe(plan, causal, window, rope),
+        "mask": describe_mask(plan, causal, window, rope),
         "ranks_checking": int(busy),
         "seconds": time.perf_counter() - t_start,
     }
-
-
-def _describe(plan: Plan, causal: bool, window, rope) -> str:
-    """The mask and positions the reference used, in words."""
-    parts = ["causal" if causal else "bidirectional"]
-    if window is not None:
-        parts.append(f"window {tuple(window)}")
-    packed = [s for s in plan.sequences if s.packed]
-    if packed:
-        n = sum(len(s.cu_seqlens) - 1 for s in packed)
-        parts.append(f"{n} packed sequence(s) in {len(packed)} input sequence(s)")
-    cross = [s for s in plan.sequences if s.cross or s.x_kv]
-    if cross:
-        parts.append(f"cross-attention in {len(cross)} sequence(s)")
-    if rope is not None:
-        parts.append(f"RoPE (theta {rope[0]:g}, scale {rope[1]:g})")
-    return ", ".join(parts)
-
-
-def format_verify(res: dict) -> str:
-    """One line per sequence plus a verdict that says what was and was not checked."""
-    lines = []
-    for r in res["sequences"]:
-        per_head = r["rows_checked"] // max(1, r["rows_total"] // max(1, r["tokens"]))
-        if r["mode"] == "full":
-            how = f"full ({r['rows_checked']:,} rows)"
-        else:
-            how = (
-                f"sampled ({per_head:,} of {r['tokens']:,} rows per head; all rows: finite, "
-                "in range)"
-            )
-        bad = ""
-        if r["rows_failed"]:
-            bad = f", {r['rows_failed']:,} row(s) FAILED"
-            if r["rows_not_finite"]:
-                bad += f" ({r['rows_not_finite']:,} not finite / -inf mismatch)"
-            if r["rows_out_of_range"]:
-                bad += f" ({r['rows_out_of_range']:,} outside the value range)"
-        op_o = "<=" if r["err_out"] <= r["tol_out"] else ">"
-        op_l = "<=" if r["err_lse"] <= r["tol_lse"] else ">"
-        lines.append(
-            f"  verify {r['sequence']}: {how}: max|out-ref| {r['err_out']:.2e} {op_o} "
-            f"{r['tol_out']:.2e}, max|lse-ref| {r['err_lse']:.2e} {op_l} {r['tol_lse']:.2e}{bad}"
-            f": {'OK' if r['ok'] else 'FAIL'}"
-        )
-    for name in res["skipped"]:
-        lines.append(
-            f"  verify {name}: skipped (longer than --max-tokens {res['max_tokens']:,}, "
-            "and --sample-rows 0)"
-        )
-    n_checked = len(res["sequences"])
-    what = f"{res['full']} full, {res['sampled']} sampled, {len(res['skipped'])} skipped"
-    if res.get("mask"):
-        what += f"; reference: {res['mask']}"
-    if res["status"] == "nothing checked":
-        lines.append(
-            f"ringmpi verify: NOTHING CHECKED ({what}): not a pass; raise --max-tokens or "
-            "use --sample-rows > 0"
-        )
-    elif res["status"] == "failed":
-        lines.append(f"ringmpi verify: FAILED ({res['failed']} of {n_checked} checked; {what})")
-    else:
-        lines.append(f"ringmpi verify: PASSED ({what})")
-    if "seconds" in res:
-        lines[-1] += f" in {duration(res['seconds'])}"
-    return "\n".join(lines)

@@ -93,19 +93,24 @@ def out_correction(dout, q, k, v, out, causal, mask):
     """Change of the exact (dq, dk, dv) when delta = sum(dout * out) uses ``out`` (the ring's
     own rounded output, which the backward takes as given) instead of the exact output.
 
-    The gradients are linear in delta: dS changes by -P * (delta_out - delta_exact).
+    The gradients are linear in delta: dS changes by -P * (delta_out - delta_exact) (times
+    the softcap's derivative 1 - tanh^2 when ``mask`` holds ``softcap``; ``alibi_slopes``
+    and ``softcap`` in ``mask`` change P as in the reference).
     """
     from ringmpi.mask import make_mask
-    from ringmpi.reference import _prepare, _probs
+    from ringmpi.reference import _modifiers, _prepare, _probs
 
     qh, kh, _, scale, group = _prepare(q, k, v, None)
     m = make_mask(qh.shape[-2], kh.shape[-2], causal, mask.get("window"),
                   mask.get("cu_seqlens"), mask.get("cu_seqlens_k"))  # fmt: skip
-    p, *_ = _probs(qh, kh, scale, m)
+    mods = _modifiers(qh.shape[-3], mask.get("alibi_slopes"), mask.get("softcap"), None)
+    p, _, dcap = _probs(qh, kh, scale, m, mods=mods)
     do, o_ring = (np.moveaxis(x, -3, -2) for x in (dout, out))
     o_exact = p @ np.repeat(np.moveaxis(v, -3, -2), group, axis=-3)
     dd = np.sum(do * (o_ring - o_exact), axis=-1, keepdims=True)
     ds = -p * dd
+    if dcap is not None:
+        ds = ds * dcap
     dq = np.moveaxis(scale * (ds @ kh), -2, -3)
     dk = scale * (np.swapaxes(ds, -1, -2) @ qh)
     dk = np.moveaxis(dk.reshape(-1, group, *dk.shape[-2:]).sum(axis=1), -2, -3)

@@ -133,6 +133,19 @@ def _geometry(expr, kern, storage, args_i, q, k) -> tuple:
     return h, hkv, sq, sk, d, ld
 
 
+def _modifiers(expr, cap, slopes, apos, scale, h: int, sq: int) -> dict:
+    """The numpy tile's modifier keywords from the kernel's last three arguments (checked)."""
+    _need(type(cap) is type(scale), expr, "softcap has the wrong type")
+    mod_kw = {"softcap": float(cap)} if cap > 0 else {}
+    if not isinstance(slopes, np.uint64):  # a null pointer: no ALiBi
+        mod_kw["alibi"] = (_dev(slopes, expr, "slopes", np.float64, (h,)).copy(),
+                           _dev(apos, expr, "apos", np.int64, (sq,)).copy())  # fmt: skip
+    else:
+        _need(int(slopes) == 0, expr, "slopes: a non-null raw pointer")
+        _need(isinstance(apos, np.uint64) and int(apos) == 0, expr, "apos without slopes")
+    return mod_kw
+
+
 def _forward(expr, grid, block, args, smem):
     kern = configs_by_expr()[expr]
     ta = _targs(expr)
@@ -163,13 +176,7 @@ def _forward(expr, grid, block, args, smem):
     rows = _rows_arg(rlo, rhi, expr, sq)
     causal = bool(_int(causal, expr, "causal"))
     _need(isinstance(scale, adt if not kern.mma else np.float32), expr, "scale has the wrong type")
-    _need(type(cap) is type(scale), expr, "softcap has the wrong type")
-    mod_kw = {"softcap": float(cap)} if cap > 0 else {}
-    if not isinstance(slopes, np.uint64):  # a null pointer: no ALiBi
-        mod_kw["alibi"] = (_dev(slopes, expr, "slopes", np.float64, (h,)).copy(),
-                           _dev(apos, expr, "apos", np.int64, (sq,)).copy())  # fmt: skip
-    else:
-        _need(isinstance(apos, np.uint64), expr, "apos without slopes")
+    mod_kw = _modifiers(expr, cap, slopes, apos, scale, h, sq)
     g = h // hkv if kern.packed else 1
     nqb = -(-g * sq // kern.bm)
     if kern.packed:
@@ -198,6 +205,7 @@ def _backward(expr, grid, block, args, smem):
     dkdv = "_dkdv_" in expr
     _need(block == (kern.threads,), expr, f"block {block}, kernel expects ({kern.threads},)")
     _need(smem == kern.smem, expr, f"shared memory {smem} B, the configuration needs {kern.smem}")
+    *args, cap, slopes, apos = args  # the score modifiers (softcap, ALiBi) come last
     if dkdv:
         q, k, v, do, lse, delta, dk, dv, qp, kp, env, rlo, rhi, *ints, scale, causal = args
     else:
@@ -216,6 +224,7 @@ def _backward(expr, grid, block, args, smem):
     rows = _rows_arg(rlo, rhi, expr, sq)
     causal = bool(_int(causal, expr, "causal"))
     _need(isinstance(scale, adt if not kern.mma else np.float32), expr, "scale has the wrong type")
+    mod_kw = _modifiers(expr, cap, slopes, apos, scale, h, sq)
     if dkdv:
         dk_a = _dev(dk, expr, "dk", adt, (bsz, hkv, sk, d))
         dv_a = _dev(dv, expr, "dv", adt, (bsz, hkv, sk, d))
@@ -233,7 +242,7 @@ def _backward(expr, grid, block, args, smem):
 
     numpy_tile.backward_tile(
         dec[0], dec[1], dec[2], dec[3], lse_a, delta_a, q_pos, k_pos, dq_a, dk_a, dv_a,
-        scale=float(scale), causal=causal, bounds=rows,
+        scale=float(scale), causal=causal, bounds=rows, **mod_kw,
     )  # fmt: skip
 
 

@@ -1,0 +1,96 @@
+"""Compile every kernel instantiation with the CUDA toolkit's nvcc (``-c``), warnings as errors.
+
+A second compiler beside NVRTC (:mod:`ringmpi.gpu.nvrtc`): each kernel module's text,
+exactly as the loader hands it to NVRTC (:func:`ringmpi.gpu.sources.source`, the
+header spliced in), gets one line that takes the address of every template
+instantiation the GPU tiles may launch (so nvcc compiles each one), and is compiled
+with ``nvcc -arch=<arch> -c -Werror all-warnings``. Needs nvcc (``$NVCC``, ``PATH``,
+``$CUDA_HOME``/``$CUDA_PATH``, ``/usr/local/cuda*``), no GPU. ``python -m
+ringmpi.gpu.nvcc [sm_90 ...]`` prints the verdict per module; exit 1 on an error or a
+warning.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Optional
+
+from .nvrtc import sources
+from .sources import OPTIONS, source
+
+__all__ = ["find_nvcc", "instantiations", "compile_module", "check"]
+
+ARCHS = ("sm_90",)
+
+
+def find_nvcc() -> Optional[str]:
+    """Path of an nvcc executable, or None."""
+    cands = [os.environ.get("NVCC"), shutil.which("nvcc")]
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    roots += sorted(glob.glob("/usr/local/cuda*"), reverse=True)
+    cands += [os.path.join(r, "bin", "nvcc") for r in roots if r]
+    return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def instantiations(names: Sequence[str]) -> str:
+    """Host code that takes the address of each kernel ``names`` lists (instantiating it)."""
+    body = ",\n  ".join(f"(const void*)&{n}" for n in names)
+    return f"\nconst void* ringmpi_nvcc_instances[] = {{\n  {body}\n}};\n"
+
+
+def compile_module(files, names: Sequence[str], arch: str, nvcc: str, timeout: int = 1200):
+    """(ok, compiler output) of one module compiled with nvcc for ``arch``; no warning allowed.
+
+    Parameters
+    ----------
+    files : str or tuple of str
+        The kernel file(s) of the module (as :func:`ringmpi.gpu.sources.source` takes).
+    names : sequence of str
+        Its template instantiations (NVRTC name expressions).
+    arch : str
+        e.g. ``"sm_90"``.
+    nvcc : str
+        The nvcc executable.
+    """
+    with tempfile.TemporaryDirectory(prefix="ringmpi_nvcc.") as tmp:
+        src = os.path.join(tmp, "module.cu")
+        with open(src, "x") as f:  # a fresh private directory: O_EXCL
+            f.write(source(files) + instantiations(names))
+        cmd = [nvcc, *OPTIONS, f"-arch={arch}", "-c", "-Werror", "all-warnings", src, "-o",
+               os.path.join(tmp, "module.o")]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = (res.stdout + res.stderr).strip()
+        return res.returncode == 0 and not out, out
+
+
+def check(archs: Sequence[str] = ARCHS) -> dict:
+    """{(arch, module): (ok, output)} over every kernel module; RuntimeError without nvcc."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set NVCC or CUDA_HOME, or put it on PATH)")
+    out = {}
+    for arch in archs:
+        for files, names in sources().items():
+            out[(arch, files)] = compile_module(files, names, arch, nvcc)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print nvcc's verdict per (arch, module); 1 on any error or warning."""
+    status = 0
+    for (arch, files), (ok, log) in check(tuple(argv) if argv else ARCHS).items():
+        print(f"{arch} {files}: {'ok (no warnings)' if ok else 'FAILED'}")
+        if not ok:
+            print(log)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
