@@ -51,20 +51,9 @@ ISA_FLAGS = {
 WIDTH = {"native": None, "avx2": 32, "scalar": 0}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def build_variant(isa: str):
     """Build and open the backward kernel with this ISA's extra flags (None: not runnable)."""
-    if isa == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
+    if isa == "avx2" and "avx2" not in build.host_isas():
         return None
     saved = list(build.FLAGS)
     build.FLAGS[:] = saved + ISA_FLAGS[isa]

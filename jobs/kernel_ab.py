@@ -46,8 +46,12 @@ SOURCES = ("cpu_tile.c", "cpu_backward.c")
 
 
 def baseline_dir(rev: str, tmp: str) -> str:
-    """Write the kernel sources of git revision ``rev`` into ``tmp``; return it."""
-    for name in SOURCES:
+    """Write the kernel sources of git revision ``rev`` (and its kernels/*.h) into ``tmp``."""
+    headers = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:kernels"],
+        check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    for name in (*SOURCES, *(h for h in headers if h.endswith(".h"))):
         text = subprocess.run(
             ["git", "-C", str(ROOT), "show", f"{rev}:kernels/{name}"],
             check=True, capture_output=True,

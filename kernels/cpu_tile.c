@@ -35,11 +35,8 @@
  * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
  * matrix product and no (Sq x Sk) array exists.
  *
- * exp: 2^t with t = x log2(e). float32: n = floor(t), f = t - n in [0, 1], 2^f by a degree-6
- * minimax polynomial (4e-9 relative); float64: n = round(t), |f| <= 1/2, a degree-12 Taylor
- * polynomial (truncation below 3e-16 relative). Times 2^n by vscalef (AVX-512) or by building
- * the exponent bits (AVX2); results below the smallest normal number are 0 on both. x = -inf
- * gives exactly 0; NaN propagates. The scalar path calls libm's expf/exp.
+ * exp, tanh and the vector operations are the SIMD layer both fused kernels share
+ * (kernels/cpu_simd.h, cpu_simd_type.h); blocks and visibility come from cpu_blocks.h.
  *
  * Same answers on AVX2 and AVX-512: every score is one FMA chain over d = 0..D-1, every output
  * element one FMA chain over a key block's keys in order, added to the state by the same
@@ -52,93 +49,25 @@
  * and 0 * v for finite v) and leave the maxima alone. The scalar path (no FMA, libm exp) differs by rounding.
  * Compiled without -ffast-math, so inf and NaN keep their IEEE meaning everywhere.
  *
- * The file includes itself twice to instantiate float32 and float64 (RM_T selects the type).
+ * The file includes itself twice to instantiate float32 and float64 (RM_BITS 32 / 64 selects
+ * the type, through cpu_simd_type.h).
  */
-#ifndef RM_T
+#ifndef RM_BITS
 /* ===================================================================== common part ==== */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"   /* vector types and operations per ISA, exp, register blocking */
+#include "cpu_blocks.h" /* blocks of positions, visibility ranges, work buffers */
 
-/* Register blocking per ISA: query rows per strip RM_R; vectors of keys per QK^T register
- * tile RM_NK and of D-columns per P.V register tile RM_NV (RM_R x RM_NK accumulators, plus
- * RM_NK loaded vectors and one broadcast, must fit the register file without spills).
- *   AVX-512 (32 zmm): 6 x 4 = 24 accumulators.
- *   AVX2 (16 ymm): 6 x 2 = 12 accumulators + 2 loads + 1 broadcast = 15 registers; the 12
- *   independent FMA chains cover FMA latency x throughput (4 x 2 on Zen 2-4, 5 x 2 on Intel).
- *   Scalar: 4 x 4 (measured within 5% of 6 x 4 and 6 x 2). */
-#if defined(__AVX512F__)
-#define RM_R_DEF 6
-#define RM_NK_DEF 4
-#define RM_NV_DEF 4
-#elif defined(__AVX2__) && defined(__FMA__)
-#define RM_R_DEF 6
-#define RM_NK_DEF 2
-#define RM_NV_DEF 2
-#else
-#define RM_R_DEF 4
-#define RM_NK_DEF 4
-#define RM_NV_DEF 4
-#endif
+/* Register blocking (cpu_simd.h: RM_ISA_*): query rows per strip RM_R; vectors of keys per
+ * QK^T register tile RM_NK and of D-columns per P.V register tile RM_NV. */
 #ifndef RM_R
-#define RM_R RM_R_DEF
+#define RM_R RM_ISA_R
 #endif
 #ifndef RM_NK
-#define RM_NK RM_NK_DEF
+#define RM_NK RM_ISA_NK
 #endif
 #ifndef RM_NV
-#define RM_NV RM_NV_DEF
+#define RM_NV RM_ISA_NV
 #endif
-#define RM_ALIGN 64
-/* Software prefetch into L1, RM_PF iterations ahead, of the K panel / V rows that the
- * register tiles stream from L2 (+2-5% measured over the hardware prefetchers alone).
- * A prefetch past the end of a buffer is harmless: it never faults. */
-#ifndef RM_PF
-#define RM_PF 16
-#endif
-#define RM_PREFETCH(p) __builtin_prefetch((p), 0, 3)
-
-typedef struct {
-    int64_t a, b;     /* index range [a, b) */
-    int64_t lo, hi;   /* min and max position inside */
-    int inc;          /* positions strictly increasing: visible keys form a prefix */
-} rm_block;
-
-/* Cut [start, stop) into blocks of at most `size` rows that never cross a cut in `cuts`
- * (the boundaries of runs of evenly spaced positions), with position bounds. */
-static int64_t rm_blocks(const int64_t *pos, int64_t start, int64_t stop, const int64_t *cuts,
-                         int64_t ncuts, int64_t size, rm_block *out) {
-    int64_t nb = 0, c = 0, a = start;
-    while (a < stop) {
-        while (c < ncuts && cuts[c] <= a) c++;
-        int64_t seg_end = (c < ncuts && cuts[c] < stop) ? cuts[c] : stop;
-        int64_t b = a + size < seg_end ? a + size : seg_end;
-        int64_t lo = pos[a], hi = pos[a];
-        int inc = 1;
-        for (int64_t i = a + 1; i < b; i++) {
-            lo = pos[i] < lo ? pos[i] : lo;
-            hi = pos[i] > hi ? pos[i] : hi;
-            inc &= pos[i] > pos[i - 1];
-        }
-        out[nb].inc = inc;
-        out[nb].a = a;
-        out[nb].b = b;
-        out[nb].lo = lo;
-        out[nb].hi = hi;
-        nb++;
-        a = b;
-    }
-    return nb;
-}
-
-static void *rm_alloc(size_t bytes) {
-    size_t n = (bytes + RM_ALIGN - 1) / RM_ALIGN * RM_ALIGN;
-    return aligned_alloc(RM_ALIGN, n ? n : RM_ALIGN);
-}
 
 /* Arguments of rm_forward_tile_f32/_f64 (mirrored by fused._TileArgs; rm_tile_args_size lets
  * the loader check the layout). Arrays are C-contiguous, of the function's element type:
@@ -169,443 +98,23 @@ typedef struct {
     const int64_t *apos;  /* (Sq,) query rows' ALiBi positions (in key coordinates) */
 } rm_tile_args;
 
-/* Which keys each query row sees: [lo[i], hi[i]] with bounds, else (-inf, qpos[i]] when
- * causal, else every key. */
-typedef struct {
-    const int64_t *lo, *hi, *qpos;
-    int causal;
-} rm_vis;
-
-static inline void rm_row(const rm_vis *v, int64_t i, int64_t *lo, int64_t *hi) {
-    *lo = v->lo ? v->lo[i] : INT64_MIN;
-    *hi = v->lo ? v->hi[i] : v->causal ? v->qpos[i] : INT64_MAX;
-}
-
-/* Extremes of the rows' bounds over a range of rows. */
-typedef struct {
-    int64_t lo_min, lo_max, hi_min, hi_max;
-} rm_range;
-
-static rm_range rm_rows_range(const rm_vis *v, int64_t a, int64_t b) {
-    rm_range r = {INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
-    for (int64_t i = a; i < b; i++) {
-        int64_t lo, hi;
-        rm_row(v, i, &lo, &hi);
-        r.lo_min = lo < r.lo_min ? lo : r.lo_min;
-        r.lo_max = lo > r.lo_max ? lo : r.lo_max;
-        r.hi_min = hi < r.hi_min ? hi : r.hi_min;
-        r.hi_max = hi > r.hi_max ? hi : r.hi_max;
-    }
-    return r;
-}
-
-/* No row sees any key with a position in [klo, khi]. */
-static inline int rm_hidden(const rm_range *r, int64_t klo, int64_t khi) {
-    return r->hi_max < klo || r->lo_min > khi;
-}
-
-/* Every row sees every key with a position in [klo, khi] (never true with an empty row). */
-static inline int rm_full(const rm_range *r, int64_t klo, int64_t khi) {
-    return r->lo_max <= klo && khi <= r->hi_min;
-}
-
-/* First index j of increasing kp[0..n) with kp[j] >= x (rm_lower), > x (rm_upper). */
-static inline int64_t rm_lower(const int64_t *kp, int64_t n, int64_t x) {
-    int64_t a = 0, b = n;
-    while (a < b) {
-        const int64_t mid = a + (b - a) / 2;
-        if (kp[mid] < x) a = mid + 1;
-        else b = mid;
-    }
-    return a;
-}
-
-static inline int64_t rm_upper(const int64_t *kp, int64_t n, int64_t x) {
-    int64_t a = 0, b = n;
-    while (a < b) {
-        const int64_t mid = a + (b - a) / 2;
-        if (kp[mid] <= x) a = mid + 1;
-        else b = mid;
-    }
-    return a;
-}
-
 int64_t rm_tile_args_size(void) { return (int64_t)sizeof(rm_tile_args); }
 
 /* The ISA path this file was compiled for: the names fused.py uses. */
-const char *rm_isa_name(void) {
-#if defined(__AVX512F__)
-    return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-    return "avx2";
-#else
-    return "scalar";
-#endif
-}
+const char *rm_isa_name(void) { return rm_isa(); }
 
-int rm_simd_width_bytes(void) {
-#if defined(__AVX512F__)
-    return 64;
-#elif defined(__AVX2__) && defined(__FMA__)
-    return 32;
-#else
-    return 0;
-#endif
-}
-
-/* Horizontal sums in one fixed order for both vector ISAs: a 512-bit vector adds its two
- * 256-bit halves, then the 256-bit tree below, so that (with the row sums kept per 64 bytes,
- * see rm_softmax) AVX2 and AVX-512 add the same numbers in the same order. */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-static inline float rm_hsum8f(__m256 x) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
-}
-static inline double rm_hsum4d(__m256d x) {
-    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
-    h = _mm_add_sd(h, _mm_unpackhi_pd(h, h));
-    return _mm_cvtsd_f64(h);
-}
-#endif
-
-/* ------------------------------------------------------------ float32 vector layer --- */
-#if defined(__AVX512F__)
-typedef __m512 vf;
-typedef vf vf_sum; /* row sums of rm_softmax */
-#define VF_W 16
-#define vf_load _mm512_loadu_ps
-#define vf_store _mm512_storeu_ps
-#define vf_set1 _mm512_set1_ps
-#define vf_zero _mm512_setzero_ps
-#define vf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vf_add _mm512_add_ps
-#define vf_sub _mm512_sub_ps
-#define vf_mul _mm512_mul_ps
-#define vf_div _mm512_div_ps
-#define vf_max _mm512_max_ps
-#define vf_hmax _mm512_reduce_max_ps
-#define vf_nan0(x) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask((x), (x), _CMP_ORD_Q), (x))
-/* |x|, x's sign bit alone, a | b (bits), and lt ? a : b with lt = (x < y) */
-#define vf_abs(x) \
-    _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(x)))
-#define vf_sign(x) \
-    _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(x)))
-#define vf_or(a, b) \
-    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-#define vf_sellt(x, y, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LT_OQ), (b), (a))
-static inline float vf_hsum(vf x) {
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-    return rm_hsum8f(_mm256_add_ps(_mm512_castps512_ps256(x), hi));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-typedef __m256 vf;
-typedef vf vf_sum;
-#define VF_W 8
-#define vf_load _mm256_loadu_ps
-#define vf_store _mm256_storeu_ps
-#define vf_set1 _mm256_set1_ps
-#define vf_zero _mm256_setzero_ps
-#define vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vf_add _mm256_add_ps
-#define vf_sub _mm256_sub_ps
-#define vf_mul _mm256_mul_ps
-#define vf_div _mm256_div_ps
-#define vf_max _mm256_max_ps
-#define vf_nan0(x) _mm256_and_ps(_mm256_cmp_ps((x), (x), _CMP_ORD_Q), (x))
-#define vf_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x))
-#define vf_sign(x) _mm256_and_ps(_mm256_set1_ps(-0.0f), (x))
-#define vf_or _mm256_or_ps
-#define vf_sellt(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_LT_OQ))
-static inline float vf_hmax(vf x) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
-}
-#define vf_hsum rm_hsum8f
-#else
-typedef float vf;
-/* one lane: a row's sum of up to Bk terms is one chain; in double its rounding stays below
- * that of the vector paths' (Bk / W terms a lane, then a tree) */
-typedef double vf_sum;
-#define VF_W 1
-#define vf_load(p) (*(p))
-#define vf_store(p, x) (*(p) = (x))
-#define vf_set1(x) (x)
-#define vf_zero() 0.0f
-#define vf_fma(a, b, c) ((float)((double)(a) * (double)(b) + (double)(c)))
-#define vf_add(a, b) ((a) + (b))
-#define vf_sub(a, b) ((a) - (b))
-#define vf_mul(a, b) ((a) * (b))
-#define vf_div(a, b) ((a) / (b))
-#define vf_max(a, b) ((a) > (b) ? (a) : (b))
-#define vf_hmax(x) (x)
-#define vf_hsum(x) (x)
-#define vf_nan0(x) ((x) == (x) ? (x) : 0.0f)
-#endif
-
-/* exp(x) for x <= 0 (x = -inf -> 0, NaN -> NaN). */
-static inline vf vf_exp(vf x) {
-#if VF_W == 1
-    return expf(x);
-#elif defined(__AVX512F__)
-    /* t = x log2(e); n = floor(t), f = t - n in [0, 1] rounded to nearest (vreduceps would
-     * save an operation but rounds f down, which AVX2 cannot reproduce); 2^f by a degree-6
-     * minimax polynomial (relative error 4e-9, c0 = 1 so exp(0) = 1); vscalefps multiplies
-     * by 2^n. Results below the smallest normal number (t < -126, x = -inf included) are
-     * zeroed as on AVX2; NaN propagates (the compare is false for it). */
-    vf t = vf_mul(x, vf_set1(1.44269504088896341f));
-    const __mmask16 normal = _mm512_cmp_ps_mask(t, vf_set1(-126.0f), _CMP_NLT_UQ);
-    vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    vf f = _mm512_sub_ps(t, n);
-    vf p = vf_fma(vf_set1(2.170223015e-04f), f, vf_set1(1.243969542e-03f));
-    p = vf_fma(p, f, vf_set1(9.678840637e-03f));
-    p = vf_fma(p, f, vf_set1(5.548334122e-02f));
-    p = vf_fma(p, f, vf_set1(2.402298301e-01f));
-    p = vf_fma(p, f, vf_set1(6.931470037e-01f));
-    p = vf_fma(p, f, vf_set1(1.0f));
-    return _mm512_maskz_scalef_ps(normal, p, n);
-#else
-    /* The AVX-512 scheme with AVX2 instructions, operation for operation: t = x log2(e),
-     * n = floor(t), f = t - n in [0, 1], 2^f by the same minimax polynomial, 2^n built in the
-     * exponent bits. t is clamped at -127 first (max keeps a NaN t: it returns its second
-     * operand when either is NaN): n = -127 gives the bit pattern of +0.0, so exp(x) = 0 for
-     * t < -126 (below the smallest normal number) and x = -inf gives 0; a NaN x gives a NaN
-     * polynomial and stays NaN whatever its exponent bits. */
-    vf t = _mm256_max_ps(vf_set1(-127.0f), vf_mul(x, vf_set1(1.44269504088896341f)));
-    vf n = _mm256_floor_ps(t);
-    vf f = _mm256_sub_ps(t, n);
-    vf p = vf_fma(vf_set1(2.170223015e-04f), f, vf_set1(1.243969542e-03f));
-    p = vf_fma(p, f, vf_set1(9.678840637e-03f));
-    p = vf_fma(p, f, vf_set1(5.548334122e-02f));
-    p = vf_fma(p, f, vf_set1(2.402298301e-01f));
-    p = vf_fma(p, f, vf_set1(6.931470037e-01f));
-    p = vf_fma(p, f, vf_set1(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-                                  23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-#endif
-}
-
-/* ------------------------------------------------------------ float64 vector layer --- */
-#if defined(__AVX512F__)
-typedef __m512d vd;
-#define VD_W 8
-#define vd_load _mm512_loadu_pd
-#define vd_store _mm512_storeu_pd
-#define vd_set1 _mm512_set1_pd
-#define vd_zero _mm512_setzero_pd
-#define vd_fma(a, b, c) _mm512_fmadd_pd(a, b, c)
-#define vd_add _mm512_add_pd
-#define vd_sub _mm512_sub_pd
-#define vd_mul _mm512_mul_pd
-#define vd_div _mm512_div_pd
-#define vd_max _mm512_max_pd
-#define vd_hmax _mm512_reduce_max_pd
-#define vd_nan0(x) _mm512_maskz_mov_pd(_mm512_cmp_pd_mask((x), (x), _CMP_ORD_Q), (x))
-#define vd_abs(x) \
-    _mm512_castsi512_pd(_mm512_andnot_si512(_mm512_set1_epi64(INT64_MIN), _mm512_castpd_si512(x)))
-#define vd_sign(x) \
-    _mm512_castsi512_pd(_mm512_and_si512(_mm512_set1_epi64(INT64_MIN), _mm512_castpd_si512(x)))
-#define vd_or(a, b) \
-    _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(a), _mm512_castpd_si512(b)))
-#define vd_sellt(x, y, a, b) _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), (y), _CMP_LT_OQ), (b), (a))
-static inline double vd_hsum(vd x) {
-    return rm_hsum4d(_mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1)));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-typedef __m256d vd;
-#define VD_W 4
-#define vd_load _mm256_loadu_pd
-#define vd_store _mm256_storeu_pd
-#define vd_set1 _mm256_set1_pd
-#define vd_zero _mm256_setzero_pd
-#define vd_fma(a, b, c) _mm256_fmadd_pd(a, b, c)
-#define vd_add _mm256_add_pd
-#define vd_sub _mm256_sub_pd
-#define vd_mul _mm256_mul_pd
-#define vd_div _mm256_div_pd
-#define vd_max _mm256_max_pd
-#define vd_nan0(x) _mm256_and_pd(_mm256_cmp_pd((x), (x), _CMP_ORD_Q), (x))
-#define vd_abs(x) _mm256_andnot_pd(_mm256_set1_pd(-0.0), (x))
-#define vd_sign(x) _mm256_and_pd(_mm256_set1_pd(-0.0), (x))
-#define vd_or _mm256_or_pd
-#define vd_sellt(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_LT_OQ))
-static inline double vd_hmax(vd x) {
-    __m128d h = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
-    h = _mm_max_sd(h, _mm_unpackhi_pd(h, h));
-    return _mm_cvtsd_f64(h);
-}
-#define vd_hsum rm_hsum4d
-#else
-typedef double vd;
-#define VD_W 1
-#define vd_load(p) (*(p))
-#define vd_store(p, x) (*(p) = (x))
-#define vd_set1(x) (x)
-#define vd_zero() 0.0
-#define vd_fma(a, b, c) ((a) * (b) + (c))
-#define vd_add(a, b) ((a) + (b))
-#define vd_sub(a, b) ((a) - (b))
-#define vd_mul(a, b) ((a) * (b))
-#define vd_div(a, b) ((a) / (b))
-#define vd_max(a, b) ((a) > (b) ? (a) : (b))
-#define vd_hmax(x) (x)
-#define vd_hsum(x) (x)
-#define vd_nan0(x) ((x) == (x) ? (x) : 0.0)
-#endif
-
-static inline vd vd_exp(vd x) {
-#if VD_W == 1
-    return exp(x);
-#else
-    /* Taylor coefficients ln2^k / k!, k = 0..12 */
-    static const double c[13] = {1.0,
-                                 0.6931471805599453,
-                                 0.2402265069591007,
-                                 5.550410866482158e-2,
-                                 9.618129107628477e-3,
-                                 1.3333558146428443e-3,
-                                 1.5403530393381608e-4,
-                                 1.5252733804059841e-5,
-                                 1.3215486790144307e-6,
-                                 1.0178086009239699e-7,
-                                 7.054911620801123e-9,
-                                 4.445538271870811e-10,
-                                 2.567843599348821e-11};
-#if defined(__AVX512F__)
-    vd t = _mm512_max_pd(vd_set1(-1100.0), vd_mul(x, vd_set1(1.4426950408889634)));
-    vd n = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vd f = _mm512_sub_pd(t, n);
-#else
-    vd t = _mm256_max_pd(vd_set1(-1023.0), vd_mul(x, vd_set1(1.4426950408889634)));
-    vd n = _mm256_round_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vd f = _mm256_sub_pd(t, n);
-#endif
-    vd p = vd_set1(c[12]);
-    for (int i = 11; i >= 0; i--) p = vd_fma(p, f, vd_set1(c[i]));
-#if defined(__AVX512F__)
-    /* zero below the normal range (n < -1022) as on AVX2; NaN propagates */
-    const __mmask8 normal = _mm512_cmp_pd_mask(n, vd_set1(-1022.0), _CMP_NLT_UQ);
-    return _mm512_maskz_scalef_pd(normal, p, n);
-#else
-    /* n >= -1023: biased exponent >= 0; n = -1023 gives the bit pattern of 0.0 */
-    __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
-    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
-    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
-#endif
-#endif
-}
-
-/* tanh's Taylor series x + sum_k c_k x^(2k+1), c_k = 2^(2k+2) (2^(2k+2) - 1) B_(2k+2) / (2k+2)!
- * (B: Bernoulli numbers); used for |x| below RM_TANH_X (see rm_tanh). */
-static const double rm_tanh_c[12] = {1.0,
-                                     -0.3333333333333333,
-                                     0.13333333333333333,
-                                     -0.05396825396825397,
-                                     0.021869488536155203,
-                                     -0.008863235529902197,
-                                     0.003592128036572481,
-                                     -0.0014558343870513183,
-                                     0.000590027440945586,
-                                     -0.00023912911424355248,
-                                     9.691537956929451e-05,
-                                     -3.927832388331683e-05};
+int rm_simd_width_bytes(void) { return rm_simd_bytes(); }
 
 /* ----------------------------------------------------------- instantiate both types --- */
-#define RM_T float
-#define RM_V vf
-#define RM_VSUM vf_sum
-#define RM_W VF_W
-#define RM_SFX f32
-#define RM_LOG1 logf
-#define RM_TANH1 tanhf
-#define RM_TANH_X 0.35 /* below: the odd Taylor polynomial of rm_tanh_c[0..RM_TANH_N) */
-#define RM_TANH_N 6
-#define V_ABS vf_abs
-#define V_SIGN vf_sign
-#define V_OR vf_or
-#define V_SELLT vf_sellt
-#define V_DIV vf_div
-#define V_LOAD vf_load
-#define V_STORE vf_store
-#define V_SET1 vf_set1
-#define V_ZERO vf_zero
-#define V_FMA vf_fma
-#define V_MUL vf_mul
-#define V_ADD vf_add
-#define V_SUB vf_sub
-#define V_NAN0 vf_nan0
-#define V_MAX vf_max
-#define V_HMAX vf_hmax
-#define V_HSUM vf_hsum
-#define V_EXP vf_exp
-#include "cpu_tile.c" /* this file again, now with RM_T defined */
-#undef RM_T
-#undef RM_V
-#undef RM_VSUM
-#undef RM_W
-#undef RM_SFX
-#undef RM_EXP1
-#undef RM_LOG1
-#undef RM_TANH1
-#undef RM_TANH_X
-#undef RM_TANH_N
-#undef V_ABS
-#undef V_SIGN
-#undef V_OR
-#undef V_SELLT
-#undef V_DIV
-#undef V_LOAD
-#undef V_STORE
-#undef V_SET1
-#undef V_ZERO
-#undef V_FMA
-#undef V_MUL
-#undef V_ADD
-#undef V_SUB
-#undef V_NAN0
-#undef V_MAX
-#undef V_HMAX
-#undef V_HSUM
-#undef V_EXP
-
-#define RM_T double
-#define RM_V vd
-#define RM_VSUM vd
-#define RM_W VD_W
-#define RM_SFX f64
-#define RM_LOG1 log
-#define RM_TANH1 tanh
-#define RM_TANH_X 0.3
-#define RM_TANH_N 12
-#define V_ABS vd_abs
-#define V_SIGN vd_sign
-#define V_OR vd_or
-#define V_SELLT vd_sellt
-#define V_DIV vd_div
-#define V_LOAD vd_load
-#define V_STORE vd_store
-#define V_SET1 vd_set1
-#define V_ZERO vd_zero
-#define V_FMA vd_fma
-#define V_MUL vd_mul
-#define V_ADD vd_add
-#define V_SUB vd_sub
-#define V_NAN0 vd_nan0
-#define V_MAX vd_max
-#define V_HMAX vd_hmax
-#define V_HSUM vd_hsum
-#define V_EXP vd_exp
-#include "cpu_tile.c" /* this file again, now with RM_T defined */
+#define RM_BITS 32
+#include "cpu_tile.c" /* this file again, now with RM_BITS defined */
+#undef RM_BITS
+#define RM_BITS 64
+#include "cpu_tile.c"
 
 #else
 /* ============================================================ type-generic part ==== */
-#define RM_CAT2(a, b) a##_##b
-#define RM_CAT(a, b) RM_CAT2(a, b)
-#define FN(name) RM_CAT(name, RM_SFX)
+#include "cpu_simd_type.h" /* RM_T, RM_V, V_* and FN of this RM_BITS; rm_tanh, modifiers */
 
 /* keys per packed K^T panel (NK vectors) and D-columns per P.V register tile (NV vectors) */
 #define NK RM_NK
@@ -620,25 +129,11 @@ static const double rm_tanh_c[12] = {1.0,
 _Static_assert(KW % (NS * RM_W) == 0, "a K panel must span whole 64-byte row-sum groups");
 
 /* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
- * V rows vp (b - a, Dp), zero padded past D. The panel is written in order (unit-stride
- * stores); its KW source rows are read column by column and stay in L1. */
+ * V rows vp (b - a, Dp), zero padded past D. */
 static void FN(rm_pack)(const RM_T *k, const RM_T *v, int64_t a, int64_t b, int64_t D,
                         int64_t Dp, RM_T *kt, RM_T *vp) {
-    int64_t nk = b - a;
-    int64_t np = (nk + KW - 1) / KW;
-    for (int64_t p = 0; p < np; p++) {
-        RM_T *dst = kt + p * D * KW;
-        const RM_T *src = k + (a + p * KW) * D;
-        const int64_t nc = nk - p * KW < KW ? nk - p * KW : KW;
-        for (int64_t d = 0; d < D; d++) {
-            for (int64_t c = 0; c < nc; c++) dst[d * KW + c] = src[c * D + d];
-            for (int64_t c = nc; c < KW; c++) dst[d * KW + c] = 0;
-        }
-    }
-    for (int64_t j = 0; j < nk; j++) {
-        memcpy(vp + j * Dp, v + (a + j) * D, (size_t)D * sizeof(RM_T));
-        for (int64_t d = D; d < Dp; d++) vp[j * Dp + d] = 0;
-    }
+    FN(rm_pack_panels)(k + a * D, b - a, D, KW, kt);
+    FN(rm_pack_rows)(v + a * D, b - a, D, Dp, vp);
 }
 
 /* S (RM_R x ldS) = Qs (RM_R x D) K^T for all panels of one block; rmax (RM_R x RM_W) gets
@@ -682,27 +177,6 @@ static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, i
     }
 }
 
-/* tanh(x), elementwise. Vector paths: |x| < RM_TANH_X by the odd Taylor polynomial
- * x + x^3 P(x^2) (RM_TANH_N terms: truncation 1.2e-8 relative for float32 below 0.35, 3e-18
- * for float64 below 0.3), else sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) from V_EXP
- * (no cancellation: e < 0.55 there); |x| >= 44 (float32) gives e = 0, so exactly +-1. Both
- * branches are computed and one selected: the same IEEE operations on AVX2 and AVX-512, so
- * the same bits. NaN propagates (the compare is false, V_EXP keeps it). Scalar path: libm. */
-static inline RM_V FN(rm_tanh)(RM_V x) {
-#if RM_W == 1
-    return RM_TANH1(x);
-#else
-    const RM_V one = V_SET1((RM_T)1), ax = V_ABS(x), x2 = V_MUL(x, x);
-    RM_V p = V_SET1((RM_T)rm_tanh_c[RM_TANH_N - 1]);
-#pragma GCC unroll 16
-    for (int i = RM_TANH_N - 2; i >= 1; i--) p = V_FMA(p, x2, V_SET1((RM_T)rm_tanh_c[i]));
-    const RM_V small = V_FMA(V_MUL(x, x2), p, x);
-    const RM_V e = V_EXP(V_MUL(ax, V_SET1((RM_T)-2)));
-    const RM_V big = V_OR(V_DIV(V_SUB(one, e), V_ADD(one, e)), V_SIGN(x));
-    return V_SELLT(ax, V_SET1((RM_T)RM_TANH_X), small, big);
-#endif
-}
-
 /* y[0..n) = tanh(x[0..n)) by rm_tanh (the tile's own; exported for the accuracy tests). */
 void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
     int64_t i = 0;
@@ -723,19 +197,10 @@ void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
 static void FN(rm_modify)(RM_T *restrict s, int64_t lds, int nr, int64_t use, int64_t ncol,
                           RM_T cap, const int64_t *restrict ap, const int64_t *restrict kq,
                           double slope) {
-    const RM_V vc = V_SET1(cap), vic = V_SET1((RM_T)1 / cap);
     for (int r = 0; r < nr; r++) {
         RM_T *restrict row = s + r * lds;
-        if (cap > 0)
-            for (int64_t j = 0; j < ncol; j += RM_W)
-                V_STORE(row + j, V_MUL(vc, FN(rm_tanh)(V_MUL(V_LOAD(row + j), vic))));
-        if (ap) {
-            const int64_t a = ap[r];
-            for (int64_t j = 0; j < use; j++) {
-                const int64_t dist = a > kq[j] ? a - kq[j] : kq[j] - a;
-                row[j] -= (RM_T)(slope * (double)dist);
-            }
-        }
+        if (cap > 0) FN(rm_softcap_row)(row, NULL, 0, ncol, cap);
+        if (ap) FN(rm_alibi_row)(row, 0, use, ap[r], kq, slope);
     }
 }
 
@@ -1148,7 +613,6 @@ void FN(rm_finalize)(const RM_T *acc, const RM_T *m, const RM_T *l, int64_t B, i
             }
 }
 
-#undef FN
 #undef NK
 #undef KW
 #undef NV

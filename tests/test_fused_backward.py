@@ -18,6 +18,7 @@ import pytest
 
 import ringmpi
 from ringmpi.cpu import fused_backward
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.cpu import numpy_tile as backward
 from ringmpi.reference import attention, attention_backward
 
@@ -38,14 +39,8 @@ ISA_PATHS = {
 
 
 def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The host's CPU feature flags (ringmpi.cpu.isa reads /proc/cpuinfo), or an empty set."""
+    return set(cpu_isa.host_features() or ())
 
 
 def _internal(x, idx):

@@ -13,6 +13,7 @@ import pytest
 
 from ringmpi.cpu import build, fused
 from ringmpi.cpu import isa as cpu_isa
+from ringmpi.cpu.loader import Loader
 from ringmpi.softmax import init_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,9 +26,7 @@ needs_compiler = pytest.mark.skipif(
 @pytest.fixture
 def fresh_default(monkeypatch):
     """Forget the default kernel (restored afterwards) so the next call reads the environment."""
-    monkeypatch.setattr(fused, "_default", None)
-    monkeypatch.setattr(fused, "_default_error", None)
-    monkeypatch.setattr(fused, "_default_tried", False)
+    monkeypatch.setattr(fused, "LOADER", Loader(fused.Kernel, "fused CPU tile"))
 
 
 def _fake_cpu(monkeypatch, *flags):
@@ -98,22 +97,21 @@ def test_environment_picks_the_default_path(monkeypatch, fresh_default, isa):
 def test_auto_falls_back_to_a_narrower_path(monkeypatch, fresh_default, capsys):
     """auto: when the widest path fails to build, the next one is used, with one line."""
     widest, nxt = fused.host_isas()[:2]
-    real = fused.load
+    real = fused.LOADER.load
 
     def load(isa=None):
         if build.resolve_isa(isa) == widest:
             raise RuntimeError("compiler too old\nmore detail")
         return real(isa)
 
-    monkeypatch.setattr(fused, "load", load)
+    monkeypatch.setattr(fused.LOADER, "load", load)
     monkeypatch.setenv("RINGMPI_CPU_ISA", "auto")
     assert fused.isa() == nxt and fused.available() and fused.unavailable_reason() is None
     err = capsys.readouterr().err
     want = f"{widest} path failed, using {nxt} (RuntimeError: compiler too old)"
     assert err == f"ringmpi: fused CPU tile: {want}\n"
     # an explicit path does not fall back
-    monkeypatch.setattr(fused, "_default_tried", False)
-    monkeypatch.setattr(fused, "_default", None)
+    fused.LOADER.forget()
     monkeypatch.setenv("RINGMPI_CPU_ISA", widest)
     assert not fused.available() and "compiler too old" in fused.unavailable_reason()
     assert "using the numpy tile" in capsys.readouterr().err
@@ -257,3 +255,44 @@ def test_ranks_of_a_node_compile_once(monkeypatch):
         import shutil
 
         shutil.rmtree(tmp)
+
+
+def test_cpuinfo_is_read_in_one_place(monkeypatch):
+    """host_features and the cache key's cpu_flags come from one reader of /proc/cpuinfo."""
+    monkeypatch.setattr(cpu_isa, "_cpuinfo_flags", lambda: "fpu sse2 avx2 fma")
+    assert cpu_isa.host_features() == frozenset({"fpu", "sse2", "avx2", "fma"})
+    assert cpu_isa.cpu_flags() == "fpu sse2 avx2 fma"
+    monkeypatch.setattr(cpu_isa, "_cpuinfo_flags", lambda: None)
+    assert cpu_isa.host_features() is None and cpu_isa.cpu_flags()  # the platform's name
+    readers = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "ringmpi").rglob("*.py"))
+        if 'open("/proc/cpuinfo")' in p.read_text()
+    ]
+    assert readers == ["ringmpi/cpu/isa.py"], readers
+
+
+@needs_compiler
+def test_both_fused_kernels_load_per_isa_through_one_loader():
+    """The forward and backward tiles: one build per ISA path, reporting that path."""
+    from ringmpi.cpu import fused_backward
+
+    for isa in fused.host_isas():
+        fwd, bwd = fused.load(isa), fused_backward.LOADER.load(isa)
+        assert (fwd.isa, bwd.isa) == (isa, isa)
+        assert fwd.simd_width == bwd.simd_width == {"avx512": 64, "avx2": 32, "scalar": 0}[isa]
+        assert f"cpu_backward-{isa}-" in bwd.path.name
+        assert fused_backward.LOADER.load(isa) is bwd  # memoized
+
+
+@needs_compiler
+def test_pinned_default_is_restored():
+    """LOADER.pinned(isa) makes the module-level tiles run that path, then restores the default."""
+    from ringmpi.cpu import fused_backward
+
+    before = fused.isa(), fused_backward.simd_width()
+    for isa in fused.host_isas():
+        with fused.LOADER.pinned(isa), fused_backward.LOADER.pinned(isa) as bwd:
+            assert fused.isa() == isa and fused.library_path() == fused.load(isa).path
+            assert fused_backward.library_path() == bwd.path and bwd.isa == isa
+        assert (fused.isa(), fused_backward.simd_width()) == before

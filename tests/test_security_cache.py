@@ -244,3 +244,42 @@ def test_fused_kernels_load_through_the_descriptor():
     lib = fused_backward.open_library(build.build_library("cpu_backward.c", ISA))
     assert lib._name.startswith("/proc/self/fd/")
     assert int(lib.rm_backward_simd_width_bytes()) == (0 if ISA == "scalar" else 32)
+
+
+@needs_compiler
+def test_a_changed_header_changes_the_key(cache):
+    """A header the source includes is hashed into the key: editing it gives a new build."""
+    kdir = Path(os.environ["RINGMPI_KERNEL_DIR"])
+    (kdir / "hdr.c").write_text('#include "hdr.h"\nint answer(void) { return ANSWER; }\n')
+    (kdir / "hdr.h").write_text('#include "hdr_inner.h"\n#define ANSWER (INNER + 1)\n')
+    (kdir / "hdr_inner.h").write_text("#define INNER 41\n")
+    first = build.build_library("hdr.c", ISA)
+    assert build.load_verified(first).answer() == 42
+    assert build.build_library("hdr.c", ISA) == first  # unchanged sources: the cached build
+    (kdir / "hdr_inner.h").write_text("#define INNER 6\n")  # a header of a header
+    second = build.build_library("hdr.c", ISA)
+    assert second != first
+    assert build.load_verified(second).answer() == 7
+    # the compiler read private copies, which are gone: only libraries and locks remain
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [first.name, first.name + ".lock", second.name, second.name + ".lock"]
+    )
+
+
+def test_kernel_headers_come_from_the_source_directory(cache):
+    kdir = Path(os.environ["RINGMPI_KERNEL_DIR"])
+    (kdir / "up.c").write_text('#include "../up.h"\nint answer(void) { return 1; }\n')
+    with pytest.raises(ValueError, match=r'#include "\.\./up\.h".*without a directory'):
+        build.build_library("up.c", ISA)
+    (kdir / "gone.c").write_text('#include "gone.h"\nint answer(void) { return 1; }\n')
+    with pytest.raises(FileNotFoundError, match="included header gone.h not found in"):
+        build.build_library("gone.c", ISA)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_the_fused_kernels_hash_their_shared_headers():
+    """Both fused kernels include the shared SIMD layer, and it is part of their keys."""
+    for source in ("cpu_tile.c", "cpu_backward.c"):
+        names = list(build.kernel_sources(source))
+        assert names[0] == source
+        assert {"cpu_simd.h", "cpu_blocks.h", "cpu_simd_type.h"} <= set(names[1:]), names

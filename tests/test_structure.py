@@ -144,14 +144,10 @@ def test_no_module_level_cycle():
     assert not found, f"module-level import cycles: {found}"
 
 
-# Private names still shared inside ringmpi/cpu/: the fused forward and backward
-# loaders are being merged into one (issue 21, kernels bullet), which removes these.
-# The list must match exactly: a new use fails, and so does an entry that is gone.
-KNOWN = {
-    "ringmpi.cpu.fused_backward uses ringmpi.cpu.fused._cuts",
-    "ringmpi.cpu.fused_backward uses ringmpi.cpu.fused._check_bounds",
-    "ringmpi.cpu.fused_backward uses ringmpi.cpu.numpy_tile._key_block",
-}
+# Private names allowed across modules (none: the fused forward and backward loaders share
+# ringmpi.cpu.loader's public names since issue 21). The list must match exactly: a new use
+# fails, and so does an entry that is gone.
+KNOWN: set = set()
 
 
 def test_no_private_names_across_modules():

@@ -15,10 +15,13 @@ is refused with a clear error.
 The ISA paths are :mod:`ringmpi.cpu.isa`, the cache directory, its lock and
 the checks of a cached library :mod:`ringmpi.cpu.cache`. Libraries are cached
 under ``$RINGMPI_CACHE_DIR`` (default ``~/.cache/ringmpi``).
-The cache key hashes the source, the compiler's identity, the flags (ISA path and
-``$RINGMPI_CFLAGS`` included) and the host CPU's feature flags, so a shared home
-directory on a heterogeneous cluster gets one build per CPU type. One compile per
-cache file: the builder holds an exclusive ``flock`` on ``<library>.lock`` while it
+The cache key hashes the source and every local header it includes
+(:func:`kernel_sources`: ``#include "name"``, read from the source's own directory),
+the compiler's identity, the flags (ISA path and ``$RINGMPI_CFLAGS`` included) and the
+host CPU's feature flags, so a changed header gives a new library and a shared home
+directory on a heterogeneous cluster gets one build per CPU type. The compiler reads
+the very bytes that were hashed: copies written to a private directory inside the cache.
+One compile per cache file: the builder holds an exclusive ``flock`` on ``<library>.lock`` while it
 compiles to a private temporary name and renames it into place; every other process
 (the other MPI ranks of the node, other jobs sharing the cache) waits on that lock
 (at most ``$RINGMPI_BUILD_LOCK_S``, 600 s) and then loads the finished file. No MPI
@@ -38,8 +41,10 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +56,7 @@ from .isa import ISAS, cpu_flags, host_isas, isa_flags, isa_setting, resolve_isa
 
 __all__ = [
     "ISAS", "FLAGS", "host_isas", "resolve_isa", "isa_setting", "build_library", "load_verified",
+    "kernel_sources",
 ]  # fmt: skip
 
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast"]
@@ -63,12 +69,62 @@ def _compiler() -> str:
     raise FileNotFoundError("no C compiler found (install gcc or clang, or set $CC)")
 
 
+# `#include "name"`: the kernels' own headers (system headers are included with <...>)
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"\n]*)"', re.M)
+
+
+def kernel_sources(source_name: str) -> dict[str, bytes]:
+    """The text of kernel source ``source_name`` and of every local header it includes.
+
+    The source is found by :func:`ringmpi.kernel_files.kernel_path`; the headers it names
+    with ``#include "name"`` (and those they name, recursively) are read from that same
+    directory only, so a header is never taken from another of the places searched.
+
+    Parameters
+    ----------
+    source_name : str
+        File name under ``kernels/`` (or ``$RINGMPI_KERNEL_DIR``), e.g. ``"cpu_tile.c"``.
+
+    Returns
+    -------
+    dict of str to bytes
+        File name -> contents, the source first, then the headers in the order found.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such source, or a header it includes is not next to it.
+    ValueError
+        An included name with a directory part (``#include "../x.h"``).
+    """
+    src = kernel_path(source_name)
+    texts: dict[str, bytes] = {}
+    todo = [src.name]
+    while todo:
+        name = todo.pop(0)
+        if name in texts:
+            continue
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ValueError(
+                f'{src}: #include "{name}": a kernel header is named without a directory'
+            )
+        try:
+            texts[name] = (src.parent / name).read_bytes()
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{src}: included header {name} not found in {src.parent}"
+            ) from None
+        todo += [m.decode("utf-8", "replace") for m in _LOCAL_INCLUDE.findall(texts[name])]
+    return texts
+
+
 def build_library(source_name: str, isa: Optional[str] = None) -> Path:
     """Compile ``kernels/<source_name>`` for one ISA path, or return the cached library.
 
     Same flags, cache and lock for every kernel source: the library is
-    ``$RINGMPI_CACHE_DIR/<stem>-<isa>-<key>.so`` where the key hashes the source, the
-    compiler's identity, the flags and the host CPU flags. The first process to need it
+    ``$RINGMPI_CACHE_DIR/<stem>-<isa>-<key>.so`` where the key hashes the source and the
+    local headers it includes (:func:`kernel_sources`), the compiler's identity, the flags
+    and the host CPU flags. The first process to need it
     compiles while holding ``<library>.lock``; the others (ranks of the node, other jobs)
     wait on the lock and use the finished file. A ready file is used without compiling
     only when it is what the build produced: the cache directory is this user's and
@@ -93,7 +149,9 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
     ValueError
         Unknown ISA path, or one the host cannot execute.
     FileNotFoundError
-        No source or no C compiler.
+        No source, a header it includes missing, or no C compiler.
+    ValueError
+        Also: an ``#include "..."`` naming a directory (:func:`kernel_sources`).
     RuntimeError
         The compiler failed (its error output is in the message).
     PermissionError
@@ -104,13 +162,16 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
     """
     name = resolve_isa(isa)
     src = kernel_path(source_name)
+    texts = kernel_sources(source_name)
     cc = _compiler()
     flags = FLAGS + isa_flags(name) + os.environ.get("RINGMPI_CFLAGS", "").split()
     version = subprocess.run(
         [*cc.split(), "--version"], capture_output=True, text=True, timeout=60
     ).stdout
     key = hashlib.sha256()
-    for part in (src.read_bytes(), cc, version, " ".join(flags), cpu_flags(), platform.machine()):
+    for fname, text in texts.items():
+        key.update(fname.encode() + b"\0" + text + b"\0")
+    for part in (cc, version, " ".join(flags), cpu_flags(), platform.machine()):
         key.update(part if isinstance(part, bytes) else part.encode())
         key.update(b"\0")
     out_dir = cache.cache_dir()
@@ -123,20 +184,35 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
         with cache.FileLock(dirfd, lock_name, str(target) + ".lock") as lock:
             if cache.verified(dirfd, target.name, lock_name, str(target)):
                 return target  # built by another process while this one waited
-            _compile(cc, flags, src, dirfd, out_dir, target, lock.fd)
+            _compile(cc, flags, src, texts, dirfd, out_dir, target, lock.fd)
     finally:
         os.close(dirfd)
     return target
 
 
-def _compile(cc, flags, src, dirfd: int, out_dir: Path, target: Path, lock_fd) -> None:
-    """Compile into an exclusive temporary, record its hash in the lock file, rename it."""
+def _write_sources(texts: dict, out_dir: Path) -> str:
+    """Write the hashed sources into a new private directory inside the cache; its path."""
+    d = tempfile.mkdtemp(prefix=".src-", dir=str(out_dir))  # mode 0700, a fresh name
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for name, text in texts.items():
+        with open(os.open(os.path.join(d, name), flags, 0o600), "wb") as f:
+            f.write(text)
+    return d
+
+
+def _compile(cc, flags, src, texts, dirfd: int, out_dir: Path, target: Path, lock_fd) -> None:
+    """Compile into an exclusive temporary, record its hash in the lock file, rename it.
+
+    The compiler reads the copies of ``texts`` (the hashed bytes), not the kernel directory.
+    """
     fd, tmp = exclusive_temp(str(target), 0o700)
     os.close(fd)
     tmp_name = os.path.basename(tmp)
+    src_dir = None
     try:
+        src_dir = _write_sources(texts, out_dir)
         proc = subprocess.run(
-            [*cc.split(), *flags, "-o", tmp, str(src), "-lm"],
+            [*cc.split(), *flags, "-o", tmp, os.path.join(src_dir, src.name), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -166,3 +242,5 @@ def _compile(cc, flags, src, dirfd: int, out_dir: Path, target: Path, lock_fd) -
             os.unlink(tmp_name, dir_fd=dirfd)
         except FileNotFoundError:
             pass
+        if src_dir is not None:
+            shutil.rmtree(src_dir, ignore_errors=True)

@@ -19,15 +19,23 @@ a block pair is partly visible.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 
-from . import fused
 from . import numpy_tile as _spec
-from .build import build_library, load_verified
+from .loader import (
+    PROGRESS,
+    Library,
+    Loader,
+    check_bounds,
+    check_modifiers,
+    cuts,
+    modifier_keywords,
+    progress_callback,
+    ptr,
+)
 
 __all__ = [
     "available",
@@ -37,6 +45,8 @@ __all__ = [
     "backward_tile",
     "backward_tile_with",
     "open_library",
+    "BackwardKernel",
+    "LOADER",
     "spec_flops",
     "BLOCK_Q",
     "BLOCK_K",
@@ -55,73 +65,69 @@ BLOCK_K = 256
 #: heads (about 0.7 GFLOP at D = 64)
 CHUNK_PAIRS = 1 << 20
 
-_PROGRESS = ctypes.CFUNCTYPE(ctypes.c_int)
-_SOURCE = "cpu_backward.c"
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_lib_path: Optional[Path] = None
-_error: Optional[str] = None
-_tried = False
+class BackwardKernel(Library):
+    """The fused backward tile compiled for one ISA path (``LOADER.load(isa)``, a Library)."""
+
+    SOURCE = "cpu_backward.c"
+    ISA_SYMBOL = "rm_backward_isa_name"
+    WIDTH_SYMBOL = "rm_backward_simd_width_bytes"
+
+    def declare(self, lib: ctypes.CDLL) -> None:
+        """Declare ``rm_backward_tile_f32/_f64`` (positional arguments) on ``lib``."""
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        # builds from before the score modifiers (jobs/kernel_ab.py's baseline) lack them
+        self.modifiers = hasattr(lib, "rm_backward_modifiers")
+        for sfx in ("f32", "f64"):
+            fn = getattr(lib, f"rm_backward_tile_{sfx}")
+            fn.restype = i64
+            fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, p, p, ctypes.c_double]
+            fn.argtypes += [ctypes.c_int, i64, i64, PROGRESS, i64]
+            if self.modifiers:
+                fn.argtypes += [ctypes.c_double, p, p]
+        lib.ringmpi_modifiers = self.modifiers
+
+
+#: the builds of the backward tile per ISA path and the default one (no stderr line of its
+#: own: the forward tile's loader already says when the kernels fall back)
+LOADER = Loader(BackwardKernel, "fused backward tile", warn=False)
 
 
 def open_library(path: Path) -> ctypes.CDLL:
     """Load a build of ``kernels/cpu_backward.c`` and declare its entry points.
 
-    :func:`backward_tile` uses the build for this host (``build.build_library``); other
-    builds (another ISA, forced by ``$RINGMPI_CFLAGS``) can be loaded side by side and
-    called through :func:`backward_tile_with`.
+    :func:`backward_tile` uses the build of ``$RINGMPI_CPU_ISA`` (:data:`LOADER`); other
+    builds (another ISA, forced by ``$RINGMPI_CFLAGS``, another revision's source) can be
+    loaded side by side and called through :func:`backward_tile_with`.
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        A library returned by :func:`ringmpi.cpu.build.build_library`.
     """
-    lib = load_verified(path)  # the file whose hash was checked, not the name
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for sfx in ("f32", "f64"):
-        fn = getattr(lib, f"rm_backward_tile_{sfx}")
-        fn.restype = i64
-        fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, p, p, ctypes.c_double]
-        fn.argtypes += [ctypes.c_int, i64, i64, _PROGRESS, i64]
-        # builds from before the score modifiers (jobs/kernel_ab.py's baseline) lack them
-        if hasattr(lib, "rm_backward_modifiers"):
-            fn.argtypes += [ctypes.c_double, p, p]
-    lib.ringmpi_modifiers = hasattr(lib, "rm_backward_modifiers")
-    lib.rm_backward_simd_width_bytes.restype = ctypes.c_int
-    return lib
-
-
-def _load() -> Optional[ctypes.CDLL]:
-    global _lib, _lib_path, _error, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        try:
-            path = build_library(_SOURCE)
-            _lib, _lib_path = open_library(path), path
-        except Exception as exc:  # no compiler, no write access, ...: numpy fallback
-            _error = f"{type(exc).__name__}: {exc}"
-        return _lib
+    return BackwardKernel(path)._lib
 
 
 def available() -> bool:
     """True when the fused backward kernel is (or can be) compiled and loaded on this host."""
-    return _load() is not None
+    return LOADER.default() is not None
 
 
 def unavailable_reason() -> Optional[str]:
     """Why :func:`available` is False (None when it is True)."""
-    _load()
-    return _error
+    return LOADER.error()
 
 
 def library_path() -> Optional[Path]:
     """Path of the loaded shared library, or None."""
-    _load()
-    return _lib_path
+    kern = LOADER.default()
+    return kern.path if kern is not None else None
 
 
 def simd_width() -> int:
     """Vector width the kernel was built for, in bytes (64 AVX-512, 32 AVX2, 0 scalar)."""
-    lib = _load()
-    return int(lib.rm_backward_simd_width_bytes()) if lib is not None else 0
+    kern = LOADER.default()
+    return kern.simd_width if kern is not None else 0
 
 
 def spec_flops(
@@ -155,7 +161,7 @@ def spec_flops(
     int
     """
     qb = np.array(list(_spec.blocks(q_pos, _spec.BLOCK_Q)), dtype=np.int64).reshape(-1, 4)
-    kb = np.array(list(_spec.blocks(k_pos, _spec._key_block(bounds))), dtype=np.int64)
+    kb = np.array(list(_spec.blocks(k_pos, _spec.key_block(bounds))), dtype=np.int64)
     kb = kb.reshape(-1, 4)
     nq, nk = qb[:, 1] - qb[:, 0], kb[:, 1] - kb[:, 0]
     if len(nq) == 0 or len(nk) == 0:
@@ -179,10 +185,6 @@ def spec_flops(
     else:
         live = np.full(len(nq), nk.sum())
     return int(10 * batch * heads * d * int(np.dot(nq, live)))
-
-
-def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
 
 
 def backward_tile(
@@ -251,15 +253,16 @@ def backward_tile(
         per head and block pair the numpy tile computes). The kernel's own blocks are finer,
         so it skips more of a masked tile than that count says.
     """
+    kern = LOADER.default()
     return backward_tile_with(
-        _load(), q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
+        kern, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
         scale=scale, causal=causal, progress=progress, bounds=bounds, softcap=softcap,
         alibi=alibi,
     )  # fmt: skip
 
 
 def backward_tile_with(
-    lib: Optional[ctypes.CDLL],
+    lib: Union[ctypes.CDLL, BackwardKernel, None],
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
@@ -280,12 +283,15 @@ def backward_tile_with(
     softcap: Optional[float] = None,
     alibi: Optional[tuple] = None,
 ) -> int:
-    """:func:`backward_tile` with an explicit library (:func:`open_library`); None: numpy.
+    """:func:`backward_tile` with an explicit library (:func:`open_library`, or a
+    :class:`BackwardKernel`); None: the numpy tile.
 
     ``count="kernel"`` returns the kernel's own flops instead of the numpy tile's
     (:func:`spec_flops`): 10 * nq * nk * D per head over the kernel's block pairs that hold a
     visible pair, which shows how much of a masked tile it skipped.
     """
+    if isinstance(lib, BackwardKernel):
+        lib = lib._lib
     if count not in ("spec", "kernel"):
         raise ValueError(f"count must be 'spec' or 'kernel', got {count!r}")
     dt = dq.dtype
@@ -298,7 +304,7 @@ def backward_tile_with(
         return _spec.backward_tile(
             q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
             scale=scale, causal=causal, progress=progress, bounds=bounds,
-            **fused.modifier_keywords(softcap, alibi),
+            **modifier_keywords(softcap, alibi),
         )  # fmt: skip
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -320,10 +326,9 @@ def backward_tile_with(
     for name, (a, want) in shapes.items():
         if tuple(a.shape) != want:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want}")
-    lo, hi = fused._check_bounds(bounds, sq)  # the forward tile's check: (None, None) if none
-    cap, slopes, apos = fused.check_modifiers(softcap, alibi, h, sq)
-    mods = (cap, _ptr(slopes) if slopes is not None else None)
-    mods += (_ptr(apos) if apos is not None else None,)
+    lo, hi = check_bounds(bounds, sq)  # (None, None) without bounds
+    cap, slopes, apos = check_modifiers(softcap, alibi, h, sq)
+    mods = (cap, ptr(slopes), ptr(apos))
     if not lib.ringmpi_modifiers:
         if cap or slopes is not None:
             raise ValueError(f"{lib._name}: a build without the score modifiers")
@@ -335,25 +340,14 @@ def backward_tile_with(
     )
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
     k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
-    qc, kc = fused._cuts(q_pos), fused._cuts(k_pos)
+    qc, kc = cuts(q_pos), cuts(k_pos)
     fn = lib.rm_backward_tile_f32 if dt == np.float32 else lib.rm_backward_tile_f64
     bk = int(max(32, min(BLOCK_K, (BLOCK_K * 128) // d)))
-    errors: list[BaseException] = []
-
-    def _cb() -> int:
-        try:
-            progress()
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the kernel returns
-            errors.append(exc)
-            return 1
-        return 0
-
-    cb = _PROGRESS(_cb) if progress is not None else _PROGRESS()
+    cb, errors = progress_callback(progress)
     f = fn(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta), _ptr(q_pos),
-        _ptr(k_pos), _ptr(dq), _ptr(dk), _ptr(dv), bsz, h, hkv, sq, sk, d,
-        _ptr(qc), len(qc), _ptr(kc), len(kc),
-        None if bounds is None else _ptr(lo), None if bounds is None else _ptr(hi),
+        ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(q_pos),
+        ptr(k_pos), ptr(dq), ptr(dk), ptr(dv), bsz, h, hkv, sq, sk, d,
+        ptr(qc), len(qc), ptr(kc), len(kc), ptr(lo), ptr(hi),
         float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS, *mods,
     )  # fmt: skip
     if errors:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from pathlib import Path
 from typing import Optional
 
 __all__ = [
     "ISAS", "ISA_FLAGS", "ISA_NEEDS", "is_x86", "cpu_flags", "host_features", "host_isas",
-    "isa_setting", "resolve_isa", "isa_flags",
+    "isa_setting", "resolve_isa", "isa_flags", "l2_bytes",
 ]  # fmt: skip
 
 #: ISA paths of the kernels, widest first
@@ -40,8 +41,10 @@ def is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
-def cpu_flags() -> str:
-    """Host CPU identity for the cache key: -march=native depends on it."""
+@functools.cache
+def _cpuinfo_flags() -> Optional[str]:
+    """The first CPU's feature line of /proc/cpuinfo (``flags`` on x86, ``Features`` on
+    Arm), or None: the one place the file is read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -49,18 +52,31 @@ def cpu_flags() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
 
 
-@functools.cache
+def cpu_flags() -> str:
+    """Host CPU identity for the cache key: -march=native depends on it."""
+    return _cpuinfo_flags() or platform.processor() or platform.machine()
+
+
 def host_features() -> Optional[frozenset]:
     """CPU feature flags of the host from /proc/cpuinfo, or None when unknown."""
+    line = _cpuinfo_flags()
+    return None if line is None else frozenset(line.split())
+
+
+def l2_bytes() -> Optional[int]:
+    """Size of the first CPU's level-2 cache from sysfs, or None when unknown."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
+        for idx in sorted(base.glob("index*")):
+            level, kind = ((idx / f).read_text().strip() for f in ("level", "type"))
+            if level == "2" and kind in ("Data", "Unified"):
+                size = (idx / "size").read_text().strip().upper()
+                mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+                return int(size.rstrip("KM")) * mult
+    except (OSError, ValueError):
         pass
     return None
 

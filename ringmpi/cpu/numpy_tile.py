@@ -43,7 +43,9 @@ import numpy as np
 
 from ..partition import runs
 
-__all__ = ["compute_dtype", "forward_tile", "backward_tile", "blocks", "BLOCK_Q", "BLOCK_K"]
+__all__ = [
+    "compute_dtype", "forward_tile", "backward_tile", "blocks", "key_block", "BLOCK_Q", "BLOCK_K",
+]  # fmt: skip
 
 
 BLOCK_Q = 256
@@ -64,7 +66,7 @@ def blocks(pos: np.ndarray, size: int):
             yield s, e, min(lo, hi), max(lo, hi)
 
 
-def _key_block(bounds) -> int:
+def key_block(bounds) -> int:
     """Keys per block: narrower under window / packed masks, so skipping is finer."""
     return BLOCK_K if bounds is None else max(64, BLOCK_K // 4)
 
@@ -167,7 +169,7 @@ def forward_tile(
     m5 = m.reshape(bsz, hkv, g, sq)
     l5 = l.reshape(bsz, hkv, g, sq)
     kt = np.swapaxes(k, -1, -2)
-    kblocks = list(blocks(k_pos, _key_block(bounds)))
+    kblocks = list(blocks(k_pos, key_block(bounds)))
     vis = _Visibility(q_pos, causal, bounds)
     mod = _Modifiers(softcap, alibi, hkv, g, q.dtype)
     flops = 0
@@ -244,7 +246,7 @@ def backward_tile(
     # p = exp(s - lse): a row with lse = -inf saw no key; +inf makes its p zero
     lse4 = np.where(np.isneginf(lse), np.inf, lse).astype(dt).reshape(bsz, hkv, g, sq)
     delta4 = delta.astype(dt, copy=False).reshape(bsz, hkv, g, sq)
-    kblocks = list(blocks(k_pos, _key_block(bounds)))
+    kblocks = list(blocks(k_pos, key_block(bounds)))
     vis = _Visibility(q_pos, causal, bounds)
     mod = _Modifiers(softcap, alibi, hkv, g, np.dtype(dt))
     flops = 0

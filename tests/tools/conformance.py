@@ -26,7 +26,7 @@ import numpy as np
 
 import ringmpi
 from ringmpi import backend, gpu, softmax
-from ringmpi.cpu import build, fused, fused_backward
+from ringmpi.cpu import fused, fused_backward
 from ringmpi.mask import tile_modifiers
 from ringmpi.reference import attention, attention_backward
 from ringmpi.spec import AttentionSpec
@@ -152,24 +152,12 @@ class Variant:
 def _fused_isa(isa: str):
     """The fused backend's default kernels (forward and backward) built for ``isa``.
 
-    Points the memoized defaults of :mod:`ringmpi.cpu.fused` and
-    :mod:`ringmpi.cpu.fused_backward` at that path's builds (what ``$RINGMPI_CPU_ISA``
-    selects in a fresh process) and restores them afterwards.
+    Pins the defaults of :mod:`ringmpi.cpu.fused` and :mod:`ringmpi.cpu.fused_backward`
+    to that path's builds (``LOADER.pinned``: what ``$RINGMPI_CPU_ISA`` selects in a fresh
+    process) and restores them afterwards.
     """
-    path = build.build_library("cpu_backward.c", isa)
-    swap = [(fused, {"_default": fused.load(isa), "_default_error": None, "_default_tried": True}),
-            (fused_backward, {"_lib": fused_backward.open_library(path), "_lib_path": path,
-                              "_error": None, "_tried": True})]  # fmt: skip
-    saved = [(mod, {n: getattr(mod, n) for n in values}) for mod, values in swap]
-    try:
-        for mod, values in swap:
-            for n, val in values.items():
-                setattr(mod, n, val)
+    with fused.LOADER.pinned(isa), fused_backward.LOADER.pinned(isa):
         yield
-    finally:
-        for mod, values in saved:
-            for n, val in values.items():
-                setattr(mod, n, val)
 
 
 @contextmanager
