@@ -12,8 +12,8 @@
 // `#include "attention_common.cuh"` line of each .cu file, so NVRTC needs no
 // include path and the header's text is part of every kernel cache key.
 
-#ifndef RINGMPI_ATTENTION_COMMON_CUH
-#define RINGMPI_ATTENTION_COMMON_CUH
+#ifndef RM_ATTENTION_COMMON_CUH
+#define RM_ATTENTION_COMMON_CUH
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define RING_DEVICE_CODE 1
@@ -243,4 +243,4 @@ RING_HD A modify_score(A x, A cap, A slope, long long qa, long long kp, bool ali
   return x;
 }
 
-#endif  // RINGMPI_ATTENTION_COMMON_CUH
+#endif  // RM_ATTENTION_COMMON_CUH

@@ -149,7 +149,7 @@ def test_header_is_spliced_into_both_modules_and_keys_the_cache(tmp_path, monkey
     body = "template <typename A> RING_HD A softcap_apply(A x, A cap, A& grad) {"
     for name in (sources.FORWARD_FILE, sources.BACKWARD_FILES):
         code = sources.source(name)
-        assert code.count("#define RINGMPI_ATTENTION_COMMON_CUH") == 1, name
+        assert code.count("#define RM_ATTENTION_COMMON_CUH") == 1, name
         assert body in code, name
         assert not any(ln.lstrip().startswith('#include "') for ln in code.splitlines()), name
     # a copy of the kernels dir with one byte of the header changed: other code, other keys
