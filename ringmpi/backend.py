@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import env, softmax
+from . import env, scoremods, softmax
 from .cpu import numpy_tile
 from .ring import Ring
 from .tile import BackwardTile, ForwardTile
@@ -52,8 +52,9 @@ class Backend:
     backward_missing: str = "no backward tile"  # why backward_tile is None
     # score modifiers (AttentionSpec fields) the forward / backward tiles run; sinks act at
     # finish (every backend), not in a tile
-    forward_mods: tuple = ("softcap", "alibi_slopes")
-    backward_mods: tuple = ("softcap", "alibi_slopes")
+    # (every tile applies every registered modifier through the one parameter block)
+    forward_mods: tuple = scoremods.names()
+    backward_mods: tuple = scoremods.names()
 
     def supports(self, spec, dtype, d: int, *, backward: bool = False, tiles: bool = True) -> list:
         """The reasons this backend cannot run a call (empty: it can).
@@ -85,7 +86,7 @@ class Backend:
         if tiles:
             mods = self.backward_mods if backward else self.forward_mods
             which = "backward" if backward else "forward"
-            for f in ("softcap", "alibi_slopes"):
+            for f in scoremods.names():
                 if getattr(spec, f, None) is not None and f not in mods:
                     why.append(f"{f} (its {which} tile does not apply it yet)")
         if spec.head_parallel > 1 and self.xp is not np:
@@ -137,7 +138,7 @@ def _numpy_backend(why: str = "") -> Backend:
     )  # fmt: skip
 
 
-_MODS = ("softcap", "alibi_slopes")
+_MODS = scoremods.names()
 _ISA = {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -186,7 +187,6 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         "fused", np, fwd, bwd, cd, cd, Ring, _CPU_DTYPES,
         finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
         notes=tuple(notes), backward_missing=missing or "no backward tile",
-        forward_mods=_MODS, backward_mods=_MODS,  # fused C and numpy tiles both apply them
     )  # fmt: skip
 
 
@@ -210,8 +210,6 @@ def _gpu_backend() -> Backend:
         decode=_gpu_decode,
         max_d=MAX_D,
         notes=("forward and backward: CUDA tiles",),
-        forward_mods=_MODS,  # the CUDA forward kernels apply softcap and ALiBi
-        backward_mods=_MODS,  # the CUDA backward kernels apply them too
     )
 
 

@@ -25,6 +25,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import scoremods
 from .partition import positions
 from .spec import AttentionSpec, check_window
 
@@ -159,9 +160,9 @@ def tile_modifiers(spec: AttentionSpec, mask: Mask, q_pos: np.ndarray, heads=sli
     Parameters
     ----------
     spec : ringmpi.spec.AttentionSpec
-        The agreed spec (``softcap``, ``alibi_slopes``).
+        The agreed spec (its score modifiers, :mod:`ringmpi.scoremods`).
     mask : Mask
-        The call's mask (ALiBi positions are aligned per packed sequence).
+        The call's mask (position modifiers are aligned per packed sequence).
     q_pos : int64 array (Sq,)
         This rank's global query positions.
     heads : slice
@@ -169,13 +170,8 @@ def tile_modifiers(spec: AttentionSpec, mask: Mask, q_pos: np.ndarray, heads=sli
 
     Returns
     -------
-    dict with ``softcap`` (float) and/or ``alibi`` ((slopes float64 (H_local,),
-    qa int64 (Sq,))), as :mod:`ringmpi.tile` defines them; empty without modifiers.
+    dict of tile keywords (e.g. ``softcap`` (float), ``alibi`` ((slopes float64
+    (H_local,), qa int64 (Sq,)))), as :mod:`ringmpi.tile` defines them; empty
+    without modifiers.
     """
-    kw: dict = {}
-    if spec.softcap is not None:
-        kw["softcap"] = float(spec.softcap)
-    if spec.alibi_slopes is not None:
-        slopes = np.asarray(spec.alibi_slopes, dtype=np.float64)[heads]
-        kw["alibi"] = (np.ascontiguousarray(slopes), mask.alibi_positions(q_pos))
-    return kw
+    return scoremods.tile_keywords(spec, heads, lambda: mask.alibi_positions(q_pos))

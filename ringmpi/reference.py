@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import scoremods
 from .mask import make_mask
 
 __all__ = ["attention", "attention_backward"]
@@ -41,37 +42,26 @@ def _prepare(q, k, v, scale, dtype=np.float64):
     return qh, kh, vh, scale, h // hkv
 
 
-def _modifiers(h: int, alibi_slopes, softcap, sinks):
-    """The modifiers as float64 arrays (slopes and sinks (H,)) and a float, or None."""
-
-    def per_head(name, x):
-        if x is None:
-            return None
-        a = np.asarray(x, dtype=np.float64).reshape(-1)
-        if a.shape != (h,) or not np.isfinite(a).all():
-            raise ValueError(f"{name} must hold H={h} finite numbers, got shape {a.shape}")
-        return a
-
-    cap = None if softcap is None else float(softcap)
-    if cap is not None and not (np.isfinite(cap) and cap > 0):
-        raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
-    return per_head("alibi_slopes", alibi_slopes), cap, per_head("sinks", sinks)
+def _modifiers(h: int, modifiers: dict, sinks):
+    """(the score modifiers' block or None, the sinks as float64 (H,) or None)."""
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64).reshape(-1)
+        if sink.shape != (h,) or not np.isfinite(sink).all():
+            raise ValueError(f"sinks must hold H={h} finite numbers, got shape {sink.shape}")
+    return scoremods.of_spec(modifiers, h), sink
 
 
-def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None, None)):
-    """Probabilities, lse and 1 - tanh^2 (softcap, else None) of query rows row0.. vs all keys."""
-    slopes, cap, sinks = mods
+def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None)):
+    """Probabilities, lse and the modifiers' d s'/d s (or None) of rows row0.. vs all keys."""
+    tm, sinks = mods
     s = qh.dtype.type(scale) * (qh @ np.swapaxes(kh, -1, -2))
     n_q, n_k = s.shape[-2:]
     rows = np.arange(row0, row0 + n_q)
-    dcap = None
-    if cap is not None:
-        t = np.tanh(s / cap)
-        s = cap * t
-        dcap = 1 - t * t
-    if slopes is not None:
-        dist = np.abs(mask.alibi_positions(rows)[:, None] - np.arange(n_k)[None, :])
-        s = s - (slopes[:, None, None] * dist).astype(s.dtype)
+    dmod = None
+    if tm is not None:
+        qa = mask.alibi_positions(rows)
+        dmod = scoremods.apply(s, tm, qa, np.arange(n_k), (s.shape[-3],))
     if mask.causal or not mask.plain:
         lo, hi = mask.bounds(rows)
         j = np.arange(n_k)[None, :]
@@ -87,12 +77,12 @@ def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None, None)):
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(z > 0, e / z, 0)
         lse = np.where(z[..., 0] > 0, m[..., 0] + np.log(z[..., 0]), -np.inf)
-    return p.astype(qh.dtype, copy=False), lse.astype(qh.dtype, copy=False), dcap
+    return p.astype(qh.dtype, copy=False), lse.astype(qh.dtype, copy=False), dmod
 
 
 def attention(
     q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64, block=None,
-    window=None, cu_seqlens=None, cu_seqlens_k=None, alibi_slopes=None, softcap=None, sinks=None,
+    window=None, cu_seqlens=None, cu_seqlens_k=None, sinks=None, **modifiers,
 ):  # fmt: skip
     """Dense softmax attention, computed in ``dtype``, with the masks of ``ring_attention``.
 
@@ -112,12 +102,13 @@ def attention(
         As in :func:`ringmpi.ring_attention` (:mod:`ringmpi.mask`); q may hold a
         different number of tokens than k and v (cross-attention, causal aligned
         bottom-right).
-    alibi_slopes : float array (H,), optional
-        ALiBi: the score gains -slope_h * abs(qa_i - j) (module docstring).
-    softcap : float > 0, optional
-        Scores become softcap * tanh(score / softcap), before ALiBi and the mask.
     sinks : float array (H,), optional
         Per-head sink logits added to each row's softmax denominator.
+    **modifiers
+        The score modifiers by spec field name (:mod:`ringmpi.scoremods`):
+        ``softcap`` (float > 0: scores become softcap * tanh(score / softcap)),
+        ``alibi_slopes`` (float array (H,): the score gains -slope_h * abs(qa_i - j)),
+        applied in that order before the mask (module docstring).
 
     Returns
     -------
@@ -126,7 +117,7 @@ def attention(
         (sink_h with sinks)
     """
     qh, kh, vh, scale, _ = _prepare(q, k, v, scale, dtype)
-    mods = _modifiers(qh.shape[-3], alibi_slopes, softcap, sinks)
+    mods = _modifiers(qh.shape[-3], modifiers, sinks)
     mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     s_len = qh.shape[-2]
     step = s_len if not block else int(block)
@@ -142,7 +133,7 @@ def attention(
 
 def attention_backward(
     dout, q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64,
-    window=None, cu_seqlens=None, cu_seqlens_k=None, alibi_slopes=None, softcap=None, sinks=None,
+    window=None, cu_seqlens=None, cu_seqlens_k=None, sinks=None, **modifiers,
 ):  # fmt: skip
     """Dense gradients of ``attention(q, k, v)[0]`` against ``dout``, computed in ``dtype``.
 
@@ -160,16 +151,16 @@ def attention_backward(
     dsinks : array (H,) in ``dtype``; only when ``sinks`` is given.
     """
     qh, kh, vh, scale, group = _prepare(q, k, v, scale, dtype)
-    mods = _modifiers(qh.shape[-3], alibi_slopes, softcap, sinks)
+    mods = _modifiers(qh.shape[-3], modifiers, sinks)
     mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     do = np.moveaxis(np.asarray(dout, dtype=dtype), -3, -2)
-    p, lse, dcap = _probs(qh, kh, scale, mask, mods=mods)
+    p, lse, dmod = _probs(qh, kh, scale, mask, mods=mods)
     o = p @ vh
     delta = np.sum(do * o, axis=-1, keepdims=True)
     dv = np.swapaxes(p, -1, -2) @ do
     ds = p * (do @ np.swapaxes(vh, -1, -2) - delta)
-    if dcap is not None:
-        ds = ds * dcap
+    if dmod is not None:  # through the modifiers (softcap: 1 - tanh^2)
+        ds = ds * dmod
     sc = qh.dtype.type(scale)
     dq = sc * (ds @ kh)
     dk = sc * (np.swapaxes(ds, -1, -2) @ qh)
@@ -180,8 +171,8 @@ def attention_backward(
         return np.moveaxis(g, -3, -2)
 
     grads = np.moveaxis(dq, -2, -3), fold(dk), fold(dv)
-    if mods[2] is None:
+    if mods[1] is None:
         return grads
-    p_sink = np.exp(mods[2].astype(lse.dtype)[:, None] - lse)  # (..., H, S)
+    p_sink = np.exp(mods[1].astype(lse.dtype)[:, None] - lse)  # (..., H, S)
     dsinks = -(p_sink * delta[..., 0]).reshape(-1, *p_sink.shape[-2:]).sum(axis=(0, 2))
     return (*grads, dsinks)

@@ -34,7 +34,17 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["NMODS", "ScoreMod", "MODS", "TileMods", "pack", "tile_keywords", "apply", "names"]
+__all__ = [
+    "NMODS",
+    "ScoreMod",
+    "MODS",
+    "TileMods",
+    "pack",
+    "of_spec",
+    "tile_keywords",
+    "apply",
+    "names",
+]
 
 #: slots of the parameter block (RM_NMODS in kernels/cpu_simd_type.h and
 #: kernels/attention_common.cuh must match: tests/test_scoremods.py reads both)
@@ -182,6 +192,38 @@ def pack(keywords: dict, h: int, sq: int) -> Optional[TileMods]:
         params[:, m.slot] = m.check(value, h)
         bits |= 1 << m.slot
     return TileMods(bits, params, qpos) if bits else None
+
+
+def of_spec(spec, h: int, heads=slice(None)) -> Optional[TileMods]:
+    """The block of ``spec``'s modifiers for the query heads ``heads`` (``qpos`` None).
+
+    Parameters
+    ----------
+    spec : AttentionSpec or dict
+        The modifiers' values by spec field name (a dict may hold only some; a
+        name that is no tile score modifier raises TypeError).
+    h : int
+        Query heads in all (per-head values must hold h numbers).
+    heads : slice
+        The heads the block is for (rows of ``params``, in order).
+
+    Position modifiers get their rows' positions from the caller of :func:`apply`.
+    """
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - set(_BY_FIELD))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+        fields = spec
+    else:
+        fields = {m.field: getattr(spec, m.field) for m in MODS}
+    n = len(range(h)[heads])
+    bits, params = 0, np.zeros((n, NMODS), np.float64)
+    for m in MODS:
+        value = fields.get(m.field)
+        if value is not None:
+            params[:, m.slot] = m.check(value, h)[heads]
+            bits |= 1 << m.slot
+    return TileMods(bits, params, None) if bits else None
 
 
 def tile_keywords(spec, heads, qa: Callable) -> dict:

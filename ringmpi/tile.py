@@ -41,8 +41,10 @@ the flops returned, is the tile's own (the fused C tile counts per strip of
 rows, see :func:`ringmpi.cpu.fused.forward_tile`); every visible pair is
 always counted.
 
-Score modifiers (:class:`ringmpi.spec.AttentionSpec` fields; built by
-:func:`ringmpi.mask.tile_modifiers`) come as keywords, passed only when in use::
+Score modifiers (:class:`ringmpi.spec.AttentionSpec` fields registered in
+:mod:`ringmpi.scoremods`; built by :func:`ringmpi.mask.tile_modifiers`) come as
+keywords, passed only when in use; every tile turns them into one parameter
+block with :func:`ringmpi.scoremods.pack` (an unknown keyword: TypeError)::
 
     softcap  float > 0        s = softcap * tanh(scale * q.k / softcap)
     alibi    (slopes, qa)     slopes float64 numpy (H,) (this call's query heads),
@@ -80,8 +82,7 @@ class ForwardTile(Protocol):
     def __call__(
         self, q, k, v, q_pos, k_pos, acc, m, l, *,
         scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
-        bounds: Optional[tuple] = None, softcap: Optional[float] = None,
-        alibi: Optional[tuple] = None,
+        bounds: Optional[tuple] = None, **modifiers,
     ) -> int: ...  # fmt: skip
 
 
@@ -91,6 +92,5 @@ class BackwardTile(Protocol):
     def __call__(
         self, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, *,
         scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
-        bounds: Optional[tuple] = None, softcap: Optional[float] = None,
-        alibi: Optional[tuple] = None,
+        bounds: Optional[tuple] = None, **modifiers,
     ) -> int: ...  # fmt: skip

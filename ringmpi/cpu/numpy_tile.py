@@ -24,8 +24,9 @@ saved log-sum-exp: P_ij = exp(scale * q_i.k_j - lse_i)), O = P V and upstream dO
     dQ      = scale * dS K
     dK      = scale * dS^T Q
 
-Score modifiers (keywords ``softcap`` and ``alibi``, see :mod:`ringmpi.tile`)
-change the score before the mask: with x = scale * q_i.k_j,
+Score modifiers (keywords such as ``softcap`` and ``alibi``, see :mod:`ringmpi.tile`;
+applied by :func:`ringmpi.scoremods.apply`) change the score before the mask:
+with x = scale * q_i.k_j,
 
     s_ij = c * tanh(x / c)                          (softcap c)
     s_ij += -slope_h * abs(qa_i - k_pos_j)             (alibi (slopes, qa))
@@ -41,6 +42,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import scoremods
 from ..partition import runs
 
 __all__ = [
@@ -98,43 +100,6 @@ class _Visibility:
         return np.where(vis, 0.0, -np.inf).astype(dtype)
 
 
-class _Modifiers:
-    """Softcap and ALiBi applied to one (B, Hkv, G, n, nk) block of scaled scores."""
-
-    def __init__(self, softcap, alibi, hkv: int, g: int, dtype):
-        self.cap = None if softcap is None else dtype.type(softcap)
-        self.slopes = self.qa = None
-        if alibi is not None:
-            slopes, qa = alibi
-            # query head h = hkv_index * g + group_index: (1, Hkv, G, 1, 1)
-            self.slopes = np.asarray(slopes, dtype=np.float64).reshape(1, hkv, g, 1, 1)
-            self.qa = np.asarray(qa, dtype=np.int64)
-
-    def rows(self, a: int, b: int) -> None:
-        """Select the query rows [a, b) for :meth:`apply`."""
-        if self.qa is not None:
-            self.qa_b = self.qa[a:b]
-
-    def apply(self, s5, k_pos):
-        """Modify the scores in place; return 1 - tanh^2 (the softcap's derivative) or None."""
-        dcap = None
-        if self.cap is not None:
-            t = np.tanh(s5 / self.cap)
-            np.multiply(t, self.cap, out=s5)
-            dcap = 1 - t * t
-        if self.qa is not None:
-            # |qa_i - k_j| once per block pair, in the score dtype (exact below 2^24 in
-            # float32), then one (n, nk) product per head: no (B, H, n, nk) temporary
-            dist = np.abs(self.qa_b[:, None] - k_pos[None, :]).astype(s5.dtype)
-            tmp = np.empty_like(dist)
-            for a, b in np.ndindex(*self.slopes.shape[1:3]):
-                slope = self.slopes[0, a, b, 0, 0]
-                if slope != 0:
-                    np.multiply(dist, s5.dtype.type(slope), out=tmp)
-                    s5[:, a, b] -= tmp
-        return dcap
-
-
 def forward_tile(
     q: np.ndarray,
     k: np.ndarray,
@@ -149,8 +114,7 @@ def forward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
-    softcap: Optional[float] = None,
-    alibi: Optional[tuple] = None,
+    **modifiers,
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (see :mod:`ringmpi.tile`).
 
@@ -171,12 +135,12 @@ def forward_tile(
     kt = np.swapaxes(k, -1, -2)
     kblocks = list(blocks(k_pos, key_block(bounds)))
     vis = _Visibility(q_pos, causal, bounds)
-    mod = _Modifiers(softcap, alibi, hkv, g, q.dtype)
+    mods = scoremods.pack(modifiers, h, sq)
     flops = 0
     for qa, qb, _, _ in blocks(q_pos, BLOCK_Q):
         n = qb - qa
         vis.rows(qa, qb)
-        mod.rows(qa, qb)
+        rows_qa = None if mods is None or mods.qpos is None else mods.qpos[qa:qb]
         qs = q5[:, :, :, qa:qb] * q.dtype.type(scale)  # (B, Hkv, G, n, D), contiguous
         qs2 = qs.reshape(bsz, hkv, g * n, d)
         mo = m5[:, :, :, qa:qb]
@@ -187,7 +151,7 @@ def forward_tile(
                 continue  # every key of this block is hidden from every query
             s = qs2 @ kt[:, :, :, ka:kb]  # (B, Hkv, G*n, nk)
             s5 = s.reshape(bsz, hkv, g, n, kb - ka)
-            mod.apply(s5, k_pos[ka:kb])
+            scoremods.apply(s5, mods, rows_qa, k_pos[ka:kb], (hkv, g))
             bias = vis.bias(k_pos[ka:kb], klo, khi, s.dtype)
             if bias is not None:
                 s5 += bias
@@ -224,8 +188,7 @@ def backward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
-    softcap: Optional[float] = None,
-    alibi: Optional[tuple] = None,
+    **modifiers,
 ) -> int:
     """Add one K/V block's gradient contributions, in place (see :mod:`ringmpi.tile`).
 
@@ -248,12 +211,12 @@ def backward_tile(
     delta4 = delta.astype(dt, copy=False).reshape(bsz, hkv, g, sq)
     kblocks = list(blocks(k_pos, key_block(bounds)))
     vis = _Visibility(q_pos, causal, bounds)
-    mod = _Modifiers(softcap, alibi, hkv, g, np.dtype(dt))
+    mods = scoremods.pack(modifiers, h, sq)
     flops = 0
     for qa, qb, _, _ in blocks(q_pos, BLOCK_Q):
         n = qb - qa
         vis.rows(qa, qb)
-        mod.rows(qa, qb)
+        rows_qa = None if mods is None or mods.qpos is None else mods.qpos[qa:qb]
         live = [kb for kb in kblocks if not vis.skip(kb[2], kb[3])]
         if not live:
             continue  # every key is hidden from every query of this block
@@ -266,7 +229,7 @@ def backward_tile(
             kk, vv = k[:, :, ka:kb], v[:, :, ka:kb]
             p = qs @ np.swapaxes(kk, -1, -2)  # scores, (B, Hkv, G*n, nk)
             p5 = p.reshape(bsz, hkv, g, n, kb - ka)
-            dcap = mod.apply(p5, k_pos[ka:kb])
+            dmod = scoremods.apply(p5, mods, rows_qa, k_pos[ka:kb], (hkv, g))
             bias = vis.bias(k_pos[ka:kb], klo, khi, dt)
             if bias is not None:
                 p5 += bias
@@ -276,8 +239,8 @@ def backward_tile(
             ds = dob @ np.swapaxes(vv, -1, -2)  # dP = dO V^T
             ds -= delta_b
             ds *= p  # dS = P * (dP - delta); scale is folded into qs and dq
-            if dcap is not None:  # through the softcap: d(c tanh(x / c))/dx = 1 - tanh^2
-                ds.reshape(dcap.shape)[...] *= dcap
+            if dmod is not None:  # through the modifiers: dS times d s'/d s (softcap: 1 - tanh^2)
+                ds.reshape(p5.shape)[...] *= dmod
             dq_b += ds @ kk
             dk[:, :, ka:kb] += np.swapaxes(ds, -1, -2) @ qs
             flops += 10 * bsz * h * n * (kb - ka) * d

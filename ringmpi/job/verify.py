@@ -47,6 +47,7 @@ from typing import Optional, TextIO
 
 import numpy as np
 
+from .. import scoremods
 from ..collective import run_everywhere
 from ..mask import make_mask
 from ..testing import EPS
@@ -249,7 +250,7 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 def tick(done_rows, what=what, nk=seq.length_k):
                     report.advance(done_rows * nk / 2, what)  # two precisions per row block
 
-                mods = dict(softcap=spec.softcap, slope=_at(spec.alibi_slopes, h),
+                mods = dict(mods=scoremods.of_spec(spec, plan.heads, slice(h, h + 1)),
                             sink=_at(spec.sinks, h))  # fmt: skip
                 ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask, tick,
                                               **mods)  # fmt: skip
