@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -52,8 +53,11 @@ FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 COMPRESSION = ("gzip", "lzf")
 
 
-def _write_h5(path: str, fill) -> None:
-    """Build an HDF5 file in memory with ``fill(f)``, then write its bytes to ``path`` and fsync.
+def _write_h5(path: str, fill) -> tuple:
+    """Build an HDF5 file in memory with ``fill(f)``, write its bytes to ``path`` and fsync.
+
+    Returns (size, CRC32) of the bytes written (what :func:`crc32_of` reads back),
+    computed from the image in memory rather than by reading the file again.
 
     The file is only ever written by Python: a full disk raises a plain OSError.
     HDF5 1.10 (Debian 12's h5py 3.7) leaves a file whose close failed half torn down,
@@ -66,6 +70,7 @@ def _write_h5(path: str, fill) -> None:
         f.flush()
         image = f.id.get_file_image()
     replace_with(path, image)
+    return len(image), zlib.crc32(image)
 
 
 def fingerprint(
@@ -259,9 +264,9 @@ class OutputStore:
                 f.attrs["rows"] = np.cumsum([0] + [len(it[1]) for it in items]).astype(np.int64)
 
         try:
-            _write_h5(final, fill)
+            size_crc = _write_h5(final, fill)
             fsync_path(self.parts)
-            return list(_crc32(final))
+            return list(size_crc)
         except (OSError, RuntimeError, ValueError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             errno = getattr(e, "errno", None)
