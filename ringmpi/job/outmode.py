@@ -86,8 +86,8 @@ def resolve_mode(mode: str, comm, nrings: int) -> str:
     """
     if mode not in MODES:
         raise InputError(f"--output-mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "parts":
-        return "parts"
+    if mode == "parts" or (mode == "auto" and nrings != 1):
+        return "parts"  # (auto: one file needs one ring; no need to probe the MPI build)
     ok, why = mpio_status(comm)
     if mode == "auto":
         return "single" if ok and nrings == 1 else "parts"
