@@ -32,9 +32,10 @@ from .spec_rules import (
     check_head_parallel,
     check_offsets,
     check_per_head,
+    check_positive,
     check_scale,
-    check_softcap,
     check_window,
+    parse_positive,
     parse_scale,
     parse_softcap,
     parse_window,
@@ -61,18 +62,22 @@ def _flag(help: str, **argparse_keywords) -> dict:
     return {"cli": dict(help=help, **argparse_keywords)}
 
 
-def _modifier(kind: str, doc: str, tile: bool = True) -> dict:
+def _modifier(kind: str, doc: str, tile: bool = True, check=check_per_head) -> dict:
     """Field metadata: a score modifier, a keyword of every public attention function.
 
     ``kind`` and ``doc`` are its entry in their docstrings' Parameters
     (:func:`ringmpi.keywords.spec_keywords` adds the keyword, with default None,
-    and the entry); ``tile``: the tiles apply it (False: it acts at finalize).
+    and the entry); ``tile``: the tiles apply it (False: it acts at finalize; a
+    tile modifier also needs its entry in :mod:`ringmpi.scoremods`); ``check``:
+    ``check(name, value)`` gives the normal form or raises ValueError
+    (:func:`check_per_head`: one float per query head, H checked by
+    :meth:`AttentionSpec.check_heads`; :func:`check_positive`: a float > 0).
     """
-    return {"modifier": {"kind": kind, "doc": doc, "tile": tile}}
+    return {"modifier": {"kind": kind, "doc": doc, "tile": tile, "check": check}}
 
 
 def modifier_fields() -> list:
-    """[(name, {"kind", "doc", "tile"}), ...]: the score-modifier fields, in field order."""
+    """[(name, {"kind", "doc", "tile", "check"}), ...]: the score-modifier fields, in order."""
     return [(f.name, f.metadata["modifier"]) for f in dataclasses.fields(AttentionSpec)
             if "modifier" in f.metadata]  # fmt: skip
 
@@ -155,7 +160,7 @@ class AttentionSpec:
             **_flag(
                 "logit soft-capping: scores become C*tanh(score/C), after the scale, before "
                 "ALiBi and the masks (Gemma 2's convention)",
-                type=parse_softcap,
+                type=parse_positive,
                 metavar="C",
             ),
             **_modifier(
@@ -163,6 +168,7 @@ class AttentionSpec:
                 "Scores become softcap * tanh(score / softcap), after the scale and before "
                 "ALiBi and the masks (Gemma 2, FlashAttention's ``softcap``); the gradient "
                 "goes through tanh (dS times 1 - tanh^2).",
+                check=check_positive,
             ),
         },
     )
@@ -222,14 +228,12 @@ class AttentionSpec:
             scale=check_scale(self.scale),
             layout=check_layout(self.layout),
             head_parallel=check_head_parallel(self.head_parallel),
-            alibi_slopes=check_per_head("alibi_slopes", self.alibi_slopes),
-            softcap=check_softcap(self.softcap),
-            sinks=check_per_head("sinks", self.sinks),
+            **{n: meta["check"](n, getattr(self, n)) for n, meta in modifier_fields()},
         )
 
     def check_heads(self, h: int) -> None:
-        """ValueError unless the per-head fields (alibi_slopes, sinks) hold ``h`` values."""
-        for name in ("alibi_slopes", "sinks"):
+        """ValueError unless the per-head modifiers (alibi_slopes, sinks) hold ``h`` values."""
+        for name in (n for n, meta in modifier_fields() if meta["check"] is check_per_head):
             x = getattr(self, name)
             if x is not None and len(x) != h:
                 raise ValueError(f"{name} has {len(x)} values but q has H={h} heads")

@@ -15,6 +15,7 @@ import numpy as np
 
 __all__ = [
     "check_window", "check_offsets", "check_scale", "check_per_head", "check_softcap",
+    "check_positive", "parse_positive",
     "check_head_parallel", "parse_scale", "parse_window", "parse_softcap",
 ]  # fmt: skip
 
@@ -83,16 +84,22 @@ def check_per_head(name: str, x) -> Optional[tuple]:
     return tuple(float(v) for v in a)
 
 
-def check_softcap(c) -> Optional[float]:
+def check_positive(name: str, c) -> Optional[float]:
+    """A finite float > 0 (e.g. ``softcap``), or None; ValueError naming the field."""
     if c is None:
         return None
     try:
         x = float(c)
     except (TypeError, ValueError):
-        raise ValueError(f"softcap must be a number > 0, got {c!r}") from None
+        raise ValueError(f"{name} must be a number > 0, got {c!r}") from None
     if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"softcap must be a finite number > 0, got {x}")
+        raise ValueError(f"{name} must be a finite number > 0, got {x}")
     return x
+
+
+def check_softcap(c) -> Optional[float]:
+    """``softcap``: :func:`check_positive`."""
+    return check_positive("softcap", c)
 
 
 def check_head_parallel(u) -> int:
@@ -126,8 +133,8 @@ def parse_window(text: str) -> tuple:
     return (vals[0], vals[-1])
 
 
-def parse_softcap(text: str) -> float:
-    """``--softcap C``: a finite number > 0 (checked before anything is created)."""
+def parse_positive(text: str) -> float:
+    """``--softcap C`` and the like: a finite number > 0 (checked before anything is created)."""
     try:
         x = float(text)
     except ValueError:
@@ -135,3 +142,6 @@ def parse_softcap(text: str) -> float:
     if not (math.isfinite(x) and x > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, not {text!r}")
     return x
+
+
+parse_softcap = parse_positive  # the name the CLI first had
