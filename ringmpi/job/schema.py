@@ -198,6 +198,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
     mode = first["mode"]
     extra = 1 if structure == "batch" else 0
     names = [g for g, _ in first["seqs"]]
+    first_info = dict(first["seqs"])  # group -> its facts (a lookup per group, not a scan)
     w = None
     if mode == "features":
         if weights is None:
@@ -226,7 +227,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
                         f"x has {shape[-1]} features but {weights} expects {w['features']}"
                         " (weights are (in, out): q = x @ wq; torch Linear weights need .T)",
                     )
-                if ("x_kv" in info) != ("x_kv" in first["seqs"][names.index(g)][1]):
+                if ("x_kv" in info) != ("x_kv" in first_info[g]):
                     fail(p, "shards do not line up: x_kv present in some shards, not in others")
                 if "x_kv" in info:
                     kshape, kdt = info["x_kv"]
@@ -244,7 +245,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
             if b != batch:
                 fail(p, f"shards do not line up: batch size {b}, first input has {batch}")
             per_seq[g].append((int(n[0]), int(n[1])))
-    cus = {g: _offsets(files, metas, names.index(g), g, per_seq[g]) for g in names}
+    cus = {g: _offsets(files, metas, j, g, per_seq[g]) for j, g in enumerate(names)}
     lq = {g: [a for a, _ in per_seq[g]] for g in names}
     lk = {g: [b for _, b in per_seq[g]] for g in names}
     warnings = []
@@ -268,7 +269,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
         seqs = [SeqInfo(f"b={i}", "", i, list(lq[""]), kl(""), x_kv=xkv) for i in range(batch)]
     else:
         seqs = [
-            SeqInfo(g or "seq", g, None, lq[g], kl(g), *cus[g], "x_kv" in dict(first["seqs"])[g])
+            SeqInfo(g or "seq", g, None, lq[g], kl(g), *cus[g], "x_kv" in first_info[g])
             for g in names
         ]
     if not seqs:
