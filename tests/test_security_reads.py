@@ -178,6 +178,46 @@ def test_contiguous_reads_go_in_bounded_slabs(tmp_path, monkeypatch, layout):
     assert len(calls) >= 2 * (48 * 256 // 1000), len(calls)  # 48 q rows per rank: 13+ slabs
 
 
+def test_whole_sequence_reads_take_one_low_level_call(tmp_path, monkeypatch):
+    """A rank holding whole sequences (a ring of one) reads each dataset in one call, the
+    file's exact values; over the slab limit, or holding a share, it reads in slabs."""
+    from h5py import h5d
+
+    from ringmpi.job import schema
+
+    p = _data(tmp_path)
+    plan = schema.scan([str(p)])
+    slabs, whole = [], []
+    real_direct, real_open = h5py.Dataset.read_direct, h5d.open
+
+    def counted(self, dest, source_sel=None, dest_sel=None):
+        slabs.append(dest.nbytes)
+        return real_direct(self, dest, source_sel, dest_sel)
+
+    def opened(*args, **kw):
+        whole.append(args[1])
+        return real_open(*args, **kw)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", counted)
+    monkeypatch.setattr(h5d, "open", opened)
+    with h5py.File(p, "r", locking=False) as f:
+        for limit, want_whole in ((1 << 20, True), (1000, False)):
+            slabs.clear(), whole.clear()
+            monkeypatch.setattr(reader_mod, "SLAB_BYTES", limit)
+            rd = reader_mod.Reader(plan, 0, 1, "zigzag")
+            for seq in plan.sequences:
+                q, k, v = rd.read(seq)
+                for name, a in (("q", q), ("k", k), ("v", v)):
+                    np.testing.assert_array_equal(a, f[f"{seq.group}/{name}"][...])
+            assert rd.bytes_read == 2 * (q.nbytes + k.nbytes + v.nbytes)
+            rd.close()
+            if want_whole:
+                assert sorted(whole) == sorted(f"s{i}/{n}".encode() for i in (0, 1) for n in "qkv")
+                assert not slabs
+            else:
+                assert not whole and slabs and max(slabs) <= 1000
+
+
 _ABANDON = """
 import sys, time
 from h5py._objects import phil

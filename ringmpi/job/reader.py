@@ -210,10 +210,36 @@ class Reader:
                 hi = min(cnt, -(-(f0 + n - g0) // step))
                 if lo >= hi:
                     continue
-                node = self._file(i)
-                ds = node[f"{seq.group}/{name}" if seq.group else name]
+                path = f"{seq.group}/{name}" if seq.group else name
                 s0 = g0 + step * lo - f0
-                self._read_slice(ds, seq.batch, s0, hi - lo, step, dest[o + lo : o + hi], i, name)
+                part = dest[o + lo : o + hi]
+                whole = step == 1 and s0 == 0 and hi - lo == n and seq.batch is None
+                if whole and part.nbytes <= SLAB_BYTES and self._read_whole(i, path, part, name):
+                    continue
+                ds = self._file(i)[path]
+                self._read_slice(ds, seq.batch, s0, hi - lo, step, part, i, name)
+
+    def _read_whole(self, i: int, path: str, dest: np.ndarray, name: str) -> bool:
+        """Read all of dataset ``path`` of shard ``i`` into ``dest`` with one low-level call.
+
+        A rank holding a whole short sequence (rings of one) reads each dataset
+        whole: opening it by its id and reading without a selection costs a
+        quarter of h5py's Dataset + read_direct (measured 75 vs 300 us for
+        (128, 4, 64) float32). False (nothing read) when the shapes differ.
+        """
+        from h5py import h5d, h5s
+
+        try:
+            dsid = h5d.open(self._file(i).id, path.encode())
+            if tuple(dsid.shape) != dest.shape or not dest.flags.c_contiguous:
+                return False
+            dsid.read(h5s.ALL, h5s.ALL, dest)
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            fail(self.plan.files[i], f"cannot read dataset '{name}' ({msg})")
+        self.bytes_read += dest.nbytes
+        self.progress = time.monotonic()
+        return True
 
     def _read_union(self, seq, name, pos, dest, offsets, lengths) -> None:
         """Packed sequences: per file, the rows ``pos`` as unions of unit-stride hyperslabs.
