@@ -208,7 +208,7 @@ def scan_file(path: str, structure_hint: Optional[str]) -> dict:
             groups = [""]
         else:
             structure = "groups"
-            groups = sorted(k for k in f if hasattr(f[k], "keys") and ("q" in f[k] or "x" in f[k]))
+            groups = _data_groups(f)
             if not groups:
                 where = "at the root or in any group"
                 fail(path, f"no dataset 'q' (or features 'x') {where}; {found(f)}")
@@ -223,6 +223,20 @@ def scan_file(path: str, structure_hint: Optional[str]) -> dict:
         return {"mode": mode, "structure": structure, "seqs": seqs}
     finally:
         f.close()
+
+
+def _data_groups(f) -> list:
+    """The root's groups holding ``q`` or ``x``, sorted by name (low-level: no Group objects)."""
+    from h5py import h5g, h5o
+
+    out = []
+    for name in f.id.__iter__():  # link names only
+        if h5o.get_info(f.id, name).type != h5o.TYPE_GROUP:
+            continue
+        gid = h5g.open(f.id, name)
+        if gid.links.exists(b"q") or gid.links.exists(b"x"):
+            out.append(name.decode())
+    return sorted(out)
 
 
 def _scan_group(path: str, f, g: str, mode: str, structure: str, fsize: int) -> dict:
