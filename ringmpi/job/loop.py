@@ -30,7 +30,7 @@ from ..collective import run_everywhere
 from ..partition import counts
 from ..spec import AttentionSpec
 from ..watchdog import watch
-from .batch import pack, split
+from .batch import split
 from .checkpoint import Checkpoints
 from .config import JobOptions
 from .progress import Progress
@@ -144,9 +144,27 @@ class SequenceLoop:
         self.reads.append(in_background(self._read_batch, self.todo[j]))
         return self.reads[-1]
 
-    def _read_batch(self, batch) -> list:
-        """This rank's (q, k, v) of every member of ``batch`` (in the reader thread)."""
-        return [self.reader.read(self.ctx.plan.sequences[i]) for i in batch.members]
+    def _read_batch(self, batch) -> tuple:
+        """(rows, (q, k, v)): this rank's query rows of each member of ``batch`` and the
+        batch's q, k, v, the members' tokens one after the other (in the reader thread).
+
+        Each member is read straight into its rows of the batch's arrays (no copy).
+        """
+        plan, rd = self.ctx.plan, self.reader
+        seqs = [plan.sequences[i] for i in batch.members]
+        if len(seqs) == 1:
+            q, k, v = rd.read(seqs[0])
+            return [len(q)], (q, k, v)
+        ns = [len(rd.positions(s)) for s in seqs]
+        nks = [len(rd.positions_k(s)) for s in seqs]
+        dt, h, hkv, d = np.dtype(plan.dtype), plan.heads, plan.kv_heads, plan.head_dim
+        q = np.empty((sum(ns), h, d), dt)
+        k, v = (np.empty((sum(nks), hkv, d), dt) for _ in range(2))
+        a = ak = 0
+        for s, n, nk in zip(seqs, ns, nks):
+            rd.read(s, into=(q[a : a + n], k[ak : ak + nk], v[ak : ak + nk]))
+            a, ak = a + n, ak + nk
+        return ns, (q, k, v)
 
     def _result(self, fut, name):
         """The read's result; an interrupt is noticed while waiting, a stuck read is watched."""
@@ -220,7 +238,7 @@ class SequenceLoop:
         )
         bar.start(j, batch.name, batch.length, rs, ticks_per_step(ctx.attrs["kernel"], n_here))
         t0 = time.perf_counter()
-        parts = run_everywhere(ctx.ring, self._result, fut, batch.name)
+        rows, (q, k, v) = run_everywhere(ctx.ring, self._result, fut, batch.name)
         t_read = time.perf_counter() - t0
         self.read_wait += t_read
         where["stage"] = "ring"
@@ -228,9 +246,6 @@ class SequenceLoop:
         if ctx.options.prefetch and j + 1 < len(self.todo):
             self.nxt = self._start(j + 1)
         _test_kill_in_batch(ctx.rank, j)
-        rows = [len(p[0]) for p in parts]
-        q, k, v = pack(parts)
-        del parts
         if ctx.device == "gpu":
             import cupy
 

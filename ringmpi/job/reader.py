@@ -337,13 +337,15 @@ class Reader:
                 f.close()
         return self._weights
 
-    def read(self, seq: SeqInfo, check_finite: bool = True) -> tuple:
+    def read(self, seq: SeqInfo, check_finite: bool = True, into: Optional[tuple] = None) -> tuple:
         """Read this rank's q (n, H, D), k and v (n_k, Hkv, D) of ``seq`` in the input dtype.
 
         For features inputs, x (n, F) (and x_kv (n_k, F) for cross-attention) is
         read and projected in float64 on this rank only (x @ w + b, with biases
         when the weights file has them), rotated (``rope``) in float64, then
-        rounded to the input dtype.
+        rounded to the input dtype. ``into``: (q, k, v) arrays of those shapes
+        and dtype (e.g. views of a batch's buffers) that receive the values and
+        are returned.
         """
         plan = self.plan
         self.progress = time.monotonic()
@@ -371,10 +373,20 @@ class Reader:
                 q = apply_rope(q, positions_in_sequence(pos, seq.cu_seqlens), theta, scale)
                 k = apply_rope(k, positions_in_sequence(pos_k, cu_k), theta, scale)
             q, k = q.astype(dt), k.astype(dt)
+            if into is not None:
+                for dst, src in zip(into, (q, k, v)):
+                    dst[...] = src
+                q, k, v = into
         else:
-            q = np.empty((n, h, d), dt)
-            k = np.empty((nk, hkv, d), dt)
-            v = np.empty((nk, hkv, d), dt)
+            if into is not None:
+                q, k, v = into
+                want = ((n, h, d), (nk, hkv, d), (nk, hkv, d))
+                if tuple(a.shape for a in into) != want or any(a.dtype != dt for a in into):
+                    raise ValueError(f"into= must be arrays of shapes {want} and dtype {dt}")
+            else:
+                q = np.empty((n, h, d), dt)
+                k = np.empty((nk, hkv, d), dt)
+                v = np.empty((nk, hkv, d), dt)
             for name, a in (("q", q), ("k", k), ("v", v)):
                 self._read_rows(seq, name, pos if name == "q" else pos_k, a)
             arrays = {"q": q, "k": k, "v": v}
