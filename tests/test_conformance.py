@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from tools import conformance as conf
-from tools.conformance import CASES, MODS, VARIANTS
+from tools.conformance import CASES, MODS, SLOPES, VARIANTS
 
 import ringmpi
-from ringmpi import backend, reference
+from ringmpi import backend, reference, scoremods
 from ringmpi.cpu import fused, numpy_tile
 from ringmpi.testing import assert_close, dense, dense_backward, lse_budget, random_qkv
 
@@ -71,7 +71,7 @@ def _combos(name: str):
     """(case, mod, dtype) a variant runs: every mask x modifier set x dtype, pruned as above."""
     for case in CASES:
         for mod in MODS:
-            if mod in ("softcap", "alibi") and case not in SOLO:
+            if len(MODS[mod]) == 1 and case not in SOLO:
                 continue
             for dt in GPU_DTYPES if name.startswith("gpu") else DTYPES:
                 if dt in ("float16", "bfloat16") and (
@@ -95,7 +95,7 @@ def _params(direction: str) -> list:
 
 def _check_refusal(be, which: str, spec, reasons: list) -> None:
     """Every reason must name an option this backend may refuse in that pass (MAY_REFUSE)."""
-    allowed = [f for f in ("softcap", "alibi_slopes")
+    allowed = [f for f in scoremods.names()
                if getattr(spec, f) is not None and (be.name, which, f) in MAY_REFUSE]  # fmt: skip
     for r in reasons:
         assert any(f in r for f in allowed), f"{be.name} refuses the {which} pass: {r!r}"
@@ -308,9 +308,9 @@ def test_sinks_through_ring_attention(var, mod, dtype):
     rng = np.random.default_rng(7)
     q, k, v = random_qkv(rng, 67, 4, 2, 59, dtype=np.dtype(dtype), nk=40, realistic=True)
     dout = (0.2 + 0.1 * rng.standard_normal(q.shape)).astype(dtype)
-    cap, alibi = MODS[mod]
-    kw = dict(causal=True, window=(30, 0), sinks=SINKS, softcap=cap,
-              alibi_slopes=(0.25, 0.0625, 0.0, 0.015625) if alibi else None)  # fmt: skip
+    fields = {f: (0.25, 0.0625, 0.0, 0.015625) if v is SLOPES else v
+              for f, v in MODS[mod].items()}  # fmt: skip
+    kw = dict(causal=True, window=(30, 0), sinks=SINKS, **fields)
     dev = [var.to_dev(x) for x in (q, k, v, dout)]
     comm = MPI.COMM_SELF
     stats = {}

@@ -25,7 +25,7 @@ from unittest import mock
 import numpy as np
 
 import ringmpi
-from ringmpi import backend, gpu, softmax
+from ringmpi import backend, gpu, scoremods, softmax
 from ringmpi.cpu import fused, fused_backward
 from ringmpi.mask import tile_modifiers
 from ringmpi.reference import attention, attention_backward
@@ -35,7 +35,8 @@ from ringmpi.testing import dense, dense_backward, random_qkv
 from . import standin
 
 __all__ = [
-    "Case", "CASES", "MODS", "FUSED", "VARIANTS", "TOL", "Variant", "registry_names", "variant",
+    "Case", "CASES", "MODS", "SLOPES", "FUSED", "VARIANTS", "TOL", "Variant", "registry_names",
+    "variant",
     "Problem", "problem", "spec_of", "run_forward", "run_backward", "visible_pairs", "close",
     "spec_result", "storage",
 ]  # fmt: skip
@@ -103,9 +104,17 @@ CASES = {
     "empty_packed": Case(120, 90, cu_q=(0, 50, 70, 120), cu_k=(0, 45, 45, 90), window=(9, 3)),
 }
 
-#: score modifiers: name -> (softcap, use ALiBi slopes); sinks act at finalize and are tested
-#: through ring_attention (test_conformance.py::test_sinks_through_ring_attention)
-MODS = {"plain": (None, False), "softcap": (4.0, False), "alibi": (None, True), "both": (4.0, True)}
+#: ALiBi slopes in :data:`MODS`: the case's own (:func:`_slopes` of its heads)
+SLOPES = "slopes of the case's heads"
+#: score modifier sets: name -> spec fields (a set of one runs on fewer masks, see
+#: test_conformance.py); sinks act at finalize and are tested through ring_attention
+#: (test_conformance.py::test_sinks_through_ring_attention)
+MODS = {
+    "plain": {},
+    "softcap": {"softcap": 4.0},
+    "alibi": {"alibi_slopes": SLOPES},
+    "both": {"softcap": 4.0, "alibi_slopes": SLOPES},
+}
 
 
 def _slopes(h: int) -> tuple:
@@ -118,11 +127,10 @@ def _slopes(h: int) -> tuple:
 def spec_of(case: str, mod: str) -> AttentionSpec:
     """The validated :class:`AttentionSpec` of a case and modifier set."""
     c = CASES[case]
-    cap, alibi = MODS[mod]
+    fields = {f: _slopes(c.h) if v is SLOPES else v for f, v in MODS[mod].items()}
     return AttentionSpec(
-        causal=c.causal, window=c.window, cu_seqlens=c.cu_q, cu_seqlens_k=c.cu_k,
-        softcap=cap, alibi_slopes=_slopes(c.h) if alibi else None,
-    ).validate()  # fmt: skip
+        causal=c.causal, window=c.window, cu_seqlens=c.cu_q, cu_seqlens_k=c.cu_k, **fields
+    ).validate()
 
 
 def registry_names() -> set:
@@ -243,8 +251,8 @@ def problem(case: str, mod: str, dtype: str) -> Problem:
         for r in range(c.blocks)
     )
     bounds = None if mask.plain else mask.bounds(q_pos)
-    kw = dict(window=c.window, cu_seqlens=c.cu_q, cu_seqlens_k=c.cu_k, softcap=spec.softcap,
-              alibi_slopes=spec.alibi_slopes)  # fmt: skip
+    kw = dict(window=c.window, cu_seqlens=c.cu_q, cu_seqlens_k=c.cu_k,
+              **{f: getattr(spec, f) for f in scoremods.names()})  # fmt: skip
     ref = attention(q, k, v, c.causal, **kw)
     grads = attention_backward(dout, q, k, v, c.causal, **kw)
     low = dtype != "float64"
