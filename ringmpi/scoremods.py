@@ -197,6 +197,8 @@ def pack(keywords: dict, h: int, sq: int) -> Optional[TileMods]:
 def of_spec(spec, h: int, heads=slice(None)) -> Optional[TileMods]:
     """The block of ``spec``'s modifiers for the query heads ``heads`` (``qpos`` None).
 
+    Position modifiers get their rows' positions from the caller of :func:`apply`.
+
     Parameters
     ----------
     spec : AttentionSpec or dict
@@ -206,8 +208,6 @@ def of_spec(spec, h: int, heads=slice(None)) -> Optional[TileMods]:
         Query heads in all (per-head values must hold h numbers).
     heads : slice
         The heads the block is for (rows of ``params``, in order).
-
-    Position modifiers get their rows' positions from the caller of :func:`apply`.
     """
     if isinstance(spec, dict):
         unknown = sorted(set(spec) - set(_BY_FIELD))
@@ -248,7 +248,7 @@ def apply(s: np.ndarray, mods: Optional[TileMods], rows_qa, k_pos, head_shape: t
 
     Parameters
     ----------
-    s : float array (..., *head_shape, n, nk)
+    s : float array (..., heads..., n, nk)
         Scaled scores of ``prod(head_shape)`` query heads (in head order), in
         their own dtype (the arithmetic is done in it; ALiBi's product in float64).
     mods : TileMods or None
