@@ -3,13 +3,12 @@
 A *score modifier* is an :class:`ringmpi.spec.AttentionSpec` field that changes
 each scaled score ``x = scale * q.k`` before the mask (``softcap``,
 ``alibi_slopes``). Every tile (numpy, fused C, CUDA) receives all of them as one
-parameter block, :class:`TileMods`:
+parameter block, :class:`TileMods` (qpos: see ``Mask.alibi_positions``)::
 
     bits    int                 bit ``slot`` set: that modifier applies
     params  float64 (H, NMODS)  per query head, one value per slot
     qpos    int64 (Sq,) or None the rows' positions in key coordinates (for the
-                                modifiers that use positions; see
-                                :meth:`ringmpi.mask.Mask.alibi_positions`)
+                                modifiers that use positions)
 
 The C kernels read it as ``(mods, mparam, mpos)`` (kernels/cpu_simd_type.h), the
 CUDA kernels as the same three arguments (kernels/attention_common.cuh), the
