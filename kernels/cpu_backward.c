@@ -91,9 +91,6 @@ static int rb_cmp_i64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* This build takes the score modifiers (softcap, slopes, apos) of rm_backward_tile. */
-int rm_backward_modifiers(void) { return 1; }
-
 /* The ISA path this file was compiled for (the names ringmpi/cpu/isa.py uses). */
 const char *rm_backward_isa_name(void) { return rm_isa(); }
 
@@ -105,6 +102,10 @@ int rm_backward_simd_width_bytes(void) { return rm_simd_bytes(); }
 #undef RM_BITS
 #define RM_BITS 64
 #include "cpu_backward.c"
+
+/* The score-modifier slots this build implements (a bit per slot, cpu_simd_type.h): it
+ * takes (mods, mparam, mpos) as rm_backward_tile's last arguments. */
+unsigned rm_backward_mods(void) { return RM_MODS_ALL; }
 
 #else
 /* ============================================================ type-generic part ==== */
@@ -181,18 +182,19 @@ static inline void FN(rb_strip)(const RM_T *restrict x, int64_t ldx, const RM_T 
 }
 
 /* P of one strip with score modifiers: s (R x ld rows; the raw scores Qs K^T in the columns
- * [c0, c1), whole vectors) becomes, in order, s = cap tanh(s / cap) (cap > 0; dc gets the
- * derivative 1 - tanh^2, same layout), s -= slope |ap[r] - kp[j]| (ap not NULL, for the
- * nreal real rows and the block's keys j < nk), then P = exp(s - lse[r]). */
-static void FN(rb_modify)(RM_T *restrict s, RM_T *restrict dc, int64_t ld, int64_t c0,
-                          int64_t c1, int64_t nk, int nreal, RM_T cap,
-                          const int64_t *restrict ap, const int64_t *restrict kp, double slope,
+ * [c0, c1), whole vectors) gets the head's modifiers m (FN(rm_mods_row): dc, when not NULL,
+ * the product of their derivatives, same layout; the position modifiers on the nreal real
+ * rows, ap their positions, and the block's keys j < nk, kp their positions), then
+ * P = exp(s - lse[r]). */
+static void FN(rb_modify)(const FN(rm_mods) *m, RM_T *restrict s, RM_T *restrict dc, int64_t ld,
+                          int64_t c0, int64_t c1, int64_t nk, int nreal,
+                          const int64_t *restrict ap, const int64_t *restrict kp,
                           const RM_T *restrict lse) {
     const int64_t ja = c1 < nk ? c1 : nk;
     for (int r = 0; r < R; r++) {
         RM_T *restrict row = s + r * ld;
-        if (cap > 0) FN(rm_softcap_row)(row, dc + r * ld, c0, c1, cap);
-        if (ap && r < nreal) FN(rm_alibi_row)(row, c0, ja, ap[r], kp, slope);
+        FN(rm_mods_row)(m, row, dc ? dc + r * ld : NULL, c0, c1, ja, kp,
+                        ap && r < nreal ? ap + r : NULL);
         const RM_V l = V_SET1(lse[r]);
         for (int64_t j = c0; j < c1; j += RM_W) V_STORE(row + j, V_EXP(V_SUB(V_LOAD(row + j), l)));
     }
@@ -329,10 +331,12 @@ static void FN(rb_outer)(const RM_T *restrict A, int64_t lda, const RM_T *restri
  * key ranges (both NULL: causal or no mask as `causal` says). bq, bk: block sizes (query
  * rows, keys). progress, when given, is called whenever at least `chunk` (query row, key)
  * pairs of single heads have been computed since the last call; a nonzero return aborts
- * (result -2). Score modifiers (ringmpi.tile): softcap > 0 caps the scores (dS then gains
- * the factor 1 - tanh^2), slopes (H,) not NULL adds ALiBi -slopes[h] |apos[i] - kpos[j]|
- * with apos (Sq,) the rows' positions in key coordinates; 0 / NULL: none. Returns the flops of the computed blocks (10 nq nk D per block pair with a
- * visible pair and query head), or -1 when out of memory. */
+ * (result -2). Score modifiers (ringmpi.scoremods; kernels/cpu_simd_type.h): mods, the bits
+ * of the active slots (0: none), mparam (H, RM_NMODS) their parameters per query head (NULL
+ * when mods is 0), mpos (Sq,) the rows' positions in key coordinates (NULL unless a
+ * position slot is active); dS gains the product of their derivatives d s'/d s. Returns
+ * the flops of the computed blocks (10 nq nk D per block pair with a visible pair and query
+ * head), or -1 when out of memory. */
 int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const RM_T *dout,
                              const RM_T *lse, const RM_T *delta, const int64_t *qpos,
                              const int64_t *kpos, RM_T *dq, RM_T *dk, RM_T *dv, int64_t B,
@@ -340,8 +344,8 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                              const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
                              int64_t nkcuts, const int64_t *qlo, const int64_t *qhi,
                              double scale, int causal, int64_t bq, int64_t bk,
-                             int (*progress)(void), int64_t chunk, double softcap,
-                             const double *slopes, const int64_t *apos) {
+                             int (*progress)(void), int64_t chunk, unsigned mods,
+                             const double *mparam, const int64_t *mpos) {
     if (Sq <= 0 || Sk <= 0 || B <= 0 || H <= 0) return 0;
     if (!qlo || !qhi) qlo = qhi = NULL; /* bounds come in pairs */
     const rm_vis vis = {qlo, qhi, qpos, qlo ? 0 : causal};
@@ -370,12 +374,12 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
     RM_T *dsb = rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld));
     RM_T *lb = rm_zalloc(sizeof(RM_T) * (size_t)bq);
     RM_T *deb = rm_zalloc(sizeof(RM_T) * (size_t)bq);
-    const RM_T cap = softcap > 0 ? (RM_T)softcap : 0;
-    const int mods = cap > 0 || slopes;
-    RM_T *dcb = cap > 0 ? rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld)) : NULL; /* 1 - tanh^2 */
+    /* d s'/d s of the score modifiers (those of RM_MODS_DERIV: the others' is 1) */
+    const int deriv = (mods & RM_MODS_DERIV) != 0 && mparam;
+    RM_T *dcb = deriv ? rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld)) : NULL;
     int64_t flops = 0;
     if (!qb || !kb || !qr || !ksort || !kt || !vt || !kr || !dkb || !dvb || !qs || !dob || !pb ||
-        !dsb || !lb || !deb || (cap > 0 && !dcb)) {
+        !dsb || !lb || !deb || (deriv && !dcb)) {
         flops = -1;
         goto done;
     }
@@ -413,7 +417,9 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                     const RM_T *lh = lse + (b * H + h) * Sq;
                     const RM_T *dh = delta + (b * H + h) * Sq;
                     RM_T *dqh = dq + (b * H + h) * Sq * D;
-                    const double slope = slopes ? slopes[h] : 0;
+                    /* the head's score modifiers, and whether dS gains their derivative */
+                    const FN(rm_mods) hm = FN(rm_mods_load)(mods, mparam, h);
+                    const int dch = (hm.bits & RM_MODS_DERIV) != 0;
                     for (int64_t iq = 0; iq < nqb; iq++) {
                         const rm_block Q = qb[iq];
                         const rm_range X = qr[iq];
@@ -477,12 +483,12 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                             bmax = s1 > bmax ? s1 : bmax;
                             const int64_t p0 = s0 / KW, np = (s1 + KW - 1) / KW - p0;
                             const int nrows = nq - r0 < R ? (int)(nq - r0) : R;
-                            if (mods) { /* raw scores, then cap, ALiBi and P = exp(s - lse) */
+                            if (hm.bits) { /* raw scores, the modifiers, P = exp(s - lse) */
                                 FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0,
                                              2, NULL, ps + p0 * KW, ld);
-                                FN(rb_modify)(ps, cap > 0 ? dcb + r0 * ld : NULL, ld, p0 * KW,
-                                              (p0 + np) * KW, nk, nrows, cap,
-                                              slopes ? apos + qa + r0 : NULL, kp, slope, lb + r0);
+                                FN(rb_modify)(&hm, ps, dch ? dcb + r0 * ld : NULL, ld, p0 * KW,
+                                              (p0 + np) * KW, nk, nrows,
+                                              mpos ? mpos + qa + r0 : NULL, kp, lb + r0);
                             } else {
                                 FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0,
                                              0, NULL, ps + p0 * KW, ld);
@@ -498,7 +504,7 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                             }
                             FN(rb_strip)(dob + r0 * Dp, Dp, vt + p0 * D * KW, np, D, deb + r0, 1,
                                          ps + p0 * KW, dss + p0 * KW, ld);
-                            if (cap > 0) /* dS through the cap: times 1 - tanh^2 */
+                            if (dch) /* dS through the modifiers: times d s'/d s */
                                 for (int r = 0; r < R; r++) {
                                     RM_T *drow = dss + r * ld;
                                     const RM_T *crow = dcb + (r0 + r) * ld;

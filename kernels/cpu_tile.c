@@ -79,8 +79,10 @@
  * lo, hi (Sq,) int64 or both NULL: query row i sees key j iff lo[i] <= kpos[j] <= hi[i]
  * (lo > hi: no key), the masks beyond causal (ringmpi.mask); they replace `causal`, which
  * applies only without them (key j visible iff kpos[j] <= qpos[i]).
- * Score modifiers (issue 25; ringmpi.tile): softcap > 0 caps every score, then ALiBi (slopes
- * not NULL) adds -slopes[h] |apos[i] - kpos[j]|, before the mask hides keys. */
+ * Score modifiers (ringmpi.scoremods; kernels/cpu_simd_type.h): mods, the bits of the active
+ * slots (0: none), mparam (H, RM_NMODS) their parameters per query head (NULL when mods is
+ * 0), mpos (Sq,) the query rows' positions in key coordinates (NULL unless a position slot
+ * is active); applied in slot order before the mask hides keys. */
 typedef struct {
     const void *q, *k, *v;
     const int64_t *qpos, *kpos;
@@ -93,9 +95,9 @@ typedef struct {
     int (*progress)(void);
     int64_t chunk;
     const int64_t *lo, *hi;
-    double softcap;       /* > 0: scores s -> softcap tanh(s / softcap); 0: none */
-    const double *slopes; /* (H,) ALiBi slopes or NULL: s -= slopes[h] |apos[i] - kpos[j]| */
-    const int64_t *apos;  /* (Sq,) query rows' ALiBi positions (in key coordinates) */
+    uint32_t mods;        /* bits of the active score modifiers (0: none) */
+    const double *mparam; /* (H, RM_NMODS) their parameters, or NULL */
+    const int64_t *mpos;  /* (Sq,) the rows' positions in key coordinates, or NULL */
 } rm_tile_args;
 
 int64_t rm_tile_args_size(void) { return (int64_t)sizeof(rm_tile_args); }
@@ -111,6 +113,9 @@ int rm_simd_width_bytes(void) { return rm_simd_bytes(); }
 #undef RM_BITS
 #define RM_BITS 64
 #include "cpu_tile.c"
+
+/* The score-modifier slots this build implements (a bit per slot, cpu_simd_type.h). */
+unsigned rm_tile_mods(void) { return RM_MODS_ALL; }
 
 #else
 /* ============================================================ type-generic part ==== */
@@ -186,21 +191,6 @@ void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
         for (int c = 0; c < RM_W; c++) buf[c] = i + c < n ? x[i + c] : 0;
         V_STORE(buf, FN(rm_tanh)(V_LOAD(buf)));
         for (int64_t c = 0; i + c < n; c++) y[i + c] = buf[c];
-    }
-}
-
-/* Score modifiers on one strip (rows of stride lds; nr real rows): softcap (cap > 0) maps
- * the columns [0, ncol) (whole vectors: the columns past the scored keys are overwritten
- * by the mask later) to cap tanh(s / cap); ALiBi (ap not NULL: the rows' positions, kq the
- * scored keys' positions) adds -slope |ap[r] - kq[j]| to the columns [0, use): the product
- * in double, rounded once to RM_T (as the numpy tile), then subtracted. */
-static void FN(rm_modify)(RM_T *restrict s, int64_t lds, int nr, int64_t use, int64_t ncol,
-                          RM_T cap, const int64_t *restrict ap, const int64_t *restrict kq,
-                          double slope) {
-    for (int r = 0; r < nr; r++) {
-        RM_T *restrict row = s + r * lds;
-        if (cap > 0) FN(rm_softcap_row)(row, NULL, 0, ncol, cap);
-        if (ap) FN(rm_alibi_row)(row, 0, use, ap[r], kq, slope);
     }
 }
 
@@ -372,8 +362,6 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     int64_t bq = a->bq, bk = a->bk;
     if (q1 <= q0 || Sk == 0) return 0;
     const rm_vis vis = {a->lo, a->hi, qpos, a->lo ? 0 : (int)a->causal};
-    const RM_T cap = a->softcap > 0 ? (RM_T)a->softcap : 0;
-    const int mods = cap > 0 || a->slopes; /* score modifiers: the maxima are recomputed */
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
     bk = (bk + KW - 1) / KW * KW;
@@ -432,7 +420,8 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
             for (int64_t g = 0; g < G; g++) {
                 const int64_t h = hk * G + g;
                 const RM_T *qh = q + (b * H + h) * Sq * D;
-                const double slope = a->slopes ? a->slopes[h] : 0;
+                /* the head's score modifiers; with any, the maxima are recomputed */
+                const FN(rm_mods) hm = FN(rm_mods_load)(a->mods, a->mparam, h);
                 RM_T *ah = acc + (b * H + h) * Sq * D;
                 RM_T *mh = m + (b * H + h) * Sq;
                 RM_T *lh = l + (b * H + h) * Sq;
@@ -509,10 +498,11 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                             const int64_t base = j0 / KW * KW, use = j1 - base;
                             const int64_t ucol = (use + KW - 1) / KW * KW;
                             FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol / KW, D, sb, bk, rmax);
-                            if (mods)
-                                FN(rm_modify)(sb, bk, (int)nr, use, ucol, cap,
-                                              a->slopes ? a->apos + qa + r0 : NULL, kp + base,
-                                              slope);
+                            if (hm.bits) /* the scored columns [0, ucol), real keys < use */
+                                for (int r = 0; r < nr; r++)
+                                    FN(rm_mods_row)(&hm, sb + r * bk, NULL, 0, ucol, use,
+                                                    kp + base,
+                                                    a->mpos ? a->mpos + qa + r0 + r : NULL);
                             for (int r = 0; r < RM_R; r++) {
                                 RM_T *row = sb + r * bk;
                                 if (r < nr && mode == 1) {
@@ -532,7 +522,7 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                 for (int64_t j = use; j < ucol; j++) row[j] = -INFINITY;
                             }
                             /* the maxima from rm_qk hold unless keys were masked or padded */
-                            const int have_max = mode == 0 && ucol == use && !mods;
+                            const int have_max = mode == 0 && ucol == use && !hm.bits;
                             FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, lc + r0, ob + r0 * Dp,
                                            oc + r0 * Dp, Dp, rmax, have_max);
                             FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp,
