@@ -43,7 +43,8 @@
  *
  * exp, tanh and the vector operations are the SIMD layer of the forward tile
  * (kernels/cpu_simd.h, cpu_simd_type.h: the same exp, so P matches the forward's
- * probabilities operation for operation); blocks and visibility come from cpu_blocks.h.
+ * probabilities operation for operation; the score modifiers too); blocks and visibility
+ * come from cpu_blocks.h; the products of steps 1-4 are in cpu_backward_strip.h.
  * No -ffast-math: inf and NaN keep their meaning.
  *
  * Same answers on AVX2 and AVX-512: every score and every dP is one FMA chain over
@@ -91,9 +92,6 @@ static int rb_cmp_i64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* This build takes the score modifiers (softcap, slopes, apos) of rm_backward_tile. */
-int rm_backward_modifiers(void) { return 1; }
-
 /* The ISA path this file was compiled for (the names ringmpi/cpu/isa.py uses). */
 const char *rm_backward_isa_name(void) { return rm_isa(); }
 
@@ -105,6 +103,10 @@ int rm_backward_simd_width_bytes(void) { return rm_simd_bytes(); }
 #undef RM_BITS
 #define RM_BITS 64
 #include "cpu_backward.c"
+
+/* The score-modifier slots this build implements (a bit per slot, cpu_simd_type.h): it
+ * takes (mods, mparam, mpos) as rm_backward_tile's last arguments. */
+unsigned rm_backward_mods(void) { return RM_MODS_ALL; }
 
 #else
 /* ============================================================ type-generic part ==== */
@@ -125,203 +127,9 @@ static void FN(rb_pack)(const RM_T *restrict k, const RM_T *restrict v, int64_t 
     FN(rm_pack_rows)(k + a * D, nk, D, Dp, kr);
 }
 
-/* One strip of R rows against np panels: acc = X (R x D, row stride ldx) Y^T (panels).
- * mode 0: out = exp(acc - aux[r])  (P from S, aux = lse)
- * mode 1: out = pin * (acc - aux[r])  (dS from dP, aux = delta, pin = P)
- * mode 2: out = acc  (the raw scores, for rb_modify)
- * out and pin have row stride ld. */
-static inline void FN(rb_strip)(const RM_T *restrict x, int64_t ldx, const RM_T *restrict yt,
-                                int64_t np, int64_t D, const RM_T *restrict aux, int mode,
-                                const RM_T *restrict pin, RM_T *restrict out, int64_t ld) {
-    for (int64_t p = 0; p < np; p++) {
-        const RM_T *yp = yt + p * D * KW;
-        RM_V acc[R][NK];
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-            for (int c = 0; c < NK; c++) acc[r][c] = V_ZERO();
-        for (int64_t d = 0; d < D; d++) {
-            RM_V yv[NK];
-#pragma GCC unroll 8
-            for (int c = 0; c < NK; c++) yv[c] = V_LOAD(yp + d * KW + c * RM_W);
-#pragma GCC unroll 8
-            for (int c = 0; c < NK; c++) RM_PREFETCH(yp + (d + RM_PF) * KW + c * RM_W);
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                const RM_V xb = V_SET1(x[r * ldx + d]);
-#pragma GCC unroll 8
-                for (int c = 0; c < NK; c++) acc[r][c] = V_FMA(xb, yv[c], acc[r][c]);
-            }
-        }
-        if (mode == 2) {
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-                for (int c = 0; c < NK; c++) V_STORE(out + r * ld + p * KW + c * RM_W, acc[r][c]);
-        } else if (mode == 0) {
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                const RM_V a = V_SET1(aux[r]);
-#pragma GCC unroll 8
-                for (int c = 0; c < NK; c++)
-                    V_STORE(out + r * ld + p * KW + c * RM_W, V_EXP(V_SUB(acc[r][c], a)));
-            }
-        } else {
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                const RM_V a = V_SET1(aux[r]);
-#pragma GCC unroll 8
-                for (int c = 0; c < NK; c++) {
-                    const int64_t o = r * ld + p * KW + c * RM_W;
-                    V_STORE(out + o, V_MUL(V_LOAD(pin + o), V_SUB(acc[r][c], a)));
-                }
-            }
-        }
-    }
-}
-
-/* P of one strip with score modifiers: s (R x ld rows; the raw scores Qs K^T in the columns
- * [c0, c1), whole vectors) becomes, in order, s = cap tanh(s / cap) (cap > 0; dc gets the
- * derivative 1 - tanh^2, same layout), s -= slope |ap[r] - kp[j]| (ap not NULL, for the
- * nreal real rows and the block's keys j < nk), then P = exp(s - lse[r]). */
-static void FN(rb_modify)(RM_T *restrict s, RM_T *restrict dc, int64_t ld, int64_t c0,
-                          int64_t c1, int64_t nk, int nreal, RM_T cap,
-                          const int64_t *restrict ap, const int64_t *restrict kp, double slope,
-                          const RM_T *restrict lse) {
-    const int64_t ja = c1 < nk ? c1 : nk;
-    for (int r = 0; r < R; r++) {
-        RM_T *restrict row = s + r * ld;
-        if (cap > 0) FN(rm_softcap_row)(row, dc + r * ld, c0, c1, cap);
-        if (ap && r < nreal) FN(rm_alibi_row)(row, c0, ja, ap[r], kp, slope);
-        const RM_V l = V_SET1(lse[r]);
-        for (int64_t j = c0; j < c1; j += RM_W) V_STORE(row + j, V_EXP(V_SUB(V_LOAD(row + j), l)));
-    }
-}
-
-/* dst[0..n) += s * src[0..n) */
-static inline void FN(rb_axpy)(RM_T *restrict dst, const RM_T *restrict src, int64_t n, RM_T s) {
-    int64_t d = 0;
-    const RM_V vs = V_SET1(s);
-    for (; d + RM_W <= n; d += RM_W) V_STORE(dst + d, V_FMA(vs, V_LOAD(src + d), V_LOAD(dst + d)));
-    for (; d < n; d++) dst[d] += s * src[d];
-}
-
-/* dk, dv rows [0, nk) (row stride D) += dkb, dvb (row stride Dp); then dkb, dvb = 0. */
-static void FN(rb_flush)(RM_T *restrict dk, RM_T *restrict dv, RM_T *restrict dkb,
-                         RM_T *restrict dvb, int64_t nk, int64_t nkr, int64_t D, int64_t Dp) {
-    for (int64_t j = 0; j < nk; j++) {
-        FN(rb_axpy)(dk + j * D, dkb + j * Dp, D, (RM_T)1);
-        FN(rb_axpy)(dv + j * D, dvb + j * Dp, D, (RM_T)1);
-    }
-    memset(dkb, 0, sizeof(RM_T) * (size_t)(nkr * Dp));
-    memset(dvb, 0, sizeof(RM_T) * (size_t)(nkr * Dp));
-}
-
-/* dq rows [0, nrows) (row stride D) += sc * dS (R x nk, row stride ld) K (nk x Dp). */
-static inline void FN(rb_dq)(const RM_T *restrict ds, int64_t ld, const RM_T *restrict kr,
-                             int64_t nk, int64_t Dp, int64_t D, RM_T sc, RM_T *restrict dq,
-                             int nrows) {
-    RM_T tmp[R * TW];
-    int64_t d0 = 0;
-    for (; d0 + TW <= Dp; d0 += TW) {
-        RM_V acc[R][NV];
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-            for (int c = 0; c < NV; c++) acc[r][c] = V_ZERO();
-        for (int64_t j = 0; j < nk; j++) {
-            RM_V kv[NV];
-#pragma GCC unroll 8
-            for (int c = 0; c < NV; c++) kv[c] = V_LOAD(kr + j * Dp + d0 + c * RM_W);
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                const RM_V sb = V_SET1(ds[r * ld + j]);
-#pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) acc[r][c] = V_FMA(sb, kv[c], acc[r][c]);
-            }
-        }
-        if (d0 + TW <= D) {
-            const RM_V vs = V_SET1(sc);
-            for (int r = 0; r < nrows; r++)
-#pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) {
-                    RM_T *o = dq + r * D + d0 + c * RM_W;
-                    V_STORE(o, V_FMA(vs, acc[r][c], V_LOAD(o)));
-                }
-        } else {
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) V_STORE(tmp + r * TW + c * RM_W, acc[r][c]);
-            for (int r = 0; r < nrows; r++) FN(rb_axpy)(dq + r * D + d0, tmp + r * TW, D - d0, sc);
-        }
-    }
-    for (; d0 < Dp; d0 += RM_W) { /* tail: one vector of columns */
-        RM_V acc[R];
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) acc[r] = V_ZERO();
-        for (int64_t j = 0; j < nk; j++) {
-            const RM_V kv = V_LOAD(kr + j * Dp + d0);
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) acc[r] = V_FMA(V_SET1(ds[r * ld + j]), kv, acc[r]);
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) V_STORE(tmp + r * RM_W, acc[r]);
-        const int64_t n = D - d0 < RM_W ? D - d0 : RM_W;
-        for (int r = 0; r < nrows; r++) FN(rb_axpy)(dq + r * D + d0, tmp + r * RM_W, n, sc);
-    }
-}
-
-/* out (nkr x Dp, nkr a multiple of R) += A^T X: A (nq x nkr, row stride lda; P or dS),
- * X (nq x Dp, row stride ldx; dO or Qs). Register tile: R keys x TW columns, reducing over
- * the nq rows of the query block from zero; the block's sum is then added to out once.
- * Chaining from out instead would add every query row's term to a total over all the rows
- * seen so far: an error growing with the query count (see RB_FLUSH for the rest). */
-static void FN(rb_outer)(const RM_T *restrict A, int64_t lda, const RM_T *restrict X,
-                         int64_t ldx, int64_t nq, int64_t nkr, int64_t Dp, RM_T *restrict out) {
-    for (int64_t j0 = 0; j0 < nkr; j0 += R) {
-        RM_T *o = out + j0 * Dp;
-        const RM_T *a = A + j0;
-        int64_t d0 = 0;
-        for (; d0 + TW <= Dp; d0 += TW) {
-            RM_V acc[R][NV];
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) acc[r][c] = V_ZERO();
-            for (int64_t i = 0; i < nq; i++) {
-                RM_V xv[NV];
-#pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) xv[c] = V_LOAD(X + i * ldx + d0 + c * RM_W);
-#pragma GCC unroll 16
-                for (int r = 0; r < R; r++) {
-                    const RM_V ab = V_SET1(a[i * lda + r]);
-#pragma GCC unroll 8
-                    for (int c = 0; c < NV; c++) acc[r][c] = V_FMA(ab, xv[c], acc[r][c]);
-                }
-            }
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-                for (int c = 0; c < NV; c++) {
-                    RM_T *op = o + r * Dp + d0 + c * RM_W;
-                    V_STORE(op, V_ADD(V_LOAD(op), acc[r][c]));
-                }
-        }
-        for (; d0 < Dp; d0 += RM_W) { /* tail: one vector of columns */
-            RM_V acc[R];
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) acc[r] = V_ZERO();
-            for (int64_t i = 0; i < nq; i++) {
-                const RM_V xv = V_LOAD(X + i * ldx + d0);
-#pragma GCC unroll 16
-                for (int r = 0; r < R; r++) acc[r] = V_FMA(V_SET1(a[i * lda + r]), xv, acc[r]);
-            }
-#pragma GCC unroll 16
-            for (int r = 0; r < R; r++) V_STORE(o + r * Dp + d0, V_ADD(V_LOAD(o + r * Dp + d0), acc[r]));
-        }
-    }
-}
+/* the block products: S / P / dS of a strip (rb_strip, rb_modify), dQ (rb_dq), dK and dV
+ * (rb_outer, rb_flush) */
+#include "cpu_backward_strip.h"
 
 /* Public entry point: add the gradients of all (query, key) pairs of the tile, in place.
  * qcuts/kcuts: ascending indices where runs of evenly spaced positions start (may be empty;
@@ -329,10 +137,12 @@ static void FN(rb_outer)(const RM_T *restrict A, int64_t lda, const RM_T *restri
  * key ranges (both NULL: causal or no mask as `causal` says). bq, bk: block sizes (query
  * rows, keys). progress, when given, is called whenever at least `chunk` (query row, key)
  * pairs of single heads have been computed since the last call; a nonzero return aborts
- * (result -2). Score modifiers (ringmpi.tile): softcap > 0 caps the scores (dS then gains
- * the factor 1 - tanh^2), slopes (H,) not NULL adds ALiBi -slopes[h] |apos[i] - kpos[j]|
- * with apos (Sq,) the rows' positions in key coordinates; 0 / NULL: none. Returns the flops of the computed blocks (10 nq nk D per block pair with a
- * visible pair and query head), or -1 when out of memory. */
+ * (result -2). Score modifiers (ringmpi.scoremods; kernels/cpu_simd_type.h): mods, the bits
+ * of the active slots (0: none), mparam (H, RM_NMODS) their parameters per query head (NULL
+ * when mods is 0), mpos (Sq,) the rows' positions in key coordinates (NULL unless a
+ * position slot is active); dS gains the product of their derivatives d s'/d s. Returns
+ * the flops of the computed blocks (10 nq nk D per block pair with a visible pair and query
+ * head), or -1 when out of memory. */
 int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const RM_T *dout,
                              const RM_T *lse, const RM_T *delta, const int64_t *qpos,
                              const int64_t *kpos, RM_T *dq, RM_T *dk, RM_T *dv, int64_t B,
@@ -340,8 +150,8 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                              const int64_t *qcuts, int64_t nqcuts, const int64_t *kcuts,
                              int64_t nkcuts, const int64_t *qlo, const int64_t *qhi,
                              double scale, int causal, int64_t bq, int64_t bk,
-                             int (*progress)(void), int64_t chunk, double softcap,
-                             const double *slopes, const int64_t *apos) {
+                             int (*progress)(void), int64_t chunk, unsigned mods,
+                             const double *mparam, const int64_t *mpos) {
     if (Sq <= 0 || Sk <= 0 || B <= 0 || H <= 0) return 0;
     if (!qlo || !qhi) qlo = qhi = NULL; /* bounds come in pairs */
     const rm_vis vis = {qlo, qhi, qpos, qlo ? 0 : causal};
@@ -370,12 +180,12 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
     RM_T *dsb = rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld));
     RM_T *lb = rm_zalloc(sizeof(RM_T) * (size_t)bq);
     RM_T *deb = rm_zalloc(sizeof(RM_T) * (size_t)bq);
-    const RM_T cap = softcap > 0 ? (RM_T)softcap : 0;
-    const int mods = cap > 0 || slopes;
-    RM_T *dcb = cap > 0 ? rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld)) : NULL; /* 1 - tanh^2 */
+    /* d s'/d s of the score modifiers (those of RM_MODS_DERIV: the others' is 1) */
+    const int deriv = (mods & RM_MODS_DERIV) != 0 && mparam;
+    RM_T *dcb = deriv ? rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld)) : NULL;
     int64_t flops = 0;
     if (!qb || !kb || !qr || !ksort || !kt || !vt || !kr || !dkb || !dvb || !qs || !dob || !pb ||
-        !dsb || !lb || !deb || (cap > 0 && !dcb)) {
+        !dsb || !lb || !deb || (deriv && !dcb)) {
         flops = -1;
         goto done;
     }
@@ -413,7 +223,9 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                     const RM_T *lh = lse + (b * H + h) * Sq;
                     const RM_T *dh = delta + (b * H + h) * Sq;
                     RM_T *dqh = dq + (b * H + h) * Sq * D;
-                    const double slope = slopes ? slopes[h] : 0;
+                    /* the head's score modifiers, and whether dS gains their derivative */
+                    const FN(rm_mods) hm = FN(rm_mods_load)(mods, mparam, h);
+                    const int dch = (hm.bits & RM_MODS_DERIV) != 0;
                     for (int64_t iq = 0; iq < nqb; iq++) {
                         const rm_block Q = qb[iq];
                         const rm_range X = qr[iq];
@@ -477,12 +289,12 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                             bmax = s1 > bmax ? s1 : bmax;
                             const int64_t p0 = s0 / KW, np = (s1 + KW - 1) / KW - p0;
                             const int nrows = nq - r0 < R ? (int)(nq - r0) : R;
-                            if (mods) { /* raw scores, then cap, ALiBi and P = exp(s - lse) */
+                            if (hm.bits) { /* raw scores, the modifiers, P = exp(s - lse) */
                                 FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0,
                                              2, NULL, ps + p0 * KW, ld);
-                                FN(rb_modify)(ps, cap > 0 ? dcb + r0 * ld : NULL, ld, p0 * KW,
-                                              (p0 + np) * KW, nk, nrows, cap,
-                                              slopes ? apos + qa + r0 : NULL, kp, slope, lb + r0);
+                                FN(rb_modify)(&hm, ps, dch ? dcb + r0 * ld : NULL, ld, p0 * KW,
+                                              (p0 + np) * KW, nk, nrows,
+                                              mpos ? mpos + qa + r0 : NULL, kp, lb + r0);
                             } else {
                                 FN(rb_strip)(qs + r0 * Dp, Dp, kt + p0 * D * KW, np, D, lb + r0,
                                              0, NULL, ps + p0 * KW, ld);
@@ -498,7 +310,7 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                             }
                             FN(rb_strip)(dob + r0 * Dp, Dp, vt + p0 * D * KW, np, D, deb + r0, 1,
                                          ps + p0 * KW, dss + p0 * KW, ld);
-                            if (cap > 0) /* dS through the cap: times 1 - tanh^2 */
+                            if (dch) /* dS through the modifiers: times d s'/d s */
                                 for (int r = 0; r < R; r++) {
                                     RM_T *drow = dss + r * ld;
                                     const RM_T *crow = dcb + (r0 + r) * ld;

@@ -10,8 +10,8 @@
  *   FN(name)            name_f32 / name_f64, the functions of this type
  *
  * and the functions both kernels share: the packing of K/V blocks (FN(rm_pack_panels),
- * FN(rm_pack_rows)), FN(rm_tanh) and the score modifiers of ringmpi.tile on one row of
- * scores, FN(rm_softcap_row) and FN(rm_alibi_row).
+ * FN(rm_pack_rows)), FN(rm_tanh) and the score modifiers of ringmpi.scoremods, the one hook
+ * both kernels call (RM_NMODS and the slots, FN(rm_mods_load), FN(rm_mods_row)).
  */
 #undef RM_T
 #undef RM_V
@@ -126,28 +126,93 @@ static inline RM_V FN(rm_tanh)(RM_V x) {
 #endif
 }
 
-/* Softcap on the columns [j0, j1) of one row of scores (whole vectors, j0 a multiple of
- * RM_W): s -> cap tanh(s / cap); dc, when not NULL, gets the derivative 1 - tanh^2 at the
- * same columns (the backward's factor of dS). */
-static inline void FN(rm_softcap_row)(RM_T *restrict row, RM_T *restrict dc, int64_t j0,
-                                      int64_t j1, RM_T cap) {
-    const RM_V vc = V_SET1(cap), vic = V_SET1((RM_T)1 / cap), one = V_SET1((RM_T)1);
-    for (int64_t j = j0; j < j1; j += RM_W) {
-        const RM_V t = FN(rm_tanh)(V_MUL(V_LOAD(row + j), vic));
-        if (dc) V_STORE(dc + j, V_SUB(one, V_MUL(t, t)));
-        V_STORE(row + j, V_MUL(vc, t));
+/* ---------------------------------------------------------------- score modifiers ---
+ * The score modifiers of ringmpi.scoremods (the registry; its docstring), applied to the
+ * scaled scores s = scale q.k before the mask, in slot order. The kernels receive them as
+ * (mods, mparam, mpos): the bits of the active slots, the parameters (H, RM_NMODS) float64
+ * row-major (mparam[h * RM_NMODS + slot]; NULL when mods == 0), the query rows' positions
+ * in key coordinates (Sq,) int64 (NULL unless a position slot is active). The kernels
+ * know only this hook: FN(rm_mods_load) (a query head's parameters, once per head),
+ * FN(rm_mods_row) (one row of scores, optionally with the derivative d s'/d s) and the
+ * masks below; a new modifier is a slot here (its #define, RM_MODS_ALL, its field in
+ * FN(rm_mods), its load and its row math) and in ringmpi/scoremods.py. */
+#ifndef RM_MODS_SLOTS
+#define RM_MODS_SLOTS
+#define RM_NMODS 4       /* columns of mparam: ringmpi.scoremods.NMODS */
+#define RM_MOD_SOFTCAP 0 /* s = cap tanh(s / cap); d s'/d s = 1 - tanh^2 */
+#define RM_MOD_ALIBI 1   /* s -= slope_h |mpos[i] - kpos[j]|; d s'/d s = 1 */
+#define RM_MOD_ON(bits, slot) (((bits) >> (slot)) & 1u)
+/* the slots this build implements (rm_tile_mods, rm_backward_mods report them) */
+#define RM_MODS_ALL ((1u << RM_MOD_SOFTCAP) | (1u << RM_MOD_ALIBI))
+/* the slots whose derivative is not 1 (the backward then keeps a row of d s'/d s) */
+#define RM_MODS_DERIV (1u << RM_MOD_SOFTCAP)
+#endif
+
+/* One query head's modifiers: the active slots (bits) and their parameters in RM_T. */
+typedef struct {
+    unsigned bits;
+    RM_T cap, icap; /* RM_MOD_SOFTCAP: the cap and 1 / cap */
+    double slope;   /* RM_MOD_ALIBI: the head's slope (the product is taken in double) */
+} FN(rm_mods);
+
+/* Query head h's modifiers from (mods, mparam). A slot that is the identity for this head
+ * is dropped (ALiBi with slope 0; a cap that rounds to 0 in RM_T, which was never applied),
+ * so a head whose bits are 0 takes the kernels' plain path: the same results (the maxima are
+ * exact, exp(s - l) the same operations), less work. */
+static inline FN(rm_mods) FN(rm_mods_load)(unsigned mods, const double *mparam, int64_t h) {
+    FN(rm_mods) m = {0, 0, 0, 0};
+    mods &= RM_MODS_ALL;
+    if (!mods || !mparam) return m;
+    const double *p = mparam + h * RM_NMODS;
+    if (RM_MOD_ON(mods, RM_MOD_SOFTCAP) && (RM_T)p[RM_MOD_SOFTCAP] > 0) {
+        m.bits |= 1u << RM_MOD_SOFTCAP;
+        m.cap = (RM_T)p[RM_MOD_SOFTCAP];
+        m.icap = (RM_T)1 / m.cap;
     }
+    if (RM_MOD_ON(mods, RM_MOD_ALIBI) && p[RM_MOD_ALIBI] != 0) {
+        m.bits |= 1u << RM_MOD_ALIBI;
+        m.slope = p[RM_MOD_ALIBI];
+    }
+    return m;
 }
 
-/* ALiBi on the columns [j0, j1) of one row of scores: s -= slope |a - kq[j]| (a: the row's
- * position, kq: the columns' key positions), the product in double, rounded once to RM_T
- * (as the numpy tile), then subtracted. */
-static inline void FN(rm_alibi_row)(RM_T *restrict row, int64_t j0, int64_t j1, int64_t a,
-                                    const int64_t *restrict kq, double slope) {
-    for (int64_t j = j0; j < j1; j++) {
-        const int64_t dist = a > kq[j] ? a - kq[j] : kq[j] - a;
-        row[j] -= (RM_T)(slope * (double)dist);
+/* One slot's derivative factor d into one vector of the product dc: stored when it is the
+ * first (so one slot alone gives its own factor's bits), else multiplied in. */
+static inline void FN(rm_mods_dc)(RM_T *restrict dc, RM_V d, int first) {
+    V_STORE(dc, first ? d : V_MUL(V_LOAD(dc), d));
+}
+
+/* The modifiers m on one row of scores, in slot order. Elementwise slots map the columns
+ * [c0, c1) (whole vectors, c0 a multiple of RM_W; columns past the real keys are
+ * overwritten by the mask later); position slots the columns [c0, ja) (the real keys, kq[j]
+ * the position of column j) of a real row: ap points at the row's position (NULL: a padding
+ * row, or no positions). dc, when not NULL, gets the product of the slots' derivatives
+ * d s'/d s at [c0, c1) when some slot of RM_MODS_DERIV is active (else it is not written;
+ * the other slots' factor is 1). */
+static inline void FN(rm_mods_row)(const FN(rm_mods) *m, RM_T *restrict row, RM_T *restrict dc,
+                                   int64_t c0, int64_t c1, int64_t ja,
+                                   const int64_t *restrict kq, const int64_t *ap) {
+    int first = 1; /* dc holds no factor yet */
+    if (RM_MOD_ON(m->bits, RM_MOD_SOFTCAP)) { /* s -> cap tanh(s / cap), factor 1 - tanh^2 */
+        const RM_V vc = V_SET1(m->cap), vic = V_SET1(m->icap), one = V_SET1((RM_T)1);
+        for (int64_t j = c0; j < c1; j += RM_W) {
+            const RM_V t = FN(rm_tanh)(V_MUL(V_LOAD(row + j), vic));
+            if (dc) FN(rm_mods_dc)(dc + j, V_SUB(one, V_MUL(t, t)), first);
+            V_STORE(row + j, V_MUL(vc, t));
+        }
+        first = 0;
     }
+    if (RM_MOD_ON(m->bits, RM_MOD_ALIBI) && ap) {
+        /* s -= slope |a - kq[j]|: the product in double, rounded once to RM_T (as the numpy
+         * tile), then subtracted */
+        const int64_t a = *ap;
+        const double slope = m->slope;
+        for (int64_t j = c0; j < ja; j++) {
+            const int64_t dist = a > kq[j] ? a - kq[j] : kq[j] - a;
+            row[j] -= (RM_T)(slope * (double)dist);
+        }
+    }
+    (void)first;
 }
 
 /* Rows [0, nk) of src (row stride D) as transposed panels of kw columns: dst (np, D, kw)

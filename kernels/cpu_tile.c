@@ -36,7 +36,8 @@
  * matrix product and no (Sq x Sk) array exists.
  *
  * exp, tanh and the vector operations are the SIMD layer both fused kernels share
- * (kernels/cpu_simd.h, cpu_simd_type.h); blocks and visibility come from cpu_blocks.h.
+ * (kernels/cpu_simd.h, cpu_simd_type.h, which also holds the score modifiers); blocks and
+ * visibility come from cpu_blocks.h; the strip operations (steps 1-3) are in cpu_tile_strip.h.
  *
  * Same answers on AVX2 and AVX-512: every score is one FMA chain over d = 0..D-1, every output
  * element one FMA chain over a key block's keys in order, added to the state by the same
@@ -79,8 +80,10 @@
  * lo, hi (Sq,) int64 or both NULL: query row i sees key j iff lo[i] <= kpos[j] <= hi[i]
  * (lo > hi: no key), the masks beyond causal (ringmpi.mask); they replace `causal`, which
  * applies only without them (key j visible iff kpos[j] <= qpos[i]).
- * Score modifiers (issue 25; ringmpi.tile): softcap > 0 caps every score, then ALiBi (slopes
- * not NULL) adds -slopes[h] |apos[i] - kpos[j]|, before the mask hides keys. */
+ * Score modifiers (ringmpi.scoremods; kernels/cpu_simd_type.h): mods, the bits of the active
+ * slots (0: none), mparam (H, RM_NMODS) their parameters per query head (NULL when mods is
+ * 0), mpos (Sq,) the query rows' positions in key coordinates (NULL unless a position slot
+ * is active); applied in slot order before the mask hides keys. */
 typedef struct {
     const void *q, *k, *v;
     const int64_t *qpos, *kpos;
@@ -93,9 +96,9 @@ typedef struct {
     int (*progress)(void);
     int64_t chunk;
     const int64_t *lo, *hi;
-    double softcap;       /* > 0: scores s -> softcap tanh(s / softcap); 0: none */
-    const double *slopes; /* (H,) ALiBi slopes or NULL: s -= slopes[h] |apos[i] - kpos[j]| */
-    const int64_t *apos;  /* (Sq,) query rows' ALiBi positions (in key coordinates) */
+    uint32_t mods;        /* bits of the active score modifiers (0: none) */
+    const double *mparam; /* (H, RM_NMODS) their parameters, or NULL */
+    const int64_t *mpos;  /* (Sq,) the rows' positions in key coordinates, or NULL */
 } rm_tile_args;
 
 int64_t rm_tile_args_size(void) { return (int64_t)sizeof(rm_tile_args); }
@@ -111,6 +114,9 @@ int rm_simd_width_bytes(void) { return rm_simd_bytes(); }
 #undef RM_BITS
 #define RM_BITS 64
 #include "cpu_tile.c"
+
+/* The score-modifier slots this build implements (a bit per slot, cpu_simd_type.h). */
+unsigned rm_tile_mods(void) { return RM_MODS_ALL; }
 
 #else
 /* ============================================================ type-generic part ==== */
@@ -136,46 +142,9 @@ static void FN(rm_pack)(const RM_T *k, const RM_T *v, int64_t a, int64_t b, int6
     FN(rm_pack_rows)(v + a * D, b - a, D, Dp, vp);
 }
 
-/* S (RM_R x ldS) = Qs (RM_R x D) K^T for all panels of one block; rmax (RM_R x RM_W) gets
- * each row's running maximum as a vector (lane-wise over the panels), taken from the
- * registers before they are stored, so the softmax needs no separate pass for it. */
-static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, int64_t np,
-                             int64_t D, RM_T *restrict s, int64_t lds, RM_T *restrict rmax) {
-#pragma GCC unroll 16
-    for (int r = 0; r < RM_R; r++) V_STORE(rmax + r * RM_W, V_SET1(-INFINITY));
-    for (int64_t p = 0; p < np; p++) {
-        const RM_T *kp = kt + p * D * KW;
-        RM_V acc[RM_R][NK];
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++)
-#pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) acc[r][c] = V_ZERO();
-        for (int64_t d = 0; d < D; d++) {
-            RM_V kv[NK];
-#pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) kv[c] = V_LOAD(kp + d * KW + c * RM_W);
-#pragma GCC unroll 4
-            for (int c = 0; c < KW_LINES; c++)
-                RM_PREFETCH((const char *)(kp + (d + RM_PF) * KW) + 64 * c);
-#pragma GCC unroll 16
-            for (int r = 0; r < RM_R; r++) {
-                RM_V qb = V_SET1(qs[r * D + d]);
-#pragma GCC unroll 4
-                for (int c = 0; c < NK; c++) acc[r][c] = V_FMA(qb, kv[c], acc[r][c]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++) {
-            RM_V mx = V_LOAD(rmax + r * RM_W);
-#pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) {
-                V_STORE(s + r * lds + p * KW + c * RM_W, acc[r][c]);
-                mx = V_MAX(mx, acc[r][c]);
-            }
-            V_STORE(rmax + r * RM_W, mx);
-        }
-    }
-}
+/* the strip operations: S = Qs K^T (rm_qk), the online softmax (rm_softmax), O += P V
+ * (rm_pv, rm_kadd) */
+#include "cpu_tile_strip.h"
 
 /* y[0..n) = tanh(x[0..n)) by rm_tanh (the tile's own; exported for the accuracy tests). */
 void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
@@ -186,166 +155,6 @@ void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
         for (int c = 0; c < RM_W; c++) buf[c] = i + c < n ? x[i + c] : 0;
         V_STORE(buf, FN(rm_tanh)(V_LOAD(buf)));
         for (int64_t c = 0; i + c < n; c++) y[i + c] = buf[c];
-    }
-}
-
-/* Score modifiers on one strip (rows of stride lds; nr real rows): softcap (cap > 0) maps
- * the columns [0, ncol) (whole vectors: the columns past the scored keys are overwritten
- * by the mask later) to cap tanh(s / cap); ALiBi (ap not NULL: the rows' positions, kq the
- * scored keys' positions) adds -slope |ap[r] - kq[j]| to the columns [0, use): the product
- * in double, rounded once to RM_T (as the numpy tile), then subtracted. */
-static void FN(rm_modify)(RM_T *restrict s, int64_t lds, int nr, int64_t use, int64_t ncol,
-                          RM_T cap, const int64_t *restrict ap, const int64_t *restrict kq,
-                          double slope) {
-    for (int r = 0; r < nr; r++) {
-        RM_T *restrict row = s + r * lds;
-        if (cap > 0) FN(rm_softcap_row)(row, NULL, 0, ncol, cap);
-        if (ap) FN(rm_alibi_row)(row, 0, use, ap[r], kq, slope);
-    }
-}
-
-/* o + x by compensated (Kahan) summation: *c holds the rounding error of o so far, to be
- * subtracted from it; a NaN compensation (from an infinite o) is replaced by 0, so inf and
- * NaN in o behave as in plain summation. */
-static inline RM_V FN(rm_kadd)(RM_V o, RM_V x, RM_V *c) {
-    const RM_V y = V_SUB(x, *c);
-    const RM_V t = V_ADD(o, y);
-    const RM_V e = V_SUB(V_SUB(t, o), y);
-    *c = V_NAN0(e);
-    return t;
-}
-
-/* O (RM_R x Dp) += P (RM_R x nk) V (nk x Dp), with compensation oc (RM_R x Dp). The block's
- * product is accumulated from zero in registers and added to O once, compensated: a chain
- * that started from O would add every key's term to the row's ever larger running total,
- * an error growing with the row's key count (about sqrt(N) ulps of O for values with a
- * mean); this way it is that of one chain of at most Bk keys, whatever the key count. */
-static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *restrict vp,
-                             int64_t nk, int64_t Dp, RM_T *restrict o, RM_T *restrict oc) {
-    int64_t d0 = 0;
-    for (; d0 + NV * RM_W <= Dp; d0 += NV * RM_W) {
-        RM_V acc[RM_R][NV];
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++)
-#pragma GCC unroll 4
-            for (int c = 0; c < NV; c++) acc[r][c] = V_ZERO();
-        for (int64_t j = 0; j < nk; j++) {
-            RM_V vv[NV];
-#pragma GCC unroll 4
-            for (int c = 0; c < NV; c++) vv[c] = V_LOAD(vp + j * Dp + d0 + c * RM_W);
-#pragma GCC unroll 4
-            for (int c = 0; c < NV_LINES; c++)
-                RM_PREFETCH((const char *)(vp + (j + RM_PF) * Dp + d0) + 64 * c);
-#pragma GCC unroll 16
-            for (int r = 0; r < RM_R; r++) {
-                RM_V pb = V_SET1(pm[r * ldp + j]);
-#pragma GCC unroll 4
-                for (int c = 0; c < NV; c++) acc[r][c] = V_FMA(pb, vv[c], acc[r][c]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++)
-#pragma GCC unroll 4
-            for (int c = 0; c < NV; c++) {
-                const int64_t off = r * Dp + d0 + c * RM_W;
-                RM_V cv = V_LOAD(oc + off);
-                V_STORE(o + off, FN(rm_kadd)(V_LOAD(o + off), acc[r][c], &cv));
-                V_STORE(oc + off, cv);
-            }
-    }
-    for (; d0 < Dp; d0 += RM_W) { /* tail: one vector of columns */
-        RM_V acc[RM_R];
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++) acc[r] = V_ZERO();
-        for (int64_t j = 0; j < nk; j++) {
-            RM_V vv = V_LOAD(vp + j * Dp + d0);
-#pragma GCC unroll 16
-            for (int r = 0; r < RM_R; r++) acc[r] = V_FMA(V_SET1(pm[r * ldp + j]), vv, acc[r]);
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++) {
-            const int64_t off = r * Dp + d0;
-            RM_V cv = V_LOAD(oc + off);
-            V_STORE(o + off, FN(rm_kadd)(V_LOAD(o + off), acc[r], &cv));
-            V_STORE(oc + off, cv);
-        }
-    }
-}
-
-/* Online softmax over one strip: s (RM_R x ncol, ncol a multiple of RM_W, -inf past the
- * valid keys) becomes P in place; m, l, and the rows of o (RM_R x Dp) are rescaled, with
- * their compensations lc and oc (see rm_kadd); the strip's row sums go into l compensated.
- * rmax (RM_R x RM_W): lane-wise row maxima of s from rm_qk when have_max, else scratch.
- * The per-row statistics go through one vector exp, and the exp pass runs over the RM_R
- * rows at once (independent chains, one running sum per row). */
-static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, RM_T *restrict m,
-                                  RM_T *restrict l, RM_T *restrict lc, RM_T *restrict o,
-                                  RM_T *restrict oc, int64_t Dp, RM_T *restrict rmax,
-                                  int have_max) {
-    enum { NR = (RM_R + RM_W - 1) / RM_W * RM_W }; /* rows padded to whole vectors */
-    RM_T arg[NR], alpha[NR], neg[RM_R];
-    for (int r = 0; r < RM_R; r++) {
-        RM_V vm;
-        if (have_max) {
-            vm = V_LOAD(rmax + r * RM_W);
-        } else {
-            const RM_T *row = s + r * lds;
-            vm = V_LOAD(row);
-            for (int64_t j = RM_W; j < ncol; j += RM_W) vm = V_MAX(vm, V_LOAD(row + j));
-        }
-        RM_T mx = V_HMAX(vm);
-        RM_T m_old = m[r];
-        RM_T m_new = m_old > mx ? m_old : mx;
-        if (mx != mx) m_new = mx; /* NaN score: poison the row like the spec */
-        /* nothing visible yet (m_new = -inf): the spec uses m_safe = 0, so alpha = 0, p = 0 */
-        const int empty = m_new == -INFINITY;
-        arg[r] = empty ? -INFINITY : m_old - m_new;
-        neg[r] = empty ? 0 : -m_new;
-        m[r] = m_new;
-    }
-    for (int r = RM_R; r < NR; r++) arg[r] = 0;
-    for (int r = 0; r < NR; r += RM_W) V_STORE(alpha + r, V_EXP(V_LOAD(arg + r)));
-    /* Each row sums into NS vectors spanning 64 bytes (lane i of vector c adds the columns j
-     * = c W + i mod NS W, in increasing j), adds them up and reduces by V_HSUM's fixed tree:
-     * the same additions in the same order on AVX2 (NS = 2) and AVX-512 (NS = 1). ncol is a
-     * multiple of KW, hence of NS W. */
-    RM_V vneg[RM_R];
-    RM_VSUM sum[RM_R][NS];
-#pragma GCC unroll 16
-    for (int r = 0; r < RM_R; r++) {
-        vneg[r] = V_SET1(neg[r]);
-#pragma GCC unroll 4
-        for (int c = 0; c < NS; c++) sum[r][c] = V_ZERO();
-    }
-    for (int64_t j = 0; j < ncol; j += NS * RM_W) {
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++) {
-#pragma GCC unroll 4
-            for (int c = 0; c < NS; c++) {
-                RM_T *sp = s + r * lds + j + c * RM_W;
-                RM_V p = V_EXP(V_ADD(V_LOAD(sp), vneg[r]));
-                V_STORE(sp, p);
-                sum[r][c] = V_ADD(sum[r][c], p);
-            }
-        }
-    }
-    for (int r = 0; r < RM_R; r++) {
-#pragma GCC unroll 4
-        for (int c = 1; c < NS; c++) sum[r][0] = V_ADD(sum[r][0], sum[r][c]);
-        {
-            const RM_T x = V_HSUM(sum[r][0]), ls = l[r] * alpha[r], y = x - lc[r] * alpha[r];
-            const RM_T t = ls + y, e = (t - ls) - y;
-            lc[r] = e == e ? e : 0;
-            l[r] = t;
-        }
-        if (alpha[r] != 1) {
-            RM_V va = V_SET1(alpha[r]);
-            RM_T *orow = o + r * Dp, *crow = oc + r * Dp;
-            for (int64_t d = 0; d < Dp; d += RM_W) {
-                V_STORE(orow + d, V_MUL(V_LOAD(orow + d), va));
-                V_STORE(crow + d, V_MUL(V_LOAD(crow + d), va));
-            }
-        }
     }
 }
 
@@ -372,8 +181,6 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     int64_t bq = a->bq, bk = a->bk;
     if (q1 <= q0 || Sk == 0) return 0;
     const rm_vis vis = {a->lo, a->hi, qpos, a->lo ? 0 : (int)a->causal};
-    const RM_T cap = a->softcap > 0 ? (RM_T)a->softcap : 0;
-    const int mods = cap > 0 || a->slopes; /* score modifiers: the maxima are recomputed */
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
     bk = (bk + KW - 1) / KW * KW;
@@ -432,7 +239,8 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
             for (int64_t g = 0; g < G; g++) {
                 const int64_t h = hk * G + g;
                 const RM_T *qh = q + (b * H + h) * Sq * D;
-                const double slope = a->slopes ? a->slopes[h] : 0;
+                /* the head's score modifiers; with any, the maxima are recomputed */
+                const FN(rm_mods) hm = FN(rm_mods_load)(a->mods, a->mparam, h);
                 RM_T *ah = acc + (b * H + h) * Sq * D;
                 RM_T *mh = m + (b * H + h) * Sq;
                 RM_T *lh = l + (b * H + h) * Sq;
@@ -509,10 +317,11 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                             const int64_t base = j0 / KW * KW, use = j1 - base;
                             const int64_t ucol = (use + KW - 1) / KW * KW;
                             FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol / KW, D, sb, bk, rmax);
-                            if (mods)
-                                FN(rm_modify)(sb, bk, (int)nr, use, ucol, cap,
-                                              a->slopes ? a->apos + qa + r0 : NULL, kp + base,
-                                              slope);
+                            if (hm.bits) /* the scored columns [0, ucol), real keys < use */
+                                for (int r = 0; r < nr; r++)
+                                    FN(rm_mods_row)(&hm, sb + r * bk, NULL, 0, ucol, use,
+                                                    kp + base,
+                                                    a->mpos ? a->mpos + qa + r0 + r : NULL);
                             for (int r = 0; r < RM_R; r++) {
                                 RM_T *row = sb + r * bk;
                                 if (r < nr && mode == 1) {
@@ -532,7 +341,7 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                 for (int64_t j = use; j < ucol; j++) row[j] = -INFINITY;
                             }
                             /* the maxima from rm_qk hold unless keys were masked or padded */
-                            const int have_max = mode == 0 && ucol == use && !mods;
+                            const int have_max = mode == 0 && ucol == use && !hm.bits;
                             FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, lc + r0, ob + r0 * Dp,
                                            oc + r0 * Dp, Dp, rmax, have_max);
                             FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp,

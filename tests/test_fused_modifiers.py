@@ -14,20 +14,29 @@ The backward tiles likewise: call by call equal to the numpy tile's gradients, a
 within the suite's backward rule (three times the float32 dense peer's error, plus the
 budget of a float32 lse) of :func:`ringmpi.reference.attention_backward` with the
 modifiers (softcap's dS includes tanh's derivative).
+
+The seam (issue 21): the tiles take the modifiers as the parameter block of
+:func:`ringmpi.scoremods.pack` (kernel arguments ``(mods, mparam, mpos)``); the C header's
+slots match the registry, unknown keywords and slots a build lacks are refused, and
+builds from before the seam (jobs/kernel_ab.py's baselines) still run plain calls.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import ringmpi
-from ringmpi import reference
+from ringmpi import reference, scoremods
 from ringmpi.cpu import build, fused, fused_backward
 from ringmpi.cpu import numpy_tile as spec
+from ringmpi.kernel_files import kernel_path
 from ringmpi.mask import make_mask
 from ringmpi.partition import positions
 from ringmpi.softmax import finalize, init_state
@@ -271,3 +280,109 @@ def test_backward_matches_numpy_tile_and_reference(mask_name, mod_name, dtype):
                 extra = 0.0 if p is None else lse_budget(lse.astype(dtype), lse, ref[i])
                 what = f"{t} {layout} {mask_name} {mod_name}: {name}"
                 assert_close(MPI.COMM_SELF, got[i], ref[i], p, what, factor=3.0, extra=extra)
+
+
+def _small(dtype=np.float32):
+    """Tile arguments of one small causal call: (q, k, v, pos, state, backward extras)."""
+    q, k, v, mask, _, _ = _problem("causal", "both", dtype)
+    pos = np.arange(mask.nq, dtype=np.int64)
+    qi, ki, vi = _heads(q, pos), _heads(k, pos), _heads(v, pos)
+    st = init_state(qi.shape, dtype)
+    out, lse = finalize(*st)
+    extra = (qi, lse, np.zeros(lse.shape, dtype))  # dout, lse, delta (values do not matter)
+    return qi, ki, vi, pos, st, extra
+
+
+def test_header_slots_match_the_registry():
+    """kernels/cpu_simd_type.h: RM_NMODS and RM_MOD_<KEYWORD> as ringmpi.scoremods says;
+    every build reports all the registered slots (rm_tile_mods, rm_backward_mods)."""
+    text = kernel_path("cpu_simd_type.h").read_text()
+    defs = {k: int(v) for k, v in re.findall(r"#define (RM_NMODS|RM_MOD_\w+) +(\d+)", text)}
+    assert defs.pop("RM_NMODS") == scoremods.NMODS
+    assert defs == {f"RM_MOD_{m.keyword.upper()}": m.slot for m in scoremods.MODS}
+    every = sum(1 << m.slot for m in scoremods.MODS)
+    for isa in ISAS:
+        assert fused.load(isa).mods == every
+        assert fused_backward.LOADER.load(isa).mods == every
+
+
+def test_unknown_modifier_keyword_is_a_type_error():
+    """A keyword that is no score modifier: TypeError from scoremods.pack, in both tiles."""
+    qi, ki, vi, pos, st, (do, lse, delta) = _small()
+    kern, lib = fused.load(ISAS[0]), _bw_lib(ISAS[0])
+    with pytest.raises(TypeError, match="unknown score modifier keyword 'sofcap'"):
+        kern.forward_tile(qi, ki, vi, pos, pos, *st, scale=0.2, causal=True, sofcap=3.0)
+    grads = (np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(vi))
+    with pytest.raises(TypeError, match="unknown score modifier keyword 'sofcap'"):
+        fused_backward.backward_tile_with(
+            lib, qi, ki, vi, do, lse, delta, pos, pos, *grads, scale=0.2, causal=True, sofcap=3.0
+        )
+
+
+def test_a_build_without_a_slot_refuses_it(monkeypatch):
+    """A build that lacks a slot (Library.mods) refuses that modifier, runs the others."""
+    qi, ki, vi, pos, st, (do, lse, delta) = _small()
+    kern, lib = fused.load(ISAS[0]), _bw_lib(ISAS[0])
+    softcap_only = 1 << next(m.slot for m in scoremods.MODS if m.keyword == "softcap")
+    monkeypatch.setattr(kern, "mods", softcap_only)
+    monkeypatch.setattr(lib, "ringmpi_mods", softcap_only)
+    alibi = (SLOPES, pos)
+    with pytest.raises(ValueError, match="without the score modifiers alibi_slopes"):
+        kern.forward_tile(qi, ki, vi, pos, pos, *st, scale=0.2, causal=True, alibi=alibi)
+    grads = (np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(vi))
+    with pytest.raises(ValueError, match="without the score modifiers alibi_slopes"):
+        fused_backward.backward_tile_with(
+            lib, qi, ki, vi, do, lse, delta, pos, pos, *grads, scale=0.2, causal=True,
+            alibi=alibi,
+        )  # fmt: skip
+    kern.forward_tile(qi, ki, vi, pos, pos, *st, scale=0.2, causal=True, softcap=CAP)
+
+
+#: the last revision whose kernels take (softcap, slopes, apos) instead of (mods, mparam, mpos)
+BEFORE_SEAM = "0b83dfe"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True).stdout
+
+
+def test_builds_from_before_the_seam_run_plain_calls(tmp_path, monkeypatch):
+    """jobs/kernel_ab.py's baselines: a build of the kernels before the seam runs plain calls
+    (the same bits as the current build) and refuses every modifier."""
+    try:
+        names = _git("ls-tree", "--name-only", f"{BEFORE_SEAM}:kernels").decode().split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"revision {BEFORE_SEAM} is not in this checkout")
+    for name in names:
+        if name.endswith((".c", ".h")):
+            (tmp_path / name).write_bytes(_git("show", f"{BEFORE_SEAM}:kernels/{name}"))
+    isa = ISAS[0]
+    monkeypatch.setenv("RINGMPI_KERNEL_DIR", str(tmp_path))
+    old_fwd = fused.Kernel(build.build_library("cpu_tile.c", isa))
+    old_bwd = fused_backward.BackwardKernel(build.build_library("cpu_backward.c", isa))
+    monkeypatch.delenv("RINGMPI_KERNEL_DIR")
+    assert old_fwd.mods == 0 and old_bwd.mods == 0
+    qi, ki, vi, pos, st, _ = _small()
+    states, grads = [], []
+    for fwd, bwd in ((old_fwd, old_bwd), (fused.load(isa), fused_backward.LOADER.load(isa))):
+        s = tuple(a.copy() for a in st)
+        fwd.forward_tile(qi, ki, vi, pos, pos, *s, scale=0.2, causal=True)
+        out, lse = fwd.finalize(*s)
+        g = (np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(vi))
+        delta = (qi * out).sum(-1)
+        fused_backward.backward_tile_with(
+            bwd, qi, ki, vi, qi, lse, delta, pos, pos, *g, scale=0.2, causal=True
+        )
+        states.append(s)
+        grads.append(g)
+    for a, b in zip(states[0] + grads[0], states[1] + grads[1]):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="without the score modifiers softcap"):
+        old_fwd.forward_tile(qi, ki, vi, pos, pos, *st, scale=0.2, causal=True, softcap=CAP)
+    g = (np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(vi))
+    with pytest.raises(ValueError, match="without the score modifiers alibi_slopes"):
+        fused_backward.backward_tile_with(
+            old_bwd, qi, ki, vi, qi, lse, delta, pos, pos, *g, scale=0.2, causal=True,
+            alibi=(SLOPES, pos),
+        )  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .. import softmax
+from .. import scoremods, softmax
 from . import numpy_tile
 from .build import ISAS, build_library, host_isas
 from .isa import l2_bytes
@@ -32,9 +32,9 @@ from .loader import (
     Loader,
     TileArgs,
     check_bounds,
-    check_modifiers,
+    check_mods,
     cuts,
-    modifier_keywords,
+    mod_arrays,
     progress_callback,
     ptr,
 )
@@ -56,8 +56,6 @@ __all__ = [
     "BLOCK_K",
     "CHUNK_Q",
     "LOADER",
-    "check_modifiers",
-    "modifier_keywords",
 ]
 
 #: query rows per block inside the kernel (rounded up to whole register strips). The packed
@@ -87,17 +85,22 @@ class Kernel(Library):
         """Declare the tile's entry points; check ``rm_tile_args`` against :class:`TileArgs`."""
         lib.rm_tile_args_size.restype = ctypes.c_int64
         size = lib.rm_tile_args_size()
-        # a build from before the score modifiers (jobs/kernel_ab.py's baseline) reads the
-        # fields up to `hi` only: it runs plain calls and refuses modifiers
-        self.modifiers = size == ctypes.sizeof(TileArgs)
-        if not self.modifiers and size != TileArgs.softcap.offset:
+        # A build from before the score modifiers (jobs/kernel_ab.py's baseline) reads the
+        # fields up to `hi` only; one from before the modifier seam has three fields of the
+        # same size there, which a plain call's zeros (mods 0, NULL) leave off. Both run
+        # plain calls only (mods = 0: every modifier refused).
+        if size not in (ctypes.sizeof(TileArgs), TileArgs.mods.offset):
             raise RuntimeError(f"{self.path}: rm_tile_args does not match loader.TileArgs")
+        self.mods = 0
+        if size == ctypes.sizeof(TileArgs) and hasattr(lib, "rm_tile_mods"):
+            lib.rm_tile_mods.restype = ctypes.c_uint
+            self.mods = int(lib.rm_tile_mods())
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for sfx in ("f32", "f64"):
             fn = getattr(lib, f"rm_forward_tile_{sfx}")
             fn.restype = i64
             fn.argtypes = [ctypes.POINTER(TileArgs)]
-            if self.modifiers:
+            if hasattr(lib, f"rm_tanh_array_{sfx}"):
                 th = getattr(lib, f"rm_tanh_array_{sfx}")
                 th.restype = None
                 th.argtypes = [p, p, i64]
@@ -120,8 +123,7 @@ class Kernel(Library):
         causal: bool,
         progress: Optional[Callable[[], None]] = None,
         bounds: Optional[tuple] = None,
-        softcap: Optional[float] = None,
-        alibi: Optional[tuple] = None,
+        **modifiers,
     ) -> int:
         """Fold one K/V block into the online-softmax state with this kernel.
 
@@ -137,7 +139,7 @@ class Kernel(Library):
         if not ok:
             return numpy_tile.forward_tile(
                 q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-                bounds=bounds, **modifier_keywords(softcap, alibi),
+                bounds=bounds, **modifiers,
             )  # fmt: skip
         bsz, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
@@ -151,9 +153,9 @@ class Kernel(Library):
         q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
         k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
         lo, hi = check_bounds(bounds, sq)
-        cap, slopes, apos = check_modifiers(softcap, alibi, h, sq)
-        if not self.modifiers and (cap or slopes is not None):
-            raise ValueError(f"{self.path}: a build without the score modifiers")
+        mods = scoremods.pack(modifiers, h, sq)  # ValueError / TypeError: bad modifiers
+        check_mods(mods, self.mods, self.path)
+        bits, mparam, mpos = mod_arrays(mods, h, sq)
         qc, kc = cuts(q_pos), cuts(k_pos)
         fn = self._lib.rm_forward_tile_f32 if dt == np.float32 else self._lib.rm_forward_tile_f64
         # keys per block: packed K and V blocks (2 * bk * D elements) well within L2; a
@@ -170,7 +172,7 @@ class Kernel(Library):
             qcuts=ptr(qc), kcuts=ptr(kc), nqcuts=len(qc), nkcuts=len(kc),
             scale=float(scale), causal=int(bool(causal)), bq=BLOCK_Q, bk=bk,
             progress=cb, chunk=CHUNK_Q * bsz * h, lo=ptr(lo), hi=ptr(hi),
-            softcap=cap, slopes=ptr(slopes), apos=ptr(apos),
+            mods=bits, mparam=ptr(mparam), mpos=ptr(mpos),
         )  # fmt: skip
         f = fn(ctypes.byref(args))
         if errors:
@@ -182,7 +184,9 @@ class Kernel(Library):
         return int(f)
 
     def tanh(self, x: np.ndarray) -> np.ndarray:
-        """The kernel's own vector tanh (softcap's) over a float32/float64 array, for tests.
+        """The kernel's own vector tanh (the score modifiers') over a float32/float64 array.
+
+        For the accuracy tests.
 
         Parameters
         ----------
@@ -287,8 +291,7 @@ def forward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
-    softcap: Optional[float] = None,
-    alibi: Optional[tuple] = None,
+    **modifiers,
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (fused C kernel).
 
@@ -305,20 +308,21 @@ def forward_tile(
     numpy tile's; under a mask it is usually below the numpy tile's count (which counts
     whole 256 x 256 blocks).
 
-    The score modifiers of :mod:`ringmpi.tile` run in the kernel on every ISA path:
-    ``softcap`` (s -> softcap * tanh(s / softcap), a vector tanh within a few ulps) and
-    ``alibi=(slopes (H,), qa (Sq,))`` (s += -slopes[h] * abs(qa[i] - k_pos[j])), both before
-    the mask; hidden keys stay hidden and skipped blocks stay skipped.
+    The score modifiers (``**modifiers``: the tile keywords of :mod:`ringmpi.tile`, packed
+    by :func:`ringmpi.scoremods.pack`, which refuses bad values with ValueError and unknown
+    keywords with TypeError) run in the kernel on every ISA path, in slot order before the
+    mask (their math: kernels/cpu_simd_type.h; transcendental ones by the kernel's vector
+    functions, within a few ulps); hidden keys stay hidden and skipped blocks stay skipped.
     """
     kern = _default_kernel()
     if kern is None:
         return numpy_tile.forward_tile(
             q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-            bounds=bounds, **modifier_keywords(softcap, alibi),
+            bounds=bounds, **modifiers,
         )  # fmt: skip
     return kern.forward_tile(
         q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-        bounds=bounds, softcap=softcap, alibi=alibi,
+        bounds=bounds, **modifiers,
     )  # fmt: skip
 
 

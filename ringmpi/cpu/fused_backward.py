@@ -24,15 +24,16 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from .. import scoremods
 from . import numpy_tile as _spec
 from .loader import (
     PROGRESS,
     Library,
     Loader,
     check_bounds,
-    check_modifiers,
+    check_mods,
     cuts,
-    modifier_keywords,
+    mod_arrays,
     progress_callback,
     ptr,
 )
@@ -74,18 +75,28 @@ class BackwardKernel(Library):
     WIDTH_SYMBOL = "rm_backward_simd_width_bytes"
 
     def declare(self, lib: ctypes.CDLL) -> None:
-        """Declare ``rm_backward_tile_f32/_f64`` (positional arguments) on ``lib``."""
+        """Declare ``rm_backward_tile_f32/_f64`` (positional arguments) on ``lib``.
+
+        Sets ``lib.ringmpi_mods`` (the build's score-modifier slots, :attr:`mods`) and
+        ``lib.ringmpi_plain`` (the trailing arguments of a call without modifiers).
+        """
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        # builds from before the score modifiers (jobs/kernel_ab.py's baseline) lack them
-        self.modifiers = hasattr(lib, "rm_backward_modifiers")
+        # The modifier arguments (mods, mparam, mpos) come last. Builds from before the
+        # modifier seam end in three others, builds from before the score modifiers
+        # (jobs/kernel_ab.py's baselines) in none: both run plain calls only.
+        self.mods, tail, plain = 0, [], ()
+        if hasattr(lib, "rm_backward_mods"):
+            lib.rm_backward_mods.restype = ctypes.c_uint
+            self.mods = int(lib.rm_backward_mods())
+            tail, plain = [ctypes.c_uint, p, p], (0, None, None)
+        elif hasattr(lib, "rm_backward_modifiers"):
+            tail, plain = [ctypes.c_double, p, p], (0.0, None, None)
         for sfx in ("f32", "f64"):
             fn = getattr(lib, f"rm_backward_tile_{sfx}")
             fn.restype = i64
             fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, p, p, ctypes.c_double]
-            fn.argtypes += [ctypes.c_int, i64, i64, PROGRESS, i64]
-            if self.modifiers:
-                fn.argtypes += [ctypes.c_double, p, p]
-        lib.ringmpi_modifiers = self.modifiers
+            fn.argtypes += [ctypes.c_int, i64, i64, PROGRESS, i64] + tail
+        lib.ringmpi_mods, lib.ringmpi_plain = self.mods, plain
 
 
 #: the builds of the backward tile per ISA path and the default one (no stderr line of its
@@ -204,8 +215,7 @@ def backward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
-    softcap: Optional[float] = None,
-    alibi: Optional[tuple] = None,
+    **modifiers,
 ) -> int:
     """Add the gradients from one (query block, K/V block) pair, in place (fused C kernel).
 
@@ -241,10 +251,10 @@ def backward_tile(
         Masks beyond causal: key j is visible to query i iff lo[i] <= k_pos[j] <= hi[i]
         (global key positions; lo > hi: no visible key). They replace ``causal``, which
         :meth:`ringmpi.mask.Mask.bounds` folds in.
-    softcap : float, optional
-        Scores become softcap * tanh(score / softcap) (dS then gains 1 - tanh^2).
-    alibi : (slopes (H,), qa (Sq,)), optional
-        ALiBi: the score gains -slopes[h] * abs(qa[i] - k_pos[j]) (no gradient term).
+    **modifiers
+        The score modifiers, as the tile keywords of :mod:`ringmpi.tile` (packed by
+        :func:`ringmpi.scoremods.pack`: ValueError for bad values, TypeError for unknown
+        keywords); dS gains the product of their derivatives d s'/d s.
 
     Returns
     -------
@@ -256,8 +266,7 @@ def backward_tile(
     kern = LOADER.default()
     return backward_tile_with(
         kern, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-        scale=scale, causal=causal, progress=progress, bounds=bounds, softcap=softcap,
-        alibi=alibi,
+        scale=scale, causal=causal, progress=progress, bounds=bounds, **modifiers,
     )  # fmt: skip
 
 
@@ -280,8 +289,7 @@ def backward_tile_with(
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
     count: str = "spec",
-    softcap: Optional[float] = None,
-    alibi: Optional[tuple] = None,
+    **modifiers,
 ) -> int:
     """:func:`backward_tile` with an explicit library (:func:`open_library`, or a
     :class:`BackwardKernel`); None: the numpy tile.
@@ -303,8 +311,7 @@ def backward_tile_with(
     if not ok:
         return _spec.backward_tile(
             q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-            scale=scale, causal=causal, progress=progress, bounds=bounds,
-            **modifier_keywords(softcap, alibi),
+            scale=scale, causal=causal, progress=progress, bounds=bounds, **modifiers,
         )  # fmt: skip
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -327,12 +334,10 @@ def backward_tile_with(
         if tuple(a.shape) != want:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want}")
     lo, hi = check_bounds(bounds, sq)  # (None, None) without bounds
-    cap, slopes, apos = check_modifiers(softcap, alibi, h, sq)
-    mods = (cap, ptr(slopes), ptr(apos))
-    if not lib.ringmpi_modifiers:
-        if cap or slopes is not None:
-            raise ValueError(f"{lib._name}: a build without the score modifiers")
-        mods = ()
+    mods = scoremods.pack(modifiers, h, sq)  # ValueError / TypeError: bad modifiers
+    check_mods(mods, lib.ringmpi_mods, lib._name)
+    bits, mparam, mpos = mod_arrays(mods, h, sq)
+    tail = (bits, ptr(mparam), ptr(mpos)) if bits else lib.ringmpi_plain
     if sq == 0 or sk == 0 or bsz == 0 or d == 0:
         return 0
     q, k, v, dout, lse, delta = (
@@ -348,7 +353,7 @@ def backward_tile_with(
         ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(q_pos),
         ptr(k_pos), ptr(dq), ptr(dk), ptr(dv), bsz, h, hkv, sq, sk, d,
         ptr(qc), len(qc), ptr(kc), len(kc), ptr(lo), ptr(hi),
-        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS, *mods,
+        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS, *tail,
     )  # fmt: skip
     if errors:
         raise errors[0]

@@ -12,8 +12,10 @@ are compiled per ISA path by :func:`ringmpi.cpu.build.build_library` and loaded 
   next narrower one, and when none builds the callers use the numpy tiles);
 * the C side's calling conventions: :class:`TileArgs` (the forward's argument struct),
   :data:`PROGRESS` and :func:`progress_callback` (the progress callback that stops a
-  kernel and re-raises its exception), and the argument checks both tiles apply
-  (:func:`cuts`, :func:`check_bounds`, :func:`check_modifiers`).
+  kernel and re-raises its exception), the argument checks both tiles apply
+  (:func:`cuts`, :func:`check_bounds`) and the score modifiers' three kernel arguments
+  (:func:`mod_arrays`: ``(mods, mparam, mpos)`` of a :class:`ringmpi.scoremods.TileMods`,
+  :func:`check_mods`: refused when a build lacks one of them).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..partition import runs
+from ..scoremods import NMODS, TileMods
 from .build import build_library, host_isas, isa_setting, load_verified, resolve_isa
 
 __all__ = [
     "PROGRESS", "TileArgs", "Library", "Loader", "ptr", "cuts", "check_bounds",
-    "check_modifiers", "modifier_keywords", "progress_callback",
+    "mod_arrays", "check_mods", "progress_callback",
 ]  # fmt: skip
 
 #: ``int progress(void)``: a nonzero return stops the kernel call
@@ -71,9 +74,9 @@ class TileArgs(ctypes.Structure):
         ("chunk", ctypes.c_int64),
         ("lo", ctypes.c_void_p),
         ("hi", ctypes.c_void_p),
-        ("softcap", ctypes.c_double),
-        ("slopes", ctypes.c_void_p),
-        ("apos", ctypes.c_void_p),
+        ("mods", ctypes.c_uint32),
+        ("mparam", ctypes.c_void_p),
+        ("mpos", ctypes.c_void_p),
     ]
 
 
@@ -128,51 +131,49 @@ def check_bounds(bounds: Optional[tuple], sq: int) -> tuple:
     return tuple(out)
 
 
-def check_modifiers(softcap, alibi, h: int, sq: int) -> tuple:
-    """Validated score modifiers for the C tiles: (softcap or 0.0, slopes or None, qa or None).
+def mod_arrays(mods: Optional[TileMods], h: int, sq: int) -> tuple:
+    """The score modifiers' kernel arguments ``(mods, mparam, mpos)`` as (int, arrays).
+
+    ``mparam`` (H, NMODS) float64 and ``mpos`` (Sq,) int64 are C-contiguous (or None: a
+    NULL pointer); the caller keeps them alive while the kernel runs and passes
+    :func:`ptr` of each. Without modifiers: ``(0, None, None)``.
 
     Parameters
     ----------
-    softcap : float, optional
-        Finite and > 0 (scores become softcap * tanh(score / softcap)).
-    alibi : (slopes (H,), qa (Sq,)), optional
-        Finite per-query-head slopes and the query rows' int64 ALiBi positions (in key
-        coordinates, see :mod:`ringmpi.tile`).
+    mods : TileMods, optional
+        The block of :func:`ringmpi.scoremods.pack` for this call.
     h, sq : int
-        Query heads and query rows of the tile.
+        Query heads and query rows of the tile (the kernels read ``mparam`` rows
+        ``0..h-1`` and ``mpos[0..sq-1]``).
     """
-    cap = 0.0
-    if softcap is not None:
-        cap = float(softcap)
-        if not (np.isfinite(cap) and cap > 0):
-            raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
-    if alibi is None:
-        return cap, None, None
-    try:
-        slopes, qa = alibi
-    except (TypeError, ValueError):
-        raise ValueError("alibi must be a pair (slopes (H,), qa (Sq,))") from None
-    slopes = np.ascontiguousarray(slopes, dtype=np.float64)
-    qa = np.asarray(qa)
-    if slopes.shape != (h,) or not np.isfinite(slopes).all():
-        raise ValueError(f"alibi slopes must be {h} finite numbers (one per query head)")
-    if qa.shape != (sq,) or not np.issubdtype(qa.dtype, np.integer):
-        raise ValueError(f"alibi positions must be an integer array of shape ({sq},)")
-    return cap, slopes, np.ascontiguousarray(qa, dtype=np.int64)
+    if mods is None or not mods.bits:
+        return 0, None, None
+    params = np.ascontiguousarray(mods.params, dtype=np.float64)
+    if params.shape != (h, NMODS):
+        raise ValueError(f"score modifier parameters {params.shape}, expected ({h}, {NMODS})")
+    qpos = mods.qpos
+    if qpos is not None:
+        qpos = np.ascontiguousarray(qpos, dtype=np.int64)
+        if qpos.shape != (sq,):
+            raise ValueError(f"score modifier positions {qpos.shape}, expected ({sq},)")
+    return int(mods.bits), params, qpos
 
 
-def modifier_keywords(softcap, alibi) -> dict:
-    """The modifier keywords to hand to the numpy tile: only those that are set.
+def check_mods(mods: Optional[TileMods], have: int, what) -> None:
+    """ValueError when ``mods`` uses a slot that a build lacks.
 
     Parameters
     ----------
-    softcap : float, optional
-    alibi : (slopes (H,), qa (Sq,)), optional
+    mods : TileMods, optional
+    have : int
+        The build's slots (bit ``slot`` set: implemented; 0 for builds from before the
+        score modifiers, such as jobs/kernel_ab.py's baselines).
+    what : object
+        The build, for the message.
     """
-    kw = {} if softcap is None else {"softcap": softcap}
-    if alibi is not None:
-        kw["alibi"] = alibi
-    return kw
+    if mods is not None and mods.bits & ~have:
+        lack = [m.field for m in mods.active() if not have >> m.slot & 1]
+        raise ValueError(f"{what}: a build without the score modifiers {', '.join(lack)}")
 
 
 def progress_callback(progress: Optional[Callable[[], None]]) -> tuple:
@@ -218,13 +219,14 @@ class Library:
         The shared library.
     simd_width : int
         Vector width in bytes (64, 32, or 0 for scalar).
-    modifiers : bool
-        Whether the build takes the score modifiers (set by :meth:`declare`; builds from
-        before them, such as jobs/kernel_ab.py's baselines, do not).
+    mods : int
+        The score-modifier slots the build implements (bit ``slot`` set; set by
+        :meth:`declare`; 0 for builds from before the modifier seam, such as
+        jobs/kernel_ab.py's baselines, which run plain calls only).
     """
 
     SOURCE = ""
-    modifiers = False
+    mods = 0
     ISA_SYMBOL = ""
     WIDTH_SYMBOL = ""
 
