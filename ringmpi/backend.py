@@ -174,9 +174,13 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
     cd = numpy_tile.compute_dtype
     fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7))
     notes = [f"forward: fused C ({fused.isa()})"]
+    # the modifiers each build applies (its slots): the others are refused up front
+    fmods = scoremods.fields_of(fused.LOADER.default().mods)
+    bmods = scoremods.names()  # (the numpy backward tile applies every one)
     if fused_backward.available():
         bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10))
         notes.append(f"backward: fused C ({_ISA.get(fused_backward.simd_width(), '?')})")
+        bmods = scoremods.fields_of(fused_backward.LOADER.default().mods)
         missing = ""
     else:
         reason = str(fused_backward.unavailable_reason()).strip().splitlines()[0]
@@ -187,6 +191,7 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         "fused", np, fwd, bwd, cd, cd, Ring, _CPU_DTYPES,
         finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
         notes=tuple(notes), backward_missing=missing or "no backward tile",
+        forward_mods=fmods, backward_mods=bmods,
     )  # fmt: skip
 
 

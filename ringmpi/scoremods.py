@@ -126,6 +126,11 @@ def names() -> tuple:
     return tuple(m.field for m in sorted(MODS, key=lambda m: m.slot))
 
 
+def fields_of(bits: int) -> tuple:
+    """The spec fields of the slots set in ``bits`` (what a kernel build reports it applies)."""
+    return tuple(m.field for m in sorted(MODS, key=lambda m: m.slot) if bits >> m.slot & 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class TileMods:
     """The parameter block of one tile call (module docstring); build it with :func:`pack`."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -115,3 +118,50 @@ def test_of_spec_and_tile_keywords():
         "softcap": 2.0
     }
     assert not called  # positions are only computed for a position modifier
+
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def _defines(path: Path) -> dict:
+    """``#define NAME <int>`` lines of a header: name -> value."""
+    out = {}
+    for m in re.finditer(r"^\s*#define\s+(RM_N?MODS?\w*)\s+(\d+)\b", path.read_text(), re.M):
+        out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def test_c_header_slots_match_the_registry():
+    """kernels/cpu_simd_type.h numbers every registered slot as scoremods does."""
+    got = _defines(KERNELS / "cpu_simd_type.h")
+    assert got.get("RM_NMODS") == scoremods.NMODS
+    for m in scoremods.MODS:
+        assert got.get(f"RM_MOD_{m.keyword.upper()}") == m.slot, (m.field, got)
+
+
+def test_fused_builds_apply_every_registered_modifier():
+    """A registry entry the C hook does not implement fails here, not silently at run time
+    (there the loader refuses it: tests/test_fused_modifiers.py)."""
+    from ringmpi.cpu import fused, fused_backward
+
+    if not fused.available():
+        pytest.skip(f"fused kernel unavailable: {fused.unavailable_reason()}")
+    every = sum(1 << m.slot for m in scoremods.MODS)
+    for isa in fused.host_isas():
+        assert fused.load(isa).mods == every, isa
+        assert fused_backward.LOADER.load(isa).mods == every, isa
+    from ringmpi.backend import select
+
+    be = select(np.zeros(1))
+    assert set(be.forward_mods) == set(be.backward_mods) == set(scoremods.names())
+
+
+def test_a_build_without_a_slot_refuses_it():
+    from ringmpi.cpu.loader import check_mods
+
+    m = scoremods.pack({"softcap": 3.0, "alibi": (np.ones(H), np.arange(SQ))}, H, SQ)
+    check_mods(m, 0b11, "build")  # both implemented
+    check_mods(None, 0, "build")  # nothing asked
+    with pytest.raises(ValueError, match="without the score modifiers softcap$"):
+        check_mods(m, 0b10, "build")
+    assert scoremods.fields_of(0b10) == ("alibi_slopes",) and scoremods.fields_of(0) == ()
