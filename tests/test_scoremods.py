@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -120,36 +117,9 @@ def test_of_spec_and_tile_keywords():
     assert not called  # positions are only computed for a position modifier
 
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-
-
-def _defines(path: Path) -> dict:
-    """``#define NAME <int>`` lines of a header: name -> value."""
-    out = {}
-    for m in re.finditer(r"^\s*#define\s+(RM_N?MODS?\w*)\s+(\d+)\b", path.read_text(), re.M):
-        out[m.group(1)] = int(m.group(2))
-    return out
-
-
-def test_c_header_slots_match_the_registry():
-    """kernels/cpu_simd_type.h numbers every registered slot as scoremods does."""
-    got = _defines(KERNELS / "cpu_simd_type.h")
-    assert got.get("RM_NMODS") == scoremods.NMODS
-    for m in scoremods.MODS:
-        assert got.get(f"RM_MOD_{m.keyword.upper()}") == m.slot, (m.field, got)
-
-
-def test_fused_builds_apply_every_registered_modifier():
-    """A registry entry the C hook does not implement fails here, not silently at run time
-    (there the loader refuses it: tests/test_fused_modifiers.py)."""
-    from ringmpi.cpu import fused, fused_backward
-
-    if not fused.available():
-        pytest.skip(f"fused kernel unavailable: {fused.unavailable_reason()}")
-    every = sum(1 << m.slot for m in scoremods.MODS)
-    for isa in fused.host_isas():
-        assert fused.load(isa).mods == every, isa
-        assert fused_backward.LOADER.load(isa).mods == every, isa
+def test_backends_list_every_registered_modifier():
+    """The fused backend's capabilities come from its builds' slots
+    (tests/test_fused_modifiers.py checks the header and the builds against the registry)."""
     from ringmpi.backend import select
 
     be = select(np.zeros(1))
