@@ -18,17 +18,15 @@
 //             key j iff row_lo[i] <= k_pos[j] <= row_hi[i]; null row_lo/row_hi:
 //             causal or every key), the block plan over q blocks of BM rows
 //             and k blocks of BN keys of the kernel
-//   softcap, slopes, apos : the score modifiers, last arguments of every kernel,
-//             as in attention_fwd.cu (softcap > 0, else none; slopes (H,)
-//             float64 or null; apos (Sq,) int64 ALiBi positions of the rows)
+//   mods, mparam, mpos : the score modifiers, last arguments of every kernel, as in
+//             attention_fwd.cu (bits of the active slots, 0: none; (H, RM_NMODS)
+//             float64 parameters or null; the rows' positions (Sq,) int64 or null)
 //
-// For one head, with x_ij = scale q_i.k_j and s_ij = modify_score(x_ij) (softcap
-// c tanh(x / c), then ALiBi -slope_h |apos_i - k_pos_j|), P_ij = exp(s_ij - lse_i)
-// over the visible pairs:
+// For one head, with x_ij = scale q_i.k_j and s_ij = ring_modify(x_ij) (every active
+// modifier of attention_common.cuh), P_ij = exp(s_ij - lse_i) over the visible pairs:
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta) * ds/dx,  dQ = scale dS K,
 //   dK = scale dS^T Q,
-// where ds/dx = 1 - tanh^2(x / c) = 1 - (s_c / c)^2 under a softcap (s_c the capped
-// score; softcap_apply) and 1 otherwise (ALiBi's slopes are constants).
+// where ds/dx is the modifiers' derivative (ring_modify_d; 1 without modifiers).
 // A block pair the plan marks as not live is skipped, a full one needs no
 // mask, the others are masked per element (P = 0 outside [lo, hi]). A row
 // with lse = -inf saw no key: P = exp(s - +inf) = 0, no gradient. Two
@@ -80,8 +78,8 @@ __global__ void __launch_bounds__(128, 1)
                       const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                       const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                       int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal,
-                      float softcap, const double* __restrict__ slopes,
-                      const long long* __restrict__ apos) {
+                      unsigned mods, const double* __restrict__ mparam,
+                      const long long* __restrict__ mpos) {
   constexpr int BN = 64, NTHREADS = 128, LDS = HD + 8;
   constexpr int KD = HD / 16, NTQ = BM / 8, NTO = HD / 8, CH = HD / 8;
   constexpr unsigned ROWB = LDS * sizeof(T);
@@ -184,9 +182,6 @@ __global__ void __launch_bounds__(128, 1)
   int nflush = 0;  // (q block, head) steps in the partial
 
   const float scale_log2 = scale * RING_LOG2E;
-  // modifiers in base 2 (see modify_score): the cap and the slopes times log2(e)
-  const bool alibi = slopes != nullptr, mods = softcap > 0.f || alibi;
-  const float cap2 = softcap > 0.f ? softcap * RING_LOG2E : 0.f;
   // ldmatrix row addresses: A fragments of K and V (this warp's 16 keys), B
   // fragments of Q and dO as stored (for S^T, dP^T) and transposed (for dK, dV)
   const int arow = warp * 16 + (lane & 15), acol = (lane >> 4) * 8;
@@ -241,15 +236,15 @@ __global__ void __launch_bounds__(128, 1)
     }
 
     // P^T = exp2(s - lse2) (0 where masked), dS^T = P^T (dP^T - delta) ds/dx, with
-    // s = S^T scale log2e through the modifiers and ds/dx their derivative (1 - t^2
-    // under a softcap, else 1; ALiBi's is 1)
+    // s = S^T scale log2e through the modifiers and ds/dx their derivative (1 without)
     const bool need_mask = !block_full(bounds, nqb, qb, klo_me, khi_me);
     const float* ls = Ls + stage * BM;
     const float* es = Es + stage * BM;
     const long long* pl = Pl + stage * BM;
     const long long* ph = Ph + stage * BM;
     const int q0 = qb * BM;
-    const float slope2 = alibi ? (float)slopes[hk * G + gi] * RING_LOG2E : 0.f;
+    // this step's head's modifier parameters in base 2 (score-linear ones times log2(e))
+    const RingMods<float> md = ring_mods_load(mods, mparam, hk * G + gi, RING_LOG2E);
 #pragma unroll
     for (int nt = 0; nt < NTQ; ++nt) {
 #pragma unroll
@@ -257,10 +252,9 @@ __global__ void __launch_bounds__(128, 1)
         const int col = nt * 8 + tg * 2 + (e & 1);  // query row within the block
         float x = st[nt][e] * scale_log2, dx = 1.f;
         if (mods) {
-          if (cap2 > 0.f) x = softcap_apply(x, cap2, dx);
-          // (a padding key, kp = RING_POS_MAX, gets no ALiBi term: its row is never stored)
-          if (alibi && kp[e >> 1] != RING_POS_MAX)
-            x += alibi_term(slope2, q0 + col < Sq ? apos[q0 + col] : 0LL, kp[e >> 1]);
+          // (a padding key, kp = RING_POS_MAX, gets no position term: its row is never stored)
+          const long long qa = (ring_mods_pos(mods) && q0 + col < Sq) ? mpos[q0 + col] : 0LL;
+          x = ring_modify_d(mods, md, x, qa, kp[e >> 1], dx, kp[e >> 1] != RING_POS_MAX);
         }
         float p = fast_exp2(x - ls[col]);
         if (need_mask && (kp[e >> 1] < pl[col] || kp[e >> 1] > ph[col])) p = 0.f;
@@ -316,8 +310,8 @@ __global__ void __launch_bounds__(128, 1)
                     const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
                     const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
                     const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
-                    int ld, float scale, int causal, float softcap,
-                    const double* __restrict__ slopes, const long long* __restrict__ apos) {
+                    int ld, float scale, int causal, unsigned mods,
+                    const double* __restrict__ mparam, const long long* __restrict__ mpos) {
   constexpr int BM = 64, NTHREADS = 128, LDS = HD + 8;
   constexpr int KD = HD / 16, NTS = BN / 8, NTO = HD / 8, CH = HD / 8;
   constexpr unsigned ROWB = LDS * sizeof(T);
@@ -402,15 +396,14 @@ __global__ void __launch_bounds__(128, 1)
   int nflush = 0;  // key blocks in the partial
 
   const float scale_log2 = scale * RING_LOG2E;
-  // modifiers in base 2 (see modify_score): the cap and this head's slope times log2(e)
-  const bool alibi = slopes != nullptr, mods = softcap > 0.f || alibi;
-  const float cap2 = softcap > 0.f ? softcap * RING_LOG2E : 0.f;
-  const float slope2 = alibi ? (float)slopes[h] * RING_LOG2E : 0.f;
-  long long qar[2];  // ALiBi positions of this thread's two rows
+  // this head's modifier parameters in base 2 (score-linear ones times log2(e))
+  __shared__ RingMods<float> md;
+  if (tid == 0) md = ring_mods_load(mods, mparam, h, RING_LOG2E);
+  long long qar[2];  // modifier positions (mpos) of this thread's two rows
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = q0 + warp * 16 + gr + 8 * r;
-    qar[r] = (alibi && row < Sq) ? apos[row] : 0;
+    qar[r] = (ring_mods_pos(mods) && row < Sq) ? mpos[row] : 0;
   }
   const int arow = warp * 16 + (lane & 15), acol = (lane >> 4) * 8;
   const unsigned q_a = smem_addr(Qs + arow * LDS + acol), o_a = smem_addr(Os + arow * LDS + acol);
@@ -454,7 +447,7 @@ __global__ void __launch_bounds__(128, 1)
     }
 
     // dS = P (dP - delta) ds/dx, P = exp2(s - lse2), 0 where masked; s = S scale log2e
-    // through the modifiers, ds/dx their derivative (1 - t^2 under a softcap, else 1)
+    // through the modifiers, ds/dx their derivative (1 without)
     const int k0 = kb * BN;
     const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
     const bool partial = k0 + BN > Sk;
@@ -464,9 +457,9 @@ __global__ void __launch_bounds__(128, 1)
       for (int e = 0; e < 4; ++e) {
         const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
         float x = s[nt][e] * scale_log2, dx = 1.f;
-        if (mods) {
-          if (cap2 > 0.f) x = softcap_apply(x, cap2, dx);
-          if (alibi) x += alibi_term(slope2, qar[e >> 1], kj < Sk ? k_pos[kj] : 0LL);
+        if (mods) {  // key positions only for position modifiers
+          const long long kp = (ring_mods_pos(mods) && kj < Sk) ? k_pos[kj] : 0LL;
+          x = ring_modify_d(mods, md, x, qar[e >> 1], kp, dx);
         }
         float p = fast_exp2(x - l2[e >> 1]);
         if (partial && kj >= Sk) p = 0.f;
@@ -526,8 +519,8 @@ __global__ void __launch_bounds__(256, 1)
                        const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                        const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                        int H, int Hkv, int Sq, int Sk, int D, int ld, A scale, int causal,
-                       A softcap, const double* __restrict__ slopes,
-                       const long long* __restrict__ apos) {
+                       unsigned mods, const double* __restrict__ mparam,
+                       const long long* __restrict__ mpos) {
   constexpr int NTHREADS = 256, LD = DMAX + 1, LP = BM + 1;
   constexpr int RN = BN / 16, RM = BM / 16, RD = DMAX / 16;
   static_assert(BM % 16 == 0 && BN % 16 == 0 && DMAX % 16 == 0, "tile sizes");
@@ -594,7 +587,7 @@ __global__ void __launch_bounds__(256, 1)
     }
   };
   int nflush = 0;  // steps in dka, dva
-  const bool alibi = slopes != nullptr, mods = softcap > zero || alibi;
+  __shared__ RingMods<A> md;  // the modifier parameters of the step's head
 
   for (; qb < nqb; qb = next_qblock(qb + 1, nqb, bounds, klo_me, khi_me)) {
     const int q0 = qb * BM;
@@ -602,8 +595,8 @@ __global__ void __launch_bounds__(256, 1)
     const bool need_mask = !block_full(bounds, nqb, qb, klo_me, khi_me);
     for (int gi = 0; gi < G; ++gi) {
       const long long qrow0 = ((long long)b * H + hk * G + gi) * Sq;
-      const A slope = alibi ? (A)slopes[hk * G + gi] : zero;
       __syncthreads();  // the previous tile's readers are done (K/V stored)
+      if (tid == 0) md = ring_mods_load(mods, mparam, hk * G + gi, (A)1);  // its parameters
       for (int i = tid; i < BM * DMAX; i += NTHREADS) {
         const int r = i / DMAX, c = i % DMAX;
         const bool ok = q0 + r < Sq && c < D;
@@ -653,12 +646,11 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int j = 0; j < RM; ++j) {
           const int qj = tx + 16 * j;
-          // the modifiers and their derivative ds/dx (1 - t^2 under a softcap, else 1)
+          // the modifiers and their derivative ds/dx (1 without)
           A x = s[i][j] * scale, dx = (A)1;
-          if (mods) {
-            if (softcap > zero) x = softcap_apply(x, softcap, dx);
-            if (alibi && kp[i] != RING_POS_MAX)  // not for a padding key (never stored)
-              x += alibi_term(slope, q0 + qj < Sq ? apos[q0 + qj] : 0LL, kp[i]);
+          if (mods) {  // no position term for a padding key (never stored)
+            const long long qa = (ring_mods_pos(mods) && q0 + qj < Sq) ? mpos[q0 + qj] : 0LL;
+            x = ring_modify_d(mods, md, x, qa, kp[i], dx, kp[i] != RING_POS_MAX);
           }
           A p = exp_acc(x - Ls[qj]);
           if (need_mask && (kp[i] < Ql[qj] || kp[i] > Qh[qj])) p = zero;
@@ -721,8 +713,8 @@ __global__ void __launch_bounds__(256, 1)
                      const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
                      const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
                      const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
-                     int ld, A scale, int causal, A softcap, const double* __restrict__ slopes,
-                     const long long* __restrict__ apos) {
+                     int ld, A scale, int causal, unsigned mods,
+                     const double* __restrict__ mparam, const long long* __restrict__ mpos) {
   constexpr int NTHREADS = 256, LD = DMAX + 1, LP = BN + 1;
   constexpr int RM = BM / 16, RN = BN / 16, RD = DMAX / 16;
   static_assert(BM % 16 == 0 && BN % 16 == 0 && DMAX % 16 == 0, "tile sizes");
@@ -756,14 +748,14 @@ __global__ void __launch_bounds__(256, 1)
     Os[r * LD + c] = ok ? to_acc<A>(dout[gq]) : zero;
   }
   A lr[RM], dl[RM], dqa[RM][RD];
-  long long rlo[RM], rhi[RM], qar[RM];  // visible keys and ALiBi position of each row
-  const bool alibi = slopes != nullptr, mods = softcap > zero || alibi;
-  const A slope = alibi ? (A)slopes[h] : zero;
+  long long rlo[RM], rhi[RM], qar[RM];  // visible keys and modifier position of each row
+  __shared__ RingMods<A> md;  // this head's modifier parameters
+  if (tid == 0) md = ring_mods_load(mods, mparam, h, (A)1);
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
     const int row = q0 + ty + 16 * i;
     const bool ok = row < Sq;
-    qar[i] = (alibi && ok) ? apos[row] : 0;
+    qar[i] = (ring_mods_pos(mods) && ok) ? mpos[row] : 0;
     lr[i] = lse_natural<A>(ok ? lse[qrow0 + row] : zero, ok);
     dl[i] = ok ? delta[qrow0 + row] : zero;
     rlo[i] = RING_POS_MAX;
@@ -832,11 +824,11 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int j = 0; j < RN; ++j) {
         const int kj = k0 + tx + 16 * j;
-        // the modifiers and their derivative ds/dx (1 - t^2 under a softcap, else 1)
+        // the modifiers and their derivative ds/dx (1 without)
         A x = s[i][j] * scale, dx = (A)1;
-        if (mods) {
-          if (softcap > zero) x = softcap_apply(x, softcap, dx);
-          if (alibi) x += alibi_term(slope, qar[i], kj < Sk ? k_pos[kj] : 0LL);
+        if (mods) {  // key positions only for position modifiers
+          const long long kp = (ring_mods_pos(mods) && kj < Sk) ? k_pos[kj] : 0LL;
+          x = ring_modify_d(mods, md, x, qar[i], kp, dx);
         }
         A p = exp_acc(x - lr[i]);
         if (kj >= Sk) {

@@ -2,11 +2,12 @@
 // types, constants, the scalar / tensor-core / async-copy helpers, the block
 // plan tests and the score modifiers.
 //
-// The score-modifier math (softcap value and derivative, the ALiBi term) is
-// RING_HD: __host__ __device__ under nvcc / NVRTC, plain inline C++ under a host
-// compiler, so tests/test_gpu_header.py compiles it with g++ and checks it
-// against numpy (the only part of the CUDA arithmetic that runs without a GPU).
-// Everything else here is device code, compiled only by nvcc / NVRTC.
+// The score-modifier math (the slots, RingMods, ring_mods_load, ring_modify,
+// ring_modify_d and the softcap / ALiBi helpers under them) is RING_HD: __host__
+// __device__ under nvcc / NVRTC, plain inline C++ under a host compiler, so
+// tests/test_gpu_header.py compiles it with g++ and checks it against numpy (the
+// only part of the CUDA arithmetic that runs without a GPU). Everything else here
+// is device code, compiled only by nvcc / NVRTC.
 //
 // The loader (ringmpi/gpu/sources.py) splices this file in place of the
 // `#include "attention_common.cuh"` line of each .cu file, so NVRTC needs no
@@ -210,8 +211,33 @@ __device__ __forceinline__ void row_range(const long long* row_lo, const long lo
 #endif  // RING_DEVICE_CODE
 
 // ----------------------------------------------------------------------------
-// score modifiers (ringmpi/tile.py; the numpy tile is the spec), host and device
+// score modifiers (ringmpi/scoremods.py is the spec: registry, slots, numpy math),
+// host and device. Every kernel takes them as its last three arguments:
+//   unsigned mods          bit RM_MOD_<slot> set: that modifier applies (0: none)
+//   const double* mparam   (H, RM_NMODS) row-major: mparam[h * RM_NMODS + slot], the
+//                          parameters of query head h (null when mods == 0)
+//   const long long* mpos  (Sq,) the rows' positions in key coordinates, given (not
+//                          null) iff an active modifier reads positions (RM_POS_MODS)
+// A kernel loads the parameters of a head once (ring_mods_load; kept in registers or
+// shared memory) and sends each scaled score through ring_modify (forward) or
+// ring_modify_d (backward: also d s'/d s). The slots are applied in slot order, before
+// the mask; no kernel names a modifier. A new modifier = one slot below: its define
+// (and RM_POS_MODS if it reads positions), a RingMods field, a line in ring_mods_load
+// and its math in ring_modify / ring_modify_d.
 // ----------------------------------------------------------------------------
+#define RM_NMODS 4        // columns of mparam (scoremods.NMODS)
+#define RM_MOD_SOFTCAP 0  // s = c tanh(s / c)                 mparam[., 0] = c > 0
+#define RM_MOD_ALIBI 1    // s -= slope_h |mpos[i] - k_pos[j]|  mparam[h, 1] = slope_h
+
+// the slots whose math reads positions (mpos, k_pos): mpos is given when one is active
+#define RM_POS_MODS (1u << RM_MOD_ALIBI)
+
+// whether slot `slot` is active in the bits `mods`
+RING_HD bool ring_mod_on(unsigned mods, int slot) { return ((mods >> slot) & 1u) != 0u; }
+// whether an active modifier reads positions: the kernels load the rows' mpos and the
+// keys' positions for ring_modify only then (else they pass 0)
+RING_HD bool ring_mods_pos(unsigned mods) { return (mods & RM_POS_MODS) != 0u; }
+
 RING_HD float ring_tanh(float x) { return tanhf(x); }
 RING_HD double ring_tanh(double x) { return tanh(x); }
 
@@ -234,12 +260,49 @@ template <typename A> RING_HD A alibi_term(A slope, long long qa, long long kp) 
   return -(slope * (A)(qa > kp ? qa - kp : kp - qa));
 }
 
-// One scaled score through the modifiers: cap > 0: c tanh(x / c); then with alibi,
-// + alibi_term. The base-2 kernels pass cap and slope times log2(e).
+// The parameters of one query head in the kernel's type A, each multiplied by the
+// kernel's score unit if it is score-linear (the base-2 kernels work on x log2(e):
+// unit = log2(e); the others pass 1). 0 for an inactive slot.
+template <typename A> struct RingMods {
+  A cap;    // RM_MOD_SOFTCAP: c, times unit
+  A slope;  // RM_MOD_ALIBI: slope_h, times unit
+};
+
+// RingMods of query head h; reads mparam only for the active slots.
 template <typename A>
-RING_HD A modify_score(A x, A cap, A slope, long long qa, long long kp, bool alibi) {
-  if (cap > (A)0) x = softcap_value(x, cap);
-  if (alibi) x += alibi_term(slope, qa, kp);
+RING_HD RingMods<A> ring_mods_load(unsigned mods, const double* mparam, int h, A unit) {
+  RingMods<A> p;
+  const long long row = (long long)h * RM_NMODS;
+  p.cap = ring_mod_on(mods, RM_MOD_SOFTCAP) ? (A)mparam[row + RM_MOD_SOFTCAP] * unit : (A)0;
+  p.slope = ring_mod_on(mods, RM_MOD_ALIBI) ? (A)mparam[row + RM_MOD_ALIBI] * unit : (A)0;
+  return p;
+}
+
+// One scaled score x (times unit) of the row at position qa (mpos) and the key at
+// position kp, through every active modifier in slot order. pos = false: qa / kp are
+// no real positions (a padding key), the position terms are left out (that score is
+// never stored). qa and kp are read only by position modifiers (RM_POS_MODS).
+template <typename A>
+RING_HD A ring_modify(unsigned mods, const RingMods<A>& p, A x, long long qa, long long kp,
+                      bool pos = true) {
+  if (ring_mod_on(mods, RM_MOD_SOFTCAP)) x = softcap_value(x, p.cap);
+  if (ring_mod_on(mods, RM_MOD_ALIBI) && pos) x += alibi_term(p.slope, qa, kp);
+  return x;
+}
+
+// ring_modify, and in dx the derivative d s'/d s of the modified score: the product of
+// the active modifiers' derivatives (softcap: 1 - tanh^2(x / c); ALiBi: 1), 1 when none.
+template <typename A>
+RING_HD A ring_modify_d(unsigned mods, const RingMods<A>& p, A x, long long qa, long long kp,
+                        A& dx, bool pos = true) {
+  A d = (A)1;
+  if (ring_mod_on(mods, RM_MOD_SOFTCAP)) {
+    A g;
+    x = softcap_apply(x, p.cap, g);
+    d *= g;
+  }
+  if (ring_mod_on(mods, RM_MOD_ALIBI) && pos) x += alibi_term(p.slope, qa, kp);
+  dx = d;
   return x;
 }
 

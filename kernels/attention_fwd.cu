@@ -19,11 +19,11 @@
 //            q block j, lo_min/hi_max bound what any row sees; over all its
 //            rows, lo_max/hi_min is what every row sees; klo/khi are the
 //            min/max key position of a block of BN keys.
-//   softcap, slopes, apos : score modifiers (ringmpi/tile.py), last arguments of
-//            every kernel: softcap > 0 maps each scaled score x to
-//            softcap tanh(x / softcap); slopes (H,) float64 or null: ALiBi adds
-//            -slopes[h] |apos[i] - k_pos[j]| (apos (Sq,) int64: the rows' ALiBi
-//            positions in key coordinates), after the cap, before the mask.
+//   mods, mparam, mpos : the score modifiers (ringmpi/scoremods.py), last arguments
+//            of every kernel: the active slots' bits (0: none), their parameters
+//            (H, RM_NMODS) float64 per query head and the rows' positions (Sq,)
+//            int64 in key coordinates (or null); each scaled score goes through
+//            ring_modify of attention_common.cuh before the mask.
 //
 // For one query row with scaled scores s_j over the visible keys:
 //   m'  = max(m, max_j s_j);  m_safe = (m' == -inf) ? 0 : m'
@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(128, 1)
                  const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                  const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                  int H, int Hkv, int Sq, int Sk, int D, int ld, float scale, int causal,
-                 float softcap, const double* __restrict__ slopes,
-                 const long long* __restrict__ apos) {
+                 unsigned mods, const double* __restrict__ mparam,
+                 const long long* __restrict__ mpos) {
   constexpr int BM = 64, BN = 64, NTHREADS = 128;
   constexpr int LDS = HD + 8;    // smem row stride (elements): conflict-free fragment loads
   constexpr int KD = HD / 16;    // k-steps of S = Q K^T over the head dim
@@ -114,10 +114,10 @@ __global__ void __launch_bounds__(128, 1)
     if (q0 + r < Sq) row_range(row_lo, row_hi, q_pos, causal, q0 + r, lo, hi);
     rlo_s[r] = lo;
     rhi_s[r] = hi;
-    qa_s[r] = (slopes != nullptr && q0 + r < Sq) ? apos[q0 + r] : 0;
+    qa_s[r] = (ring_mods_pos(mods) && q0 + r < Sq) ? mpos[q0 + r] : 0;
   }
-  const bool mods = softcap > 0.f || slopes != nullptr;
-  const float slope = slopes != nullptr ? (float)slopes[h] : 0.f;
+  __shared__ RingMods<float> md;  // this head's modifier parameters
+  if (tid == 0) md = ring_mods_load(mods, mparam, h, 1.f);
   cp_wait<1>();  // Q has landed (the first K/V block may still be in flight)
   __syncthreads();
 
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(128, 1)
         if (mods) {
           const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
           const long long kp = kj < Sk ? k_pos[kj] : 0;
-          x = modify_score(x, softcap, slope, qa_s[rl + 8 * (e >> 1)], kp, slopes != nullptr);
+          x = ring_modify(mods, md, x, qa_s[rl + 8 * (e >> 1)], kp);
         }
         if (partial || need_mask) {
           const int kj = k0 + nt * 8 + tg * 2 + (e & 1);
@@ -331,8 +331,8 @@ __global__ void __launch_bounds__(128, 1)
                   const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                   const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                   const int* __restrict__ order, int B, int H, int Hkv, int Sq, int Sk, int D,
-                  int ld, float scale_log2, int causal, float softcap,
-                  const double* __restrict__ slopes, const long long* __restrict__ apos) {
+                  int ld, float scale_log2, int causal, unsigned mods,
+                  const double* __restrict__ mparam, const long long* __restrict__ mpos) {
   constexpr int BM = 128, NTHREADS = 128, MT = 2;
   constexpr int LDS = HD + 8;  // smem row stride: 8 rows of an ldmatrix hit 8 distinct 16 B banks
   constexpr int KD = HD / 16, NTS = BN / 8, NTO = HD / 8, CH = HD / 8;
@@ -341,8 +341,8 @@ __global__ void __launch_bounds__(128, 1)
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ long long rlo_s[BM], rhi_s[BM];  // visible key range of each packed row
-  __shared__ long long qa_s[BM];  // ALiBi position of each packed row
-  __shared__ float sl_s[BM];      // its head's ALiBi slope times log2(e)
+  __shared__ long long qa_s[BM];              // modifier position (mpos) of each packed row
+  __shared__ RingMods<float> md_s[BM];        // its head's modifier parameters, base 2
   __shared__ float m_in[BM];     // the max each row came in with (base 2)
   __shared__ float m_st[BM];     // the max the stored acc, l are scaled to (base 2)
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
@@ -389,13 +389,10 @@ __global__ void __launch_bounds__(128, 1)
     rlo_s[r] = lo;
     rhi_s[r] = hi;
     m_in[r] = m_st[r] = ok ? m_state[row_of(r0 + r)] * RING_LOG2E : neg_inf<float>();
-    const bool al = ok && slopes != nullptr;
-    qa_s[r] = al ? apos[(r0 + r) / G] : 0;
-    sl_s[r] = al ? (float)slopes[hk * G + (r0 + r) % G] * RING_LOG2E : 0.f;
+    qa_s[r] = (ok && ring_mods_pos(mods)) ? mpos[(r0 + r) / G] : 0;
+    // modifiers in base 2: on x log2(e), with score-linear parameters times log2(e)
+    md_s[r] = ring_mods_load(mods, mparam, hk * G + (r0 + r) % G, RING_LOG2E);
   }
-  // modifiers in base 2: t = x log2(e), so the cap is softcap log2(e) (see modify_score)
-  const bool mods = softcap > 0.f || slopes != nullptr;
-  const float cap2 = softcap > 0.f ? softcap * RING_LOG2E : 0.f;
   auto load_kv = [&](int st, int kblock) {
     T* kd = Ks + st * BN * LDS;
     T* vd = Vs + st * BN * LDS;
@@ -416,7 +413,7 @@ __global__ void __launch_bounds__(128, 1)
   // (c0/c1 of m-tile mt are row r = 0, c2/c3 row r = 1). m is kept in base 2.
   float o[MT][NTO][4];
   float mrow[MT][2], lrow[MT][2];
-  __syncthreads();  // rlo_s, rhi_s, m_in, m_st
+  __syncthreads();  // rlo_s, rhi_s, qa_s, md_s, m_in, m_st
   // The loop starts from the incoming max (so m only grows) with o = l = 0; every
   // RING_FLUSH_KEYS keys and at the end flush() adds o, l to the stored acc, l,
   // scaled by exp2(m_st - m) (m_st: the max they were last scaled to), and the
@@ -519,7 +516,7 @@ __global__ void __launch_bounds__(128, 1)
       for (int e = 0; e < 2; ++e) {
         const int kj = k0 + nt * 8 + tg * 2 + e;
         long long kp = 0;
-        if ((need_mask || slopes != nullptr) && kj < Sk) kp = k_pos[kj];
+        if ((need_mask || ring_mods_pos(mods)) && kj < Sk) kp = k_pos[kj];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -527,7 +524,7 @@ __global__ void __launch_bounds__(128, 1)
             float x = s[mt][nt][2 * r + e] * scale_log2;
             if (mods) {
               const int lr = warp * 32 + mt * 16 + r * 8 + gr;
-              x = modify_score(x, cap2, sl_s[lr], qa_s[lr], kp, slopes != nullptr);
+              x = ring_modify(mods, md_s[lr], x, qa_s[lr], kp);
             }
             if (partial || need_mask) {
               const int lr = warp * 32 + mt * 16 + r * 8 + gr;
@@ -634,8 +631,8 @@ __global__ void __launch_bounds__(256, 1)
                   const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
                   const long long* __restrict__ bounds, const long long* __restrict__ row_lo,
                   const long long* __restrict__ row_hi, int H, int Hkv, int Sq, int Sk, int D,
-                  int ld, A scale, int causal, A softcap, const double* __restrict__ slopes,
-                  const long long* __restrict__ apos) {
+                  int ld, A scale, int causal, unsigned mods,
+                  const double* __restrict__ mparam, const long long* __restrict__ mpos) {
   constexpr int NTHREADS = 256;
   constexpr int LD = DMAX + 1;  // odd stride: rows fall in different banks
   constexpr int LP = BN + 1;
@@ -675,14 +672,14 @@ __global__ void __launch_bounds__(256, 1)
   // are summed from zero (pv, rsum) and added by compensated summation
   A o[RM][RD], oc[RM][RD], mrow[RM], lrow[RM], lc[RM];
   long long rlo[RM], rhi[RM];  // visible key positions of each row (none for padding)
-  long long qar[RM];           // ALiBi position of each row
-  const bool mods = softcap > zero || slopes != nullptr;
-  const A slope = slopes != nullptr ? (A)slopes[h] : zero;
+  long long qar[RM];           // modifier position (mpos) of each row
+  __shared__ RingMods<A> md;   // this head's modifier parameters
+  if (tid == 0) md = ring_mods_load(mods, mparam, h, (A)1);
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
     const int row = q0 + ty + 16 * i;
     const bool valid = row < Sq;
-    qar[i] = (valid && slopes != nullptr) ? apos[row] : 0;
+    qar[i] = (valid && ring_mods_pos(mods)) ? mpos[row] : 0;
     mrow[i] = valid ? m_state[qrow0 + row] : neg_inf<A>();
     lrow[i] = (valid && tx == 0) ? l_state[qrow0 + row] : zero;
     lc[i] = zero;
@@ -739,7 +736,7 @@ __global__ void __launch_bounds__(256, 1)
         if (mods) {
           const int kj = k0 + tx + 16 * j;
           const long long kp = kj < Sk ? k_pos[kj] : 0;
-          x = modify_score(x, softcap, slope, qar[i], kp, slopes != nullptr);
+          x = ring_modify(mods, md, x, qar[i], kp);
         }
         if (partial || need_mask) {
           const int kj = k0 + tx + 16 * j;

@@ -162,3 +162,70 @@ def test_ring_backward_with_modifiers_on_the_gpu_backend(cupy, dtype, case):
     """ring_attention(_backward) on device arrays with softcap / ALiBi against float64 (P=1)."""
     _, mods = case
     gpucases.backward_case(cupy, self_comm(), dtype, "zigzag", True, mask=mods)
+
+
+def test_launches_are_checked_against_the_kernel_signatures(cupy, monkeypatch):
+    """Every launch is compared with the parameters parsed from kernels/*.cu.
+
+    All kernels end in (unsigned mods, const double* mparam, const long long* mpos); a
+    launch with the old (softcap, slopes, apos) tail, a dropped or mistyped argument, a
+    parameter block of the wrong shape or dtype, or positions missing (or given where no
+    active modifier uses them) is refused before the numpy tile runs.
+    """
+    from tools import standin_kernels
+
+    from ringmpi import scoremods
+    from ringmpi.gpu import kernel_args, tile
+    from ringmpi.softmax import init_state
+
+    tail = [("unsigned", "mods"), ("double*", "mparam"), ("longlong*", "mpos")]
+    sigs = standin_kernels.signatures()
+    assert len(sigs) == 7 and all(p[-3:] == tail for _, p in sigs.values()), sigs
+    rng = np.random.default_rng(5)
+    q = cupy.asarray(rng.standard_normal((1, 6, 20, 32)).astype(np.float32))  # H != NMODS
+    k, v = (cupy.asarray(rng.standard_normal((1, 2, 24, 32)).astype(np.float32)) for _ in "kv")
+    q_pos, k_pos = np.arange(4, 24, dtype=np.int64), np.arange(24, dtype=np.int64)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0, 2.0**-5, 1.0])
+
+    def call(**mods):
+        st = [cupy.asarray(a) for a in init_state(q.shape, np.float32)]
+        tile.forward_tile(q, k, v, q_pos, k_pos, *st, scale=0.2, causal=True, **mods)
+        return st
+
+    good = call(softcap=2.0, alibi=(slopes, q_pos))
+    assert not np.allclose(good[0].get(), call()[0].get())
+    real = kernel_args.modifier_args
+    null = kernel_args.NULL
+
+    def positions_dropped(m, dev):
+        bits, mparam, _ = real(m, dev)
+        return bits, mparam, null
+
+    def positions_added(m, dev):
+        bits, mparam, _ = real(m, dev)
+        return bits, mparam, cupy.asarray(q_pos)
+
+    fakes = {
+        "the old tail": (lambda m, dev: (np.float32(2.0), null, null), "mods must be uint32"),
+        "dropped": (lambda m, dev: real(m, dev)[:2], "arguments for the"),
+        "int32 bits": (lambda m, dev: (np.int32(m.bits),) + real(m, dev)[1:], "uint32"),
+        "float32 block": (lambda m, dev: (np.uint32(m.bits), cupy.asarray(
+            m.params.astype(np.float32)), real(m, dev)[2]), "mparam has dtype float32"),
+        "block (NMODS, H)": (lambda m, dev: (np.uint32(m.bits), cupy.asarray(
+            np.ascontiguousarray(m.params.T)), real(m, dev)[2]), "mparam has shape"),
+        "unknown bit": (lambda m, dev: (np.uint32(m.bits | 1 << (scoremods.NMODS - 1)),)
+                        + real(m, dev)[1:], "no modifier"),
+        "positions missing": (positions_dropped, "mpos"),
+    }  # fmt: skip
+    for fake, msg in fakes.values():
+        monkeypatch.setattr(kernel_args, "modifier_args", fake)
+        with pytest.raises(standin_kernels.LaunchError, match=msg):
+            call(softcap=2.0, alibi=(slopes, q_pos))
+    monkeypatch.setattr(kernel_args, "modifier_args", positions_added)
+    with pytest.raises(standin_kernels.LaunchError, match="no active modifier uses positions"):
+        call(softcap=2.0)
+    monkeypatch.setattr(kernel_args, "modifier_args", real)
+    for a, b in zip(call(softcap=2.0, alibi=(slopes, q_pos)), good):
+        np.testing.assert_array_equal(a.get(), b.get())
+    with pytest.raises(TypeError, match="unknown score modifier keyword 'softcapp'"):
+        call(softcapp=2.0)

@@ -11,9 +11,9 @@ contract in :mod:`ringmpi.tile`) for CuPy arrays in the head-major layout:
     bounds = (lo, hi), optional: numpy int64 arrays (Sq,); query i sees key j iff
           lo[i] <= k_pos[j] <= hi[i] (lo[i] > hi[i]: no key, and lse[i] = -inf).
           When given, ``causal`` is ignored; without it: causal or every key.
-    softcap, alibi: the score modifiers of :mod:`ringmpi.tile`, as in the forward
-          (:func:`ringmpi.gpu.tile.forward_tile`); dS goes through the softcap's
-          derivative 1 - tanh^2, ALiBi adds no gradient term.
+    **modifiers: the score modifier keywords of :mod:`ringmpi.tile` (``softcap``,
+          ``alibi``, ...), as in the forward (:func:`ringmpi.gpu.tile.forward_tile`); dS
+          goes through their derivative (:mod:`ringmpi.scoremods`).
 
 A (query block, key block) pair no row of the block sees is skipped in both
 kernels; elements outside a row's [lo, hi] get P = 0 and so no gradient; a row
@@ -39,6 +39,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import scoremods
 from . import configs, device, kernel_args, loader
 from .kernel_args import acc_dtype, to_bf16_bits
 from .sources import BACKWARD_FILES
@@ -115,8 +116,7 @@ def backward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
-    softcap: Optional[float] = None,
-    alibi: Optional[tuple] = None,
+    **modifiers,
 ) -> int:
     """Add one K/V block's gradient contributions on the GPU, in place.
 
@@ -137,12 +137,11 @@ def backward_tile(
         progress a pending exchange); without it the launches are asynchronous.
     bounds : (lo, hi), optional
         numpy int64 arrays (Sq,): query i sees key j iff lo[i] <= k_pos[j] <= hi[i].
-    softcap : float, optional
-        Scores become softcap * tanh(score / softcap) (before ALiBi and the mask); dS is
-        multiplied by 1 - tanh^2.
-    alibi : (slopes (H,), qa (Sq,)), optional
-        ALiBi: the score gains -slopes[h] * abs(qa[i] - k_pos[j]) (numpy arrays; qa int64,
-        the rows' positions in key coordinates, see :mod:`ringmpi.tile`).
+    **modifiers
+        The tiles' score modifier keywords (:mod:`ringmpi.tile`, e.g. ``softcap=c``,
+        ``alibi=(slopes (H,), qa (Sq,))``), checked and packed by
+        :func:`ringmpi.scoremods.pack` as in the forward; dS is multiplied by their
+        derivative d s'/d s (softcap: 1 - tanh^2; ALiBi: 1).
 
     Returns
     -------
@@ -163,9 +162,7 @@ def backward_tile(
     if len(q_pos) != sq or len(k_pos) != sk:
         raise ValueError("GPU backward tile: q_pos/k_pos lengths do not match Sq/Sk")
     rows = _rows(bounds, q_pos)
-    from ..cpu.fused import check_modifiers  # the same checks as the C tiles'
-
-    mods = check_modifiers(softcap, alibi, h, sq)
+    mods = scoremods.pack(modifiers, h, sq)  # the same checks as every tile's
     storage = _storage(k.dtype)
     adt = acc_dtype(k.dtype)
     for name, x, shape in (("lse", lse, q.shape[:3]), ("delta", delta, q.shape[:3])):
@@ -193,7 +190,7 @@ def backward_tile(
     row_lo, row_hi = _device_rows(rows, dev)
     fscale = np.float64(scale) if adt == np.float64 else np.float32(scale)
     tail = tuple(np.int32(x) for x in (h, hkv, sq, sk, d, ld)) + (fscale, np.int32(causal))
-    tail += kernel_args.modifier_args(mods, type(fscale), dev)  # softcap, slopes, apos
+    tail += kernel_args.modifier_args(mods, dev)  # mods, mparam, mpos
 
     env, _, _ = _plan(q_pos, k_pos, k_dkdv, 1, bool(causal), dev, rows)
     grid = (-(-sk // k_dkdv.bn), hkv, bsz)

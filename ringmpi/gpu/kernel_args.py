@@ -1,10 +1,10 @@
 """Kernel arguments shared by the GPU forward and backward tiles.
 
 Dtypes (storage kind, tile and accumulation dtypes, bfloat16 bit patterns),
-device copies of position arrays and block plans (cached by content), the
-per-row bounds and their null-pointer stand-ins, 16-byte padded rows and the
-state checks. CuPy is imported lazily: importing this module needs neither
-CuPy nor a GPU.
+device copies of position arrays, score-modifier parameters and block plans
+(cached by content), the per-row bounds and their null-pointer stand-ins, the
+score modifiers' kernel arguments, 16-byte padded rows and the state checks.
+CuPy is imported lazily: importing this module needs neither CuPy nor a GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
 
 # a null device pointer for the kernels' optional row_lo / row_hi arguments
 NULL = np.uint64(0)
+_NO_MODS = (np.uint32(0), NULL, NULL)  # the modifier arguments of a call without any
 
 
 def dtype_name(dtype) -> str:
@@ -210,25 +211,34 @@ def padded_rows(x, ld: int):
     return x
 
 
-def modifier_args(mods: tuple, ftype, dev: int) -> tuple:
-    """The kernels' last three arguments: (softcap, slopes, apos), null pointers when unused.
+@functools.lru_cache(maxsize=128)
+def _device_params_cached(dev: int, data: bytes, shape: tuple):
+    import cupy
+
+    return cupy.asarray(np.frombuffer(data, dtype=np.float64).reshape(shape))
+
+
+def modifier_args(mods, dev: int) -> tuple:
+    """The kernels' last three arguments ``(mods, mparam, mpos)``: the score modifiers.
+
+    ``mods`` (numpy.uint32): the bits of the active modifiers; ``mparam``: a device copy
+    of the (H, NMODS) float64 parameters; ``mpos``: of the rows' int64 positions, or a
+    null pointer when no active modifier uses positions (both cached by content).
+    Without modifiers: ``(0, NULL, NULL)``. See kernels/attention_common.cuh.
 
     Parameters
     ----------
-    mods : (float, numpy.ndarray (H,) float64 or None, numpy.ndarray (Sq,) int64 or None)
-        What :func:`ringmpi.cpu.fused.check_modifiers` returns: the softcap (0: none), the
-        ALiBi slopes and the rows' ALiBi positions.
-    ftype : numpy scalar type
-        The kernel's type of ``softcap`` (numpy.float32 or numpy.float64).
+    mods : ringmpi.scoremods.TileMods or None
+        What :func:`ringmpi.scoremods.pack` made of the tile's modifier keywords.
     dev : int
         CUDA device id.
     """
-    import cupy
-
-    cap, slopes, apos = mods
-    if slopes is None:
-        return ftype(cap), NULL, NULL
-    return ftype(cap), cupy.asarray(slopes, dtype=cupy.float64), device_pos(apos, dev)
+    if mods is None or not mods.bits:
+        return _NO_MODS
+    params = np.ascontiguousarray(mods.params, dtype=np.float64)
+    mparam = _device_params_cached(dev, params.tobytes(), params.shape)
+    mpos = NULL if mods.qpos is None else device_pos(np.ascontiguousarray(mods.qpos, np.int64), dev)
+    return np.uint32(mods.bits), mparam, mpos
 
 
 def check_state(name: str, x, shape: tuple, dtype) -> None:
@@ -250,6 +260,7 @@ def check_state(name: str, x, shape: tuple, dtype) -> None:
 
 
 def clear_caches() -> None:
-    """Forget the cached device copies of positions and plans."""
+    """Forget the cached device copies of positions, modifier parameters and plans."""
     _device_pos_cached.cache_clear()
+    _device_params_cached.cache_clear()
     _plan_cached.cache_clear()

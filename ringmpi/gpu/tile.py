@@ -43,6 +43,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import scoremods
 from . import configs, device, kernel_args, loader, tune
 from .kernel_args import acc_dtype, from_bf16_bits, tile_dtype, to_bf16_bits
 from .plan import tile_flops
@@ -105,8 +106,7 @@ def forward_tile(
     causal: bool,
     progress: Optional[Callable[[], None]] = None,
     bounds: Optional[tuple] = None,
-    softcap: Optional[float] = None,
-    alibi: Optional[tuple] = None,
+    **modifiers,
 ) -> int:
     """Fold one K/V block into the online-softmax state on the GPU, in place.
 
@@ -128,11 +128,11 @@ def forward_tile(
     bounds : (lo, hi), optional
         numpy int64 arrays (Sq,): query i sees key j iff lo[i] <= k_pos[j] <= hi[i]
         (lo[i] > hi[i]: no key; the row keeps m = -inf and l = 0).
-    softcap : float, optional
-        Scores become softcap * tanh(score / softcap) (before ALiBi and the mask).
-    alibi : (slopes (H,), qa (Sq,)), optional
-        ALiBi: the score gains -slopes[h] * abs(qa[i] - k_pos[j]) (numpy arrays; qa int64,
-        the rows' positions in key coordinates, see :mod:`ringmpi.tile`).
+    **modifiers
+        The tiles' score modifier keywords (:mod:`ringmpi.tile`, e.g. ``softcap=c``,
+        ``alibi=(slopes (H,), qa (Sq,))``), checked and packed by
+        :func:`ringmpi.scoremods.pack` (ValueError for a bad value, TypeError for an
+        unknown keyword); the kernels apply them before the mask.
 
     Returns
     -------
@@ -151,9 +151,7 @@ def forward_tile(
     if len(q_pos) != sq or len(k_pos) != sk:
         raise ValueError("GPU tile: q_pos/k_pos lengths do not match Sq/Sk")
     rows = _rows(bounds, q_pos)
-    from ..cpu.fused import check_modifiers  # the same checks as the C tiles'
-
-    mods = check_modifiers(softcap, alibi, h, sq)
+    mods = scoremods.pack(modifiers, h, sq)  # the same checks as every tile's
     adt = acc_dtype(q.dtype)
     _check_state("acc", acc, q.shape, adt)
     _check_state("m", m, q.shape[:3], adt)
@@ -173,11 +171,11 @@ def forward_tile(
 
 
 def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=None,
-            mods=(0.0, None, None)) -> int:  # fmt: skip
+            mods=None) -> int:  # fmt: skip
     """Enqueue configuration ``kern`` on the current stream; return the flops it computes.
 
-    ``rows``: the (lo, hi) per-row bounds from :func:`_rows`, or None. ``mods``: (softcap
-    or 0, slopes (H,) float64 or None, qa (Sq,) int64 or None) from ``check_modifiers``.
+    ``rows``: the (lo, hi) per-row bounds from :func:`_rows`, or None. ``mods``: the
+    :class:`ringmpi.scoremods.TileMods` of the call, or None.
     """
     import cupy
 
@@ -199,15 +197,14 @@ def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=Non
     if kern.packed:  # 1-D grid over (q block in order, batch, K/V head); base-2 scale
         args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, order, np.int32(bsz), *ints)
         args += (np.float32(scale * _LOG2E), np.int32(causal))
-        args += kernel_args.modifier_args(mods, np.float32, dev)
         grid = (len(order) * bsz * hkv,)
         flops = 4 * pairs * d * bsz * hkv
     else:
         fscale = np.float64(scale) if acc.dtype == np.float64 else np.float32(scale)
         args = (q, k, v, acc, m, l, *pos, env, row_lo, row_hi, *ints, fscale, np.int32(causal))
-        args += kernel_args.modifier_args(mods, np.float32 if kern.mma else type(fscale), dev)
         grid = (-(-sq // kern.bm), h, bsz)
         flops = 4 * pairs * d * bsz * h
+    args += kernel_args.modifier_args(mods, dev)  # mods, mparam, mpos: always last
     _function(kern, dev)(grid, (kern.threads,), args, shared_mem=kern.smem)
     return flops
 

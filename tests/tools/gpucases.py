@@ -93,24 +93,45 @@ def out_correction(dout, q, k, v, out, causal, mask):
     """Change of the exact (dq, dk, dv) when delta = sum(dout * out) uses ``out`` (the ring's
     own rounded output, which the backward takes as given) instead of the exact output.
 
-    The gradients are linear in delta: dS changes by -P * (delta_out - delta_exact) (times
-    the softcap's derivative 1 - tanh^2 when ``mask`` holds ``softcap``; ``alibi_slopes``
-    and ``softcap`` in ``mask`` change P as in the reference).
+    The gradients are linear in delta: dS changes by -P * (delta_out - delta_exact) times
+    the score modifiers' derivative d s'/d s; the modifiers among ``mask``'s keywords (spec
+    field names: ``softcap``, ``alibi_slopes``, ...) change P as in the reference. Built
+    from :mod:`ringmpi.scoremods` and the mask alone (no private helper of the reference).
     """
-    from ringmpi.mask import make_mask
-    from ringmpi.reference import _modifiers, _prepare, _probs
+    from types import SimpleNamespace
 
-    qh, kh, _, scale, group = _prepare(q, k, v, None)
-    m = make_mask(qh.shape[-2], kh.shape[-2], causal, mask.get("window"),
+    from ringmpi import scoremods
+    from ringmpi.mask import make_mask
+
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    h, hkv = q.shape[-2], k.shape[-2]
+    group = h // hkv
+    qh = np.moveaxis(q, -3, -2)
+    kh = np.repeat(np.moveaxis(k, -3, -2), group, axis=-3)
+    scale = 1.0 / np.sqrt(q.shape[-1])  # the reference's default
+    n_q, n_k = qh.shape[-2], kh.shape[-2]
+    m = make_mask(n_q, n_k, causal, mask.get("window"),
                   mask.get("cu_seqlens"), mask.get("cu_seqlens_k"))  # fmt: skip
-    mods = _modifiers(qh.shape[-3], mask.get("alibi_slopes"), mask.get("softcap"), None)
-    p, _, dcap = _probs(qh, kh, scale, m, mods=mods)
+    rows = np.arange(n_q)
+    s = scale * (qh @ np.swapaxes(kh, -1, -2))
+    spec = SimpleNamespace(**{f: mask.get(f) for f in scoremods.names()})
+    kw = scoremods.tile_keywords(spec, slice(None), lambda: m.alibi_positions(rows))
+    dmod = scoremods.apply(s, scoremods.pack(kw, h, n_q), None, np.arange(n_k), (h,))
+    if m.causal or not m.plain:
+        lo, hi = m.bounds(rows)
+        j = np.arange(n_k)[None, :]
+        s = np.where((lo[:, None] <= j) & (j <= hi[:, None]), s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(mx), mx, 0.0))
+    z = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(z > 0, e / z, 0)
     do, o_ring = (np.moveaxis(x, -3, -2) for x in (dout, out))
     o_exact = p @ np.repeat(np.moveaxis(v, -3, -2), group, axis=-3)
     dd = np.sum(do * (o_ring - o_exact), axis=-1, keepdims=True)
     ds = -p * dd
-    if dcap is not None:
-        ds = ds * dcap
+    if dmod is not None:
+        ds = ds * dmod
     dq = np.moveaxis(scale * (ds @ kh), -2, -3)
     dk = scale * (np.swapaxes(ds, -1, -2) @ qh)
     dk = np.moveaxis(dk.reshape(-1, group, *dk.shape[-2:]).sum(axis=1), -2, -3)

@@ -2,26 +2,38 @@
 
 Each function receives a launch exactly as the GPU tiles make it (grid, block,
 the argument tuple, dynamic shared memory), checks it against the kernel's
-signature in kernels/*.cu (argument types, shapes, dtypes, padded row stride
-``ld``, grid), checks the block plan it was given (a skipped block pair hides
-every element, a pair run without a mask shows every element), then does the
-kernel's arithmetic with the numpy tile (:mod:`ringmpi.cpu.numpy_tile`) on the
-unpacked arguments. The CUDA code itself does not run: these tests cover the
-Python side of the GPU path, never the kernels (tests/test_gpu.py does, on a GPU).
+signature as parsed from kernels/*.cu (argument count, each argument's kind and
+type for the instantiation's template arguments: :func:`check_signature`), then
+the meaning of the arguments (shapes, dtypes, padded row stride ``ld``, grid,
+the score modifiers' parameter block), checks the block plan it was given (a
+skipped block pair hides every element, a pair run without a mask shows every
+element), then does the kernel's arithmetic with the numpy tile
+(:mod:`ringmpi.cpu.numpy_tile`) on the unpacked arguments. The CUDA code itself
+does not run: these tests cover the Python side of the GPU path, never the
+kernels (tests/test_gpu.py does, on a GPU).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
-__all__ = ["install", "configs_by_expr", "geometry"]
+__all__ = ["install", "configs_by_expr", "geometry", "signatures", "check_signature"]
 
 geometry: list = []  # (expression, D, ld) of every launch checked here, in order
 
 LOG2E = 1.4426950408889634
 _STORAGE = {"half_t": "float16", "bf16_t": "uint16", "float": "float32", "double": "float64"}
+# the kernels' C types -> numpy: scalars by value, pointees of pointer parameters
+_SCALAR = {"int": np.int32, "unsigned": np.uint32, "float": np.float32, "double": np.float64}
+_POINTEE = {**{k: np.dtype(v) for k, v in _STORAGE.items()}, "longlong": np.dtype(np.int64),
+            "int": np.dtype(np.int32)}  # fmt: skip
+_KERNEL = re.compile(
+    r"template\s*<([^>]*)>\s*__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+    r"(\w+)\s*\(([^)]*)\)\s*\{"
+)
 
 
 @functools.cache
@@ -42,6 +54,67 @@ def configs_by_expr() -> dict:
 
 def _targs(expr: str) -> list:
     return [a.strip() for a in expr[expr.index("<") + 1 : expr.rindex(">")].split(",")]
+
+
+@functools.cache
+def signatures() -> dict:
+    """Kernel template -> (template parameter names, [(type, name), ...]), from kernels/*.cu.
+
+    Parsed from the text the loader compiles (:func:`ringmpi.gpu.sources.source`); a
+    type is written without spaces, ``const`` or ``__restrict__`` (``T*``, ``longlong*``,
+    ``unsigned``).
+    """
+    from ringmpi.gpu import sources
+
+    out = {}
+    for f in (sources.FORWARD_FILE, sources.BACKWARD_FILES):
+        for m in _KERNEL.finditer(sources.source(f)):
+            tparams = [p.split()[-1] for p in m.group(1).split(",")]
+            params = []
+            for p in m.group(3).split(","):
+                words = [w for w in p.split() if w not in ("const", "__restrict__")]
+                params.append(("".join(words[:-1]), words[-1]))
+            out[m.group(2)] = (tparams, params)
+    return out
+
+
+def _null(x) -> bool:
+    return isinstance(x, np.uint64) and int(x) == 0
+
+
+def check_signature(expr: str, args) -> None:
+    """LaunchError unless ``args`` fit the parameters of kernel ``expr`` in kernels/*.cu.
+
+    One argument per parameter; a pointer parameter takes a device array of its pointee's
+    dtype (after the template arguments are substituted), C-contiguous, or a null pointer
+    (numpy.uint64(0)); a scalar takes the numpy scalar type of its C type exactly.
+    """
+    name = expr.split("<")[0].strip()
+    sig = signatures().get(name)
+    _need(sig is not None, expr, f"no __global__ {name} in kernels/*.cu")
+    tparams, params = sig
+    targs = _targs(expr)
+    _need(len(targs) == len(tparams), expr, f"template arguments {targs} for {tparams}")
+    sub = dict(zip(tparams, targs))
+    _need(len(args) == len(params), expr,
+          f"{len(args)} arguments for the {len(params)} parameters of {name}")  # fmt: skip
+    for (typ, pname), a in zip(params, args):
+        base = typ.rstrip("*")
+        base = sub.get(base, base)
+        if typ.endswith("*"):
+            if _null(a):
+                continue
+            _need(type(a).__module__.split(".")[0] == "cupy", expr,
+                  f"{pname} ({typ}) is not a device array or a null pointer")  # fmt: skip
+            want = _POINTEE.get(base)
+            _need(want is not None, expr, f"{pname}: unknown pointee type {base}")
+            _need(a._a.dtype == want, expr, f"{pname} has dtype {a._a.dtype}, kernel reads {base}")
+            _need(a._a.flags.c_contiguous, expr, f"{pname} is not C-contiguous")
+        else:
+            want = _SCALAR.get(base)
+            _need(want is not None, expr, f"{pname}: unknown scalar type {base}")
+            _need(type(a) is want, expr,
+                  f"{pname} must be {want.__name__} ({base}), got {type(a).__name__}")  # fmt: skip
 
 
 class LaunchError(AssertionError):
@@ -133,17 +206,32 @@ def _geometry(expr, kern, storage, args_i, q, k) -> tuple:
     return h, hkv, sq, sk, d, ld
 
 
-def _modifiers(expr, cap, slopes, apos, scale, h: int, sq: int) -> dict:
-    """The numpy tile's modifier keywords from the kernel's last three arguments (checked)."""
-    _need(type(cap) is type(scale), expr, "softcap has the wrong type")
-    mod_kw = {"softcap": float(cap)} if cap > 0 else {}
-    if not isinstance(slopes, np.uint64):  # a null pointer: no ALiBi
-        mod_kw["alibi"] = (_dev(slopes, expr, "slopes", np.float64, (h,)).copy(),
-                           _dev(apos, expr, "apos", np.int64, (sq,)).copy())  # fmt: skip
+def _modifiers(expr, bits, mparam, mpos, h: int, sq: int) -> dict:
+    """The numpy tile's modifier keywords from the kernel's last three arguments (checked).
+
+    ``(mods, mparam, mpos)`` as kernels/attention_common.cuh reads them: the active
+    slots' bits; their (H, NMODS) float64 parameters (null without modifiers); the rows'
+    int64 positions, given exactly when an active modifier uses positions. Unpacked
+    generically through :mod:`ringmpi.scoremods` (no modifier is named here).
+    """
+    from ringmpi import scoremods
+
+    _need(isinstance(bits, np.uint32), expr, f"mods must be numpy.uint32, got {type(bits)}")
+    bits = int(bits)
+    if bits == 0:
+        _need(_null(mparam), expr, "mparam: not a null pointer without modifiers")
+        _need(_null(mpos), expr, "mpos: not a null pointer without modifiers")
+        return {}
+    known = sum(1 << m.slot for m in scoremods.MODS)
+    _need(not bits & ~known, expr, f"mods {bits:#x} sets bits of no modifier ({known:#x})")
+    params = _dev(mparam, expr, "mparam", np.float64, (h, scoremods.NMODS)).copy()
+    block = scoremods.TileMods(bits, params, None)
+    if any(m.positions for m in block.active()):
+        qpos = _dev(mpos, expr, "mpos", np.int64, (sq,)).copy()
     else:
-        _need(int(slopes) == 0, expr, "slopes: a non-null raw pointer")
-        _need(isinstance(apos, np.uint64) and int(apos) == 0, expr, "apos without slopes")
-    return mod_kw
+        _need(_null(mpos), expr, "mpos given, but no active modifier uses positions")
+        qpos = None
+    return scoremods.TileMods(bits, params, qpos).keywords()
 
 
 def _forward(expr, grid, block, args, smem):
@@ -154,7 +242,8 @@ def _forward(expr, grid, block, args, smem):
     adt = np.float64 if storage == "double" else np.float32
     _need(block == (kern.threads,), expr, f"block {block}, kernel expects ({kern.threads},)")
     _need(smem == kern.smem, expr, f"shared memory {smem} B, the configuration needs {kern.smem}")
-    *args, cap, slopes, apos = args  # the score modifiers (softcap, ALiBi) come last
+    check_signature(expr, args)
+    *args, bits, mparam, mpos = args  # the score modifiers come last
     if kern.packed:
         q, k, v, acc, m, l, qp, kp, env, rlo, rhi, order, b_arg, *ints, scale, causal = args
         bsz = _int(b_arg, expr, "B")
@@ -176,7 +265,7 @@ def _forward(expr, grid, block, args, smem):
     rows = _rows_arg(rlo, rhi, expr, sq)
     causal = bool(_int(causal, expr, "causal"))
     _need(isinstance(scale, adt if not kern.mma else np.float32), expr, "scale has the wrong type")
-    mod_kw = _modifiers(expr, cap, slopes, apos, scale, h, sq)
+    mod_kw = _modifiers(expr, bits, mparam, mpos, h, sq)
     g = h // hkv if kern.packed else 1
     nqb = -(-g * sq // kern.bm)
     if kern.packed:
@@ -205,7 +294,8 @@ def _backward(expr, grid, block, args, smem):
     dkdv = "_dkdv_" in expr
     _need(block == (kern.threads,), expr, f"block {block}, kernel expects ({kern.threads},)")
     _need(smem == kern.smem, expr, f"shared memory {smem} B, the configuration needs {kern.smem}")
-    *args, cap, slopes, apos = args  # the score modifiers (softcap, ALiBi) come last
+    check_signature(expr, args)
+    *args, bits, mparam, mpos = args  # the score modifiers come last
     if dkdv:
         q, k, v, do, lse, delta, dk, dv, qp, kp, env, rlo, rhi, *ints, scale, causal = args
     else:
@@ -224,7 +314,7 @@ def _backward(expr, grid, block, args, smem):
     rows = _rows_arg(rlo, rhi, expr, sq)
     causal = bool(_int(causal, expr, "causal"))
     _need(isinstance(scale, adt if not kern.mma else np.float32), expr, "scale has the wrong type")
-    mod_kw = _modifiers(expr, cap, slopes, apos, scale, h, sq)
+    mod_kw = _modifiers(expr, bits, mparam, mpos, h, sq)
     if dkdv:
         dk_a = _dev(dk, expr, "dk", adt, (bsz, hkv, sk, d))
         dv_a = _dev(dv, expr, "dv", adt, (bsz, hkv, sk, d))
