@@ -29,6 +29,7 @@ The tiles' keyword form (``softcap=c``, ``alibi=(slopes, qa)``, see
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import numpy as np
@@ -76,6 +77,10 @@ class ScoreMod:
     def check(self, value, h: int) -> np.ndarray:
         """The per-head parameters (h,) float64 of a tile keyword's value; ValueError."""
         what = self.field.replace("_", " ")
+        if self.scalar and isinstance(value, (float, int)) and not isinstance(value, bool):
+            x = float(value)  # the usual scalar: no numpy round trip
+            if math.isfinite(x) and (x > 0 or not self.positive):
+                return np.full(h, x)
         a = np.asarray(value, dtype=np.float64)
         if self.scalar:
             if a.ndim != 0 or not np.isfinite(a) or (self.positive and not a > 0):
@@ -172,8 +177,10 @@ def pack(keywords: dict, h: int, sq: int) -> Optional[TileMods]:
     h, sq : int
         The call's query heads and query rows.
     """
+    if not keywords or all(v is None for v in keywords.values()):
+        return None  # the common call: no modifier, nothing allocated
     bits, params, qpos = 0, np.zeros((h, NMODS), np.float64), None
-    for key, value in (keywords or {}).items():
+    for key, value in keywords.items():
         if value is None:
             continue
         m = _BY_KEYWORD.get(key)
