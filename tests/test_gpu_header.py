@@ -194,7 +194,7 @@ def test_modifier_hook_matches_numpy(harness, prec):
     _close("ring_modify_d derivative", der, want_d, 1e-14 if prec == 64 else 3e-7)
     plain = want_d == 1.0
     assert np.all(der[plain] == 1.0), "derivative not exactly 1 without a derivative term"
-    assert np.all((der >= 0) & (der <= 1))
+    assert np.isfinite(der).all()
 
 
 def test_unit_scales_the_score_not_the_derivative(harness):

@@ -36,7 +36,10 @@ def test_pack_builds_the_block_in_slot_order():
     back = scoremods.pack(m.keywords(), H, SQ)
     assert back.bits == m.bits and np.array_equal(back.params, m.params)
     assert scoremods.pack({}, H, SQ) is None and scoremods.pack({"softcap": None}, H, SQ) is None
-    assert scoremods.names() == ("softcap", "alibi_slopes")
+    assert scoremods.names()[:2] == ("softcap", "alibi_slopes")  # slot order
+    assert [m.slot for m in sorted(scoremods.MODS, key=lambda m: m.slot)] == list(
+        range(len(scoremods.MODS))
+    )
 
 
 @pytest.mark.parametrize(
