@@ -148,14 +148,6 @@ class TileMods:
         """The modifiers that apply, in slot order."""
         return tuple(m for m in sorted(MODS, key=lambda m: m.slot) if self.bits >> m.slot & 1)
 
-    def has(self, field: str) -> bool:
-        """Whether the modifier of spec field ``field`` applies."""
-        return bool(self.bits >> _BY_FIELD[field].slot & 1)
-
-    def head(self, h: int) -> TileMods:
-        """The block of query head ``h`` alone (params (1, NMODS))."""
-        return TileMods(self.bits, self.params[h : h + 1], self.qpos)
-
     def keywords(self) -> dict:
         """The tile keywords that give this block back (``pack(mods.keywords(), ...)``)."""
         kw = {}

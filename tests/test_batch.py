@@ -13,7 +13,7 @@ import pytest
 from test_cli_mpi import _digests, launch
 
 from ringmpi import reference
-from ringmpi.job.batch import make_batches, pack, split
+from ringmpi.job.batch import make_batches, split
 from ringmpi.job.schema import scan
 from ringmpi.partition import LAYOUTS, positions
 
@@ -118,17 +118,16 @@ def test_batch_offsets_and_positions_are_the_members(data):
                 np.testing.assert_array_equal(got, np.concatenate(want))
 
 
-def test_pack_and_split_round_trip():
+def test_split_gives_each_member_its_rows():
     rng = np.random.default_rng(1)
-    parts = [tuple(rng.standard_normal((n, 2, 3)) for _ in range(3)) for n in (4, 0, 7)]
-    q, k, v = pack(parts)
-    assert q.shape == (11, 2, 3)
-    out, lse = q, np.moveaxis(q[..., 0], 0, 1)
+    parts = [rng.standard_normal((n, 2, 3)) for n in (4, 0, 7)]
+    out = np.concatenate(parts)  # the batch's rows, member after member (as the loop reads)
+    lse = np.moveaxis(out[..., 0], 0, 1)
     back = split(out, lse, [4, 0, 7])
     for (o, ls), p in zip(back, parts):
-        np.testing.assert_array_equal(o, p[0])
-        np.testing.assert_array_equal(ls, np.moveaxis(p[0][..., 0], 0, 1))
-    assert pack(parts[:1]) is parts[0]
+        np.testing.assert_array_equal(o, p)
+        np.testing.assert_array_equal(ls, np.moveaxis(p[..., 0], 0, 1))
+    assert split(out, lse, [11])[0][0] is out
 
 
 # -- the job --------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from .. import env
 from .budget import rank_bytes
 from .schema import InputError
 
-__all__ = ["Batch", "batch_tokens", "make_batches", "pack", "split", "DEFAULT_TOKENS"]
+__all__ = ["Batch", "batch_tokens", "make_batches", "split", "DEFAULT_TOKENS"]
 
 DEFAULT_TOKENS = int(env.REGISTRY["RINGMPI_BATCH_TOKENS"].default)
 BALANCE = 4  # batches per ring at least, when the rings share many short sequences
@@ -130,13 +130,6 @@ def _batch(plan, members: list) -> Batch:
         cu_k.extend(base_k + int(x) for x in own_k[1:])
     name = f"{seqs[0].name}..{seqs[-1].name} ({len(seqs)} sequences)"
     return Batch(tuple(members), cu[-1], cu_k[-1], tuple(cu), tuple(cu_k) if cross else None, name)
-
-
-def pack(parts: list) -> tuple:
-    """One (q, k, v) from the members' (q, k, v), concatenated along the token axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(np.concatenate([p[a] for p in parts], axis=0) for a in range(3))
 
 
 def split(out: np.ndarray, lse: np.ndarray, rows: list) -> list:
