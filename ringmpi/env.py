@@ -114,6 +114,13 @@ _VARS = [
     Var("RINGMPI_BATCH_TOKENS", "65536", _tokens,
         "`ringmpi run` packs consecutive shorter sequences into one ring call of at most this "
         "many tokens (lowered to fit the memory budget); `0`: one sequence per call"),
+    Var("RINGMPI_KEEP_MEMORY", "1", _flag,
+        "`0`: `ringmpi run` leaves glibc's malloc as it is (by default freed batch buffers "
+        "are kept for the next batch instead of unmapped, saving the page faults)"),
+    Var("RINGMPI_FSYNC_S", "30", _seconds,
+        "`ringmpi run` fsyncs its part files and markers at most this often (and before the "
+        "output is renamed into place); `0`: after every batch (docs/job.md: what a crash "
+        "can lose)"),
     Var("RINGMPI_LAUNCH_CHECK", "1", _flag,
         "`0` turns off the launch check (P tasks but a world of one rank)"),
     Var("RINGMPI_SRUN_MPI", "pmi2", _text,

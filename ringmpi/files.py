@@ -92,18 +92,23 @@ def exclusive_temp(target: str, mode: int = 0o666) -> tuple[int, str]:
     raise FileExistsError(f"{d}: no free temporary name for {base}")
 
 
-def replace_with(path: str, data) -> None:
+def replace_with(path: str, data, *, sync: bool = True) -> None:
     """Write ``data`` (str or bytes) to an exclusive temporary beside ``path``, fsync, rename.
 
     The temporary is removed if anything fails, so ``path`` holds the old file or the
-    whole new one, never a part.
+    whole new one, never a part. ``sync=False``: no fsync; the kernel is only asked to
+    start writing the pages out (``POSIX_FADV_DONTNEED``), so that a later
+    :func:`fsync_path` of ``path`` finds little left to wait for.
     """
     fd, tmp = exclusive_temp(path)
     try:
         with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
+            elif hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):
@@ -111,11 +116,15 @@ def replace_with(path: str, data) -> None:
         raise
 
 
-def write_json(path: str, obj, *, indent: int = 1) -> None:
-    """Write ``obj`` as JSON (sorted keys) to an exclusive temporary, fsync, rename, fsync dir."""
+def write_json(path: str, obj, *, indent: int = 1, sync: bool = True) -> None:
+    """Write ``obj`` as JSON (sorted keys) to an exclusive temporary, fsync, rename, fsync dir.
+
+    ``sync=False``: neither fsync (as :func:`replace_with`); the caller syncs later.
+    """
     path = os.fspath(path)
-    replace_with(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
-    fsync_path(os.path.dirname(os.path.abspath(path)))
+    replace_with(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n", sync=sync)
+    if sync:
+        fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def check_owned(st: os.stat_result, what: str, hint: str = "") -> None:

@@ -41,6 +41,7 @@ from .report import format_summary, measure_rate, one_process_note, provenance, 
 from .rings import assign_ring_sizes, phases
 from .schema import InputError, make_plan
 from .store import fingerprint
+from .heap import keep_freed
 from .threads import limit_blas
 
 __all__ = [
@@ -150,6 +151,7 @@ def run(
     dev = pick_device(opts.device, comm)
     modifiers.check_tiles(spec, dev)  # a tile that cannot apply them: refused before any file
     blas = limit_blas(comm)  # before the calibration: it runs with the job's threads
+    heap = keep_freed()  # freed batch buffers reused, not unmapped (this process only)
     notes = (blas.text,) + ((one_process_note(),) if size == 1 else ())
     layout, causal = spec.layout, spec.causal
     try:
@@ -173,6 +175,7 @@ def run(
                          batch_tokens=caps[max(sizes)])  # fmt: skip
         return _job(ctx, sizes, caps)
     finally:
+        heap.restore()
         blas.restore()
 
 

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from typing import Optional
 
 import numpy as np
 
+from .. import env
 from ..collective import run_everywhere, run_on_root
 from ..files import fsync_path, replace_with, write_json
 from .outdir import (
@@ -53,7 +55,7 @@ FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 COMPRESSION = ("gzip", "lzf")
 
 
-def _write_h5(path: str, fill) -> tuple:
+def _write_h5(path: str, fill, sync: bool = True) -> tuple:
     """Build an HDF5 file in memory with ``fill(f)``, write its bytes to ``path`` and fsync.
 
     Returns (size, CRC32) of the bytes written (what :func:`crc32_of` reads back),
@@ -69,7 +71,7 @@ def _write_h5(path: str, fill) -> tuple:
         fill(f)
         f.flush()
         image = f.id.get_file_image()
-    replace_with(path, image)
+    replace_with(path, image, sync=sync)
     return len(image), zlib.crc32(image)
 
 
@@ -159,6 +161,32 @@ class OutputStore:
         self.ring_sizes = ring_sizes
         self.mine: dict = {}  # first member -> (members, ring size): batches this rank reports
         self.world_rank = 0 if comm is None else comm.Get_rank()
+        # files written but not yet fsync'ed (RINGMPI_FSYNC_S): synced together, at most
+        # that often and before the output is renamed into place
+        try:
+            self.sync_every = env.get("RINGMPI_FSYNC_S")
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        self.unsynced: list = []
+        self.synced_at = time.monotonic()
+
+    def sync(self, force: bool = True) -> None:
+        """fsync this rank's files written since the last sync, then the parts folder.
+
+        ``force=False``: only when ``RINGMPI_FSYNC_S`` seconds have passed since the
+        last one (every time when it is 0).
+        """
+        due = self.sync_every is None or time.monotonic() - self.synced_at >= self.sync_every
+        if not self.unsynced or not (force or due):
+            return
+        for path in self.unsynced:
+            try:
+                fsync_path(path)
+            except FileNotFoundError:  # replaced since (a resumed batch): nothing to sync
+                pass
+        fsync_path(self.parts)
+        self.unsynced = []
+        self.synced_at = time.monotonic()
 
     def use_ring(self, ring) -> None:
         """Write the next batches from ``ring`` (the job's next phase of ring size)."""
@@ -264,8 +292,9 @@ class OutputStore:
                 f.attrs["rows"] = np.cumsum([0] + [len(it[1]) for it in items]).astype(np.int64)
 
         try:
-            size_crc = _write_h5(final, fill)
-            fsync_path(self.parts)
+            size_crc = _write_h5(final, fill, sync=False)
+            self.unsynced.append(final)
+            self.sync(force=False)
             return list(size_crc)
         except (OSError, RuntimeError, ValueError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -318,7 +347,13 @@ class OutputStore:
         if self.rank == 0:
             self.mine[first] = (self.batches[first], self.size)
         path = os.path.join(self.parts, f"s{first:06d}.done")
-        run_on_root(ring, write_json, path, marker)
+
+        def mark():
+            write_json(path, marker, sync=False)
+            self.unsynced.append(path)
+            self.sync(force=False)  # the parts and markers of the last RINGMPI_FSYNC_S seconds
+
+        run_on_root(ring, mark)
 
     # -- end -------------------------------------------------------------------
     def _write_vds(self, where: dict, nranks: Optional[dict] = None) -> None:
@@ -332,6 +367,7 @@ class OutputStore:
         Rank 0 learns every ring's batches with one gather (what each ring's first
         rank wrote, in every phase, and the batches a resume kept).
         """
+        run_everywhere(self.comm, self.sync)  # every part durable before the output exists
         every = [self.mine] if self.comm is None else self.comm.gather(self.mine, root=0)
         where, nranks = {}, {}
         for batches in every or ():
