@@ -196,8 +196,12 @@ def lite_dataset(path: str, gid, group: str, name: str, ndim: int, fsize: int) -
     return _checked(path, name, ds, ds.dtype_name, ndim, fsize)
 
 
-def scan_file(path: str, structure_hint: Optional[str]) -> dict:
-    """Metadata of one file: {"mode", "structure", "seqs": [(group, batch, shapes)], ...}."""
+def scan_file(path: str, structure_hint: Optional[str], part: Optional[tuple] = None) -> dict:
+    """Metadata of one file: {"mode", "structure", "seqs": [(group, batch, shapes)], ...}.
+
+    ``part=(r, n)``: only the groups ``r::n`` of the sorted group names (a file
+    of one sequence: only ``r == 0`` scans it), so that n ranks share the scan.
+    """
     f = open_input(path)
     try:
         fsize = os.path.getsize(path)
@@ -216,6 +220,9 @@ def scan_file(path: str, structure_hint: Optional[str]) -> dict:
             problem = f"{structure} structure, first input is {structure_hint}"
             fail(path, f"shards do not line up: {problem}")
         mode = "qkv" if "q" in (f[groups[0]] if groups[0] else f) else "features"
+        if part is not None:
+            r, n = part
+            groups = groups[r::n] if structure == "groups" else groups[: 1 if r == 0 else 0]
         seqs = []
         for g in groups:
             interrupt.check()  # planning a file of many groups can take long: Ctrl-C acts

@@ -169,7 +169,7 @@ def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
     return (qs[extra], ks[extra]), (h, hkv, d), qt, (qs[0] if extra else None)
 
 
-def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
+def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[list] = None) -> Plan:
     """Read the metadata of every input file and check that they form valid sequences.
 
     Parameters
@@ -178,6 +178,9 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
         Input files in sequence order (shards along the sequence axis).
     weights : str, optional
         Weights file for raw-feature inputs.
+    metas : list of dict, optional
+        What :func:`ringmpi.job.inputs.scan_file` gave for each file, already read
+        (:func:`make_plan`: by all ranks together); default: read here.
 
     Returns
     -------
@@ -189,11 +192,8 @@ def scan(files: Sequence[str], weights: Optional[str] = None) -> Plan:
         One line naming the file and the problem.
     """
     files = [str(p) for p in files]
-    metas, structure = [], None
-    for p in files:
-        interrupt.check()
-        metas.append(guarded(p, inputs.scan_file, p, structure))
-        structure = metas[0]["structure"]
+    metas = _scan_files(files) if metas is None else metas
+    structure = metas[0]["structure"]
     first = metas[0]
     mode = first["mode"]
     extra = 1 if structure == "batch" else 0
@@ -329,6 +329,27 @@ def _offsets(files, metas, index: int, g: str, per_file: list) -> tuple:
     return cu, cu_k
 
 
+def _scan_files(files: list, part: Optional[tuple] = None) -> list:
+    """:func:`ringmpi.job.inputs.scan_file` of every file (``part``: this rank's share)."""
+    metas, structure = [], None
+    for p in files:
+        interrupt.check()
+        metas.append(guarded(p, inputs.scan_file, p, structure, part))
+        structure = metas[0]["structure"]
+    return metas
+
+
+def _merge(shares: list) -> list:
+    """The metas of every file from each rank's share (:func:`_scan_files` with ``part``)."""
+    out = []
+    for per_rank in zip(*shares):
+        meta = dict(per_rank[0])
+        seqs = [sq for m in per_rank for sq in m["seqs"]]
+        meta["seqs"] = sorted(seqs, key=lambda sq: sq[0])  # the groups' sorted order again
+        out.append(meta)
+    return out
+
+
 def make_plan(
     comm,
     inputs: Sequence[str],
@@ -336,14 +357,24 @@ def make_plan(
     nranks: int,
     rope: bool = False,
 ) -> Plan:
-    """Rank 0 expands and scans the inputs; every rank gets the Plan or the same InputError.
+    """Every rank scans a share of the inputs' groups, rank 0 builds the Plan; every rank
+    gets the Plan or the same InputError.
 
     ``rope``: the run applies rotary embeddings, which needs features inputs
     (x + weights) and an even head dimension.
     """
+    shares: list = []
+    if comm is not None and comm.Get_size() > 1:  # the groups' metadata read by all ranks
+        files = run_on_root(comm, expand_inputs, inputs)
+        part = (comm.Get_rank(), comm.Get_size())
+        mine = run_everywhere(comm, _scan_files, files, part)
+        shares = comm.gather(mine, root=0) or []
 
     def build():
-        plan = scan(expand_inputs(inputs), weights)
+        if shares:
+            plan = scan(files, weights, metas=_merge(shares))
+        else:
+            plan = scan(expand_inputs(inputs), weights)
         for s in plan.sequences:
             n = min(s.length, s.length_k)
             if n < nranks:
