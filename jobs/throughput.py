@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -173,7 +174,8 @@ def tile_rate(length: int, seconds: float = 1.0) -> float:
     return best
 
 
-def run_job(mpiexec: str, ranks: int, inp: str, out: str, ring, timeout: float) -> dict:
+def run_job(mpiexec: str, ranks: int, inp: str, out: str, ring, timeout: float,
+            extra_env: Optional[dict] = None) -> dict:  # fmt: skip
     """Run ``ringmpi run`` under mpiexec; its summary plus ``process_s`` (the launch's wall time).
 
     Parameters
@@ -186,6 +188,8 @@ def run_job(mpiexec: str, ranks: int, inp: str, out: str, ring, timeout: float) 
         ``--ring-size``; None: the default (one ring of all ranks).
     timeout : float
         Seconds before the launch is killed (``subprocess.TimeoutExpired``).
+    extra_env : dict, optional
+        Environment variables set for this launch only (``--variant``).
     """
     summary = out + ".summary.json"
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "ringmpi", "run"]
@@ -194,6 +198,7 @@ def run_job(mpiexec: str, ranks: int, inp: str, out: str, ring, timeout: float) 
         cmd += ["--ring-size", str(ring)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra_env or {})
     evict(inp)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -305,11 +310,14 @@ def measure(a, folder: str, mpiexec: str) -> list:
             tout = os.path.join(folder, f"torch{di}.h5")
             torch_s = torch_loop(inp, tout, a.ranks)
             os.remove(tout)
-        for ring in a.ring_sizes:
+        runs = [(ring, v) for ring in a.ring_sizes for v in [None] + a.variant]
+        for ring, variant in runs:
             out = os.path.join(folder, f"out{di}-{ring}.h5")
+            extra = dict(kv.split("=", 1) for kv in variant.split(",")) if variant else None
             s = run_job(mpiexec, a.ranks, inp, out, None if ring == "default" else ring,
-                        a.timeout)  # fmt: skip
+                        a.timeout, extra)  # fmt: skip
             label = f"{ring} ({s.get('ring_size', '?')})" if ring != "1" else "1"
+            label += f" [{variant}]" if variant else ""
             job = float(s["wall_s"])
             bound = max(kernel_s, io_s)
             rows.append({
@@ -380,6 +388,15 @@ def parse(argv=None):
     ap.add_argument(
         "--io-probe-mb", type=int, default=1024, help="largest I/O probe file in MiB (default 1024)"
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="also run the job with these environment variables, beside the plain run "
+        "(repeatable; e.g. RINGMPI_FSYNC_S=0,RINGMPI_KEEP_MEMORY=0 for the per-batch fsync "
+        "and glibc's own malloc)",
+    )
     ap.add_argument("--no-torch", action="store_true", help="skip the torch loop")
     ap.add_argument("--dir", default=None, help="parent of the private temporary folder")
     ap.add_argument("--keep", action="store_true", help="keep inputs and outputs (path printed)")
@@ -393,6 +410,9 @@ def parse(argv=None):
         parts = spec.lower().split("x")
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
             ap.error(f"--uniform takes NxS with positive integers, not {spec!r}")
+    for v in a.variant:
+        if not all("=" in kv and kv.split("=", 1)[0] for kv in v.split(",")):
+            ap.error(f"--variant takes NAME=VALUE[,NAME=VALUE], not {v!r}")
     for r in a.ring_sizes:
         if r not in ("auto", "default") and not (r.isdigit() and int(r) > 0):
             ap.error(f"--ring-sizes takes positive integers, 'auto' or 'default', not {r!r}")

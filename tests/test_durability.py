@@ -19,7 +19,8 @@ def _store(tmp_path, n=3):
     paths = make_data(str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D,
                       sequences=n)  # fmt: skip
     plan = scan(paths)
-    st = OutputStore(str(tmp_path / "out.h5"), None, plan, fingerprint(plan, "zigzag", True, None, 1))
+    meta = fingerprint(plan, "zigzag", True, None, 1)
+    st = OutputStore(str(tmp_path / "out.h5"), None, plan, meta)
     st.open(False)
     return st
 

@@ -55,7 +55,8 @@ def _glibc() -> Optional[ctypes.CDLL]:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: musl has mallopt but other parameters
+        if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl has other parameters
+            return None
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         libc.mallopt.restype = ctypes.c_int
         libc.malloc_trim.argtypes = [ctypes.c_size_t]

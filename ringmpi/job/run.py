@@ -35,13 +35,13 @@ from .batch import batch_tokens, make_batches
 from .budget import check_memory, memory_budget
 from .config import JobOptions, split_keywords
 from .devices import gpu_probe, pick_device
+from .heap import keep_freed
 from .loop import JobContext, SequenceLoop
 from .mpio import make_store, resolve_mode
 from .report import format_summary, measure_rate, one_process_note, provenance, utc
 from .rings import assign_ring_sizes, phases
 from .schema import InputError, make_plan
 from .store import fingerprint
-from .heap import keep_freed
 from .threads import limit_blas
 
 __all__ = [

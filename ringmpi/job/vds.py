@@ -83,13 +83,22 @@ def label_dims(node, batch: bool) -> None:
 
 
 def label_ids(out_id, lse_id, batch: bool) -> None:
-    """:func:`label_dims` on the low-level ``DatasetID`` s of ``out`` and ``lse``."""
-    from h5py import h5ds
+    """:func:`label_dims` on the low-level ``DatasetID`` s of ``out`` and ``lse``.
 
+    The labels are what ``H5DSset_label`` stores (the attribute ``DIMENSION_LABELS``: one
+    variable-length ASCII string per axis, read back by ``ds.dims[axis].label``), written
+    in one attribute write per dataset instead of a rewrite per axis.
+    """
+    import h5py
+    from h5py import h5a, h5s, h5t
+
+    tid = h5t.C_S1.copy()
+    tid.set_size(h5t.VARIABLE)
     lead = (b"sequence",) if batch else ()
     for dsid, labels in ((out_id, _OUT_AXES), (lse_id, _LSE_AXES)):
-        for axis, label in enumerate(lead + labels):
-            h5ds.set_label(dsid, axis, label)  # ds.dims[axis].label, without the proxies
+        names = np.array(lead + labels, dtype=h5py.string_dtype("ascii"))
+        attr = h5a.create(dsid, b"DIMENSION_LABELS", tid, h5s.create_simple((len(names),)))
+        attr.write(names)
 
 
 _OUT_AXES = (b"token", b"head", b"head_dim")
