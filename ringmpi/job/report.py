@@ -17,7 +17,7 @@ import numpy as np
 
 from .budget import rank_bytes, resident_bytes, seq_counts
 from .progress import duration
-from .store import FORMAT
+from .store_open import FORMAT
 
 __all__ = [
     "provenance", "start_line", "format_summary", "measure_rate", "ticks_per_step",

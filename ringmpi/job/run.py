@@ -39,7 +39,7 @@ from .heap import keep_freed
 from .loop import JobContext, SequenceLoop
 from .mpio import make_store, resolve_mode
 from .report import format_summary, measure_rate, one_process_note, provenance, utc
-from .rings import assign_ring_sizes, phases
+from .rings import assign_ring_sizes, deal, phases
 from .schema import InputError, make_plan
 from .store import fingerprint
 from .threads import limit_blas
@@ -223,6 +223,7 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
     meta["compute"] = [attrs.get(k) for k in ("device", "kernel", "isa")]
     ctx.attrs = attrs
     ring, across = _rings(comm, todo_phases[0][0], size)
+    store = None
     try:
         store = make_store(mode, ctx.output, comm, plan, meta, attrs=attrs,
                            overwrite=opts.overwrite, compress=opts.compress, ring=ring,
@@ -243,10 +244,16 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
                 ring, across = _rings(comm, r, size)
                 store.use_ring(ring)
             nr = size // r
-            # rings take the batches in turn; the last may get fewer
-            todo = left[(0 if across is None else across.Get_rank()) :: nr]
-            pctx = dataclasses.replace(ctx, ring=ring, ring_size=r, batch_tokens=caps[r])
             last = p == len(todo_phases) - 1
+            # rank 0 builds the output's index while the other rings compute (several rings,
+            # the part files): its ring is dealt that much less of the last phase
+            ahead = last and nr > 1 and hasattr(store, "build_ahead")
+            dealt = deal(plan, left, nr, spec.causal, spec.window, ctx.device,
+                         head_start=len(plan.sequences) if ahead else 0)  # fmt: skip
+            todo = dealt[0 if across is None else across.Get_rank()]
+            if ahead:
+                store.build_ahead([(b.members, rb) for b, rb in job_left])
+            pctx = dataclasses.replace(ctx, ring=ring, ring_size=r, batch_tokens=caps[r])
             loop = SequenceLoop(pctx, store, todo, left, done, before=loops, last=last,
                                 job_left=job_left)  # fmt: skip
             if last:
@@ -255,6 +262,8 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
             loops.append(loop)
         raise AssertionError("unreachable: the last phase returns")
     finally:
+        if store is not None and hasattr(store, "discard"):
+            store.discard()  # an index built ahead by a job that did not finish
         _free(ring, across)
 
 

@@ -30,7 +30,6 @@ Rank 0 starts or reopens the parts folder with :mod:`ringmpi.job.store_open`.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import zlib
@@ -46,12 +45,11 @@ from .outdir import (
 )
 from .outdir import marker_members, unlock_output, valid_marker
 from .schema import InputError, Plan
-from .store_open import prepare_parts
-from .vds import label_dims, part_name, write_vds
+from .store_open import _plain_attrs, fingerprint, prepare_parts
+from .vds import label_dims, part_name, publish_vds, write_vds
 
 __all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims"]
 
-FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 COMPRESSION = ("gzip", "lzf")
 
 
@@ -73,41 +71,6 @@ def _write_h5(path: str, fill, sync: bool = True) -> tuple:
         image = f.id.get_file_image()
     replace_with(path, image, sync=sync)
     return len(image), zlib.crc32(image)
-
-
-def fingerprint(
-    plan: Plan, layout: str, causal: bool, scale: Optional[float], nranks: int, ring_size=None
-) -> dict:
-    """What must match for --resume to reuse finished sequences."""
-
-    def stamp(p):
-        st = os.stat(p)  # ctime too: a file rewritten with its mtime reset is a new input
-        return [os.path.abspath(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-    return {
-        "format": FORMAT,
-        "inputs": [stamp(p) for p in plan.files],
-        "weights": stamp(plan.weights) if plan.weights else None,
-        "layout": layout,
-        "causal": bool(causal),
-        "scale": scale,
-        "nranks": nranks,
-        "ring_size": nranks if ring_size is None else int(ring_size),
-        "dtype": plan.dtype,
-        "geometry": [plan.heads, plan.kv_heads, plan.head_dim],
-        "sequences": [[s.name, s.length] for s in plan.sequences],
-    }
-
-
-def _plain_attrs(meta: dict) -> dict:
-    """Attributes from a fingerprint alone: scalars as they are, anything else as JSON."""
-    out = {"format": FORMAT}
-    for k, v in meta.items():
-        if k == "format":
-            continue
-        ok = isinstance(v, (str, bool, int, float)) and v is not None
-        out[k] = v if ok else json.dumps(v)
-    return out
 
 
 class OutputStore:
@@ -169,6 +132,7 @@ class OutputStore:
             raise InputError(str(e)) from None
         self.unsynced: list = []
         self.synced_at = time.monotonic()
+        self.ahead: Optional[tuple] = None  # (temporary file, where, nranks): build_ahead
 
     def sync(self, force: bool = True) -> None:
         """fsync this rank's files written since the last sync, then the parts folder.
@@ -361,6 +325,42 @@ class OutputStore:
         write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout, where,
                   nranks=nranks)  # fmt: skip
 
+    @staticmethod
+    def _mapping(every) -> tuple:
+        """(sequence -> its batch's members, batch's first member -> its ring size) of
+        ``every`` dict {first member: (members, ring size)}."""
+        where, nranks = {}, {}
+        for batches in every or ():
+            for first, (members, n) in batches.items():
+                where.update((i, tuple(members)) for i in members)
+                nranks[first] = n
+        return where, nranks
+
+    def build_ahead(self, batches: list) -> None:
+        """Rank 0, while the others compute (not collective): the virtual-dataset file for
+        the batches kept by a resume plus ``batches`` [(members, ring size), ...] (every
+        batch still to compute), built now under a temporary name in the parts folder.
+
+        :meth:`finish` renames it into place when the batches written are exactly
+        these (else it builds the file again). A failure here only leaves it to finish.
+        """
+        if self.world_rank != 0:
+            return
+        ahead = {m[0]: (tuple(m), int(r)) for m, r in batches}
+        where, nranks = self._mapping([self.mine, ahead])
+        try:
+            tmp = write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout,
+                            where, nranks=nranks, publish=False)  # fmt: skip
+        except (OSError, RuntimeError, ValueError):
+            return  # finish writes it and names the error, on every rank
+        self.ahead = (tmp, where, nranks)
+
+    def discard(self) -> None:
+        """Remove the file :meth:`build_ahead` left, if any (a job that did not finish)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead and os.path.isfile(ahead[0]) and not os.path.islink(ahead[0]):
+            os.unlink(ahead[0])
+
     def finish(self) -> None:
         """Rank 0 writes the virtual-dataset file and renames it into place (collective).
 
@@ -369,15 +369,17 @@ class OutputStore:
         """
         run_everywhere(self.comm, self.sync)  # every part durable before the output exists
         every = [self.mine] if self.comm is None else self.comm.gather(self.mine, root=0)
-        where, nranks = {}, {}
-        for batches in every or ():
-            for first, (members, n) in batches.items():
-                where.update((i, members) for i in members)
-                nranks[first] = n
+        where, nranks = self._mapping(every)
 
         def vds():
             try:
-                self._write_vds(where, nranks)
+                ahead = self.ahead
+                if ahead and ahead[1:] == (where, nranks):
+                    publish_vds(ahead[0], self.path)
+                    self.ahead = None
+                else:
+                    self.discard()
+                    self._write_vds(where, nranks)
             except (OSError, RuntimeError, ValueError) as e:
                 raise InputError(f"{self.path}: cannot write output ({e})") from e
 

@@ -13,17 +13,20 @@ import json
 import os
 import re
 import stat
-from typing import Callable
+from typing import Callable, Optional
 
 from ..files import exclusive_temp, write_json
 from .outdir import lock_output, open_parts_dir
 from .schema import InputError, Plan
 
-__all__ = ["OURS", "prepare_parts", "resume_markers"]
+__all__ = ["OURS", "FORMAT", "fingerprint", "prepare_parts", "resume_markers"]
+
+FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 
 # single.h5.tmp: the one-file output being written (ringmpi.job.mpio); .NAME.<hex>.tmp: the
-# exclusive temporaries of ringmpi.files.exclusive_temp
-_NAMES = r"(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json|single\.h5)"
+# exclusive temporaries of ringmpi.files.exclusive_temp (.index.h5.<hex>.tmp: the output's
+# virtual-dataset file built ahead, ringmpi.job.store)
+_NAMES = r"(s\d{6}\.(r\d{5}\.h5|done)|manifest\.json|single\.h5|index\.h5)"
 OURS = re.compile(rf"^({_NAMES}(\.tmp)?|\.{_NAMES}\.[0-9a-f]{{12}}\.tmp)$")  # what a run writes
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -155,3 +158,38 @@ def resume_markers(
         if marker_ok(marker, i):
             done[i] = marker
     return done
+
+
+def fingerprint(
+    plan: Plan, layout: str, causal: bool, scale: Optional[float], nranks: int, ring_size=None
+) -> dict:
+    """What must match for --resume to reuse finished sequences."""
+
+    def stamp(p):
+        st = os.stat(p)  # ctime too: a file rewritten with its mtime reset is a new input
+        return [os.path.abspath(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    return {
+        "format": FORMAT,
+        "inputs": [stamp(p) for p in plan.files],
+        "weights": stamp(plan.weights) if plan.weights else None,
+        "layout": layout,
+        "causal": bool(causal),
+        "scale": scale,
+        "nranks": nranks,
+        "ring_size": nranks if ring_size is None else int(ring_size),
+        "dtype": plan.dtype,
+        "geometry": [plan.heads, plan.kv_heads, plan.head_dim],
+        "sequences": [[s.name, s.length] for s in plan.sequences],
+    }
+
+
+def _plain_attrs(meta: dict) -> dict:
+    """Attributes from a fingerprint alone: scalars as they are, anything else as JSON."""
+    out = {"format": FORMAT}
+    for k, v in meta.items():
+        if k == "format":
+            continue
+        ok = isinstance(v, (str, bool, int, float)) and v is not None
+        out[k] = v if ok else json.dumps(v)
+    return out

@@ -21,7 +21,18 @@ from .outdir import vds_name
 from .reader import local_runs
 from .schema import Plan
 
-__all__ = ["write_vds", "virtual_dataset", "label_dims", "write_offsets", "part_name"]
+__all__ = [
+    "INDEX",
+    "write_vds",
+    "publish_vds",
+    "virtual_dataset",
+    "label_dims",
+    "write_offsets",
+    "part_name",
+]
+
+
+INDEX = "index.h5"  # the name the file built ahead is a temporary of, in the parts folder
 
 
 def part_name(seq_index: int, rank: int) -> str:
@@ -164,8 +175,12 @@ def write_vds(
     layout: str,
     where: dict,
     nranks: Optional[dict] = None,
-) -> None:
+    publish: bool = True,
+) -> Optional[str]:
     """Write the virtual-dataset file ``path`` stitching the part files in ``parts``.
+
+    The mapping needs only the plan and which batch holds each sequence, not the
+    parts themselves: the file can be built before they are written.
 
     Parameters
     ----------
@@ -179,6 +194,9 @@ def write_vds(
     nranks : dict, optional
         First member of a batch -> ranks of the ring that wrote it (default ``size``:
         ``--ring-size auto`` gives each sequence its own).
+    publish : bool
+        False: leave the file under its exclusive temporary name, not fsync'ed, and
+        return that name (:func:`publish_vds` renames it into place later).
     """
     import h5py
 
@@ -186,16 +204,25 @@ def write_vds(
     h, d = plan.heads, plan.head_dim
     dt = np.dtype(plan.dtype)
     lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
-    fd, tmp = exclusive_temp(path)  # a new file: never a planted name
+    # a new file (never a planted name); built ahead, it waits in the parts folder
+    fd, tmp = exclusive_temp(path if publish else os.path.join(parts, INDEX))
     os.close(fd)
     try:
         _fill_vds(ctx, tmp, h5py, plan, h, d, dt, lt, where)
-        fsync_path(tmp)
-        os.replace(tmp, path)
+        if not publish:
+            return tmp
+        publish_vds(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+    return None
+
+
+def publish_vds(tmp: str, path: str) -> None:
+    """fsync the built file ``tmp``, rename it to ``path``, fsync the folder."""
+    fsync_path(tmp)
+    os.replace(tmp, path)
     fsync_path(os.path.dirname(path))
 
 

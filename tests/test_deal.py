@@ -1,0 +1,155 @@
+"""Dealing a phase's batches to its rings by cost, and rank 0's index built ahead of the end."""
+
+import glob
+import os
+from types import SimpleNamespace
+
+import h5py
+import numpy as np
+import pytest
+
+from ringmpi.job import rings
+from ringmpi.job.batch import make_batches
+from ringmpi.job.rings import deal
+from ringmpi.job.sample import make_data
+from ringmpi.job.schema import scan
+from ringmpi.job.store import OutputStore, fingerprint
+
+
+def _plan(lengths, d=64):
+    seqs = [SimpleNamespace(name=f"s{i}", length=n, length_k=n, cu_seqlens=None,
+                            cu_seqlens_k=None) for i, n in enumerate(lengths)]  # fmt: skip
+    return SimpleNamespace(sequences=seqs, heads=4, kv_heads=2, head_dim=d, dtype="float32")
+
+
+def _dealt(plan, lengths, nrings, head_start=0, cap=0):
+    batches = make_batches(plan, list(range(len(lengths))), cap, nrings)
+    return batches, deal(plan, batches, nrings, True, head_start=head_start)
+
+
+@pytest.mark.parametrize("nrings", [1, 2, 3, 5])
+def test_equal_batches_without_head_start_are_round_robin(nrings):
+    lengths = [256] * 23
+    plan = _plan(lengths)
+    batches, out = _dealt(plan, lengths, nrings)
+    assert out == [batches[r::nrings] for r in range(nrings)]
+
+
+@pytest.mark.parametrize("nrings", [2, 3])
+def test_every_batch_once_in_order_and_the_loads_even(nrings):
+    rng = np.random.default_rng(5)
+    lengths = [int(x) for x in np.clip(np.exp(5.5 + 1.2 * rng.standard_normal(300)), 16, 8192)]
+    plan = _plan(lengths)
+    batches, out = _dealt(plan, lengths, nrings, cap=16384)
+    flat = [b for r in out for b in r]
+    assert sorted(flat, key=lambda b: b.members) == batches  # each batch once
+    for r in out:  # each ring keeps the phase's order
+        assert [b.members for b in r] == sorted(b.members for b in r)
+    cost = [_cost(plan, r) for r in out]
+    biggest = max(_cost(plan, [b]) for b in batches)
+    assert max(cost) - min(cost) <= biggest + 1e-12  # list scheduling: within one batch
+
+
+def _cost(plan, batches):
+    """The dealing's cost model of ``batches``, summed."""
+    return sum(_one(plan, b) for b in batches)
+
+
+def _one(plan, b):
+    flops = sum(4.0 * plan.head_dim * plan.heads * s.length * (s.length + 1) / 2
+                for s in (plan.sequences[i] for i in b.members))  # fmt: skip
+    row = plan.head_dim * 4
+    nbytes = (b.length * 2 * plan.heads + b.length_k * 2 * plan.kv_heads) * row
+    return (flops / rings.RATE["cpu"] + nbytes / rings.IO_BYTES_S + len(b.members) * rings.SEQ_S
+            + rings.BATCH_S)  # fmt: skip
+
+
+def test_head_start_moves_work_off_ring_zero():
+    lengths = [256] * 400
+    plan = _plan(lengths)
+    _, plain = _dealt(plan, lengths, 2)
+    _, ahead = _dealt(plan, lengths, 2, head_start=400)
+    n0, n1 = (sum(len(b.members) for b in r) for r in ahead)
+    assert n0 + n1 == 400 and n0 < n1
+    # ring 0's batches plus the index cost what ring 1's do, to within one batch
+    c0 = sum(_one(plan, b) for b in ahead[0]) + 400 * rings.INDEX_SEQ_S
+    c1 = sum(_one(plan, b) for b in ahead[1])
+    assert abs(c0 - c1) <= max(_one(plan, b) for b in ahead[1])
+    assert len(plain[0]) >= len(ahead[0])
+
+
+def test_a_head_start_longer_than_the_phase_leaves_ring_zero_nothing():
+    lengths = [64] * 4
+    plan = _plan(lengths, d=8)
+    _, out = _dealt(plan, lengths, 2, head_start=10_000)
+    assert out[0] == [] and len(out[1]) == 4
+
+
+# -- the index built ahead --------------------------------------------------------------
+S, H, HKV, D = 16, 2, 1, 8
+
+
+def _store(tmp_path, n=4):
+    paths = make_data(str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D,
+                      sequences=n)  # fmt: skip
+    plan = scan(paths)
+    st = OutputStore(str(tmp_path / "out.h5"), None, plan,
+                     fingerprint(plan, "zigzag", True, None, 1))  # fmt: skip
+    st.open(False)
+    return st
+
+
+def _write(st, members, rng):
+    items, outs = [], {}
+    for i in members:
+        o = rng.standard_normal((S, H, D)).astype("f4")
+        lse = rng.standard_normal((H, S)).astype("f4")
+        items.append((i, np.arange(S), o, lse))
+        outs[i] = (o, lse)
+    st.write_batch(items)
+    return outs
+
+
+def _ahead_files(st):
+    return glob.glob(os.path.join(st.parts, ".index.h5.*.tmp"))
+
+
+def _check(st, outs):
+    with h5py.File(st.path, "r") as f:
+        for i, (o, lse) in outs.items():
+            np.testing.assert_array_equal(f[f"seq00{i}"]["out"][...], o)
+            np.testing.assert_array_equal(f[f"seq00{i}"]["lse"][...], lse)
+
+
+def test_index_built_ahead_is_the_output(tmp_path):
+    st = _store(tmp_path)
+    st.build_ahead([((0, 1), 1), ((2,), 1), ((3,), 1)])  # before any part exists
+    assert len(_ahead_files(st)) == 1 and not os.path.exists(st.path)
+    rng = np.random.default_rng(0)
+    outs = _write(st, (0, 1), rng)
+    outs.update(_write(st, (2,), rng))
+    outs.update(_write(st, (3,), rng))
+    st.finish()
+    assert _ahead_files(st) == []  # renamed into place
+    _check(st, outs)
+
+
+def test_index_built_for_other_batches_is_rebuilt(tmp_path):
+    st = _store(tmp_path)
+    st.build_ahead([((0,), 1), ((1,), 1), ((2, 3), 1)])  # not what gets written
+    rng = np.random.default_rng(1)
+    outs = _write(st, (0, 1), rng)
+    outs.update(_write(st, (2,), rng))
+    outs.update(_write(st, (3,), rng))
+    st.finish()
+    assert _ahead_files(st) == []
+    _check(st, outs)
+
+
+def test_discard_removes_the_index_of_a_job_that_stops(tmp_path):
+    st = _store(tmp_path)
+    st.build_ahead([((0, 1, 2, 3), 1)])
+    assert len(_ahead_files(st)) == 1
+    st.discard()
+    st.discard()  # twice: nothing more
+    assert _ahead_files(st) == [] and not os.path.exists(st.path)
