@@ -112,8 +112,8 @@ def run(
         ``spec`` / ``options`` object holding the same field).
 
     ``ring_size=R`` (or ``"auto"``) splits the P ranks into P/R rings of R ranks
-    (:func:`ringmpi.grid`); the sequences are dealt round-robin over the rings,
-    each ring reads, computes and writes its own; output, resume markers,
+    (:func:`ringmpi.grid`); the batches are dealt over the rings by their predicted
+    cost (:func:`ringmpi.job.rings.deal`), each ring reads, computes and writes its own; output, resume markers,
     progress and summary stay one job. ``rope`` rotates the projected q and k of
     features inputs at their global positions within their packed sequence
     (:func:`ringmpi.rope.apply_rope` with ``rope_theta``, ``rope_scale``).
