@@ -122,6 +122,10 @@ def positions(
         sizes = split_sizes(len(group), u)
         start = int(sizes[: int(rank) % u].sum())
         return group[start : start + sizes[int(rank) % u]]
+    if size == 1:  # every layout: the one rank holds the tokens in order
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, n)
+        return np.arange(int(n), dtype=np.int64)
     if cu_seqlens is not None:
         cu = check_cu_seqlens(cu_seqlens, n)
         parts = [positions(int(b - a), rank, size, layout) + a for a, b in zip(cu[:-1], cu[1:])]
@@ -154,6 +158,10 @@ def counts(
     if u > 1:
         per_group = counts(n, size // u, layout, cu_seqlens=cu_seqlens)
         return np.concatenate([split_sizes(int(c), u) for c in per_group])
+    if size == 1:
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, n)
+        return np.array([int(n)], dtype=np.int64)
     if cu_seqlens is not None:
         cu = check_cu_seqlens(cu_seqlens, n)
         total = np.zeros(size, dtype=np.int64)

@@ -153,3 +153,33 @@ def test_discard_removes_the_index_of_a_job_that_stops(tmp_path):
     st.discard()
     st.discard()  # twice: nothing more
     assert _ahead_files(st) == [] and not os.path.exists(st.path)
+
+
+# -- the output check of a batch --------------------------------------------------------
+def _items(outs, lses):
+    return [(i, np.arange(len(o)), o, ls) for i, (o, ls) in enumerate(zip(outs, lses))]
+
+
+def test_check_batch_names_the_member_with_a_bad_value():
+    from ringmpi.job.batch import check_batch
+    from ringmpi.job.schema import InputError
+
+    rng = np.random.default_rng(3)
+    seqs = [SimpleNamespace(name=f"s{i}") for i in range(3)]
+    outs = [rng.standard_normal((5, 2, 4)).astype("f4") for _ in range(3)]
+    lses = [rng.standard_normal((2, 5)).astype("f4") for _ in range(3)]
+    lses[0][1, 2] = -np.inf  # a row that sees no key: allowed
+    out, lse = np.concatenate(outs), np.concatenate(lses, axis=1)
+    check_batch("in.h5", seqs, _items(outs, lses), out, lse)
+    big = [np.full((5, 2, 4), 3e38, "f4") for _ in range(3)]  # finite, the sum overflows f32
+    check_batch("in.h5", seqs, _items(big, lses), np.concatenate(big), lse)
+    for bad in (np.nan, np.inf, -np.inf):
+        o2 = [x.copy() for x in outs]
+        o2[1][3, 1, 2] = bad
+        with pytest.raises(InputError, match="sequence s1: attention output is not finite"):
+            check_batch("in.h5", seqs, _items(o2, lses), np.concatenate(o2), lse)
+    for bad in (np.nan, np.inf):
+        l2 = [x.copy() for x in lses]
+        l2[2][0, 4] = bad
+        with pytest.raises(InputError, match="sequence s2"):
+            check_batch("in.h5", seqs, _items(outs, l2), out, np.concatenate(l2, axis=1))

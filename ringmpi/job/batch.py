@@ -32,7 +32,8 @@ from .. import env
 from .budget import rank_bytes
 from .schema import InputError
 
-__all__ = ["Batch", "batch_tokens", "make_batches", "split", "DEFAULT_TOKENS"]
+__all__ = ["Batch", "batch_tokens", "make_batches", "split", "check_batch", "check_output",
+           "DEFAULT_TOKENS"]  # fmt: skip
 
 DEFAULT_TOKENS = int(env.REGISTRY["RINGMPI_BATCH_TOKENS"].default)
 BALANCE = 4  # batches per ring at least, when the rings share many short sequences
@@ -138,3 +139,39 @@ def split(out: np.ndarray, lse: np.ndarray, rows: list) -> list:
         return [(out, lse)]
     edges = np.cumsum([0] + list(rows))
     return [(out[a:b], lse[:, a:b]) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def check_batch(path: str, seqs: list, items: list, out, lse) -> None:
+    """:func:`check_output` of every member of a batch, in one pass over the batch's arrays.
+
+    A float64 sum of the whole output is finite exactly when no element is inf or NaN
+    (barring an overflow of the sum itself), and the lse's maximum is below +inf exactly
+    when no element is NaN or +inf; only then are the members checked one by one
+    (which names the first bad one).
+    """
+    out, lse = np.asarray(out), np.asarray(lse)
+    fine = out.size == 0 or bool(np.isfinite(out.sum(dtype=np.float64)))
+    if fine and lse.size and not lse.max() < np.inf:
+        fine = False
+    if not fine:
+        for s, it in zip(seqs, items):
+            check_output(path, s, *it[1:])
+
+
+def check_output(path: str, seq, pos: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
+    """Refuse to write a non-finite result (the inputs were checked finite when read).
+
+    Finite inputs can still overflow the accumulation dtype: float32 logits beyond
+    ~3e38 turn into inf and then NaN. Such a sequence must fail with a clear error,
+    not be written and marked complete. A row with no visible key has lse = -inf
+    by design, so only NaN and +inf count there.
+    """
+    bad = ~np.isfinite(out)
+    bad_lse = np.isnan(lse) | np.isposinf(lse)
+    if bad.any() or bad_lse.any():
+        rows = np.flatnonzero(bad.reshape(len(out), -1).any(axis=1))
+        t = int(pos[rows[0]]) if len(rows) else int(pos[np.argwhere(bad_lse)[0][-1]])
+        raise InputError(
+            f"{path}: sequence {seq.name}: attention output is not finite (token {t}): the "
+            f"scores overflow {out.dtype} arithmetic; rescale the input or use float64"
+        )

@@ -113,9 +113,10 @@ def run(
 
     ``ring_size=R`` (or ``"auto"``) splits the P ranks into P/R rings of R ranks
     (:func:`ringmpi.grid`); the batches are dealt over the rings by their predicted
-    cost (:func:`ringmpi.job.rings.deal`), each ring reads, computes and writes its own; output, resume markers,
-    progress and summary stay one job. ``rope`` rotates the projected q and k of
-    features inputs at their global positions within their packed sequence
+    cost (:func:`ringmpi.job.rings.deal`), each ring reads, computes and writes its
+    own; output, resume markers, progress and summary stay one job. ``rope`` rotates
+    the projected q and k of features inputs at their global positions within their
+    packed sequence
     (:func:`ringmpi.rope.apply_rope` with ``rope_theta``, ``rope_scale``).
 
     ``output_mode``: ``"parts"`` (per-rank part files + a virtual-dataset file),
