@@ -183,3 +183,22 @@ def test_check_batch_names_the_member_with_a_bad_value():
         l2[2][0, 4] = bad
         with pytest.raises(InputError, match="sequence s2"):
             check_batch("in.h5", seqs, _items(outs, l2), out, np.concatenate(l2, axis=1))
+
+
+def test_joined_is_concatenate_and_a_view_for_split_members():
+    from ringmpi.job.batch import joined, split
+
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal((1, 30, 3, 4)).astype("f4")
+    out, lse = base[0], rng.standard_normal((3, 30)).astype("f4")
+    parts = split(out, lse, [7, 0, 11, 12])
+    o = joined([p[0] for p in parts], axis=0)
+    ls = joined([p[1] for p in parts], axis=1)
+    np.testing.assert_array_equal(o, out)
+    np.testing.assert_array_equal(ls, lse)
+    assert np.shares_memory(o, out) and np.shares_memory(ls, lse)  # no copy
+    # not consecutive (reordered, a gap, separate arrays): a plain concatenation
+    for pieces, axis in (([out[7:18], out[:7]], 0), ([out[:5], out[6:9]], 0),
+                         ([lse[:, :4].copy(), lse[:, 4:9].copy()], 1)):  # fmt: skip
+        got = joined(pieces, axis)
+        np.testing.assert_array_equal(got, np.concatenate(pieces, axis=axis))

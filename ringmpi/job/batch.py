@@ -32,8 +32,8 @@ from .. import env
 from .budget import rank_bytes
 from .schema import InputError
 
-__all__ = ["Batch", "batch_tokens", "make_batches", "split", "check_batch", "check_output",
-           "DEFAULT_TOKENS"]  # fmt: skip
+__all__ = ["Batch", "batch_tokens", "make_batches", "split", "joined", "check_batch",
+           "check_output", "DEFAULT_TOKENS"]  # fmt: skip
 
 DEFAULT_TOKENS = int(env.REGISTRY["RINGMPI_BATCH_TOKENS"].default)
 BALANCE = 4  # batches per ring at least, when the rings share many short sequences
@@ -139,6 +139,28 @@ def split(out: np.ndarray, lse: np.ndarray, rows: list) -> list:
         return [(out, lse)]
     edges = np.cumsum([0] + list(rows))
     return [(out[a:b], lse[:, a:b]) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def joined(arrays: list, axis: int) -> np.ndarray:
+    """``np.concatenate(arrays, axis)``, without a copy when the arrays are the consecutive
+    slices of one array along ``axis`` (a batch's output split into its members)."""
+    full = [a for a in arrays if a.size]  # an empty slice may point anywhere
+    if not full:
+        return np.concatenate(arrays, axis=axis)
+    a0 = full[0]
+    step, at, total = a0.strides[axis], a0.ctypes.data, 0
+    for a in full:
+        same = a.strides == a0.strides and a.dtype == a0.dtype and a.ndim == a0.ndim
+        if (
+            not same
+            or a.ctypes.data != at
+            or any(n != m for d, (n, m) in enumerate(zip(a.shape, a0.shape)) if d != axis)
+        ):
+            return np.concatenate(arrays, axis=axis)
+        at += a.shape[axis] * step
+        total += a.shape[axis]
+    shape = a0.shape[:axis] + (total,) + a0.shape[axis + 1 :]
+    return np.lib.stride_tricks.as_strided(a0, shape=shape, strides=a0.strides, writeable=False)
 
 
 def check_batch(path: str, seqs: list, items: list, out, lse) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 from .. import env
 from ..collective import run_everywhere, run_on_root
 from ..files import fsync_path, replace_with, write_json
+from .batch import joined
 from .outdir import (
     crc32_of as _crc32,
 )
@@ -241,8 +242,8 @@ class OutputStore:
             _, pos, out, lse = items[0]
         else:
             pos = np.concatenate([it[1] for it in items])
-            out = np.concatenate([it[2] for it in items], axis=0)
-            lse = np.concatenate([it[3] for it in items], axis=1)
+            out = joined([it[2] for it in items], axis=0)
+            lse = joined([it[3] for it in items], axis=1)
 
         def fill(f):
             for name, a in (("out", out), ("lse", lse), ("pos", pos)):
