@@ -46,7 +46,7 @@ from .outdir import (
 )
 from .outdir import marker_members, unlock_output, valid_marker
 from .schema import InputError, Plan
-from .store_open import _plain_attrs, fingerprint, prepare_parts
+from .store_open import fingerprint, plain_attrs, prepare_parts
 from .vds import label_dims, part_name, publish_vds, write_vds
 
 __all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims"]
@@ -112,7 +112,7 @@ class OutputStore:
         self.path = os.path.abspath(path)
         self.parts = self.path + ".parts"
         self.comm, self.plan, self.meta = comm, plan, meta
-        self.attrs = attrs if attrs is not None else _plain_attrs(meta)
+        self.attrs = attrs if attrs is not None else plain_attrs(meta)
         self.overwrite, self.compress = overwrite, compress
         # a sequence is written by one ring (all ranks unless the job runs several rings):
         # parts are named and laid out by the rank in that ring
@@ -352,8 +352,8 @@ class OutputStore:
         try:
             tmp = write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout,
                             where, nranks=nranks, publish=False)  # fmt: skip
-        except (OSError, RuntimeError, ValueError):
-            return  # finish writes it and names the error, on every rank
+        except Exception:  # noqa: BLE001 - rank 0 alone: finish builds it again, collectively
+            return  # (and names the error on every rank)
         self.ahead = (tmp, where, nranks)
 
     def discard(self) -> None:

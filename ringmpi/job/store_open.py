@@ -19,7 +19,7 @@ from ..files import exclusive_temp, write_json
 from .outdir import lock_output, open_parts_dir
 from .schema import InputError, Plan
 
-__all__ = ["OURS", "FORMAT", "fingerprint", "prepare_parts", "resume_markers"]
+__all__ = ["OURS", "FORMAT", "fingerprint", "plain_attrs", "prepare_parts", "resume_markers"]
 
 FORMAT = 2  # 2: typed attributes, NaN fill values, dimension labels
 
@@ -184,7 +184,7 @@ def fingerprint(
     }
 
 
-def _plain_attrs(meta: dict) -> dict:
+def plain_attrs(meta: dict) -> dict:
     """Attributes from a fingerprint alone: scalars as they are, anything else as JSON."""
     out = {"format": FORMAT}
     for k, v in meta.items():
