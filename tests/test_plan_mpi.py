@@ -38,7 +38,9 @@ def test_predicted_time_within_30_percent(comm, capsys):
             t0 = time.perf_counter()
             ringmpi.ring_attention(*loc, comm, causal=causal)
             times.append(comm.allreduce(time.perf_counter() - t0, op=max))
-        rate, meas = float(np.median(rates)), float(np.median(times))
+        # the best of each (the fastest call against the highest rate): on a shared machine
+        # the other calls carry other processes' time, on either side
+        rate, meas = float(np.max(rates)), float(np.min(times))
         pred = plan.predict(n, h, h, d, ranks=comm.size, causal=causal, gflops=rate,
                             link_gbps=gbps, latency_s=lat)["time_s"]  # fmt: skip
         ratio = pred / meas
