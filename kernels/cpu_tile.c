@@ -166,8 +166,9 @@ void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
  * Visibility (rm_vis): a key block is skipped for a query block when no row sees any of its
  * positions, computed without a mask when every row sees all of them; otherwise each strip
  * of RM_R rows is checked the same way and, when partly visible, scores only the keys from
- * the first to the last one any of its rows sees ([j0, j1)): by binary search when the
- * block's positions increase (each row's visible keys are one interval), else by a scan,
+ * the first to the last one any of its rows sees ([j0, j1)): when the block's positions
+ * increase each row's visible keys are one interval, found by arithmetic when they are
+ * consecutive, else by binary search (rm_span); otherwise by a scan,
  * then masked per row (interval fill) or per element.
  * Returns the flops of the scored pairs: 4 D nr (j1 - j0) per computed strip of nr real rows
  * and head (4 nq nk D per block when nothing is masked); every visible pair is counted, so
@@ -289,8 +290,8 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                         for (int r = 0; r < nr; r++) {
                                             int64_t lo, hi;
                                             rm_row(&vis, qa + r0 + r, &lo, &hi);
-                                            int64_t f = rm_lower(kp, nk, lo);
-                                            int64_t e = rm_upper(kp, nk, hi);
+                                            int64_t f, e;
+                                            rm_span(kp, nk, kb[t].contig, lo, hi, &f, &e);
                                             if (f >= e) f = e = 0; /* sees none */
                                             else {
                                                 j0 = f < j0 ? f : j0;
