@@ -394,7 +394,8 @@ static inline void vd_tr(vd r[8]) {
 }
 #else
 static inline vf vf_loadn(const float *p, int n) {
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), i);
     return _mm256_maskload_ps(p, m);
 }
 static inline vd vd_loadn(const double *p, int n) {

@@ -29,8 +29,9 @@
  *      float32 rounding does not grow with the row's key count (values with a mean make a
  *      running total grow, and each term added to it rounds against the total).
  * A (query block, key block) pair that no row sees is skipped and one that every row sees
- * fully is not masked; inside the others each strip scores only the panels from its first
- * to its last visible key (a narrow window costs about its width, not the block's).
+ * fully is not masked; inside the others each strip scores only the keys from the panel
+ * holding its first visible key to the 64-byte group holding its last (a narrow window or a
+ * short sequence costs about its width, not the block's).
  * The strip of scores stays in L1, the K/V block in L2 (prefetched into L1 a few iterations
  * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
  * matrix product and no (Sq x Sk) array exists.
@@ -316,8 +317,11 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                             /* panels from the one holding key j0 (a multiple of KW, so the
                              * row sums' lanes see the same columns on every vector path) */
                             const int64_t base = j0 / KW * KW, use = j1 - base;
-                            const int64_t ucol = (use + KW - 1) / KW * KW;
-                            FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol / KW, D, sb, bk, rmax);
+                            /* scored columns: whole 64-byte groups (the row sums' lanes);
+                             * the panels' columns past them would score -inf after masking */
+                            const int64_t ucol = (use + NS * RM_W - 1) / (NS * RM_W) * NS * RM_W;
+                            const int64_t pcol = (use + KW - 1) / KW * KW; /* panels' end */
+                            FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol, D, sb, bk, rmax);
                             if (hm.bits) /* the scored columns [0, ucol), real keys < use */
                                 for (int r = 0; r < nr; r++)
                                     FN(rm_mods_row)(&hm, sb + r * bk, NULL, 0, ucol, use,
@@ -342,9 +346,9 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                 for (int64_t j = use; j < ucol; j++) row[j] = -INFINITY;
                             }
                             /* the maxima from rm_qk hold unless keys were masked or padded */
-                            const int have_max = mode == 0 && ucol == use && !hm.bits;
-                            FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, lc + r0, ob + r0 * Dp,
-                                           oc + r0 * Dp, Dp, rmax, have_max);
+                            const int have_max = mode == 0 && pcol == use && !hm.bits;
+                            FN(rm_softmax)(sb, bk, ucol, pcol > ucol, mb + r0, lb + r0, lc + r0,
+                                           ob + r0 * Dp, oc + r0 * Dp, Dp, rmax, have_max);
                             FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp,
                                       oc + r0 * Dp);
                             flops += 4 * nr * (j1 - j0) * D;
