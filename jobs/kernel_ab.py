@@ -5,6 +5,7 @@
     python jobs/kernel_ab.py --accuracy --keys 4096 16384 65536 262144
     python jobs/kernel_ab.py --speed --n 8192 --d 64 --rounds 9
     python jobs/kernel_ab.py --mods --n 4096 --causal    # softcap / ALiBi cost, current kernels
+    python jobs/kernel_ab.py --packed --baseline main    # packed short causal sequences
 
 Accuracy: queries standard normal, keys mean 0.5, values mean 1 and spread 0.1 (the shape
 of real activations, where float32 rounding errors do not cancel as they do for zero-mean
@@ -17,6 +18,12 @@ status is 1 when a current kernel's ratio exceeds ``--limit`` (default 2).
 Speed: both builds of each tile on the same arrays, interleaved A B B A for ``--rounds``
 rounds in one process (so machine noise hits both alike); medians in GFLOP/s and the
 ratio current / baseline.
+
+Packed (``--packed``): batches of ``--tokens`` tokens of causal sequences of each length in
+``--lens`` (per-row bounds lo = (pos // S) S, hi = pos, as a batch of many short sequences
+is run) and one plain causal tile of ``--n`` tokens, H=``--heads``, Hkv=``--kv-heads``,
+float32; both builds forward and backward alternated A B B A, best of ``--rounds``, in
+GFLOP/s of 4 D H (forward) or 10 D H (backward) per visible pair.
 
 Modifiers (``--mods``): the current tiles plain, with softcap (30), with ALiBi (standard
 slopes) and with both, interleaved in one process, CPU time; GFLOP/s and the ratio to
@@ -225,6 +232,61 @@ def speed(pairs: dict, n: int, d: int, heads: int, rounds: int, causal: bool) ->
         )
 
 
+def empty_state(q):
+    """acc, m, l of no key yet for queries ``q`` (B, H, S, D)."""
+    return (
+        np.zeros_like(q),
+        np.full(q.shape[:-1], -np.inf, q.dtype),
+        np.zeros(q.shape[:-1], q.dtype),
+    )
+
+
+def packed(pairs: dict, lens, tokens: int, n: int, d: int, heads: int, kv_heads: int, rounds: int):
+    """Best-of-rounds GFLOP/s of both builds on packed causal batches and one causal tile."""
+    rng = np.random.default_rng(2)
+    sc = 1 / np.sqrt(d)
+    print(f"packed: {tokens} tokens a batch, D={d} H={heads} Hkv={kv_heads} float32, "
+          f"best of {rounds} rounds x 2 runs each (thread CPU time)")  # fmt: skip
+    for s in (*lens, None):
+        t = n if s is None else tokens // s * s
+        pos = np.arange(t, dtype=np.int64)
+        bounds = None if s is None else (pos // s * s, pos.copy())
+        kw = dict(scale=sc, causal=True, bounds=bounds)
+        pairs_vis = t * (t + 1) // 2 if s is None else (t // s) * s * (s + 1) // 2
+        q = rng.standard_normal((1, heads, t, d)).astype(np.float32)
+        k = (0.5 + rng.standard_normal((1, kv_heads, t, d))).astype(np.float32)
+        v = (1.0 + 0.1 * rng.standard_normal((1, kv_heads, t, d))).astype(np.float32)
+        do = (0.2 + 0.1 * rng.standard_normal((1, heads, t, d))).astype(np.float32)
+        cur = pairs["current"][0]
+        st = empty_state(q)
+        cur.forward_tile(q, k, v, pos, pos, *st, **kw)
+        out, lse = cur.finalize(*st)
+        delta = (do * out).sum(-1)
+        times = {(p, w): [] for p in ("fwd", "bwd") for w in pairs}
+        for _ in range(rounds):
+            for w in ("baseline", "current", "current", "baseline"):
+                fwd, lib = pairs[w]
+                st = empty_state(q)
+                c = time.thread_time()
+                fwd.forward_tile(q, k, v, pos, pos, *st, **kw)
+                times[("fwd", w)].append(time.thread_time() - c)
+                dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+                c = time.thread_time()
+                fused_backward.backward_tile_with(
+                    lib, q, k, v, do, lse, delta, pos, pos, dq, dk, dv, **kw
+                )
+                times[("bwd", w)].append(time.thread_time() - c)
+        name = f"causal {t}" if s is None else f"packed S={s}"
+        for p, per in (("fwd", 4.0), ("bwd", 10.0)):
+            g = {w: per * d * heads * pairs_vis / min(times[(p, w)]) / 1e9 for w in pairs}
+            ratio = g["current"] / g["baseline"]
+            print(
+                f"  {name:>16} {p}: baseline {g['baseline']:7.1f} GF/s  current "
+                f"{g['current']:7.1f} GF/s  current/baseline {ratio:.3f}"
+            )
+        sys.stdout.flush()
+
+
 def modifiers(kern, lib, n: int, d: int, heads: int, rounds: int, causal: bool) -> None:
     """Median GFLOP/s (CPU time) of the current tiles plain and with softcap / ALiBi."""
     from ringmpi.job.modifiers import alibi_slopes
@@ -288,8 +350,12 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--packed", action="store_true", help="only packed short sequences")
+    ap.add_argument("--lens", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--kv-heads", type=int, default=2)
     a = ap.parse_args(argv)
-    both = not (a.accuracy or a.speed or a.mods)
+    both = not (a.accuracy or a.speed or a.mods or a.packed)
     isas = a.isa or build.host_isas()
     if a.mods:
         print(f"ISA path {isas[0]}")
@@ -308,6 +374,10 @@ def main(argv=None) -> int:
             pairs = {"baseline": kernels(isas[0], base), "current": kernels(isas[0], None)}
             print(f"ISA path {isas[0]}")
             speed(pairs, a.n, a.d, a.heads, a.rounds, a.causal)
+        if a.packed:
+            pairs = {"baseline": kernels(isas[0], base), "current": kernels(isas[0], None)}
+            print(f"ISA path {isas[0]}")
+            packed(pairs, a.lens, a.tokens, a.n, a.d, a.heads, a.kv_heads, a.rounds)
     if not ok:
         print(f"FAILED: a current kernel's error exceeds {a.limit}x dense float32's")
     return 0 if ok else 1

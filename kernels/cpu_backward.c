@@ -269,8 +269,8 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                                     if (r0 + r >= nq) continue;
                                     const int64_t i = qa + r0 + r;
                                     rm_row(&vis, i, &rlo[r], &rhi[r]);
-                                    const int64_t a = rm_lower(ks, nk, rlo[r]);
-                                    const int64_t e = rm_upper(ks, nk, rhi[r]);
+                                    int64_t a, e;
+                                    rm_span(ks, nk, K.contig, rlo[r], rhi[r], &a, &e);
                                     if (e <= a) continue; /* this row sees no key here */
                                     jb[r] = K.inc ? a : 0;
                                     je[r] = K.inc ? e : nk;

@@ -19,6 +19,7 @@ typedef struct {
     int64_t a, b;     /* index range [a, b) */
     int64_t lo, hi;   /* min and max position inside */
     int inc;          /* positions strictly increasing: visible keys form a prefix */
+    int contig;       /* positions pos[a] + 0, 1, ..., b - a - 1 (consecutive; implies inc) */
 } rm_block;
 
 /* Cut [start, stop) into blocks of at most `size` rows that never cross a cut in `cuts`
@@ -38,6 +39,8 @@ static int64_t rm_blocks(const int64_t *pos, int64_t start, int64_t stop, const 
             inc &= pos[i] > pos[i - 1];
         }
         out[nb].inc = inc;
+        /* strictly increasing with last - first = n - 1: consecutive (unsigned: no overflow) */
+        out[nb].contig = inc && (uint64_t)pos[b - 1] - (uint64_t)pos[a] == (uint64_t)(b - a - 1);
         out[nb].a = a;
         out[nb].b = b;
         out[nb].lo = lo;
@@ -122,5 +125,21 @@ static inline int64_t rm_upper(const int64_t *kp, int64_t n, int64_t x) {
         else b = mid;
     }
     return a;
+}
+
+/* The keys of increasing kp[0..n) (n >= 1) a row with bounds [lo, hi] sees: [*f, *e) with
+ * *f = rm_lower(kp, n, lo), *e = rm_upper(kp, n, hi). When contig (kp[j] = kp[0] + j, see
+ * rm_block) the same indices by arithmetic (clamped to [0, n]; no overflow: a difference is
+ * taken only between kp[0] and a value inside [kp[0], kp[n - 1]]), else by the searches. */
+static inline void rm_span(const int64_t *kp, int64_t n, int contig, int64_t lo, int64_t hi,
+                           int64_t *f, int64_t *e) {
+    if (contig) {
+        const int64_t k0 = kp[0], k1 = kp[n - 1];
+        *f = lo <= k0 ? 0 : lo > k1 ? n : lo - k0;
+        *e = hi < k0 ? 0 : hi >= k1 ? n : hi - k0 + 1;
+    } else {
+        *f = rm_lower(kp, n, lo);
+        *e = rm_upper(kp, n, hi);
+    }
 }
 #endif /* RM_CPU_BLOCKS_H */

@@ -7,7 +7,8 @@
  *
  *   float32  vf, VF_W lanes:  vf_load, vf_store, vf_set1, vf_zero, vf_fma, vf_add, vf_sub,
  *            vf_mul, vf_div, vf_max, vf_hmax, vf_hsum, vf_nan0 (NaN -> 0), vf_abs,
- *            vf_sign, vf_or, vf_sellt, and vf_exp; vf_sum: the type of the row sums
+ *            vf_sign, vf_or, vf_sellt, and vf_exp; vf_sum: the type of the row sums;
+ *            vector paths also vf_loadn (a partial load) and vf_tr (a W x W transpose)
  *   float64  vd, VD_W lanes:  the same with vd_ (vd_sum is vd)
  *
  * and the register blocking per ISA (RM_ISA_R, RM_ISA_NK, RM_ISA_NV), the ISA's name and
@@ -332,6 +333,106 @@ static inline vd vd_exp(vd x) {
 #endif
 #endif
 }
+
+/* ------------------------------------------------ transposes and partial loads --- *
+ * vf_loadn / vd_loadn (p, n): the first n (0 < n <= W) elements at p, zeros past them (the
+ * masked-out elements are not read: no fault past the end of an array). vf_tr / vd_tr (r):
+ * the W x W block r[0..W) (W vectors of W lanes, row i = r[i]) transposed in place, by
+ * lane shuffles only (the bits move, no arithmetic). Used to pack K^T panels. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+/* 4 x 4 transpose of the 128-bit lanes of x[0..4) (lane L of x[i] -> lane i of x[L]) */
+static inline void rm_tr_lanes4(__m512 x[4]) {
+    const __m512 v0 = _mm512_shuffle_f32x4(x[0], x[1], 0x44); /* x0[0] x0[1] x1[0] x1[1] */
+    const __m512 v1 = _mm512_shuffle_f32x4(x[0], x[1], 0xEE); /* x0[2] x0[3] x1[2] x1[3] */
+    const __m512 v2 = _mm512_shuffle_f32x4(x[2], x[3], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(x[2], x[3], 0xEE);
+    x[0] = _mm512_shuffle_f32x4(v0, v2, 0x88); /* lanes 0 and 2 of each */
+    x[1] = _mm512_shuffle_f32x4(v0, v2, 0xDD); /* lanes 1 and 3 of each */
+    x[2] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    x[3] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+}
+static inline vf vf_loadn(const float *p, int n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+static inline vd vd_loadn(const double *p, int n) {
+    return _mm512_maskz_loadu_pd((__mmask8)((1u << n) - 1), p);
+}
+static inline void vf_tr(vf r[16]) {
+    vf t[16];
+    for (int i = 0; i < 16; i += 2) { /* lane L of t[i + k]: columns 4L + 2k, 4L + 2k + 1 */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) { /* lane L of r[j + k]: column 4L + k of rows j..j+3 */
+        const __m512d a = _mm512_castps_pd(t[j]), b = _mm512_castps_pd(t[j + 1]);
+        const __m512d c = _mm512_castps_pd(t[j + 2]), d = _mm512_castps_pd(t[j + 3]);
+        r[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int k = 0; k < 4; k++) { /* row 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k] */
+        vf x[4] = {r[k], r[4 + k], r[8 + k], r[12 + k]};
+        rm_tr_lanes4(x);
+        for (int L = 0; L < 4; L++) t[4 * L + k] = x[L];
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+static inline void vd_tr(vd r[8]) {
+    vd t[8];
+    for (int i = 0; i < 8; i += 2) { /* lane L of t[i + k]: column 2L + k of rows i, i + 1 */
+        t[i] = _mm512_unpacklo_pd(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_pd(r[i], r[i + 1]);
+    }
+    for (int k = 0; k < 2; k++) { /* row 2L + k: lane L of t[k], t[2 + k], t[4 + k], t[6 + k] */
+        __m512 x[4] = {_mm512_castpd_ps(t[k]), _mm512_castpd_ps(t[2 + k]),
+                       _mm512_castpd_ps(t[4 + k]), _mm512_castpd_ps(t[6 + k])};
+        rm_tr_lanes4(x);
+        for (int L = 0; L < 4; L++) r[2 * L + k] = _mm512_castps_pd(x[L]);
+    }
+}
+#else
+static inline vf vf_loadn(const float *p, int n) {
+    const __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), i);
+    return _mm256_maskload_ps(p, m);
+}
+static inline vd vd_loadn(const double *p, int n) {
+    const __m256i m = _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+    return _mm256_maskload_pd(p, m);
+}
+static inline void vf_tr(vf r[8]) {
+    vf t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) { /* lane L of r[j + k]: column 4L + k of rows j..j+3 */
+        r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+        r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+        r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+        r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) { /* row 4L + k: lane L of r[k], r[4 + k] */
+        t[k] = _mm256_permute2f128_ps(r[k], r[4 + k], 0x20);
+        t[4 + k] = _mm256_permute2f128_ps(r[k], r[4 + k], 0x31);
+    }
+    for (int i = 0; i < 8; i++) r[i] = t[i];
+}
+static inline void vd_tr(vd r[4]) {
+    vd t[4];
+    for (int i = 0; i < 4; i += 2) { /* lane L of t[i + k]: column 2L + k of rows i, i + 1 */
+        t[i] = _mm256_unpacklo_pd(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_pd(r[i], r[i + 1]);
+    }
+    for (int k = 0; k < 2; k++) { /* row 2L + k: lane L of t[k], t[2 + k] */
+        r[k] = _mm256_permute2f128_pd(t[k], t[2 + k], 0x20);
+        r[2 + k] = _mm256_permute2f128_pd(t[k], t[2 + k], 0x31);
+    }
+}
+#endif
+#endif
 
 /* tanh's Taylor series x + sum_k c_k x^(2k+1), c_k = 2^(2k+2) (2^(2k+2) - 1) B_(2k+2) / (2k+2)!
  * (B: Bernoulli numbers); used for |x| below RM_TANH_X (see rm_tanh). */

@@ -40,6 +40,8 @@
 #undef V_HMAX
 #undef V_HSUM
 #undef V_EXP
+#undef V_LOADN
+#undef V_TR
 #if RM_BITS == 32
 #define RM_T float
 #define RM_V vf
@@ -68,6 +70,8 @@
 #define V_HMAX vf_hmax
 #define V_HSUM vf_hsum
 #define V_EXP vf_exp
+#define V_LOADN vf_loadn
+#define V_TR vf_tr
 #elif RM_BITS == 64
 #define RM_T double
 #define RM_V vd
@@ -96,6 +100,8 @@
 #define V_HMAX vd_hmax
 #define V_HSUM vd_hsum
 #define V_EXP vd_exp
+#define V_LOADN vd_loadn
+#define V_TR vd_tr
 #else
 #error "define RM_BITS as 32 or 64 before including cpu_simd_type.h"
 #endif
@@ -217,8 +223,10 @@ static inline void FN(rm_mods_row)(const FN(rm_mods) *m, RM_T *restrict row, RM_
 
 /* Rows [0, nk) of src (row stride D) as transposed panels of kw columns: dst (np, D, kw)
  * row-major, np = ceil(nk / kw), so one vector load gives kw / RM_W consecutive rows of one
- * feature; zero past nk. The panel is written in order (unit-stride stores); its kw source
- * rows are read column by column and stay in L1. */
+ * feature; zero past nk. Vector paths (kw a multiple of RM_W): blocks of RM_W rows x RM_W
+ * features are loaded as vectors (a partial block: the features past D not read, the rows
+ * past nk zero vectors), transposed in registers (V_TR) and stored as RM_W panel rows; the
+ * scalar path copies element by element. Data movement only: the same values either way. */
 static inline void FN(rm_pack_panels)(const RM_T *restrict src, int64_t nk, int64_t D,
                                       int64_t kw, RM_T *restrict dst) {
     const int64_t np = (nk + kw - 1) / kw;
@@ -226,10 +234,29 @@ static inline void FN(rm_pack_panels)(const RM_T *restrict src, int64_t nk, int6
         RM_T *pd = dst + p * D * kw;
         const RM_T *ps = src + p * kw * D;
         const int64_t nc = nk - p * kw < kw ? nk - p * kw : kw;
+#if RM_W == 1
         for (int64_t d = 0; d < D; d++) {
             for (int64_t c = 0; c < nc; c++) pd[d * kw + c] = ps[c * D + d];
             for (int64_t c = nc; c < kw; c++) pd[d * kw + c] = 0;
         }
+#else
+        for (int64_t c0 = 0; c0 < kw; c0 += RM_W) {
+            const int64_t nr = nc - c0; /* real rows of this block (<= 0: none) */
+            for (int64_t d0 = 0; d0 < D; d0 += RM_W) {
+                const int nd = D - d0 < RM_W ? (int)(D - d0) : RM_W;
+                RM_V r[RM_W];
+#pragma GCC unroll 16
+                for (int i = 0; i < RM_W; i++)
+                    r[i] = i >= nr       ? V_ZERO()
+                           : nd == RM_W ? V_LOAD(ps + (c0 + i) * D + d0)
+                                        : V_LOADN(ps + (c0 + i) * D + d0, nd);
+                V_TR(r);
+#pragma GCC unroll 16
+                for (int i = 0; i < RM_W; i++)
+                    if (i < nd) V_STORE(pd + (d0 + i) * kw + c0, r[i]);
+            }
+        }
+#endif
     }
 }
 

@@ -29,8 +29,9 @@
  *      float32 rounding does not grow with the row's key count (values with a mean make a
  *      running total grow, and each term added to it rounds against the total).
  * A (query block, key block) pair that no row sees is skipped and one that every row sees
- * fully is not masked; inside the others each strip scores only the panels from its first
- * to its last visible key (a narrow window costs about its width, not the block's).
+ * fully is not masked; inside the others each strip scores only the keys from the panel
+ * holding its first visible key to the 64-byte group holding its last (a narrow window or a
+ * short sequence costs about its width, not the block's).
  * The strip of scores stays in L1, the K/V block in L2 (prefetched into L1 a few iterations
  * ahead), the query block's Q and state in L2: memory traffic per flop is that of a blocked
  * matrix product and no (Sq x Sk) array exists.
@@ -166,8 +167,9 @@ void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
  * Visibility (rm_vis): a key block is skipped for a query block when no row sees any of its
  * positions, computed without a mask when every row sees all of them; otherwise each strip
  * of RM_R rows is checked the same way and, when partly visible, scores only the keys from
- * the first to the last one any of its rows sees ([j0, j1)): by binary search when the
- * block's positions increase (each row's visible keys are one interval), else by a scan,
+ * the first to the last one any of its rows sees ([j0, j1)): when the block's positions
+ * increase each row's visible keys are one interval, found by arithmetic when they are
+ * consecutive, else by binary search (rm_span); otherwise by a scan,
  * then masked per row (interval fill) or per element.
  * Returns the flops of the scored pairs: 4 D nr (j1 - j0) per computed strip of nr real rows
  * and head (4 nq nk D per block when nothing is masked); every visible pair is counted, so
@@ -289,8 +291,8 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                         for (int r = 0; r < nr; r++) {
                                             int64_t lo, hi;
                                             rm_row(&vis, qa + r0 + r, &lo, &hi);
-                                            int64_t f = rm_lower(kp, nk, lo);
-                                            int64_t e = rm_upper(kp, nk, hi);
+                                            int64_t f, e;
+                                            rm_span(kp, nk, kb[t].contig, lo, hi, &f, &e);
                                             if (f >= e) f = e = 0; /* sees none */
                                             else {
                                                 j0 = f < j0 ? f : j0;
@@ -315,8 +317,11 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                             /* panels from the one holding key j0 (a multiple of KW, so the
                              * row sums' lanes see the same columns on every vector path) */
                             const int64_t base = j0 / KW * KW, use = j1 - base;
-                            const int64_t ucol = (use + KW - 1) / KW * KW;
-                            FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol / KW, D, sb, bk, rmax);
+                            /* scored columns: whole 64-byte groups (the row sums' lanes);
+                             * the panels' columns past them would score -inf after masking */
+                            const int64_t ucol = (use + NS * RM_W - 1) / (NS * RM_W) * NS * RM_W;
+                            const int64_t pcol = (use + KW - 1) / KW * KW; /* panels' end */
+                            FN(rm_qk)(qs + r0 * D, ktb + base * D, ucol, D, sb, bk, rmax);
                             if (hm.bits) /* the scored columns [0, ucol), real keys < use */
                                 for (int r = 0; r < nr; r++)
                                     FN(rm_mods_row)(&hm, sb + r * bk, NULL, 0, ucol, use,
@@ -341,9 +346,9 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                 for (int64_t j = use; j < ucol; j++) row[j] = -INFINITY;
                             }
                             /* the maxima from rm_qk hold unless keys were masked or padded */
-                            const int have_max = mode == 0 && ucol == use && !hm.bits;
-                            FN(rm_softmax)(sb, bk, ucol, mb + r0, lb + r0, lc + r0, ob + r0 * Dp,
-                                           oc + r0 * Dp, Dp, rmax, have_max);
+                            const int have_max = mode == 0 && pcol == use && !hm.bits;
+                            FN(rm_softmax)(sb, bk, ucol, pcol > ucol, mb + r0, lb + r0, lc + r0,
+                                           ob + r0 * Dp, oc + r0 * Dp, Dp, rmax, have_max);
                             FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp,
                                       oc + r0 * Dp);
                             flops += 4 * nr * (j1 - j0) * D;

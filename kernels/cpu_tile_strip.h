@@ -13,44 +13,64 @@
  *
  * No include guard: each inclusion defines the functions of that element type. */
 
-/* S (RM_R x ldS) = Qs (RM_R x D) K^T for all panels of one block; rmax (RM_R x RM_W) gets
+/* One panel of S = Qs K^T: its first nv vectors of keys (nv <= NK, a constant where it is
+ * inlined, so the register tile is unrolled); rmax gets the lane-wise maxima of those. */
+static inline __attribute__((always_inline)) void FN(rm_qk_panel)(
+    const RM_T *restrict qs, const RM_T *restrict kp, int64_t D, RM_T *restrict s, int64_t lds,
+    RM_T *restrict rmax, const int nv) {
+    RM_V acc[RM_R][NK];
+#pragma GCC unroll 16
+    for (int r = 0; r < RM_R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) acc[r][c] = V_ZERO();
+    for (int64_t d = 0; d < D; d++) {
+        RM_V kv[NK];
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) kv[c] = V_LOAD(kp + d * KW + c * RM_W);
+#pragma GCC unroll 4
+        for (int c = 0; c < KW_LINES; c++)
+            RM_PREFETCH((const char *)(kp + (d + RM_PF) * KW) + 64 * c);
+#pragma GCC unroll 16
+        for (int r = 0; r < RM_R; r++) {
+            RM_V qb = V_SET1(qs[r * D + d]);
+#pragma GCC unroll 4
+            for (int c = 0; c < nv; c++) acc[r][c] = V_FMA(qb, kv[c], acc[r][c]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RM_R; r++) {
+        RM_V mx = V_LOAD(rmax + r * RM_W);
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) {
+            V_STORE(s + r * lds + c * RM_W, acc[r][c]);
+            mx = V_MAX(mx, acc[r][c]);
+        }
+        V_STORE(rmax + r * RM_W, mx);
+    }
+}
+
+/* S (RM_R x ldS) = Qs (RM_R x D) K^T over the block's columns [0, ncol) (ncol a multiple of
+ * RM_W: whole panels, the last one possibly only its first vectors); rmax (RM_R x RM_W) gets
  * each row's running maximum as a vector (lane-wise over the panels), taken from the
- * registers before they are stored, so the softmax needs no separate pass for it. */
-static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, int64_t np,
+ * registers before they are stored, so the softmax needs no separate pass for it. Every
+ * score is the same FMA chain over d whichever columns are computed. */
+static inline void FN(rm_qk)(const RM_T *restrict qs, const RM_T *restrict kt, int64_t ncol,
                              int64_t D, RM_T *restrict s, int64_t lds, RM_T *restrict rmax) {
 #pragma GCC unroll 16
     for (int r = 0; r < RM_R; r++) V_STORE(rmax + r * RM_W, V_SET1(-INFINITY));
-    for (int64_t p = 0; p < np; p++) {
-        const RM_T *kp = kt + p * D * KW;
-        RM_V acc[RM_R][NK];
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++)
-#pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) acc[r][c] = V_ZERO();
-        for (int64_t d = 0; d < D; d++) {
-            RM_V kv[NK];
-#pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) kv[c] = V_LOAD(kp + d * KW + c * RM_W);
-#pragma GCC unroll 4
-            for (int c = 0; c < KW_LINES; c++)
-                RM_PREFETCH((const char *)(kp + (d + RM_PF) * KW) + 64 * c);
-#pragma GCC unroll 16
-            for (int r = 0; r < RM_R; r++) {
-                RM_V qb = V_SET1(qs[r * D + d]);
-#pragma GCC unroll 4
-                for (int c = 0; c < NK; c++) acc[r][c] = V_FMA(qb, kv[c], acc[r][c]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < RM_R; r++) {
-            RM_V mx = V_LOAD(rmax + r * RM_W);
-#pragma GCC unroll 4
-            for (int c = 0; c < NK; c++) {
-                V_STORE(s + r * lds + p * KW + c * RM_W, acc[r][c]);
-                mx = V_MAX(mx, acc[r][c]);
-            }
-            V_STORE(rmax + r * RM_W, mx);
-        }
+    const int64_t nfull = ncol / KW;
+    for (int64_t p = 0; p < nfull; p++)
+        FN(rm_qk_panel)(qs, kt + p * D * KW, D, s + p * KW, lds, rmax, NK);
+    const int nv = (int)(ncol - nfull * KW) / RM_W; /* vectors of a last, partial panel */
+    const RM_T *kp = kt + nfull * D * KW;
+    RM_T *sp = s + nfull * KW;
+    switch (nv) { /* nv < NK <= 4 */
+    case 1: FN(rm_qk_panel)(qs, kp, D, sp, lds, rmax, 1); break;
+#if NK > 2
+    case 2: FN(rm_qk_panel)(qs, kp, D, sp, lds, rmax, 2); break;
+    case 3: FN(rm_qk_panel)(qs, kp, D, sp, lds, rmax, 3); break;
+#endif
+    default: break;
     }
 }
 
@@ -122,16 +142,17 @@ static inline void FN(rm_pv)(const RM_T *restrict pm, int64_t ldp, const RM_T *r
     }
 }
 
-/* Online softmax over one strip: s (RM_R x ncol, ncol a multiple of RM_W, -inf past the
- * valid keys) becomes P in place; m, l, and the rows of o (RM_R x Dp) are rescaled, with
- * their compensations lc and oc (see rm_kadd); the strip's row sums go into l compensated.
- * rmax (RM_R x RM_W): lane-wise row maxima of s from rm_qk when have_max, else scratch.
- * The per-row statistics go through one vector exp, and the exp pass runs over the RM_R
- * rows at once (independent chains, one running sum per row). */
-static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, RM_T *restrict m,
-                                  RM_T *restrict l, RM_T *restrict lc, RM_T *restrict o,
-                                  RM_T *restrict oc, int64_t Dp, RM_T *restrict rmax,
-                                  int have_max) {
+/* Online softmax over one strip: s (RM_R x ncol, ncol a multiple of 64 bytes, -inf past the
+ * valid keys) becomes P in place (pad: the panels end past ncol, their columns all -inf);
+ * m, l, and the rows of o (RM_R x Dp) are rescaled, with their compensations lc and oc (see
+ * rm_kadd); the strip's row sums go into l compensated. rmax (RM_R x RM_W): lane-wise row
+ * maxima of s from rm_qk when have_max, else scratch. The per-row statistics go through one
+ * vector exp, and the exp pass runs over the RM_R rows at once (independent chains, one
+ * running sum per row). */
+static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, int pad,
+                                  RM_T *restrict m, RM_T *restrict l, RM_T *restrict lc,
+                                  RM_T *restrict o, RM_T *restrict oc, int64_t Dp,
+                                  RM_T *restrict rmax, int have_max) {
     enum { NR = (RM_R + RM_W - 1) / RM_W * RM_W }; /* rows padded to whole vectors */
     RM_T arg[NR], alpha[NR], neg[RM_R];
     for (int r = 0; r < RM_R; r++) {
@@ -142,6 +163,9 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
             const RM_T *row = s + r * lds;
             vm = V_LOAD(row);
             for (int64_t j = RM_W; j < ncol; j += RM_W) vm = V_MAX(vm, V_LOAD(row + j));
+            /* the -inf columns up to the panel's end, as when they were scored: V_MAX
+             * returns its second operand for a NaN lane, so they drop a NaN maximum */
+            if (pad) vm = V_MAX(vm, V_SET1(-INFINITY));
         }
         RM_T mx = V_HMAX(vm);
         RM_T m_old = m[r];
@@ -158,7 +182,7 @@ static inline void FN(rm_softmax)(RM_T *restrict s, int64_t lds, int64_t ncol, R
     /* Each row sums into NS vectors spanning 64 bytes (lane i of vector c adds the columns j
      * = c W + i mod NS W, in increasing j), adds them up and reduces by V_HSUM's fixed tree:
      * the same additions in the same order on AVX2 (NS = 2) and AVX-512 (NS = 1). ncol is a
-     * multiple of KW, hence of NS W. */
+     * multiple of NS W (64 bytes); -inf columns past it would add exact zeros. */
     RM_V vneg[RM_R];
     RM_VSUM sum[RM_R][NS];
 #pragma GCC unroll 16
