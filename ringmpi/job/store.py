@@ -20,10 +20,13 @@ them, so a resumed run writes the same bytes as an uninterrupted one (the time
 of a run is in the summary JSON). An existing output is only replaced with
 ``overwrite`` (``--overwrite``) and only continued with ``--resume``.
 
-Every file is written under a temporary name, fsync'ed and renamed: a file under
-a final name is always complete. A sequence counts as done only when its marker
-exists; ``--resume`` checks each rank's part against the marker (size and CRC32)
-and recomputes anything missing or damaged. The computation is deterministic for
+Every file is written under a temporary name and renamed: a file under a final
+name is always complete. Parts and markers are fsync'ed together at most every
+``RINGMPI_FSYNC_S`` seconds (:meth:`OutputStore.sync`; the kernel is asked to
+start writing each out at once) and always before the output is renamed into
+place. A sequence counts as done only when its marker exists; ``--resume``
+checks each rank's part against the marker (size and CRC32) and recomputes
+anything missing or damaged. The computation is deterministic for
 fixed inputs, layout and ranks, so a resumed run gives the same bytes.
 Rank 0 starts or reopens the parts folder with :mod:`ringmpi.job.store_open`.
 """
@@ -55,7 +58,8 @@ COMPRESSION = ("gzip", "lzf")
 
 
 def _write_h5(path: str, fill, sync: bool = True) -> tuple:
-    """Build an HDF5 file in memory with ``fill(f)``, write its bytes to ``path`` and fsync.
+    """Build an HDF5 file in memory with ``fill(f)``, write its bytes to ``path`` (fsync'ed
+    unless ``sync`` is False).
 
     Returns (size, CRC32) of the bytes written (what :func:`crc32_of` reads back),
     computed from the image in memory rather than by reading the file again.
