@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cost import flops as model_flops
 from .batch import BALANCE
 from .budget import rank_bytes, seq_counts
 from .report import visible_pairs
@@ -130,7 +131,7 @@ def deal(plan, batches: list, rings: int, causal: bool, window=None, device: str
     load[0] = head_start * INDEX_SEQ_S
     for b in batches:
         seqs = [plan.sequences[i] for i in b.members]
-        flops = sum(4.0 * plan.head_dim * plan.heads * visible_pairs(s, causal, window)
+        flops = sum(model_flops(visible_pairs(s, causal, window), plan.head_dim, plan.heads)
                     for s in seqs)  # fmt: skip
         nbytes = (b.length * (2 * plan.heads) + b.length_k * 2 * plan.kv_heads) * row
         r = min(range(rings), key=lambda j: (load[j], j))
