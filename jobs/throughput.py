@@ -22,6 +22,12 @@ into a private temporary folder, in one run:
 The inputs are dropped from the page cache before every timed run. The job's
 outputs are removed after each run unless ``--keep`` (then ``ringmpi verify
 OUT IN`` can check them).
+
+On a shared or virtual machine one run of a job can be 20% off the next.
+``--repeat N`` runs every job (and the torch loop) N times, taking turns: all
+ring sizes and variants once, then all of them again, so that a slow spell of
+the machine hits each of them alike. "job s" and "torch s" are then medians,
+"job min s" and "job max s" the range.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ H, HKV, D, DTYPE = 4, 2, 64, "float32"
 CHUNK = 8 << 20  # bytes per write/read call of the I/O probe
 COLUMNS = ("dataset", "ring size", "job s", "process s", "kernel-bound s", "io-bound s",
            "job/max(bound)", "torch s", "job/torch")  # fmt: skip
+#: the range of the repeated runs (--repeat)
+REPEAT_COLUMNS = ("dataset", "ring size", "runs", "job s", "job min s", "job max s", "torch s")
 #: what the bounds are made of, one line per dataset
 BOUND_COLUMNS = ("dataset", "sequences", "tokens", "model GFLOP", "tile S", "tile GFLOP/s",
                  "read MB", "write MB", "read MB/s", "write MB/s")  # fmt: skip
@@ -305,23 +313,34 @@ def measure(a, folder: str, mpiexec: str) -> list:
         write_b = tokens * H * (D * esize + 4)  # out (S, H, D) and lse (H, S) float32
         wr, rr = io_rates(folder, min(read_b + write_b, a.io_probe_mb << 20))
         io_s = read_b / rr + write_b / wr
-        torch_s = None
-        if have_torch and not a.no_torch:
-            tout = os.path.join(folder, f"torch{di}.h5")
-            torch_s = torch_loop(inp, tout, a.ranks)
-            os.remove(tout)
         runs = [(ring, v) for ring in a.ring_sizes for v in [None] + a.variant]
-        for ring, variant in runs:
-            out = os.path.join(folder, f"out{di}-{ring}.h5")
-            extra = dict(kv.split("=", 1) for kv in variant.split(",")) if variant else None
-            s = run_job(mpiexec, a.ranks, inp, out, None if ring == "default" else ring,
-                        a.timeout, extra)  # fmt: skip
+        done: dict = {cfg: [] for cfg in runs}
+        torch_times = []
+        for _ in range(a.repeat):  # taking turns: a slow spell hits every configuration
+            if have_torch and not a.no_torch:
+                tout = os.path.join(folder, f"torch{di}.h5")
+                torch_times.append(torch_loop(inp, tout, a.ranks))
+                os.remove(tout)
+            for j, (ring, variant) in enumerate(runs):
+                out = os.path.join(folder, f"out{di}-{j}.h5")
+                extra = dict(kv.split("=", 1) for kv in variant.split(",")) if variant else None
+                size = None if ring == "default" else ring
+                done[(ring, variant)].append(
+                    run_job(mpiexec, a.ranks, inp, out, size, a.timeout, extra)
+                )
+        torch_s = float(np.median(torch_times)) if torch_times else None
+        for j, (ring, variant) in enumerate(runs):
+            out = os.path.join(folder, f"out{di}-{j}.h5")
+            ss = done[(ring, variant)]
+            walls = [float(x["wall_s"]) for x in ss]
+            s = ss[int(np.argsort(walls)[(len(walls) - 1) // 2])]  # the median run (lower)
             label = f"{ring} ({s.get('ring_size', '?')})" if ring != "1" else "1"
             label += f" [{variant}]" if variant else ""
-            job = float(s["wall_s"])
+            job = float(np.median(walls))
             bound = max(kernel_s, io_s)
             rows.append({
                 "dataset": name, "ring size": label, "job s": job, "process s": s["process_s"],
+                "runs": len(walls), "job min s": min(walls), "job max s": max(walls),
                 "kernel-bound s": kernel_s, "io-bound s": io_s, "job/max(bound)": job / bound,
                 "torch s": torch_s, "job/torch": job / torch_s if torch_s else None,
                 "sequences": len(lengths), "tokens": tokens, "model GFLOP": work / 1e9,
@@ -397,6 +416,9 @@ def parse(argv=None):
         "(repeatable; e.g. RINGMPI_FSYNC_S=0,RINGMPI_KEEP_MEMORY=0 for the per-batch fsync "
         "and glibc's own malloc)",
     )
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run every job and the torch loop N times, taking turns; report "
+                    "medians and the range (default 1)")  # fmt: skip
     ap.add_argument("--no-torch", action="store_true", help="skip the torch loop")
     ap.add_argument("--dir", default=None, help="parent of the private temporary folder")
     ap.add_argument("--keep", action="store_true", help="keep inputs and outputs (path printed)")
@@ -406,6 +428,8 @@ def parse(argv=None):
     a = ap.parse_args(argv)
     if a.ranks < 1:
         ap.error(f"--ranks must be >= 1, not {a.ranks}")
+    if a.repeat < 1:
+        ap.error(f"--repeat must be >= 1, not {a.repeat}")
     for spec in a.uniform:
         parts = spec.lower().split("x")
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -441,6 +465,8 @@ def main(argv=None) -> int:
     print(f"P={a.ranks} ranks, H={H} Hkv={HKV} D={D} {DTYPE}, causal")
     print(table(rows))
     print(table(rows, BOUND_COLUMNS, unique=True))
+    if a.repeat > 1:
+        print(table(rows, REPEAT_COLUMNS))
     if a.keep:
         print(f"inputs and outputs kept in {folder}")
     if a.json:

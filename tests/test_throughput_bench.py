@@ -142,3 +142,25 @@ def test_bad_arguments_and_a_failing_launcher(tmp_path):
     err = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(err) == 1 and "ringmpi run exited 1" in err[0], p.stderr
     assert os.listdir(tmp_path) == []  # the private folder is gone
+
+
+def test_repeat_takes_turns_and_reports_the_median_and_range(tmp_path):
+    out_json = str(tmp_path / "r.json")
+    p = _run("--uniform", "2x64", "--lognormal", "0", "--ranks", "1", "--ring-sizes", "1",
+             "--variant", "RINGMPI_FSYNC_S=0", "--repeat", "3", "--no-torch", "--tile-max", "64",
+             "--dir", str(tmp_path), "--json", out_json)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(out_json) as f:
+        rows = json.load(f)["rows"]
+    assert [r["ring size"] for r in rows] == ["1", "1 [RINGMPI_FSYNC_S=0]"]
+    for r in rows:
+        assert r["runs"] == 3 and 0 < r["job min s"] <= r["job s"] <= r["job max s"]
+    lines = p.stdout.splitlines()
+    head = [i for i, x in enumerate(lines) if x.split()[:1] == ["dataset"]]
+    assert len(head) == 3 and "job min s" in lines[head[2]]  # the range's own table
+    ranged = lines[head[2] + 1].split()
+    assert ranged[-5:-1] == ["3", f"{rows[0]['job s']:.4g}", f"{rows[0]['job min s']:.4g}",
+                             f"{rows[0]['job max s']:.4g}"]  # fmt: skip
+    assert os.listdir(tmp_path) == ["r.json"]  # outputs and inputs removed
+    p = _run("--repeat", "0")
+    assert p.returncode == 2 and "--repeat" in p.stderr.strip().splitlines()[-1]
