@@ -93,7 +93,8 @@ def exclusive_temp(target: str, mode: int = 0o666) -> tuple[int, str]:
 
 
 def replace_with(path: str, data, *, sync: bool = True) -> None:
-    """Write ``data`` (str or bytes) to an exclusive temporary beside ``path``, fsync, rename.
+    """Write ``data`` (str, bytes, or a list of bytes-like pieces written one after
+    another) to an exclusive temporary beside ``path``, fsync, rename.
 
     The temporary is removed if anything fails, so ``path`` holds the old file or the
     whole new one, never a part. ``sync=False``: no fsync; the kernel is only asked to
@@ -103,7 +104,8 @@ def replace_with(path: str, data, *, sync: bool = True) -> None:
     fd, tmp = exclusive_temp(path)
     try:
         with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as fh:
-            fh.write(data)
+            for piece in data if isinstance(data, list) else [data]:
+                fh.write(piece)
             fh.flush()
             if sync:
                 os.fsync(fh.fileno())
@@ -226,7 +228,8 @@ def write_private(dirfd: int, name: str, data: bytes, mode: int = 0o600) -> None
     fd = os.open(tmp, flags, mode, dir_fd=dirfd)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            for piece in data if isinstance(data, list) else [data]:
+                fh.write(piece)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)

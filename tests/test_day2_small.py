@@ -63,12 +63,12 @@ def test_shard_and_gather_refuse_a_missing_token_axis_with_one_value_error():
 def test_no_tmp_part_file_left_on_a_full_disk(tmp_path, monkeypatch):
     (x,) = make_data(str(tmp_path / "in.h5"), seq_len=64, heads=2, kv_heads=1, head_dim=8)
 
-    def full_disk(path, fill, sync=True):
+    def full_disk(path, arrays, attrs, sync=True):
         with open(path, "wb") as fh:
             fh.write(b"\0" * 100)  # part of the file made it to disk
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "_write_h5", full_disk)
+    monkeypatch.setattr(store_mod, "write_arrays", full_disk)
     out = str(tmp_path / "out.h5")
     with pytest.raises(InputError, match="No space left on device"):
         run([x], out, quiet=True, output_mode="parts")

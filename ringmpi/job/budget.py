@@ -44,7 +44,7 @@ def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None,
 
     The peak of: the local q/k/v as read, plus the larger of the ring's state
     (``RING_Q``/``RING_KV`` times q and k+v in the compute dtype, m and l, tile
-    scratch), the write (the output and its in-memory part-file image) and, for
+    scratch), the write (the output, and a compressed part's in-memory image) and, for
     features inputs, the float64 read and projection temporaries. With read-ahead
     (``prefetch``: more sequences follow) the next sequence's inputs and its read
     come on top. ``n_local_k``: key/value tokens of the rank when they differ
@@ -62,7 +62,7 @@ def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None,
     kv_factor = RING_KV if ranks > 1 else RING_KV - 1
     ring = RING_Q * q_el * csz + kv_factor * kv_el * csz + 2 * n_local * h * csz
     ring += 3 * 256 * 1024 * h * csz  # tile scratch (scores, probabilities)
-    write = 3 * q_el * isz + n_local * h * 8  # out, the part image and its bytes; lse
+    write = 3 * q_el * isz + n_local * h * 8  # out (+ image and bytes: compressed parts); lse
     read = 0
     if plan.mode == "features":
         f = plan.features

@@ -35,19 +35,19 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from typing import Optional
 
 import numpy as np
 
 from .. import env
 from ..collective import run_everywhere, run_on_root
-from ..files import fsync_path, replace_with, write_json
+from ..files import fsync_path, write_json
 from .batch import joined
 from .outdir import (
     crc32_of as _crc32,
 )
 from .outdir import marker_members, unlock_output, valid_marker
+from .partfile import write_arrays, write_h5
 from .schema import InputError, Plan
 from .store_open import fingerprint, plain_attrs, prepare_parts
 from .vds import label_dims, part_name, publish_vds, write_vds
@@ -55,27 +55,6 @@ from .vds import label_dims, part_name, publish_vds, write_vds
 __all__ = ["OutputStore", "part_name", "fingerprint", "COMPRESSION", "label_dims"]
 
 COMPRESSION = ("gzip", "lzf")
-
-
-def _write_h5(path: str, fill, sync: bool = True) -> tuple:
-    """Build an HDF5 file in memory with ``fill(f)``, write its bytes to ``path`` (fsync'ed
-    unless ``sync`` is False).
-
-    Returns (size, CRC32) of the bytes written (what :func:`crc32_of` reads back),
-    computed from the image in memory rather than by reading the file again.
-
-    The file is only ever written by Python: a full disk raises a plain OSError.
-    HDF5 1.10 (Debian 12's h5py 3.7) leaves a file whose close failed half torn down,
-    and the next reference drop segfaults the rank. The bytes equal a direct write.
-    """
-    import h5py
-
-    with h5py.File(path, "w", driver="core", backing_store=False) as f:
-        fill(f)
-        f.flush()
-        image = f.id.get_file_image()
-    replace_with(path, image, sync=sync)
-    return len(image), zlib.crc32(image)
 
 
 class OutputStore:
@@ -249,19 +228,24 @@ class OutputStore:
             out = joined([it[2] for it in items], axis=0)
             lse = joined([it[3] for it in items], axis=1)
 
-        def fill(f):
-            for name, a in (("out", out), ("lse", lse), ("pos", pos)):
+        arrays = {"out": out, "lse": lse, "pos": pos}
+        attrs = {"sequence": self.plan.sequences[first].name, "rank": self.rank,
+                 "nranks": self.size, "layout": self.layout}  # fmt: skip
+        if len(items) > 1:
+            attrs["sequences"] = [self.plan.sequences[it[0]].name for it in items]
+            attrs["rows"] = np.cumsum([0] + [len(it[1]) for it in items]).astype(np.int64)
+
+        def fill(f):  # compressed (chunked) datasets: HDF5 writes their bytes
+            for name, a in arrays.items():
                 f.create_dataset(name, data=a, **self._filters(a))
-            f.attrs["sequence"] = self.plan.sequences[first].name
-            f.attrs["rank"] = self.rank
-            f.attrs["nranks"] = self.size
-            f.attrs["layout"] = self.layout
-            if len(items) > 1:
-                f.attrs["sequences"] = [self.plan.sequences[it[0]].name for it in items]
-                f.attrs["rows"] = np.cumsum([0] + [len(it[1]) for it in items]).astype(np.int64)
+            for key, value in attrs.items():
+                f.attrs[key] = value
 
         try:
-            size_crc = _write_h5(final, fill, sync=False)
+            if self.compress:
+                size_crc = write_h5(final, fill, sync=False)
+            else:  # the arrays' bytes straight to the file (ringmpi.job.partfile)
+                size_crc = write_arrays(final, arrays, attrs, sync=False)
             self.unsynced.append(final)
             self.sync(force=False)
             return list(size_crc)
