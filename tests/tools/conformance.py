@@ -338,10 +338,8 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
     be, st = var.be, storage(dtype)
     tdt, adt = be.tile_dtype(st), be.acc_dtype(st)
     q, dout = (_tile(var, _head_major(x, p.q_pos), tdt) for x in (p.q, p.dout))
-    out = _head_major(p.ref[0], p.q_pos)
     lse = np.ascontiguousarray(p.ref[1][..., p.q_pos]).astype(adt)
-    # delta = dout . out in the accumulation dtype, from the rounded dout
-    delta = np.sum(_head_major(p.dout, p.q_pos).astype(adt) * out.astype(adt), axis=-1)
+    delta = _delta(p, adt)
     lse_d, delta_d = var.to_dev(lse), var.to_dev(delta)
     dq = var.xp.zeros(q.shape, adt)
     dks, dvs, flops = [], [], []
@@ -353,6 +351,24 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
         dvs.append(var.to_host(dv).astype(np.float64))
     dq = np.moveaxis(var.to_host(dq).astype(np.float64), 1, 2)
     return dq, dks, dvs, lse.astype(np.float64), flops
+
+
+def _delta(p: Problem, adt) -> np.ndarray:
+    """delta = dout . out in the accumulation dtype, from the rounded dout (head-major)."""
+    out = _head_major(p.ref[0], p.q_pos)
+    return np.sum(_head_major(p.dout, p.q_pos).astype(adt) * out.astype(adt), axis=-1)
+
+
+def delta_budget(var: Variant, case: str, mod: str, dtype: str) -> float:
+    """How far the harness's own float32 ``delta`` moves every backend's dq: scale x
+    max|delta - exact| x max|k| (dq_i = scale sum_j P_ij (dP_ij - delta_i) k_j, a row's P
+    summing to 1; softcap's derivative is at most 1). The sum's rounding depends on numpy's
+    version and the CPU (numpy 1.24 on an AMD EPYC: several times numpy 2's)."""
+    p = problem(case, mod, dtype)
+    adt = var.be.acc_dtype(storage(dtype))
+    exact = np.sum(_head_major(p.dout, p.q_pos) * _head_major(p.ref[0], p.q_pos), axis=-1)
+    err = float(np.abs(_delta(p, adt).astype(np.float64) - exact).max(initial=0.0))
+    return _tile_kw(p, case)["scale"] * err * float(np.abs(p.k).max(initial=0.0))
 
 
 def visible_pairs(case: str, mod: str, dtype: str) -> list:
