@@ -228,8 +228,7 @@ def write_private(dirfd: int, name: str, data: bytes, mode: int = 0o600) -> None
     fd = os.open(tmp, flags, mode, dir_fd=dirfd)
     try:
         with os.fdopen(fd, "wb") as fh:
-            for piece in data if isinstance(data, list) else [data]:
-                fh.write(piece)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)

@@ -9,8 +9,7 @@ HDF5 build only the file's metadata: each dataset is created with its storage
 allocated at once and never filled (HDF5 writes none of its bytes), HDF5's own
 writes go to :class:`_Metadata` (kilobytes, in memory), and the file is the
 metadata blocks and the arrays' bytes written in address order, straight from
-the arrays. It is the file HDF5 would have written with those creation
-properties; h5py reads it back as any other.
+the arrays (tests/test_partfile.py reads every array and attribute back).
 
 Every byte reaches the disk through Python (:func:`ringmpi.files.replace_with`):
 a full disk raises a plain OSError and nothing is left under the final name.
