@@ -231,3 +231,41 @@ def test_a_batch_marker_that_does_not_add_up_is_not_trusted(data, tmp_path, how)
     rc, so, se, _ = launch(2, *args, "--resume", env=env)
     assert rc == 0, se
     assert _digests(out) == want
+
+
+def test_no_batch_input_is_kept_past_its_batch(tmp_path, monkeypatch):
+    """Each batch's q/k/v (read by the prefetch thread) is freed once the batch is done: a
+    finished read's Future held them, and the loop kept every Future, so memory grew by a
+    batch's inputs per batch (measured: 0.65 -> 2.6 GB over 17 batches of 65k tokens)."""
+    import gc
+    import weakref
+
+    from ringmpi.job import loop as loop_mod
+    from ringmpi.job.run import run
+    from ringmpi.job.sample import make_data
+
+    (inp,) = make_data(str(tmp_path / "in.h5"), seq_len=64, heads=2, kv_heads=1, head_dim=8,
+                       sequences=24)  # fmt: skip
+    monkeypatch.setenv("RINGMPI_BATCH_TOKENS", "128")  # 12 batches of 2 sequences
+    inputs, alive = [], []
+    read, one = loop_mod.SequenceLoop._read_batch, loop_mod.SequenceLoop._one
+
+    def tracked_read(self, batch):
+        rows, qkv = read(self, batch)
+        inputs.append([weakref.ref(x) for x in qkv])
+        return rows, qkv
+
+    def counted_one(self, j, batch, fut):
+        gc.collect()
+        alive.append(sum(all(r() is not None for r in refs) for refs in inputs))
+        one(self, j, batch, fut)
+
+    monkeypatch.setattr(loop_mod.SequenceLoop, "_read_batch", tracked_read)
+    monkeypatch.setattr(loop_mod.SequenceLoop, "_one", counted_one)
+    summary = run([inp], str(tmp_path / "out.h5"), quiet=True, output_mode="parts")
+    assert summary["sequences"] == 24 and len(inputs) == len(alive) == 12
+    # entering batch j: at most batch j's own read (done or prefetched) and j - 1's, whose
+    # Future the loop is just letting go of
+    assert max(alive) <= 2, alive
+    gc.collect()
+    assert all(r() is None for refs in inputs for r in refs)

@@ -131,7 +131,9 @@ class SequenceLoop:
         self.read_wait = self.write_s = 0.0
         self.tokens = 0
         self.timings: list = []
-        self.reads: list = []  # every read started (a daemon thread each, one at a time)
+        # the reads not yet finished (a daemon thread each, one at a time): a finished
+        # read's Future holds its batch's q, k, v, so none is kept past its batch
+        self.reads: list = []
         self.finished = 0  # sequences this ring wrote
         # checkpoints of a batch's ring state, named by its first sequence
         self.ckpt = Checkpoints(store.parts, ctx.ring, store.meta, ctx.options.checkpoint_every,
@@ -140,6 +142,7 @@ class SequenceLoop:
 
     # -- reading ---------------------------------------------------------------------------
     def _start(self, j: int):
+        self.reads = [r for r in self.reads if not r.done()]
         self.reads.append(in_background(self._read_batch, self.todo[j]))
         return self.reads[-1]
 
