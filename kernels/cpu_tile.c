@@ -77,7 +77,8 @@
  *   qpos (Sq,), kpos (Sk,) int64 positions; qcuts (nqcuts,), kcuts (nkcuts,): ascending
  *   indices where runs of evenly spaced positions start (may be empty).
  * Query rows [q0, q1) are folded; bq, bk: block sizes (query rows, keys); progress (may be
- * NULL) is called every `chunk` query rows of single heads, nonzero aborts.
+ * NULL) is called ceil(rows of single heads / `chunk`) - 1 times, evenly over the work (not
+ * the rows: a causal mask makes later rows dearer); nonzero aborts.
  * lo, hi (Sq,) int64 or both NULL: query row i sees key j iff lo[i] <= kpos[j] <= hi[i]
  * (lo > hi: no key), the masks beyond causal (ringmpi.mask); they replace `causal`, which
  * applies only without them (key j visible iff kpos[j] <= qpos[i]).
@@ -162,8 +163,9 @@ void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
 /* Fold K/V into the state for query rows [q0, q1) of every (b, h) (the fields of a).
  * The K/V of one head are packed once (only the key blocks some query block sees) and serve
  * all its query heads (GQA) and rows; when `progress` is given it is called
- * ceil(B H (q1 - q0) / chunk) - 1 times, evenly spread over the query rows of all heads; a
- * nonzero return aborts the call (result -2).
+ * ceil(B H (q1 - q0) / chunk) - 1 times, evenly spread over the work of all heads (each
+ * query block's pairs, a partly visible block counted half); a nonzero return aborts the
+ * call (result -2).
  * Visibility (rm_vis): a key block is skipped for a query block when no row sees any of its
  * positions, computed without a mask when every row sees all of them; otherwise each strip
  * of RM_R rows is checked the same way and, when partly visible, scores only the keys from
@@ -192,10 +194,11 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     rm_range *qr = malloc(sizeof(rm_range) * (size_t)(q1 - q0 + 1));
     char *need = malloc((size_t)(Sk + 1));
     int64_t *koff = malloc(sizeof(int64_t) * (size_t)(Sk + 2));
+    double *qw = malloc(sizeof(double) * (size_t)(q1 - q0 + 1));
     RM_T *kt = NULL, *vp = NULL, *qs = NULL, *ob = NULL, *mb = NULL, *lb = NULL, *sb = NULL;
     RM_T *oc = NULL, *lc = NULL; /* compensations of ob and lb (rm_kadd) */
     int64_t flops = 0;
-    if (!qb || !kb || !qr || !need || !koff) {
+    if (!qb || !kb || !qr || !need || !koff || !qw) {
         flops = -1;
         goto done;
     }
@@ -207,6 +210,19 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
         need[t] = 0;
         for (int64_t iq = 0; iq < nqb && !need[t]; iq++)
             need[t] = !rm_hidden(&qr[iq], kb[t].lo, kb[t].hi);
+    }
+    /* each query block's work (pairs it scores, a partly visible block counted half), so
+     * that the progress calls come evenly in time: under a causal mask the first rows of a
+     * sequence cost next to nothing, the last ones the most */
+    double wtotal = 0;
+    for (int64_t iq = 0; iq < nqb; iq++) {
+        double w = 0;
+        for (int64_t t = 0; t < nkb; t++)
+            if (!rm_hidden(&qr[iq], kb[t].lo, kb[t].hi))
+                w += (double)(qb[iq].b - qb[iq].a) * (double)(kb[t].b - kb[t].a) *
+                     (rm_full(&qr[iq], kb[t].lo, kb[t].hi) ? 1.0 : 0.5);
+        qw[iq] = w;
+        wtotal += w;
     }
     /* packed offsets: block t uses whole panels */
     koff[0] = 0;
@@ -229,7 +245,9 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     RM_T rmax[RM_R * RM_W]; /* lane-wise row maxima of the current strip */
     const int64_t total = B * H * (q1 - q0); /* query rows of single heads */
     const int64_t ntarget = a->chunk > 0 ? (total + a->chunk - 1) / a->chunk - 1 : 0;
-    int64_t rows_done = 0, ncalls = 0;
+    int64_t ncalls = 0;
+    double work_done = 0; /* of B * H * wtotal: the progress calls are spread over it */
+    const double work_all = (double)(B * H) * wtotal;
     for (int64_t b = 0; b < B; b++) {
         for (int64_t hk = 0; hk < Hkv; hk++) {
             const RM_T *kh = k + (b * Hkv + hk) * Sk * D;
@@ -368,9 +386,9 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                         lh[qa + i] = x == x ? x : lb[i];
                     }
                     /* progress: ceil(total / chunk) - 1 calls spread evenly over the work */
-                    rows_done += nq;
+                    work_done += qw[iq];
                     while (a->progress && ncalls < ntarget &&
-                           rows_done * (ntarget + 1) >= (ncalls + 1) * total) {
+                           work_done * (double)(ntarget + 1) >= (double)(ncalls + 1) * work_all) {
                         ncalls++;
                         if (a->progress()) {
                             flops = -2;
@@ -387,6 +405,7 @@ done:
     free(qr);
     free(need);
     free(koff);
+    free(qw);
     free(kt);
     free(vp);
     free(qs);
