@@ -121,6 +121,10 @@ _VARS = [
         "`ringmpi run` fsyncs its part files and markers at most this often (and before the "
         "output is renamed into place); `0`: after every batch (docs/job.md: what a crash "
         "can lose)"),
+    Var("RINGMPI_DIRECT_IO", "1", _flag,
+        "`0`: `ringmpi run` reads inputs and writes part files through the page cache (by "
+        "default large transfers use `O_DIRECT` where the file system takes it, saving the "
+        "CPU about a second per GB)"),
     Var("RINGMPI_LAUNCH_CHECK", "1", _flag,
         "`0` turns off the launch check (P tasks but a world of one rank)"),
     Var("RINGMPI_SRUN_MPI", "pmi2", _text,

@@ -149,7 +149,10 @@ def test_reads_run_in_daemon_threads():
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_contiguous_reads_go_in_bounded_slabs(tmp_path, monkeypatch, layout):
     """No single HDF5 read is larger than SLAB_BYTES, so a moving read keeps the watchdog fed;
-    the rows read are the file's, exactly."""
+    the rows read are the file's, exactly. (HDF5 reads them when the plan does not say
+    where their bytes lie; the raw reads are bounded by the next test.)"""
+    import dataclasses
+
     from ringmpi.job import schema
 
     p = _data(tmp_path)
@@ -166,7 +169,7 @@ def test_contiguous_reads_go_in_bounded_slabs(tmp_path, monkeypatch, layout):
     with h5py.File(p, "r", locking=False) as f:
         for rank in range(2):
             rd = reader_mod.Reader(plan, rank, 2, layout)
-            seq = plan.sequences[1]
+            seq = dataclasses.replace(plan.sequences[1], storage=None)
             q, k, v = rd.read(seq)
             pos, pos_k = rd.positions(seq), rd.positions_k(seq)
             np.testing.assert_array_equal(q, f["s1/q"][...][pos])
@@ -178,15 +181,60 @@ def test_contiguous_reads_go_in_bounded_slabs(tmp_path, monkeypatch, layout):
     assert len(calls) >= 2 * (48 * 256 // 1000), len(calls)  # 48 q rows per rank: 13+ slabs
 
 
+@pytest.mark.parametrize("direct", ["1", "0"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_raw_reads_go_in_bounded_transfers(tmp_path, monkeypatch, layout, direct):
+    """Rows whose bytes' place the plan knows are read without HDF5, by O_DIRECT or plain
+    reads, in transfers of at most direct_io.CHUNK bytes (the watchdog sees progress after
+    each); the rows are the file's, exactly, and HDF5 reads none of them."""
+    from ringmpi import direct_io
+    from ringmpi.job import schema
+
+    p = _data(tmp_path)
+    monkeypatch.setenv("RINGMPI_DIRECT_IO", direct)
+    monkeypatch.setattr(direct_io, "CHUNK", 2 * direct_io.ALIGN)
+    monkeypatch.setattr(direct_io, "MIN_BYTES", 0)
+    monkeypatch.setattr(direct_io, "_pool", [])
+    sizes, moved = [], []
+    real = os.preadv
+
+    def counted(fd, buffers, offset):
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", counted)
+    monkeypatch.setattr(h5py.Dataset, "read_direct", lambda *a, **k: pytest.fail("HDF5 read"))
+    plan = schema.scan([str(p)])
+    assert plan.sequences[1].storage is not None
+    with h5py.File(p, "r", locking=False) as f:
+        for rank in range(2):
+            rd = reader_mod.Reader(plan, rank, 2, layout)
+            seq = plan.sequences[1]
+            monkeypatch.setattr(rd, "_moved", lambda n, rd=rd: moved.append(n))
+            q, k, v = rd.read(seq)
+            pos, pos_k = rd.positions(seq), rd.positions_k(seq)
+            np.testing.assert_array_equal(q, f["s1/q"][...][pos])
+            np.testing.assert_array_equal(k, f["s1/k"][...][pos_k])
+            np.testing.assert_array_equal(v, f["s1/v"][...][pos_k])
+            assert (rd.raw.direct.get(0) is not None) == (direct == "1")
+            rd.close()
+    assert sizes and max(sizes) <= 2 * direct_io.ALIGN, sizes
+    assert len(moved) >= len(sizes)  # a sign of life after every transfer
+
+
 def test_whole_sequence_reads_take_one_low_level_call(tmp_path, monkeypatch):
     """A rank holding whole sequences (a ring of one) reads each dataset in one call, the
-    file's exact values; over the slab limit, or holding a share, it reads in slabs."""
+    file's exact values; over the slab limit, or holding a share, it reads in slabs (HDF5's
+    reads: sequences whose bytes' place the plan does not know)."""
+    import dataclasses
+
     from h5py import h5d
 
     from ringmpi.job import schema
 
     p = _data(tmp_path)
     plan = schema.scan([str(p)])
+    plan.sequences = [dataclasses.replace(s, storage=None) for s in plan.sequences]
     slabs, whole = [], []
     real_direct, real_open = h5py.Dataset.read_direct, h5d.open
 

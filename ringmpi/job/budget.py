@@ -34,8 +34,11 @@ def parse_size(text: str) -> int:
 # measured with tracemalloc around ring_attention (float32, H = 8, Hkv = 8 and 2, P = 1, 2):
 # q: the head-major copy, the accumulator, the finalized output (2.73); k, v: the head-major
 # copy and two ring buffers (2.65; on one rank the receive buffer is never touched: 1.65).
+# The job reads into head-major buffers (ringmpi.job.loop): no copy unless the input dtype
+# is converted (float16 computes in float32), one less of each (COPY).
 RING_Q = 2.75
 RING_KV = 2.75
+COPY = 1.0
 
 
 def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None,
@@ -60,7 +63,9 @@ def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None,
     q_el, kv_el = n_local * h * d, 2 * nk * hkv * d
     held = (q_el + kv_el) * isz
     kv_factor = RING_KV if ranks > 1 else RING_KV - 1
-    ring = RING_Q * q_el * csz + kv_factor * kv_el * csz + 2 * n_local * h * csz
+    copy = 0.0 if isz == csz else COPY  # the job's inputs are head-major already
+    ring = (RING_Q - COPY + copy) * q_el * csz + (kv_factor - COPY + copy) * kv_el * csz
+    ring += 2 * n_local * h * csz
     ring += 3 * 256 * 1024 * h * csz  # tile scratch (scores, probabilities)
     write = 3 * q_el * isz + n_local * h * 8  # out (+ image and bytes: compressed parts); lse
     read = 0

@@ -22,6 +22,7 @@ from . import trust
 
 __all__ = [
     "InputError", "fail", "open_input", "check_storage", "trusted", "dataset", "read_offsets",
+    "raw_offset",
     "check_offsets", "found", "guarded", "scan_file", "FLOAT_DTYPES", "MAX_DIM", "MAX_PACKED",
 ]  # fmt: skip
 
@@ -176,6 +177,20 @@ def _dtype_name(dt) -> str:
     return name
 
 
+def raw_offset(ds) -> Optional[int]:
+    """The file offset of dataset ``ds``'s bytes when they can be read as they lie: contiguous
+    storage holding exactly its elements, in the machine's byte order; else None."""
+    if ds.chunks is not None or not ds.dtype.isnative:
+        return None
+    try:
+        off = ds.id.get_offset()
+        if off is None or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize:
+            return None
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return int(off)
+
+
 def lite_dataset(path: str, gid, group: str, name: str, ndim: int, fsize: int) -> LiteDataset:
     """:func:`dataset` on the low-level ``GroupID`` ``gid`` of group ``group`` (same checks)."""
     from h5py import h5d, h5o
@@ -260,6 +275,8 @@ def _scan_group(path: str, f, g: str, mode: str, structure: str, fsize: int) -> 
         if n != "x_kv" or gid.links.exists(b"x_kv"):
             shapes[n] = lite_dataset(path, gid, g, n, (3 if mode == "qkv" else 2) + extra, fsize)
     info = {n: (d.shape, d.dtype_name) for n, d in shapes.items()}
+    if not extra:  # where each dataset's bytes lie, for reads without HDF5 (Reader.gather)
+        info["at"] = {n: raw_offset(d) for n, d in shapes.items()}
     for name in ("cu_seqlens", "cu_seqlens_k"):
         if gid.links.exists(name.encode()):
             if structure == "batch":

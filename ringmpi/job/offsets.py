@@ -20,8 +20,9 @@ from dataclasses import replace
 import numpy as np
 
 from . import inputs
+from .inputs import check_offsets, fail
 
-__all__ = ["strip", "fill", "digest"]
+__all__ = ["strip", "fill", "digest", "of_group"]
 
 NAMES = ("cu_seqlens", "cu_seqlens_k")
 
@@ -93,3 +94,37 @@ def fill(plan, sums: dict):
         return replace(plan, sequences=seqs)
     finally:
         f.close()
+
+
+def of_group(files, metas, index: int, g: str, per_file: list) -> tuple:
+    """(cu_seqlens, cu_seqlens_k) of group ``g`` for the scan (:func:`ringmpi.job.schema.scan`):
+    from the first shard, identical in the others."""
+    where = f"group '{g}': " if g else ""
+    got = []
+    for name in ("cu_seqlens", "cu_seqlens_k"):
+        first = metas[0]["seqs"][index][1].get(name)
+        for p, meta in zip(files[1:], metas[1:]):
+            other = meta["seqs"][index][1].get(name)
+            if other is None:
+                continue
+            if first is None:
+                fail(p, f"{where}'{name}' must be in the first shard {files[0]} (or in all)")
+            if other.shape != first.shape or (other != first).any():
+                fail(p, f"{where}'{name}' differs from the one in {files[0]}")
+        got.append(first)
+    cu, cu_k = got
+    if cu is None and cu_k is not None:
+        fail(files[0], f"{where}'cu_seqlens_k' needs 'cu_seqlens' (the query offsets)")
+    if cu is None:
+        return None, None
+    n_q, n_k = sum(a for a, _ in per_file), sum(b for _, b in per_file)
+    check_offsets(files[0], where, "cu_seqlens", cu, n_q)
+    if cu_k is None and n_k != n_q:
+        fail(files[0], f"{where}q has {n_q} tokens, k/v {n_k}: packed cross-attention needs "
+                       "'cu_seqlens_k' (key/value offsets) beside 'cu_seqlens'")  # fmt: skip
+    if cu_k is not None:
+        check_offsets(files[0], where, "cu_seqlens_k", cu_k, n_k)
+        if len(cu_k) != len(cu):
+            fail(files[0], f"{where}'cu_seqlens' has {len(cu) - 1} sequences but "
+                           f"'cu_seqlens_k' has {len(cu_k) - 1}")  # fmt: skip
+    return cu, cu_k

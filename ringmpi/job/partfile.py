@@ -11,7 +11,8 @@ writes go to :class:`_Metadata` (kilobytes, in memory), and the file is the
 metadata blocks and the arrays' bytes written in address order, straight from
 the arrays (tests/test_partfile.py reads every array and attribute back).
 
-Every byte reaches the disk through Python (:func:`ringmpi.files.replace_with`):
+Every byte reaches the disk through Python (:func:`ringmpi.files.replace_with`, by
+``O_DIRECT`` where the file system takes it: no page-cache copy, :mod:`ringmpi.direct_io`):
 a full disk raises a plain OSError and nothing is left under the final name.
 HDF5 1.10 (Debian 12's h5py 3.7) leaves a file whose close failed half torn
 down, and the next reference drop segfaults the rank: HDF5 itself never
@@ -21,7 +22,6 @@ touches the disk here.
 from __future__ import annotations
 
 import io
-import zlib
 
 import numpy as np
 
@@ -42,8 +42,8 @@ def write_h5(path: str, fill, sync: bool = True) -> tuple:
         fill(f)
         f.flush()
         image = f.id.get_file_image()
-    replace_with(path, image, sync=sync)
-    return len(image), zlib.crc32(image)
+    crc = replace_with(path, image, sync=sync, direct=True)
+    return len(image), crc
 
 
 def write_arrays(path: str, arrays: dict, attrs: dict, sync: bool = True) -> tuple:
@@ -77,10 +77,7 @@ def write_arrays(path: str, arrays: dict, attrs: dict, sync: bool = True) -> tup
                 data.append((int(off), memoryview(a).cast("B")))
         del ids
     pieces = _layout(meta.blocks(), data, meta.eof)
-    crc = 0
-    for p in pieces:
-        crc = zlib.crc32(p, crc)
-    replace_with(path, pieces, sync=sync)
+    crc = replace_with(path, pieces, sync=sync, direct=True)
     return sum(len(p) for p in pieces), crc
 
 

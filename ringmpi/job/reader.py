@@ -6,27 +6,31 @@ subsampled contiguous blocks) for striped. Packed sequences (``cu_seqlens``)
 give one run per packed sequence and layout chunk: those are read as unions of
 hyperslabs, one read per file (per ``UNION_RUNS`` runs). No rank reads or
 allocates a whole sequence. Queries and keys/values are placed by the layout
-over their own lengths (cross-attention).
+over their own lengths (cross-attention). Rows of contiguous datasets (the
+usual case) skip HDF5: their byte ranges are queued and read together, a
+batch's members at once (:mod:`ringmpi.job.rawread`, by ``O_DIRECT`` where the
+file system takes it); chunked, compressed, byte-swapped or strided data goes
+through HDF5 as described.
 
 The batch job reads the next sequence in a daemon thread (:func:`in_background`):
 a read stuck in the file system (a hung NFS server) neither keeps the process
 alive at exit nor blocks a SIGTERM; the job waits for it under the watchdog,
-which the reader's ``progress`` time (after every HDF5 read) keeps moving.
+which the reader's ``progress`` time (after every read) keeps moving.
 ``RINGMPI_TEST_READ_STALL_S`` emulates such a stuck read for the tests.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
-from concurrent.futures import Future
 from typing import Optional
 
 import numpy as np
 
 from ..partition import positions, runs
 from ..rope import apply_rope, positions_in_sequence
+from .background import abandon, in_background
+from .rawread import RawReads
 from .schema import Plan, SeqInfo, fail, open_input
 
 __all__ = ["Reader", "local_runs", "in_background", "abandon", "UNION_RUNS", "STALL_ENV"]
@@ -34,66 +38,6 @@ __all__ = ["Reader", "local_runs", "in_background", "abandon", "UNION_RUNS", "ST
 UNION_RUNS = 64  # unit-stride hyperslabs OR-ed into one selection (measured best: 16-256)
 STALL_ENV = "RINGMPI_TEST_READ_STALL_S"
 SLAB_BYTES = 256 << 20  # one HDF5 read at most (contiguous runs), so progress is seen
-
-
-def in_background(fn, *args) -> Future:
-    """Call ``fn(*args)`` in a new daemon thread; its Future (result or exception).
-
-    A daemon thread, not a ThreadPoolExecutor's worker: those are joined when the
-    interpreter exits, so a read stuck in the file system would keep the process
-    (and the MPI job) alive forever after a SIGTERM.
-    """
-    fut: Future = Future()
-
-    def work():
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            fut.set_exception(e)
-
-    threading.Thread(target=work, name="ringmpi-read", daemon=True).start()
-    return fut
-
-
-def abandon(code: int, pending: list, grace: float = 30.0) -> None:
-    """Reads are left running, maybe stuck in HDF5: make sure the process still ends.
-
-    A stuck reader holds h5py's global lock, so freeing any h5py object at
-    interpreter exit (or in a garbage collection) would wait for it forever. While
-    a read of ``pending`` is unfinished, the process ends at exit with
-    ``os._exit(code)`` (stdout and stderr flushed) before those objects are
-    collected, and a daemon timer does the same after ``grace`` seconds should the
-    main thread get stuck on the lock first. Once the reads have finished, neither
-    does anything.
-
-    Parameters
-    ----------
-    code : int
-        The exit status (128 + the signal number after a SIGTERM/SIGINT).
-    pending : list of concurrent.futures.Future
-        The reads left running.
-    grace : float
-        Seconds before the timer ends the process regardless.
-    """
-    import atexit
-    import sys
-
-    def bye():
-        if all(f.done() for f in pending):
-            return
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-
-    atexit.register(bye)
-    timer = threading.Timer(grace, bye)
-    timer.daemon = True
-    timer.start()
 
 
 def _stall(rank: int) -> None:
@@ -171,12 +115,14 @@ class Reader:
         self.strided, self.block_bytes = strided, block_bytes
         self.rope = rope
         self._files: dict = {}
+        self.raw = RawReads(plan.files, self._file)  # contiguous datasets: no HDF5 call
         self._weights = None
         self.bytes_read = 0
         self.progress = time.monotonic()  # when the last HDF5 read finished (monotonic)
 
     def close(self) -> None:
         """Close the open input files."""
+        self.raw.close()
         for f in self._files.values():
             f.close()
         self._files.clear()
@@ -203,6 +149,7 @@ class Reader:
         if seq.packed:
             self._read_union(seq, name, pos, dest, offsets, lengths)
             return
+        raw = seq.batch is None
         for g0, cnt, step, o in local_runs(pos):
             for i, (f0, n) in enumerate(zip(offsets.tolist(), lengths)):
                 # indices t of the run g0 + step*t that fall in [f0, f0 + n)
@@ -213,11 +160,17 @@ class Reader:
                 path = f"{seq.group}/{name}" if seq.group else name
                 s0 = g0 + step * lo - f0
                 part = dest[o + lo : o + hi]
+                if raw and step == 1 and self.raw.add(seq, i, name, s0, part):
+                    continue  # read by flush()
+                # HDF5 reads into C-contiguous arrays only (a head-major buffer's view: a copy)
+                into = part if part.flags.c_contiguous else np.empty(part.shape, part.dtype)
                 whole = step == 1 and s0 == 0 and hi - lo == n and seq.batch is None
-                if whole and part.nbytes <= SLAB_BYTES and self._read_whole(i, path, part, name):
-                    continue
-                ds = self._file(i)[path]
-                self._read_slice(ds, seq.batch, s0, hi - lo, step, part, i, name)
+                whole = whole and into.nbytes <= SLAB_BYTES
+                if not (whole and self._read_whole(i, path, into, name)):
+                    ds = self._file(i)[path]
+                    self._read_slice(ds, seq.batch, s0, hi - lo, step, into, i, name)
+                if into is not part:
+                    part[...] = into
 
     def _read_whole(self, i: int, path: str, dest: np.ndarray, name: str) -> bool:
         """All of dataset ``path`` of shard ``i`` into ``dest`` in one low-level call (a rank
@@ -259,6 +212,10 @@ class Reader:
             rest = tuple(ds.shape[1:])
             ones, zeros = (1,) * len(rest), (0,) * len(rest)
             runs_ = local_runs(pos[a:b] - f0)
+            if all(r[2] == 1 or r[1] == 1 for r in runs_) and all(
+                self.raw.add(seq, i, name, s0, dest[a + o : a + o + cnt]) for s0, cnt, _, o in runs_
+            ):  # unit-stride runs of a contiguous dataset: read by flush()
+                continue
             groups, cur = [], []
             for r in runs_:
                 if r[2] > 1 and r[1] > 1:  # strided: alone
@@ -281,7 +238,10 @@ class Reader:
                                                 (1,) + rest, op=h5s.SELECT_OR)  # fmt: skip
                     lo = a + part[0][3]
                     out = dest[lo : a + part[-1][3] + part[-1][1]]
-                    ds.id.read(h5s.create_simple(out.shape), fspace, out)
+                    into = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+                    ds.id.read(h5s.create_simple(out.shape), fspace, into)
+                    if into is not out:
+                        out[...] = into
                     self.bytes_read += out.nbytes
                     self.progress = time.monotonic()
             except (OSError, RuntimeError, ValueError, TypeError) as e:
@@ -343,8 +303,33 @@ class Reader:
         and dtype (e.g. views of a batch's buffers) that receive the values and
         are returned.
         """
-        plan = self.plan
+        return self.read_many([seq], check_finite, [into])[0]
+
+    def read_many(self, seqs: list, check_finite: bool = True, intos=None) -> list:
+        """:meth:`read` of each of ``seqs`` (``intos``: their ``into``), the contiguous
+        datasets' rows of all of them fetched together (:class:`RawReads`)."""
         self.progress = time.monotonic()
+        got = [self._fill(s, into) for s, into in zip(seqs, intos or [None] * len(seqs))]
+        self._flush()
+        if check_finite:
+            for s, (_, arrays, pos, pos_k) in zip(seqs, got):
+                self._check_finite(s, arrays, pos, pos_k)
+        return [qkv for qkv, *_ in got]
+
+    def _flush(self) -> None:
+        """Read what :class:`RawReads` queued; a failure names the file."""
+        err = self.raw.flush(self._moved)
+        if err is not None:
+            i, e = err
+            fail(self.plan.files[i], f"cannot read its data ({e.strerror or e})")
+
+    def _moved(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        self.progress = time.monotonic()
+
+    def _fill(self, seq: SeqInfo, into: Optional[tuple]) -> tuple:
+        """((q, k, v), {name: array read}, pos, pos_k); raw reads stay queued (qkv inputs)."""
+        plan = self.plan
         _stall(self.rank)
         pos, pos_k = self.positions(seq), self.positions_k(seq)
         n, nk, h, hkv, d = len(pos), len(pos_k), plan.heads, plan.kv_heads, plan.head_dim
@@ -358,6 +343,7 @@ class Reader:
                 xk = np.empty((nk, plan.features), dt)
                 self._read_rows(seq, "x_kv", pos_k, xk)
                 arrays["x_kv"] = xk
+            self._flush()  # the projection needs them now
             w = self._load_weights()
             x64, xk64 = x.astype(np.float64), xk.astype(np.float64)
             q = _project(x64, w, "q").reshape(n, h, d)
@@ -381,16 +367,17 @@ class Reader:
             for name, a in (("q", q), ("k", k), ("v", v)):
                 self._read_rows(seq, name, pos if name == "q" else pos_k, a)
             arrays = {"q": q, "k": k, "v": v}
-        if check_finite:
-            for name, a in arrays.items():
-                bad = ~np.isfinite(a)
-                if bad.any():
-                    kv = name in ("k", "v", "x_kv")
-                    t = int((pos_k if kv else pos)[np.argwhere(bad)[0][0]])
-                    offs = seq.offsets_k if kv else seq.offsets
-                    fi = int(np.searchsorted(offs, t, side="right") - 1)
-                    fail(
-                        plan.files[fi],
-                        f"sequence {seq.name}: '{name}' holds NaN or Inf (token {t})",
-                    )
-        return q, k, v
+        return (q, k, v), arrays, pos, pos_k
+
+    def _check_finite(self, seq: SeqInfo, arrays: dict, pos, pos_k) -> None:
+        for name, a in arrays.items():
+            bad = ~np.isfinite(a)
+            if bad.any():
+                kv = name in ("k", "v", "x_kv")
+                t = int((pos_k if kv else pos)[np.argwhere(bad)[0][0]])
+                offs = seq.offsets_k if kv else seq.offsets
+                fi = int(np.searchsorted(offs, t, side="right") - 1)
+                fail(
+                    self.plan.files[fi],
+                    f"sequence {seq.name}: '{name}' holds NaN or Inf (token {t})",
+                )

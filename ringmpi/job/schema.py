@@ -66,6 +66,11 @@ class SeqInfo:
         Offsets of packed sequences on the global query / key token axis.
     x_kv : bool
         Features inputs: keys and values are projected from ``x_kv``, not ``x``.
+    storage : tuple of dict, optional
+        Per file, {dataset name: file offset of its bytes, or None}: where a
+        contiguous dataset in the machine's byte order lies, so that the reader
+        can fetch it without HDF5 (:func:`ringmpi.job.inputs.raw_offset`); None for
+        a batch axis.
     """
 
     name: str
@@ -76,6 +81,7 @@ class SeqInfo:
     cu_seqlens: Optional[np.ndarray] = None
     cu_seqlens_k: Optional[np.ndarray] = None
     x_kv: bool = False
+    storage: Optional[tuple] = None
 
     @property
     def length(self) -> int:
@@ -207,6 +213,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
     elif weights is not None:
         fail(weights, f"weights given but {files[0]} holds q, k, v (weights need features 'x')")
     per_seq: dict = {g: [] for g in names}
+    at: dict = {g: [] for g in names}  # per file: where the datasets' bytes lie
     geom = dtype = batch = None
     for p, meta in zip(files, metas):
         if meta["mode"] != mode:
@@ -245,7 +252,8 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
             if b != batch:
                 fail(p, f"shards do not line up: batch size {b}, first input has {batch}")
             per_seq[g].append((int(n[0]), int(n[1])))
-    cus = {g: _offsets(files, metas, j, g, per_seq[g]) for j, g in enumerate(names)}
+            at[g].append(info.get("at"))
+    cus = {g: offsets.of_group(files, metas, j, g, per_seq[g]) for j, g in enumerate(names)}
     lq = {g: [a for a, _ in per_seq[g]] for g in names}
     lk = {g: [b for _, b in per_seq[g]] for g in names}
     warnings = []
@@ -269,9 +277,10 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
         seqs = [SeqInfo(f"b={i}", "", i, list(lq[""]), kl(""), x_kv=xkv) for i in range(batch)]
     else:
         seqs = [
-            SeqInfo(g or "seq", g, None, lq[g], kl(g), *cus[g], "x_kv" in first_info[g])
+            SeqInfo(g or "seq", g, None, lq[g], kl(g), *cus[g], "x_kv" in first_info[g],
+                    storage=tuple(at[g]) if all(a is not None for a in at[g]) else None)
             for g in names
-        ]
+        ]  # fmt: skip
     if not seqs:
         fail(files[0], "batch axis has no sequence")
     for s in seqs:
@@ -294,39 +303,6 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
         warnings=warnings,
         sinks=w.get("sinks") if w else None,
     )
-
-
-def _offsets(files, metas, index: int, g: str, per_file: list) -> tuple:
-    """(cu_seqlens, cu_seqlens_k) of group ``g``: from the first shard, identical in the others."""
-    where = f"group '{g}': " if g else ""
-    got = []
-    for name in ("cu_seqlens", "cu_seqlens_k"):
-        first = metas[0]["seqs"][index][1].get(name)
-        for p, meta in zip(files[1:], metas[1:]):
-            other = meta["seqs"][index][1].get(name)
-            if other is None:
-                continue
-            if first is None:
-                fail(p, f"{where}'{name}' must be in the first shard {files[0]} (or in all)")
-            if other.shape != first.shape or (other != first).any():
-                fail(p, f"{where}'{name}' differs from the one in {files[0]}")
-        got.append(first)
-    cu, cu_k = got
-    if cu is None and cu_k is not None:
-        fail(files[0], f"{where}'cu_seqlens_k' needs 'cu_seqlens' (the query offsets)")
-    if cu is None:
-        return None, None
-    n_q, n_k = sum(a for a, _ in per_file), sum(b for _, b in per_file)
-    check_offsets(files[0], where, "cu_seqlens", cu, n_q)
-    if cu_k is None and n_k != n_q:
-        fail(files[0], f"{where}q has {n_q} tokens, k/v {n_k}: packed cross-attention needs "
-                       "'cu_seqlens_k' (key/value offsets) beside 'cu_seqlens'")  # fmt: skip
-    if cu_k is not None:
-        check_offsets(files[0], where, "cu_seqlens_k", cu_k, n_k)
-        if len(cu_k) != len(cu):
-            fail(files[0], f"{where}'cu_seqlens' has {len(cu) - 1} sequences but "
-                           f"'cu_seqlens_k' has {len(cu_k) - 1}")  # fmt: skip
-    return cu, cu_k
 
 
 def _scan_files(files: list, part: Optional[tuple] = None) -> list:
