@@ -134,6 +134,7 @@ class SequenceLoop:
         # the reads not yet finished (a daemon thread each, one at a time): a finished
         # read's Future holds its batch's q, k, v, so none is kept past its batch
         self.reads: list = []
+        self.nxt = None  # the read of the next batch, started ahead
         self.finished = 0  # sequences this ring wrote
         # checkpoints of a batch's ring state, named by its first sequence
         self.ckpt = Checkpoints(store.parts, ctx.ring, store.meta, ctx.options.checkpoint_every,
@@ -141,6 +142,12 @@ class SequenceLoop:
                                 finished=done)  # fmt: skip
 
     # -- reading ---------------------------------------------------------------------------
+    def read_ahead(self) -> None:
+        """Start reading the first batch now (the job's set-up, e.g. rank 0's index, goes on
+        meanwhile); :meth:`run` takes it."""
+        if self.todo and self.ctx.options.prefetch and self.nxt is None:
+            self.nxt = self._start(0)
+
     def _start(self, j: int):
         self.reads = [r for r in self.reads if not r.done()]
         self.reads.append(in_background(self._read_batch, self.todo[j]))
@@ -201,9 +208,8 @@ class SequenceLoop:
                      "call(s)")  # fmt: skip
         prefetch = ctx.options.prefetch
         stopped = False
-        self.nxt = None  # the read of the next sequence, started ahead
         try:
-            self.nxt = self._start(0) if (self.todo and prefetch) else None
+            self.read_ahead()  # (a no-op when started already)
             for j, batch in enumerate(self.todo):
                 self._one(j, batch, self.nxt if prefetch else self._start(j))
             if self.last:

@@ -34,18 +34,19 @@ from .report import visible_pairs
 __all__ = ["assign_ring_sizes", "phases", "divisors", "deal"]
 
 # The dealing's cost model (seconds; only the ratios matter, the same on every rank): a
-# batch costs its model flops at the rate a ring call of short sequences reaches, its
-# bytes read and written (with the copies around them), a fixed cost per sequence and
-# one per batch (its ring call, part file and marker);
-# rank 0 also builds the output's virtual-dataset file, so its ring starts with that
-# much work already dealt. Measured on a 2-core AVX-512 machine (P=2, 200 x 256 and
-# 2,000 log-normal sequences): ~35 GFLOP/s per rank, ~0.4 GB/s per rank of batch I/O,
-# ~0.8 ms per sequence for the index, a few ms per call of a few short sequences.
-RATE = {"cpu": 30e9, "gpu": 20e12}  # flop/s
-IO_BYTES_S = 0.4e9
+# batch costs its model flops at the tile's rate, its bytes read and written (with the
+# copies and the short-sequence overheads that grow with its tokens), a fixed cost per
+# sequence and one per batch (its ring call, part file and marker); rank 0 also builds the
+# output's virtual-dataset file, so its ring starts with that much work already dealt.
+# Fitted to the batches of the 2,000-sequence benchmark (2-core AVX-512 machine, P = 2,
+# rings of one, direct I/O; 15 batches, residuals within 0.06 s but for one of 0.15 s):
+# 105-110 GFLOP/s and ~3.8 ms per 1,000 tokens (~0.8 GB/s of the 3 kB a token reads and
+# writes); the index ~0.5 ms per sequence.
+RATE = {"cpu": 100e9, "gpu": 20e12}  # flop/s
+IO_BYTES_S = 0.8e9
 SEQ_S = 3e-4
 BATCH_S = 4e-3
-INDEX_SEQ_S = 0.8e-3
+INDEX_SEQ_S = 0.5e-3
 
 
 def divisors(n: int) -> list:
@@ -102,7 +103,11 @@ def phases(sizes: list) -> list:
 
 def deal(plan, batches: list, rings: int, causal: bool, window=None, device: str = "cpu",
          head_start: int = 0) -> list:  # fmt: skip
-    """Batches per ring: each batch, in order, to the ring with the least work dealt so far.
+    """Batches per ring: the dearest first, each to the ring with the least work dealt so far.
+
+    Longest-processing-time-first list scheduling: the rings' predicted times end
+    within the cheapest batch dealt last of each other (dealing in the phase's order
+    could leave a dear batch for last and one ring computing it alone).
 
     Parameters
     ----------
@@ -126,15 +131,18 @@ def deal(plan, batches: list, rings: int, causal: bool, window=None, device: str
     """
     per_flop = 1.0 / RATE.get(device, RATE["cpu"])
     row = plan.head_dim * np.dtype(plan.dtype).itemsize
-    out: list = [[] for _ in range(rings)]
-    load = [0.0] * rings
-    load[0] = head_start * INDEX_SEQ_S
+    costs = []
     for b in batches:
         seqs = [plan.sequences[i] for i in b.members]
         flops = sum(model_flops(visible_pairs(s, causal, window), plan.head_dim, plan.heads)
                     for s in seqs)  # fmt: skip
         nbytes = (b.length * (2 * plan.heads) + b.length_k * 2 * plan.kv_heads) * row
-        r = min(range(rings), key=lambda j: (load[j], j))
-        out[r].append(b)
-        load[r] += flops * per_flop + nbytes / IO_BYTES_S + len(seqs) * SEQ_S + BATCH_S
-    return out
+        costs.append(flops * per_flop + nbytes / IO_BYTES_S + len(seqs) * SEQ_S + BATCH_S)
+    load = [0.0] * rings
+    load[0] = head_start * INDEX_SEQ_S
+    mine: list = [[] for _ in range(rings)]
+    for j in sorted(range(len(batches)), key=lambda j: (-costs[j], j)):
+        r = min(range(rings), key=lambda x: (load[x], x))
+        mine[r].append(j)
+        load[r] += costs[j]
+    return [[batches[j] for j in sorted(js)] for js in mine]

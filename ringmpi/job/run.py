@@ -252,11 +252,12 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
             dealt = deal(plan, left, nr, spec.causal, spec.window, ctx.device,
                          head_start=len(plan.sequences) if ahead else 0)  # fmt: skip
             todo = dealt[0 if across is None else across.Get_rank()]
-            if ahead:
-                store.build_ahead([(b.members, rb) for b, rb in job_left])
             pctx = dataclasses.replace(ctx, ring=ring, ring_size=r, batch_tokens=caps[r])
             loop = SequenceLoop(pctx, store, todo, left, done, before=loops, last=last,
                                 job_left=job_left)  # fmt: skip
+            loop.read_ahead()  # the first batch's read goes on while rank 0 builds the index
+            if ahead:
+                store.build_ahead([(b.members, rb) for b, rb in job_left])
             if last:
                 return loop.run()
             loop.run()
