@@ -120,3 +120,24 @@ def test_hostile_offsets_fail_closed_on_two_ranks(kind, tmp_path):
     """The offsets no longer travel in the plan's broadcast: the refusal is still one line."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     assert hostile.check(kind, tmp_path, env=env, ranks=2) == []
+
+
+def test_a_file_changed_after_its_links_were_walked_is_walked_again(tmp_path, monkeypatch):
+    """open_input walks a file's links once per process (the reader reopens what the scan
+    opened); a file changed since (an external link added) is walked again and refused."""
+    from ringmpi.job import inputs
+
+    p = tmp_path / "in.h5"
+    with h5py.File(p, "w") as f:
+        f["q"] = np.zeros((4, 2, 2), np.float32)
+    walks = []
+    real = trust.check_links
+    monkeypatch.setattr(trust, "check_links", lambda f: walks.append(1) or real(f))
+    for _ in range(3):
+        inputs.open_input(str(p)).close()
+    assert len(walks) == 1  # walked once, then known unchanged
+    with h5py.File(p, "a") as f:
+        f["elsewhere"] = h5py.ExternalLink("/etc/passwd", "/x")
+    with pytest.raises(schema.InputError, match="external link"):
+        inputs.open_input(str(p))
+    assert len(walks) == 2
