@@ -19,11 +19,12 @@ import numpy as np
 from .. import interrupt
 from ..collective import CollectiveError
 from . import trust
+from .rawread import raw_offset
 
 __all__ = [
     "InputError", "fail", "open_input", "check_storage", "trusted", "dataset", "read_offsets",
-    "raw_offset",
-    "check_offsets", "found", "guarded", "scan_file", "FLOAT_DTYPES", "MAX_DIM", "MAX_PACKED",
+    "check_offsets", "found", "no_data", "guarded", "scan_file", "FLOAT_DTYPES", "MAX_DIM",
+    "MAX_PACKED",
 ]  # fmt: skip
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
@@ -41,8 +42,12 @@ def fail(path: str, problem: str):
     raise InputError(f"{path}: {problem}")
 
 
-def open_input(path: str):
-    """Open an HDF5 file for reading (no locking); InputError naming the file if it cannot."""
+def open_input(path: str, walk: bool = True):
+    """Open an HDF5 file for reading (no locking); InputError naming the file if it cannot.
+
+    Its links are walked first unless they were (:func:`ringmpi.job.trust.walked`) and the
+    file is unchanged; ``walk=False``: the caller walks them before opening anything.
+    """
     import h5py
 
     if not os.path.exists(path):
@@ -58,35 +63,20 @@ def open_input(path: str):
     except OSError as e:
         reason = str(e).split("(", 1)[-1].rstrip(")") if "(" in str(e) else str(e)
         fail(path, f"cannot open as HDF5 (truncated or not an HDF5 file: {reason})")
+    if not walk:
+        return f
     seen = None
     try:
-        seen = _identity(f)
-        why = "" if seen is not None and _LINKS_OK.get(seen[0]) == seen[1] else trust.check_links(f)
+        seen = trust.identity(f)
+        why = "" if trust.walked(seen) else trust.check_links(f)
     except Exception as e:  # noqa: BLE001 - damaged link metadata
         first = str(e).splitlines()[0] if str(e) else ""
         why = f"unreadable HDF5 links ({type(e).__name__}: {first})"
     if why:
         f.close()
         fail(path, why)
-    if seen is not None:
-        _LINKS_OK[seen[0]] = seen[1]
+    trust.links_known(seen)
     return f
-
-
-# files whose links this process walked: (device, inode) -> (size, mtime, ctime) then; the
-# job opens each input twice (scan, then reader), and the walk reads all of a file's groups
-_LINKS_OK: dict = {}
-
-
-def _identity(f) -> Optional[tuple]:
-    """((device, inode), (size, mtime_ns, ctime_ns)) of the file h5py has open, or None."""
-    try:
-        st = os.fstat(f.id.get_vfd_handle()) if f.driver == "sec2" else None
-    except (OSError, ValueError, TypeError):
-        st = None
-    if st is None:
-        return None
-    return (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def trusted(path: str, ds) -> None:
@@ -198,20 +188,6 @@ def _dtype_name(dt) -> str:
     return name
 
 
-def raw_offset(ds) -> Optional[int]:
-    """The file offset of dataset ``ds``'s bytes when they can be read as they lie: contiguous
-    storage holding exactly its elements, in the machine's byte order; else None."""
-    if ds.chunks is not None or not ds.dtype.isnative:
-        return None
-    try:
-        off = ds.id.get_offset()
-        if off is None or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize:
-            return None
-    except (OSError, RuntimeError, ValueError):
-        return None
-    return int(off)
-
-
 def lite_dataset(path: str, gid, group: str, name: str, ndim: int, fsize: int) -> LiteDataset:
     """:func:`dataset` on the low-level ``GroupID`` ``gid`` of group ``group`` (same checks)."""
     from h5py import h5d, h5o
@@ -241,51 +217,81 @@ def lite_dataset(path: str, gid, group: str, name: str, ndim: int, fsize: int) -
 def scan_file(path: str, structure_hint: Optional[str], part: Optional[tuple] = None) -> dict:
     """Metadata of one file: {"mode", "structure", "seqs": [(group, batch, shapes)], ...}.
 
-    ``part=(r, n)``: only the groups ``r::n`` of the sorted group names (a file
-    of one sequence: only ``r == 0`` scans it), so that n ranks share the scan.
+    ``part=(r, n)``: n ranks share the scan and the link walk: each takes the root's
+    entries ``r::n`` by name (one sequence: ``r == 0`` scans it), walks below them and
+    scans its groups of data (``mode``: its first group's or None; the merge compares).
     """
-    f = open_input(path)
+    f = open_input(path, walk=part is None)
     try:
         fsize = os.path.getsize(path)
+        links = 0
+        if part is not None:  # the root's own links first: the lookups below follow them
+            links = _walk(path, f, [])
         if "q" in f or "x" in f:
             top = "q" if "q" in f else "x"
             nd = f[top].ndim if hasattr(f[top], "ndim") else 0
             structure = "batch" if nd == (4 if top == "q" else 3) else "single"
             groups = [""]
         else:
-            structure = "groups"
-            groups = _data_groups(f)
-            if not groups:
-                where = "at the root or in any group"
-                fail(path, f"no dataset 'q' (or features 'x') {where}; {found(f)}")
+            structure, groups = "groups", None
         if structure_hint and structure != structure_hint:
             problem = f"{structure} structure, first input is {structure_hint}"
             fail(path, f"shards do not line up: {problem}")
-        mode = "qkv" if "q" in (f[groups[0]] if groups[0] else f) else "features"
         if part is not None:
             r, n = part
-            groups = groups[r::n] if structure == "groups" else groups[: 1 if r == 0 else 0]
+            names = sorted(e.decode() for e in f.id.__iter__())[r::n]  # link names only
+            links += _walk(path, f, names)
+            groups = _data_groups(f, names) if groups is None else groups[: 1 if r == 0 else 0]
+        elif groups is None:
+            groups = _data_groups(f, sorted(e.decode() for e in f.id.__iter__()))
+            if not groups:
+                fail(path, no_data(f))
+        mode = None
+        if groups:
+            mode = "qkv" if "q" in (f[groups[0]] if groups[0] else f) else "features"
         seqs = []
         for g in groups:
             interrupt.check()  # planning a file of many groups can take long: Ctrl-C acts
             seqs.append((g, _scan_group(path, f, g, mode, structure, fsize)))
-        return {"mode": mode, "structure": structure, "seqs": seqs}
+        meta = {"mode": mode, "structure": structure, "seqs": seqs}
+        if part is not None:
+            meta.update(links=links, identity=trust.identity(f))
+        return meta
     finally:
         f.close()
 
 
-def _data_groups(f) -> list:
-    """The root's groups holding ``q`` or ``x``, sorted by name (low-level: no Group objects)."""
+def no_data(f) -> str:
+    """The error of a file with no sequence: what it holds instead."""
+    return f"no dataset 'q' (or features 'x') at the root or in any group; {found(f)}"
+
+
+def _walk(path: str, f, below: list) -> int:
+    """:func:`ringmpi.job.trust.walk_links` below ``below``: the links walked, or InputError."""
+    try:
+        why, n = trust.walk_links(f, below)
+    except Exception as e:  # noqa: BLE001 - damaged link metadata
+        first = str(e).splitlines()[0] if str(e) else ""
+        why, n = f"unreadable HDF5 links ({type(e).__name__}: {first})", 0
+    if why:
+        fail(path, why)
+    return n
+
+
+def _data_groups(f, names: list) -> list:
+    """Those of the root's entries ``names`` (in order) that are groups holding ``q`` or
+    ``x`` (low-level: no Group objects)."""
     from h5py import h5g, h5o
 
     out = []
-    for name in f.id.__iter__():  # link names only
-        if h5o.get_info(f.id, name).type != h5o.TYPE_GROUP:
+    for name in names:
+        key = name.encode()
+        if h5o.get_info(f.id, key).type != h5o.TYPE_GROUP:
             continue
-        gid = h5g.open(f.id, name)
+        gid = h5g.open(f.id, key)
         if gid.links.exists(b"q") or gid.links.exists(b"x"):
-            out.append(name.decode())
-    return sorted(out)
+            out.append(name)
+    return out
 
 
 def _scan_group(path: str, f, g: str, mode: str, structure: str, fsize: int) -> dict:

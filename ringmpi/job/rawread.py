@@ -1,7 +1,7 @@
 """Reads of contiguous input datasets straight from the file: queued, then gathered.
 
 The plan records where each contiguous dataset's bytes lie in its file
-(:func:`ringmpi.job.inputs.raw_offset`: contiguous storage of exactly its
+(:func:`raw_offset`: contiguous storage of exactly its
 elements, in the machine's byte order, inside the file, checked by the scan).
 Rows of such a dataset are bytes ``[offset + row0 * row, ...)``, so the reader
 does not need HDF5 to fetch them: :class:`RawReads` queues every range a batch
@@ -25,7 +25,21 @@ import numpy as np
 
 from .. import direct_io
 
-__all__ = ["RawReads"]
+__all__ = ["RawReads", "raw_offset"]
+
+
+def raw_offset(ds) -> Optional[int]:
+    """The file offset of dataset ``ds``'s bytes when they can be read as they lie: contiguous
+    storage holding exactly its elements, in the machine's byte order; else None."""
+    if ds.chunks is not None or not ds.dtype.isnative:
+        return None
+    try:
+        off = ds.id.get_offset()
+        if off is None or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize:
+            return None
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return int(off)
 
 
 class RawReads:

@@ -34,10 +34,11 @@ from typing import Optional
 
 import numpy as np
 
-from .. import interrupt
 from ..collective import run_everywhere, run_on_root
-from . import inputs, offsets
+from . import offsets, trust
 from .inputs import InputError, check_offsets, fail, guarded, open_input
+from .shares import merge as _merge
+from .shares import scan_files as _scan_files
 from .weights import read_weights
 
 __all__ = [
@@ -69,7 +70,7 @@ class SeqInfo:
     storage : tuple of dict, optional
         Per file, {dataset name: file offset of its bytes, or None}: where a
         contiguous dataset in the machine's byte order lies, so that the reader
-        can fetch it without HDF5 (:func:`ringmpi.job.inputs.raw_offset`); None for
+        can fetch it without HDF5 (:func:`ringmpi.job.rawread.raw_offset`); None for
         a batch axis.
     """
 
@@ -131,6 +132,9 @@ class Plan:
     weights: Optional[str] = None
     warnings: list = field(default_factory=list)  # one line each, printed by the job
     sinks: Optional[tuple] = None  # per-head sink logits (H,) from the weights file
+    # per file: the (device, inode), (size, mtime, ctime) whose every link the ranks walked
+    # together, or None (ringmpi.job.inputs.links_known)
+    walked: list = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -305,27 +309,6 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
     )
 
 
-def _scan_files(files: list, part: Optional[tuple] = None) -> list:
-    """:func:`ringmpi.job.inputs.scan_file` of every file (``part``: this rank's share)."""
-    metas, structure = [], None
-    for p in files:
-        interrupt.check()
-        metas.append(guarded(p, inputs.scan_file, p, structure, part))
-        structure = metas[0]["structure"]
-    return metas
-
-
-def _merge(shares: list) -> list:
-    """The metas of every file from each rank's share (:func:`_scan_files` with ``part``)."""
-    out = []
-    for per_rank in zip(*shares):
-        meta = dict(per_rank[0])
-        seqs = [sq for m in per_rank for sq in m["seqs"]]
-        meta["seqs"] = sorted(seqs, key=lambda sq: sq[0])  # the groups' sorted order again
-        out.append(meta)
-    return out
-
-
 def make_plan(
     comm,
     inputs: Sequence[str],
@@ -348,7 +331,9 @@ def make_plan(
 
     def build():
         if shares:
-            plan = scan(files, weights, metas=_merge(shares))
+            metas = _merge(shares, files)
+            plan = scan(files, weights, metas=metas)
+            plan.walked = [m.get("identity") for m in metas]
         else:
             plan = scan(expand_inputs(inputs), weights)
         for s in plan.sequences:
@@ -371,4 +356,8 @@ def make_plan(
     if comm is None or comm.Get_size() == 1:
         return got
     mine = (lambda *_: full[0]) if comm.Get_rank() == 0 else offsets.fill
-    return run_everywhere(comm, mine, *got)
+    plan = run_everywhere(comm, mine, *got)
+    for ident in plan.walked:  # every link walked by the ranks together: the reader need not
+        if ident is not None:
+            trust.links_known(ident)
+    return plan

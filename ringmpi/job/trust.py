@@ -4,7 +4,9 @@ The contents of an input are not trusted (see docs/security.md). Before a
 dataset is used the scan checks that
 
 * no link on the way is an HDF5 external link (or a user-defined link): the file
-  would make the job open another file (:func:`check_links`);
+  would make the job open another file (:func:`check_links`; the ranks of a job
+  share the walk, :func:`walk_links`, and a file walked and unchanged since is not
+  walked again, :func:`walked`);
 * the dataset keeps its data in the file: no external raw storage, no virtual
   dataset unless ``RINGMPI_ALLOW_VDS=1`` (:func:`check_layout`);
 * its storage is allocated in full: a dataset created but never (or only partly)
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import Optional
 
 import numpy as np
 
@@ -32,6 +35,10 @@ __all__ = [
     "disable_plugins",
     "check_regular",
     "check_links",
+    "walk_links",
+    "identity",
+    "links_known",
+    "walked",
     "check_layout",
     "check_written",
 ]
@@ -78,16 +85,30 @@ def check_regular(path: str) -> str:
 def check_links(f) -> str:
     """Walk every link of the open file ``f`` without following one; a reason to refuse, or ''.
 
+    :func:`walk_links` of the whole file.
+    """
+    return walk_links(f)[0]
+
+
+def walk_links(f, below: Optional[list] = None) -> tuple:
+    """Walk the links of the open file ``f`` without following one: (a reason to refuse or
+    '', links walked).
+
     Hard and soft links stay inside the file; an external link or a user-defined
     link would make HDF5 open another file, so it is refused, named by its path.
     One H5Lvisit over the file (each group's links once, soft links not
     followed: their targets are walked from the root), no object opened.
+
+    ``below``: the ranks of a job share the walk (:func:`ringmpi.job.inputs.scan_file`):
+    the root's own links are checked (one level), then everything below the root
+    entries named in ``below`` only; the ranks' lists together name every entry
+    (``MAX_LINKS`` then applies to each share; the scan checks the sum).
     """
-    from h5py import h5l
+    from h5py import h5g, h5l, h5o
 
     seen, why = [0], []
 
-    def visit(name: bytes, info):
+    def visit(name: bytes, info, prefix: bytes = b""):
         seen[0] += 1
         if seen[0] > MAX_LINKS:
             why.append(f"holds more than {MAX_LINKS} links")
@@ -95,9 +116,9 @@ def check_links(f) -> str:
         kind = info.type
         if kind == h5l.TYPE_HARD or kind == h5l.TYPE_SOFT:
             return None
-        where = "/" + name.decode("utf-8", "replace")
+        where = "/" + (prefix + name).decode("utf-8", "replace")
         if kind == h5l.TYPE_EXTERNAL:
-            target = f.id.links.get_val(name)
+            target = f.id.links.get_val(prefix + name)
             fname, path = (x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
                            for x in target)  # fmt: skip
             why.append(f"'{where}' is an external link to {fname}:{path}: "
@@ -106,8 +127,20 @@ def check_links(f) -> str:
             why.append(f"'{where}' is a user-defined link: inputs are read only from themselves")
         return 1
 
-    f.id.links.visit(visit, info=True)
-    return why[0] if why else ""
+    if below is None:
+        f.id.links.visit(visit, info=True)
+    else:
+        root = h5g.open(f.id, b"/")  # (kept: the proxy below does not keep it open)
+        root.links.iterate(visit, info=True)  # the root's links, one level
+        for name in below:
+            if why:
+                break
+            key = name.encode()
+            if h5o.get_info(f.id, key).type != h5o.TYPE_GROUP:  # (the root's links: checked)
+                continue
+            prefix, gid = key + b"/", h5g.open(f.id, key)
+            gid.links.visit(lambda n, i, p=prefix: visit(n, i, p), info=True)
+    return (why[0] if why else ""), seen[0]
 
 
 def check_layout(ds) -> str:
@@ -191,3 +224,32 @@ def check_written(ds) -> str:
             "(half written?): refusing to compute on fill values"
         )
     return ""
+
+
+# files whose links this process walked: (device, inode) -> (size, mtime, ctime) then; the
+# job opens each input twice (scan, then reader), and the walk reads all of a file's groups
+_LINKS_OK: dict = {}
+
+
+def links_known(identity: Optional[tuple]) -> None:
+    """Every link of the file ``identity`` (:func:`identity`; None: nothing) was walked (by this
+    process, or by a job's ranks together, :func:`ringmpi.job.schema.make_plan`):
+    :func:`ringmpi.job.inputs.open_input` need not walk them again while it is unchanged."""
+    if identity is not None:
+        _LINKS_OK[identity[0]] = identity[1]
+
+
+def walked(identity: Optional[tuple]) -> bool:
+    """Were the links of the file ``identity`` walked, and is it unchanged since?"""
+    return identity is not None and _LINKS_OK.get(identity[0]) == identity[1]
+
+
+def identity(f) -> Optional[tuple]:
+    """((device, inode), (size, mtime_ns, ctime_ns)) of the file h5py has open, or None."""
+    try:
+        st = os.fstat(f.id.get_vfd_handle()) if f.driver == "sec2" else None
+    except (OSError, ValueError, TypeError):
+        st = None
+    if st is None:
+        return None
+    return (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
