@@ -12,6 +12,9 @@ into a private temporary folder, in one run:
 * the kernel-bound time: the dataset's model flops (4 D H per visible causal
   pair, :mod:`ringmpi.cost`) / P / the fused tile's rate, measured here on a
   causal tile of the dataset's (flop-weighted median) length;
+* "in tiles": the share of the ranks' time the job spent inside the tile kernels
+  (the summary's ``kernel_share``), and "in job GFLOP/s" (second table): the rate
+  the tiles reached on the job's own batches (model flops / their time);
 * the I/O-bound time: bytes read (q, k, v) and written (out, lse) at the file
   system's sequential rates, measured here on a file of comparable size
   (written with fsync, read back after dropping it from the page cache);
@@ -50,12 +53,12 @@ from ringmpi.job.sample import VALUES, make_data
 H, HKV, D, DTYPE = 4, 2, 64, "float32"
 CHUNK = 8 << 20  # bytes per write/read call of the I/O probe
 COLUMNS = ("dataset", "ring size", "job s", "process s", "kernel-bound s", "io-bound s",
-           "job/max(bound)", "torch s", "job/torch")  # fmt: skip
+           "job/max(bound)", "in tiles", "torch s", "job/torch")  # fmt: skip
 #: the range of the repeated runs (--repeat)
 REPEAT_COLUMNS = ("dataset", "ring size", "runs", "job s", "job min s", "job max s", "torch s")
 #: what the bounds are made of, one line per dataset
 BOUND_COLUMNS = ("dataset", "sequences", "tokens", "model GFLOP", "tile S", "tile GFLOP/s",
-                 "read MB", "write MB", "read MB/s", "write MB/s")  # fmt: skip
+                 "in job GFLOP/s", "read MB", "write MB", "read MB/s", "write MB/s")  # fmt: skip
 
 
 def lognormal_lengths(n: int, median: float, sigma: float, seed: int) -> np.ndarray:
@@ -342,6 +345,9 @@ def measure(a, folder: str, mpiexec: str) -> list:
                 "dataset": name, "ring size": label, "job s": job, "process s": s["process_s"],
                 "runs": len(walls), "job min s": min(walls), "job max s": max(walls),
                 "kernel-bound s": kernel_s, "io-bound s": io_s, "job/max(bound)": job / bound,
+                "in tiles": s.get("kernel_share"),
+                "in job GFLOP/s": work / max(s.get("compute_s", 0.0) * a.ranks, 1e-9) / 1e9
+                if s.get("compute_s") else None,
                 "torch s": torch_s, "job/torch": job / torch_s if torch_s else None,
                 "sequences": len(lengths), "tokens": tokens, "model GFLOP": work / 1e9,
                 "tile S": tile, "tile GFLOP/s": rate / 1e9, "read MB": read_b / 1e6,

@@ -97,8 +97,8 @@ def test_tiny_run_table_json_and_verified_outputs(tmp_path):
     except ImportError:
         have_torch = False
     for r, line in zip(rows, printed):
-        cells = line.split()[-7:]  # the numeric columns, "job s" onwards
-        job, proc, kb, io, ratio, tor, jt = cells
+        cells = line.split()[-8:]  # the numeric columns, "job s" onwards
+        job, proc, kb, io, ratio, tiles, tor, jt = cells
         assert r["tokens"] == sum(r["lengths"]) and len(r["lengths"]) == 3
         if r["dataset"] == "3 x 96":
             assert r["lengths"] == [96] * 3
@@ -108,6 +108,9 @@ def test_tiny_run_table_json_and_verified_outputs(tmp_path):
         assert _cell(ratio) == pytest.approx(_cell(job) / bound, rel=2e-3), line
         assert r["job/max(bound)"] == pytest.approx(r["job s"] / max(r["kernel-bound s"],
                                                     r["io-bound s"]), rel=1e-12)  # fmt: skip
+        # the job's time in its tiles: a share of its ranks' time, at a real rate
+        assert 0 < r["in tiles"] < 1 and _cell(tiles) == pytest.approx(r["in tiles"], rel=2e-3)
+        assert 1e-3 < r["in job GFLOP/s"] < 1e4
         # the flops and bytes the bounds are made of
         s = np.array(r["lengths"], dtype=np.int64)
         assert r["model GFLOP"] * 1e9 == pytest.approx(float((4 * 64 * 4 * s * (s + 1) // 2).sum()))
@@ -127,7 +130,7 @@ def test_tiny_run_table_json_and_verified_outputs(tmp_path):
             capture_output=True, text=True, timeout=300, cwd=ROOT,
         )  # fmt: skip
         assert ver.returncode == 0, (ver.stdout + ver.stderr)[-2000:]
-    assert len(cols) == 9 and cols[2] == "job s"
+    assert len(cols) == 10 and cols[2] == "job s" and cols[7] == "in tiles"
 
 
 def test_bad_arguments_and_a_failing_launcher(tmp_path):

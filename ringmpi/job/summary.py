@@ -71,6 +71,9 @@ def job_summary(ctx, phases: list, skipped: int, store) -> dict:
         "flops": float(mine[0]),
         "peak_rss_bytes_max": int(peak[0]),
         "mpi_wait_share": float(mine[1] / mine[2]) if mine[2] > 0 else 0.0,
+        # the tiles' own time (every rank's, / ranks) and its share of the ranks' wall time
+        "compute_s": float(mine[3] / size),
+        "kernel_share": float(mine[3] / (wall * size)) if wall > 0 else 0.0,
         "io_share": float(mine[4] / (wall * size)) if wall > 0 else 0.0,
         "read_wait_s": float(mine[5] / size),
         "write_s": float(mine[6] / size),
