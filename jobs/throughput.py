@@ -366,8 +366,11 @@ def measure(a, folder: str, mpiexec: str) -> list:
 
 def table(rows: list, columns=COLUMNS, unique: bool = False) -> str:
     """A printed table: one line per row (per dataset with ``unique``), the ``columns``."""
-    if unique:
-        rows = list({r["dataset"]: r for r in rows}.values())
+    if unique:  # the first row of each dataset (the plain run, before any --variant)
+        first: dict = {}
+        for r in rows:
+            first.setdefault(r["dataset"], r)
+        rows = list(first.values())
     cells = [list(columns)] + [
         [r[c] if isinstance(r[c], str) else fmt(r[c]) for c in columns] for r in rows
     ]
