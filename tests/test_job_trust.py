@@ -12,6 +12,7 @@ import glob
 import hashlib
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -135,6 +136,7 @@ def test_interrupt_stops_within_seconds_and_resume_is_bitwise_identical(
     assert gone < 10, f"job took {gone:.1f} s to go"
     from mpi4py import MPI
 
+    kept = None  # finished sequences the job says it kept (when a rank prints)
     if whom == "mpiexec" and "Open MPI" in MPI.Get_library_version():
         # Open MPI's mpiexec does not pass Ctrl-C on: it kills the ranks itself (exit 1),
         # so no rank prints; the job is still gone, nothing is final and resume works
@@ -143,18 +145,23 @@ def test_interrupt_stops_within_seconds_and_resume_is_bitwise_identical(
         assert proc.returncode == 128 + sig, (proc.returncode, se)
         lines = [ln for ln in se.splitlines() if ln.startswith("ringmpi: interrupted")]
         assert len(lines) == 1, se
-        assert "at sequence 2/3 (seq001), ring step" in lines[0], lines[0]
-        assert lines[0].endswith("1 finished sequence(s) kept; rerun with --resume"), lines[0]
+        # the second sequence normally; the third when this machine was slow to look
+        hit = re.search(r"at sequence (\d)/3 \(seq00(\d)\), ring step .*: (\d) finished "
+                        r"sequence\(s\) kept; rerun with --resume$", lines[0])  # fmt: skip
+        assert hit, lines[0]
+        at, name, kept = map(int, hit.groups())
+        assert at in (2, 3) and name == at - 1 and kept == at - 1, lines[0]
         if whom == "mpiexec":
             assert "(SIGINT)" in lines[0] and "Abort(" not in se  # every rank left cleanly
         else:
             assert f"({signal.Signals(sig).name} on rank " in lines[0]
     assert not os.path.exists(out)
-    assert len(glob.glob(out + ".parts/*.done")) == 1
+    done = len(glob.glob(out + ".parts/*.done"))
+    assert done in (1, 2) and (kept is None or done == kept), (done, kept)
     r = subprocess.run(_cmd(p, *cmd[cmd.index("run") :], "--resume"), capture_output=True,
                        text=True, timeout=300, env=_env())  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "(1 already done)" in r.stdout
+    assert f"({done} already done)" in r.stdout
     assert _digests(out) == want
 
 

@@ -52,6 +52,7 @@ __all__ = [
 
 BLOCK_Q = 256
 BLOCK_K = 1024
+PV_CHUNK = 128  # keys per float32 P.V product, summed in float64 (forward)
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -136,6 +137,7 @@ def forward_tile(
     kblocks = list(blocks(k_pos, key_block(bounds)))
     vis = _Visibility(q_pos, causal, bounds)
     mods = scoremods.pack(modifiers, h, sq)
+    wide = np.float64
     flops = 0
     for qa, qb, _, _ in blocks(q_pos, BLOCK_Q):
         n = qb - qa
@@ -144,8 +146,13 @@ def forward_tile(
         qs = q5[:, :, :, qa:qb] * q.dtype.type(scale)  # (B, Hkv, G, n, D), contiguous
         qs2 = qs.reshape(bsz, hkv, g * n, d)
         mo = m5[:, :, :, qa:qb]
-        lo = l5[:, :, :, qa:qb]
-        ao = acc5[:, :, :, qa:qb]
+        # The running sums of this query block are float64, and P.V adds to them from
+        # products over PV_CHUNK keys at a time: one float32 total over many keys rounds
+        # each small term against the whole (after a few large ones, sinks, most terms
+        # fall near or below its last bit), an error that grows with the key count once
+        # the values have a mean. The state goes back in its dtype at the end.
+        lo = l5[:, :, :, qa:qb].astype(wide)
+        ao = acc5[:, :, :, qa:qb].astype(wide)
         for ka, kb, klo, khi in kblocks:
             if vis.skip(klo, khi):
                 continue  # every key of this block is hidden from every query
@@ -163,11 +170,15 @@ def forward_tile(
             lo *= alpha
             lo += s5.sum(axis=-1)
             ao *= alpha[..., None]
-            ao += (s @ v[:, :, ka:kb]).reshape(bsz, hkv, g, n, d)
+            for c in range(ka, kb, PV_CHUNK):  # P.V over short runs of keys, see above
+                pv = s[..., c - ka : c - ka + PV_CHUNK] @ v[:, :, c : min(c + PV_CHUNK, kb)]
+                ao += pv.reshape(ao.shape)
             mo[...] = m_new
             flops += 4 * bsz * h * n * (kb - ka) * d
             if progress is not None:
                 progress()
+        l5[:, :, :, qa:qb] = lo
+        acc5[:, :, :, qa:qb] = ao
     return flops
 
 
