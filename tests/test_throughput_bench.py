@@ -41,7 +41,8 @@ def test_flop_weighted_median_and_tile_rate():
     tp = _module()
     assert tp.weighted_median([100] * 10 + [1000]) == 1000  # 1e6 of the 1.1e6 S^2 weight
     assert tp.weighted_median([100] * 200 + [1000]) == 100
-    assert 1e8 < tp.tile_rate(64, seconds=0.05) < 1e13  # model flop/s of a real call
+    best, median = tp.tile_rate(64, seconds=0.05)
+    assert 1e8 < median <= best < 1e13  # model flop/s of real calls
 
 
 def test_table_without_torch_says_n_a():
