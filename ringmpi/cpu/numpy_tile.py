@@ -14,7 +14,7 @@ For float32 inputs the scores and P are float32; acc and l are carried in float6
 within a call, and P V is formed over runs of 128 keys (``PV_CHUNK``) at a time:
 one float32 product over a whole key block rounds each small term against a
 total that a few large ones dominate, an error the BLAS's summation order decides
-(2.7x the dense float32 error at 262,144 keys with one OpenBLAS build, 1x with
+(2.7x the dense float32 error at 262,144 keys with one OpenBLAS kernel, 1.9x with
 another), and that grows with the key count once the values have a mean.
 
 Causal: key j is visible to query i iff k_pos[j] <= q_pos[i]. The rows are cut
