@@ -13,7 +13,8 @@
 # Environment:
 #   SITE_VENV     the venv (default .site-venv in the checkout, ignored by git)
 #   SITE_RANKS    world sizes of the multi-rank suite (default "2 3")
-#   SITE_STAGES   which suites: any of "serial mpi" (default both)
+#   SITE_STAGES   which suites: any of "serial mpi blas" (default all; blas: the numpy
+#                 tile's real-value tests under each OpenBLAS kernel the CPU runs)
 #   SITE_TIMEOUT  seconds per suite (default 1800)
 #   SITE_PYTEST   extra pytest arguments, e.g. "-x" or a test file
 #   SITE_BLAS     openblas (default) or reference: the libblas.so.3 numpy loads
@@ -24,7 +25,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 VENV=${SITE_VENV:-$ROOT/.site-venv}
 RANKS=${SITE_RANKS:-2 3}
-STAGES=${SITE_STAGES:-serial mpi}
+STAGES=${SITE_STAGES:-serial mpi blas}
 TIMEOUT=${SITE_TIMEOUT:-1800}
 read -r -a EXTRA <<<"${SITE_PYTEST:-}"
 SYSPY=/usr/bin/python3
@@ -141,7 +142,21 @@ for stage in $STAGES; do
           -m pytest -q -p no:cacheprovider -rfEs --with-mpi -m mpi "${EXTRA[@]}" tests
       done
       ;;
-    *) die "unknown stage '$stage' (serial, mpi)" ;;
+    blas)
+      # the numpy tile's error against a dense float32 peer depends on the BLAS kernel's
+      # summation order: run the real-value tests under each OpenBLAS kernel this CPU can
+      # execute (CI once failed on one the default did not pick)
+      flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+      cores=()
+      [[ $flags == *" avx2 "* ]] && cores+=(Haswell)
+      [[ $flags == *" avx512f "* ]] && cores+=(SkylakeX)
+      [[ $flags == *" avx512_bf16 "* ]] && cores+=(CooperLake)
+      for c in "${cores[@]}"; do
+        run "numpy tile on OpenBLAS $c" env OPENBLAS_CORETYPE="$c" "$PY" -m pytest -q \
+          -p no:cacheprovider -rfEs -k numpy "${EXTRA[@]}" tests/test_numerics_real.py
+      done
+      ;;
+    *) die "unknown stage '$stage' (serial, mpi, blas)" ;;
   esac
 done
 log "--- summary ---"
