@@ -402,3 +402,27 @@ def test_finalize_matches_softmax_finalize(kern, dtype, d):
         fin = np.isfinite(lse_ref)
         bound = 2 * np.finfo(dtype).eps * (np.abs(m) + np.abs(np.log(np.where(fin, l, 1))))
         assert np.all(np.abs(lse[fin] - lse_ref[fin]) <= bound[fin])
+
+
+def test_numpy_tile_progress_exception_leaves_whole_query_blocks():
+    """A raising progress call leaves each query block's (m, l, acc) as it was or complete."""
+    rng = np.random.default_rng(5)
+    sq, sk = cpu.BLOCK_Q * 2, cpu.BLOCK_K * 3
+    q, k, v = _inputs(rng, 1, 2, 1, sq, sk, 32, np.float32)
+    qp, kp = np.arange(sq, dtype=np.int64) + sk, np.arange(sk, dtype=np.int64)
+    full = init_state(q.shape, np.float32)
+    cpu.forward_tile(q, k, v, qp, kp, *full, scale=0.2, causal=False)
+    calls = []
+
+    def boom():
+        calls.append(1)
+        if len(calls) == 5:  # the second key block of the second query block
+            raise RuntimeError("progress failed")
+
+    st = init_state(q.shape, np.float32)
+    with pytest.raises(RuntimeError, match="progress failed"):
+        cpu.forward_tile(q, k, v, qp, kp, *st, scale=0.2, causal=False, progress=boom)
+    first, second = slice(0, cpu.BLOCK_Q), slice(cpu.BLOCK_Q, sq)
+    for got, want, empty in zip(st, full, init_state(q.shape, np.float32)):  # axis 2: rows
+        np.testing.assert_array_equal(got[:, :, first], want[:, :, first])  # complete
+        np.testing.assert_array_equal(got[:, :, second], empty[:, :, second])  # untouched

@@ -152,12 +152,11 @@ def forward_tile(
         rows_qa = None if mods is None or mods.qpos is None else mods.qpos[qa:qb]
         qs = q5[:, :, :, qa:qb] * q.dtype.type(scale)  # (B, Hkv, G, n, D), contiguous
         qs2 = qs.reshape(bsz, hkv, g * n, d)
-        mo = m5[:, :, :, qa:qb]
-        # The running sums of this query block are float64, and P.V adds to them from
-        # products over PV_CHUNK keys at a time: one float32 total over many keys rounds
-        # each small term against the whole (after a few large ones, sinks, most terms
-        # fall near or below its last bit), an error that grows with the key count once
-        # the values have a mean. The state goes back in its dtype at the end.
+        # The running sums of this query block are float64 (see the module), P.V added
+        # to them from products over PV_CHUNK keys. The block's state goes back at the
+        # end, m with acc and l: a progress call that raises leaves each query block's
+        # state either untouched or complete, never m ahead of acc and l.
+        mo = m5[:, :, :, qa:qb].copy()
         lo = l5[:, :, :, qa:qb].astype(wide)
         ao = acc5[:, :, :, qa:qb].astype(wide)
         for ka, kb, klo, khi in kblocks:
@@ -184,6 +183,7 @@ def forward_tile(
             flops += 4 * bsz * h * n * (kb - ka) * d
             if progress is not None:
                 progress()
+        m5[:, :, :, qa:qb] = mo
         l5[:, :, :, qa:qb] = lo
         acc5[:, :, :, qa:qb] = ao
     return flops
