@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from ringmpi.cpu import isa as cpu_isa
+
 _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(1)
         except ImportError:
             torch = None
-    isas = args.isa or [i for i in fused.host_isas() if i != "scalar"] or ["scalar"]
+    isas = args.isa or [i for i in cpu_isa.host_isas() if i != "scalar"] or ["scalar"]
     kerns = {i: fused.load(i) for i in isas}
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cases = [(n, d, c) for n in args.n for d in args.d for c in causals]

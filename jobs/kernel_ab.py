@@ -47,6 +47,7 @@ import numpy as np
 
 from ringmpi import reference, softmax
 from ringmpi.cpu import build, fused, fused_backward, numpy_tile
+from ringmpi.cpu import isa as cpu_isa
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("cpu_tile.c", "cpu_backward.c")
@@ -289,7 +290,7 @@ def packed(pairs: dict, lens, tokens: int, n: int, d: int, heads: int, kv_heads:
 
 def modifiers(kern, lib, n: int, d: int, heads: int, rounds: int, causal: bool) -> None:
     """Median GFLOP/s (CPU time) of the current tiles plain and with softcap / ALiBi."""
-    from ringmpi.job.modifiers import alibi_slopes
+    from ringmpi.job.options import alibi_slopes
 
     rng = np.random.default_rng(1)
     q, k, v, do = (x.astype(np.float32) for x in real_shaped(rng, n, n, heads, d))
@@ -356,7 +357,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     a = ap.parse_args(argv)
     both = not (a.accuracy or a.speed or a.mods or a.packed)
-    isas = a.isa or build.host_isas()
+    isas = a.isa or cpu_isa.host_isas()
     if a.mods:
         print(f"ISA path {isas[0]}")
         modifiers(*kernels(isas[0], None), a.n, a.d, a.heads, a.rounds, a.causal)

@@ -4,12 +4,12 @@
 
 On a seeded file of N tiny groups (q, k, v each), in one run:
 
-* ``scan``: the job's plan scan of the file (:func:`ringmpi.job.inputs.scan_file`:
+* ``scan``: the job's plan scan of the file (:func:`ringmpi.job.input.files.scan_file`:
   the link walk, every dataset's dtype, shape, storage and trust checks), per group;
 * ``h5py peer``: a plain h5py loop over the same groups reading each dataset's
   shape and dtype (no checks): what any reader of the file pays;
 * ``vds``: the part-file output's virtual-dataset file for N sequences over 2
-  ranks (:func:`ringmpi.job.vds.write_vds`), per sequence;
+  ranks (:func:`ringmpi.job.output.layout.write_vds`), per sequence;
 * ``h5py vds peer``: h5py's own ``create_virtual_dataset`` for the same mappings
   (one VirtualSource per rank's run), per sequence.
 
@@ -68,9 +68,8 @@ def peer_vds(path: str, plan, parts: str) -> None:
     """The same virtual datasets through h5py's high-level VirtualLayout (the peer)."""
     import h5py
 
-    from ringmpi.job.reader import local_runs
-    from ringmpi.job.vds import part_name
-    from ringmpi.partition import positions
+    from ringmpi.job.output.layout import part_name
+    from ringmpi.layout import local_runs, positions
 
     rel = os.path.basename(parts)
     with h5py.File(path, "w") as f:
@@ -102,8 +101,8 @@ def best(fn, repeat: int) -> float:
 
 def measure(n: int, repeat: int, folder: str) -> dict:
     """Seconds per group/sequence of each step, and the ratios."""
-    from ringmpi.job.inputs import scan_file
-    from ringmpi.job.vds import write_vds
+    from ringmpi.job.input.files import scan_file
+    from ringmpi.job.output.layout import write_vds
 
     inp = os.path.join(folder, "groups.h5")
     write_groups(inp, n)

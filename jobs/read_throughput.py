@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpi4py jobs/read_throughput.py [--seq-len 131072] [--dir /tmp/rt]
 
 Writes one contiguous and one chunked gzip+shuffle+fletcher32 sample file, then
-for each layout times ``ringmpi.job.reader.Reader.read`` on every rank, cold (the file
+for each layout times ``ringmpi.job.input.reader.Reader.read`` on every rank, cold (the file
 dropped from the page cache with posix_fadvise before the read) and warm.
 Striped is timed both ways: one strided hyperslab selection per file, and
 contiguous blocks subsampled in memory. Prints MB/s per rank (mean and
@@ -19,9 +19,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ringmpi.job.reader import Reader
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import scan
+from ringmpi.cli.make_data import make_data
+from ringmpi.job.input.reader import Reader
+from ringmpi.job.input.scan import scan
 
 
 def evict(path: str) -> None:

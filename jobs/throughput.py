@@ -48,8 +48,8 @@ from typing import Optional
 
 import numpy as np
 
+from ringmpi.cli.make_data import VALUES, make_data
 from ringmpi.cost import flops as model_flops
-from ringmpi.job.sample import VALUES, make_data
 
 H, HKV, D, DTYPE = 4, 2, 64, "float32"
 CHUNK = 8 << 20  # bytes per write/read call of the I/O probe
@@ -91,7 +91,7 @@ def write_lengths(path: str, lengths, seed: int) -> None:
         Tokens of each sequence.
     seed : int
         Values depend on (seed, sequence) only; k and v are shaped like real
-        activations (``ringmpi.job.sample.VALUES["realistic"]``).
+        activations (``ringmpi.cli.make_data.VALUES["realistic"]``).
     """
     import h5py
 

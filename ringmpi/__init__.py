@@ -14,24 +14,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# grid() is bound now, not on use: importing the submodule ringmpi.grid later (the
-# loops do) would otherwise set the attribute `grid` to the module. grid.py imports
-# mpi4py.MPI only when called.
-from .grid import grid as grid
-
 __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY = {
     "AttentionSpec": "spec",
-    "LAYOUTS": "partition",
+    "LAYOUTS": "layout",
     "decode_attention": "decode",
-    "gather": "sharding",
-    "positions": "partition",
+    "gather": "layout",
+    "grid": "parallel",
+    "positions": "layout",
     "ring_attention": "attention",
     "ring_attention_backward": "backward",
-    "shard": "sharding",
+    "shard": "layout",
 }
-__all__ = sorted([*_LAZY, "grid", "reference", "__version__"])
+__all__ = sorted([*_LAZY, "reference", "__version__"])
 
 
 def __getattr__(name: str) -> Any:

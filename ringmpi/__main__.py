@@ -1,7 +1,7 @@
-"""``python -m ringmpi``: the ``ringmpi`` command (see ringmpi.cli)."""
+"""``python -m ringmpi``: the ``ringmpi`` command (see ringmpi.cli.main)."""
 
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

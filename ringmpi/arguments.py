@@ -20,8 +20,8 @@ from mpi4py import MPI
 
 from .backend import Backend, is_cupy, select
 from .collective import agree_views
-from .mask import Mask
-from .partition import counts
+from .layout import counts
+from .mask import Mask, mask_of
 from .spec import AttentionSpec, modifier_fields
 
 __all__ = ["agree", "to_internal", "report", "RingArgs"]
@@ -266,7 +266,7 @@ def agree(
     nk = sum(m["s_local_k"] for m in views)
     n = first["s_local"] if decode else sum(m["s_local"] for m in views)
     try:
-        mask = spec.mask(n, nk)
+        mask = mask_of(spec, n, nk)
         if decode:
             cnt = {"s_local": [n] * size, "s_local_k": [m["s_local_k"] for m in views]}
         else:

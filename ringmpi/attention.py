@@ -17,15 +17,15 @@ from typing import Callable, Optional
 
 from mpi4py import MPI
 
-from . import cost, interrupt, softmax
+from . import cost, softmax
 from .arguments import RingArgs, agree, report, to_internal
-from .hybrid import HeadGroups
-from .keywords import spec_keywords
+from .layout import positions
 from .mask import plan_steps, tile_modifiers
-from .partition import positions
+from .parallel import HeadGroups
 from .ring import KVRing
-from .spec import AttentionSpec
-from .watchdog import watch
+from .runtime import interrupt
+from .runtime.watchdog import watch
+from .spec import AttentionSpec, spec_keywords
 
 __all__ = ["ring_attention"]
 
@@ -103,7 +103,7 @@ def ring_attention(
         ``cu_seqlens``). q may hold a different total length than k/v
         (cross-attention, each cut by the same layout over its own length).
     head_parallel : int
-        U > 1 runs heads x ring on P = U x R ranks (:mod:`ringmpi.hybrid`): an
+        U > 1 runs heads x ring on P = U x R ranks (:mod:`ringmpi.parallel`): an
         all-to-all inside each group of U consecutive ranks turns sequence shards
         into head shards, the ring runs over the R groups. Cut the inputs with
         ``shard(..., head_parallel=U)``. numpy arrays only.
@@ -113,7 +113,7 @@ def ring_attention(
         cu_seqlens_k and the score modifiers as one value (then leave those
         keywords at their defaults).
     _on_state : callable, optional
-        Checkpoint seam (private: :mod:`ringmpi.job.checkpoint` uses it). Called as
+        Checkpoint seam (private: :mod:`ringmpi.job.output.checkpoint` uses it). Called as
         ``_on_state(done, acc, m, l)`` after each completed ring step (``done`` =
         steps completed, 1..nsteps, the same on every rank) with this rank's running
         state itself, not a copy: acc (B, H, S, D), m and l (B, H, S) in the tile
@@ -138,7 +138,7 @@ def ring_attention(
     ------
     KeyboardInterrupt
         On Ctrl-C, promptly (within one tile chunk), also from inside the C
-        kernel; the ring's pending transfers are cancelled (:mod:`ringmpi.interrupt`).
+        kernel; the ring's pending transfers are cancelled (:mod:`ringmpi.runtime.interrupt`).
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm

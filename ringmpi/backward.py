@@ -28,15 +28,15 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import cost, interrupt
+from . import cost
 from .arguments import RingArgs, agree, report, to_internal
-from .hybrid import HeadGroups
-from .keywords import spec_keywords
+from .layout import positions
 from .mask import plan_steps, tile_modifiers
-from .partition import positions
+from .parallel import HeadGroups
 from .ring import KVRing
-from .spec import AttentionSpec
-from .watchdog import watch
+from .runtime import interrupt
+from .runtime.watchdog import watch
+from .spec import AttentionSpec, spec_keywords
 
 __all__ = ["ring_attention_backward", "TAG_DKV"]
 

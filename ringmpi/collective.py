@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from .watchdog import watch
+from .runtime.watchdog import watch
 
 __all__ = [
     "CollectiveError",

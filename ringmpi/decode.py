@@ -23,9 +23,8 @@ from mpi4py import MPI
 from . import softmax
 from .arguments import agree
 from .backend import is_cupy
-from .keywords import spec_keywords
-from .spec import AttentionSpec
-from .watchdog import watch
+from .runtime.watchdog import watch
+from .spec import AttentionSpec, spec_keywords
 
 __all__ = ["decode_attention"]
 

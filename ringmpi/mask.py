@@ -26,10 +26,17 @@ from typing import Optional
 import numpy as np
 
 from . import scoremods
-from .partition import positions
-from .spec import AttentionSpec, check_window
+from .layout import check_cu_seqlens, positions
+from .spec import AttentionSpec
 
-__all__ = ["Mask", "make_mask", "check_window", "StepPlan", "plan_steps", "tile_modifiers"]
+__all__ = [
+    "mask_of",
+    "Mask",
+    "make_mask",
+    "StepPlan",
+    "plan_steps",
+    "tile_modifiers",
+]
 
 
 @dataclass(frozen=True)
@@ -93,15 +100,30 @@ class Mask:
         return bool((n_in > 0).any())
 
 
+def mask_of(spec: AttentionSpec, nq: int, nk: int) -> Mask:
+    """The :class:`Mask` of ``spec`` for ``nq`` queries and ``nk`` keys.
+
+    Checks the spec and the offsets against the lengths (ValueError: they must end
+    at nq / nk).
+    """
+    s = spec.validate()
+    cu_q = cu_k = None
+    if s.cu_seqlens is not None:
+        cu_q = check_cu_seqlens(s.cu_seqlens, nq)
+        cu_k = check_cu_seqlens(s.cu_seqlens_k or s.cu_seqlens, nk)
+    return Mask(int(nq), int(nk), s.causal, s.window, cu_q, cu_k)
+
+
 def make_mask(nq: int, nk: int, causal: bool, window=None, cu_seqlens=None, cu_seqlens_k=None):
     """Validate the mask arguments (ValueError) and build the :class:`Mask`.
 
-    Shorthand for ``AttentionSpec(causal, window, cu_seqlens, cu_seqlens_k).mask(nq, nk)``:
+    Shorthand for ``mask_of(AttentionSpec(causal, window, cu_seqlens, cu_seqlens_k), nq, nk)``:
     the rules live in :mod:`ringmpi.spec`.
     """
-    spec = AttentionSpec(causal=causal, window=window, cu_seqlens=cu_seqlens,
-                         cu_seqlens_k=cu_seqlens_k)  # fmt: skip
-    return spec.mask(nq, nk)
+    spec = AttentionSpec(
+        causal=causal, window=window, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k
+    )
+    return mask_of(spec, nq, nk)
 
 
 @dataclass(frozen=True)
@@ -171,7 +193,7 @@ def tile_modifiers(spec: AttentionSpec, mask: Mask, q_pos: np.ndarray, heads=sli
     Returns
     -------
     dict of tile keywords (e.g. ``softcap`` (float), ``alibi`` ((slopes float64
-    (H_local,), qa int64 (Sq,)))), as :mod:`ringmpi.tile` defines them; empty
+    (H_local,), qa int64 (Sq,)))), as :mod:`ringmpi.backend` defines them; empty
     without modifiers.
     """
     return scoremods.tile_keywords(spec, heads, lambda: mask.alibi_positions(q_pos))

@@ -48,7 +48,7 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     """Set the plugin up when the suite runs on more than one MPI rank."""
-    from .launch import launcher_tasks
+    from .runtime.launch import launcher_tasks
 
     launched = (launcher_tasks(os.environ).tasks or 1) > 1
     if not launched and "mpi4py.MPI" not in sys.modules:

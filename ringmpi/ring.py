@@ -17,10 +17,10 @@ call into the library runs, unless they have an asynchronous progress thread.
 The tile loops therefore call ``test`` between blocks; ``RINGMPI_POLL=0``
 turns this off, which is how the benefit is measured (see docs/design.md).
 
-Every wait on a neighbour runs under :mod:`ringmpi.watchdog`.
+Every wait on a neighbour runs under :mod:`ringmpi.runtime.watchdog`.
 
 Interrupts: ``test`` (the tiles' progress callback) and ``wait`` call
-:func:`ringmpi.interrupt.check`, so a Ctrl-C recorded as a flag stops a ring
+:func:`ringmpi.runtime.interrupt.check`, so a Ctrl-C recorded as a flag stops a ring
 within one tile chunk; ``free(abandon=True)`` (the exit of an interrupted or
 failed ring) cancels what is still in flight instead of waiting for a peer
 that may never answer.
@@ -35,8 +35,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 from mpi4py import MPI
 
-from . import interrupt
-from .watchdog import watch
+from .runtime import interrupt
+from .runtime.watchdog import watch
 
 __all__ = ["Exchanger", "Ring", "KVRing", "TAG_KV", "abandoned", "settle"]
 
@@ -151,7 +151,7 @@ class Ring:
     def test(self) -> None:
         """Give MPI a chance to progress pending transfers (cheap, non-blocking).
 
-        Also the place where a recorded Ctrl-C/SIGTERM is raised (:mod:`ringmpi.interrupt`).
+        Also the place where a recorded Ctrl-C/SIGTERM is raised (:mod:`ringmpi.runtime.interrupt`).
         """
         self.ticks += 1
         if self.poll and self.requests:

@@ -8,12 +8,12 @@ here once: :meth:`AttentionSpec.validate` checks and normalises them, so two
 ranks' specs compare equal exactly when they describe the same call.
 
 A new option is one more field here (with its rule in ``validate``, the rule
-itself in :mod:`ringmpi.spec_rules`; its attribute form in
+itself in :mod:`ringmpi.spec`; its attribute form in
 ``to_attrs``/``from_attrs`` is generic; with ``metadata=_flag(...)`` it is also a
 ``ringmpi run`` flag, recorded in the output's attributes and the resume
 fingerprint, and given to verify, with no other edit; with
 ``metadata=_modifier(...)`` a score modifier, also a keyword of
-``ring_attention``, its backward and decode (:mod:`ringmpi.keywords`) and
+``ring_attention``, its backward and decode (:mod:`ringmpi.spec`) and
 refused up front by the job where the tiles lack it), its name in the
 ``forward_mods``/``backward_mods`` of the backends whose tiles run it
 (:meth:`ringmpi.backend.Backend.supports` refuses it elsewhere), and the tiles.
@@ -21,25 +21,18 @@ refused up front by the job where the tiles lack it), its name in the
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
+import inspect
+import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
-from .partition import check_cu_seqlens, check_layout
-from .spec_rules import (
-    check_head_parallel,
-    check_offsets,
-    check_per_head,
-    check_positive,
-    check_scale,
-    check_window,
-    parse_positive,
-    parse_scale,
-    parse_softcap,
-    parse_window,
-)
+from .layout import check_layout
 
 __all__ = [
     "AttentionSpec",
@@ -50,7 +43,149 @@ __all__ = [
     "parse_softcap",
     "cli_fields",
     "modifier_fields",
+    "spec_keywords",
+    "modifier_doc",
+    "check_scale",
+    "check_per_head",
+    "check_softcap",
+    "check_positive",
+    "parse_positive",
+    "check_head_parallel",
 ]
+
+# ----------------------------------------------------------------------
+# The rules of the :class:`ringmpi.spec.AttentionSpec` fields, one function each.
+#
+# ``AttentionSpec.validate`` applies the ``check_*`` rules (ValueError naming the
+# field); the ``parse_*`` functions read the command-line forms (argparse errors
+# before anything is created).
+
+
+def check_window(window) -> Optional[tuple]:
+    """``window`` as (left, right) ints >= -1, or None (also for (-1, -1)); ValueError otherwise."""
+    if window is None:
+        return None
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be None or (left, right), got {window!r}") from None
+    if left < -1 or right < -1 or (left, right) != tuple(window):
+        raise ValueError(f"window sizes must be integers >= -1 (-1: unbounded), got {window!r}")
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def check_offsets(name: str, cu) -> Optional[tuple]:
+    """Packed-sequence offsets as a tuple of ints (comparable across ranks), or None.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the error message.
+    cu : int array (n_seq + 1,), list, CuPy array or None
+        Offsets [0, n1, n1 + n2, ..., N]; their sum N is checked later, against the
+        sequence length (:func:`ringmpi.mask.mask_of`).
+    """
+    if cu is None:
+        return None
+    try:
+        a = np.asarray(cu.get() if hasattr(cu, "get") else cu)
+    except (TypeError, ValueError):
+        a = np.zeros(0)
+    if a.ndim != 1 or len(a) < 2 or a.dtype.kind not in "iu" or a[0] != 0 or (np.diff(a) < 0).any():
+        raise ValueError(f"{name} must be 1-D integer offsets [0, ..., N], never decreasing")
+    return tuple(int(x) for x in a)
+
+
+def check_scale(scale) -> Optional[float]:
+    if scale is None:
+        return None
+    try:
+        x = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a number, got {scale!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"scale must be finite, got {x}")
+    return x
+
+
+def check_per_head(name: str, x) -> Optional[tuple]:
+    """A per-head float array (slopes, sinks) as a tuple of finite floats, or None."""
+    if x is None:
+        return None
+    try:
+        a = np.asarray(x.get() if hasattr(x, "get") else x)
+        ok = a.ndim == 1 and len(a) > 0 and a.dtype.kind in "iuf"
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a 1-D array of floats, one per query head")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} must be finite, got {a.tolist()}")
+    return tuple(float(v) for v in a)
+
+
+def check_positive(name: str, c) -> Optional[float]:
+    """A finite float > 0 (e.g. ``softcap``), or None; ValueError naming the field."""
+    if c is None:
+        return None
+    try:
+        x = float(c)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number > 0, got {c!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {x}")
+    return x
+
+
+def check_softcap(c) -> Optional[float]:
+    """``softcap``: :func:`check_positive`."""
+    return check_positive("softcap", c)
+
+
+def check_head_parallel(u) -> int:
+    if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1:
+        raise ValueError(f"head_parallel={u!r} must be a positive integer (a divisor of the ranks)")
+    return int(u)
+
+
+def parse_scale(text: str) -> float:
+    """``--scale``: a finite number (checked before anything is created)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
+    return x
+
+
+def parse_window(text: str) -> tuple:
+    """``--window L[,R]``: (L, R), or (L, L) for one number; integers >= -1 (-1: unbounded)."""
+    parts = [t.strip() for t in str(text).split(",")]
+    try:
+        vals = [int(t) for t in parts]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or min(vals) < -1:
+        raise argparse.ArgumentTypeError(
+            f"expected LEFT or LEFT,RIGHT, integers >= -1 (-1: unbounded), not {text!r}"
+        )
+    return (vals[0], vals[-1])
+
+
+def parse_positive(text: str) -> float:
+    """``--softcap C`` and the like: a finite number > 0 (checked before anything is created)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, not {text!r}")
+    return x
+
+
+parse_softcap = parse_positive  # the name the CLI first had
 
 
 def _flag(help: str, **argparse_keywords) -> dict:
@@ -66,7 +201,7 @@ def _modifier(kind: str, doc: str, tile: bool = True, check=check_per_head) -> d
     """Field metadata: a score modifier, a keyword of every public attention function.
 
     ``kind`` and ``doc`` are its entry in their docstrings' Parameters
-    (:func:`ringmpi.keywords.spec_keywords` adds the keyword, with default None,
+    (:func:`ringmpi.spec.spec_keywords` adds the keyword, with default None,
     and the entry); ``tile``: the tiles apply it (False: it acts at finalize; a
     tile modifier also needs its entry in :mod:`ringmpi.scoremods`); ``check``:
     ``check(name, value)`` gives the normal form or raises ValueError
@@ -103,7 +238,7 @@ class AttentionSpec:
     layout : {"zigzag", "striped", "contiguous"}
         How tokens are spread over the ranks.
     head_parallel : int
-        U > 1: heads x ring on P = U x R ranks (:mod:`ringmpi.hybrid`).
+        U > 1: heads x ring on P = U x R ranks (:mod:`ringmpi.parallel`).
     alibi_slopes : tuple of float (H,) or None
         ALiBi: the score of query i and key j gains -slope_h * abs(qa_i - j) (global
         positions; qa aligned bottom-right per sequence,
@@ -242,20 +377,6 @@ class AttentionSpec:
         """The score scale in use for head dim ``d``: ``scale``, or 1/sqrt(d)."""
         return 1.0 / float(np.sqrt(d)) if self.scale is None else float(self.scale)
 
-    def mask(self, nq: int, nk: int):
-        """The :class:`ringmpi.mask.Mask` of this spec for ``nq`` queries and ``nk`` keys.
-
-        Checks the offsets against the lengths (ValueError: they must end at nq / nk).
-        """
-        from .mask import Mask  # mask.py builds on this module, not the other way round
-
-        s = self.validate()
-        cu_q = cu_k = None
-        if s.cu_seqlens is not None:
-            cu_q = check_cu_seqlens(s.cu_seqlens, nq)
-            cu_k = check_cu_seqlens(s.cu_seqlens_k or s.cu_seqlens, nk)
-        return Mask(int(nq), int(nk), s.causal, s.window, cu_q, cu_k)
-
     def to_attrs(self) -> dict:
         """The spec as HDF5/JSON-friendly attributes (None fields left out).
 
@@ -292,8 +413,8 @@ def cli_fields() -> list:
     """The fields of :class:`AttentionSpec` that are command-line flags, in field order.
 
     Each is ``(name, flag, argparse keywords)``; ``ringmpi run`` adds them
-    (:func:`ringmpi.options.build_parser`) and builds the job's spec from the
-    parsed values by name (:func:`ringmpi.options.spec_from_args`), so a new spec
+    (:func:`ringmpi.cli.parser.build_parser`) and builds the job's spec from the
+    parsed values by name (:func:`ringmpi.cli.parser.spec_from_args`), so a new spec
     field with ``metadata=_flag(...)`` is a new flag with no other edit.
     """
     out = []
@@ -313,3 +434,67 @@ def _differs(value, default) -> bool:
     if isinstance(value, (list, tuple, np.ndarray)):
         return True  # offsets or a window given: never a default
     return value != default
+
+
+# ----------------------------------------------------------------------
+# The score-modifier keywords of the public functions, made from the spec's fields.
+#
+# ``ring_attention``, ``ring_attention_backward`` and ``decode_attention`` take every
+# score modifier of :class:`ringmpi.spec.AttentionSpec` (the fields marked with
+# ``_modifier`` metadata: ``alibi_slopes``, ``softcap``, ``sinks``) as a keyword
+# argument with default None. Rather than each function listing them (and
+# their documentation) by hand, :func:`spec_keywords` gives a function written
+# with ``**modifiers`` one keyword-only parameter per modifier field: in its
+# signature (``help()``, ``inspect.signature``, the API reference) and in its
+# docstring, where a line ``{modifiers}`` stands. A new modifier field is then a
+# keyword of all three with no edit here or there. An unknown keyword is the
+# ``TypeError`` Python gives.
+
+
+PLACEHOLDER = "{modifiers}"
+
+
+def modifier_doc(indent: str = "    ") -> str:
+    """The numpydoc Parameters entries of the modifier fields, indented by ``indent``."""
+    lines = []
+    for name, meta in modifier_fields():
+        lines.append(f"{indent}{name} : {meta['kind']}")
+        body = textwrap.wrap(meta["doc"], width=88 - len(indent) - 4)
+        lines.extend(f"{indent}    {b}" for b in body)
+    return "\n".join(lines)
+
+
+def spec_keywords(fn):
+    """Give ``fn`` (written with ``**modifiers``) one keyword per score-modifier field.
+
+    The keywords go before the private ones (names starting with ``_``), each
+    with default None; ``fn`` receives the given ones in ``modifiers``. The
+    docstring line ``{modifiers}`` becomes their Parameters entries.
+    """
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    if not params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+        raise TypeError(f"{fn.__name__} must end with **modifiers")
+    rest = params[:-1]
+    at = next((i for i, p in enumerate(rest) if p.name.startswith("_")), len(rest))
+    mods = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for name, _ in modifier_fields()]  # fmt: skip
+    new = sig.replace(parameters=rest[:at] + mods + rest[at:])
+    allowed = frozenset(new.parameters)
+    names = frozenset(m.name for m in mods)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for key in kwargs:
+            if key not in allowed:
+                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {key!r}")
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = new
+    wrapper.modifier_names = names
+    doc = fn.__doc__ or ""
+    line = next((ln for ln in doc.splitlines() if ln.strip() == PLACEHOLDER), None)
+    if line is not None:
+        indent = line[: len(line) - len(line.lstrip())]
+        wrapper.__doc__ = doc.replace(line, modifier_doc(indent), 1)
+    return wrapper

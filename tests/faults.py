@@ -276,7 +276,7 @@ FUZZ_LEN = 300
 
 def fuzz_bases(d: str) -> list:
     """Small valid inputs of every structure: (files to mutate, run arguments)."""
-    from ringmpi.job.sample import make_data
+    from ringmpi.cli.make_data import make_data
 
     g = FUZZ_GEOM
     groups = make_data(f"{d}/groups.h5", seq_len=FUZZ_LEN, sequences=2, **g)
@@ -366,7 +366,7 @@ def _absurd_case(rng, dst: str) -> tuple:
 
     kind = int(rng.integers(0, 4))
     if kind == 3:  # a real, small input run under a budget it does not fit
-        from ringmpi.job.sample import make_data
+        from ringmpi.cli.make_data import make_data
 
         make_data(dst, seq_len=FUZZ_LEN, **FUZZ_GEOM)
         return "real input, --max-memory 64K", ["--max-memory", "64K"]
@@ -454,8 +454,8 @@ def _verify_main(argv: list) -> int:
     import h5py
 
     from ringmpi import reference
-    from ringmpi.job.reader import Reader
-    from ringmpi.job.schema import scan
+    from ringmpi.job.input.reader import Reader
+    from ringmpi.job.input.scan import scan
     from ringmpi.testing import dense
 
     ap = argparse.ArgumentParser()

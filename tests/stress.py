@@ -58,7 +58,7 @@ def _first_error(res: F.Result) -> str:
 
 def check_faults(tmp: Path, quick: bool):
     """Inject a RuntimeError on each rank at the middle ring step, library and CLI."""
-    from ringmpi.job.sample import make_data
+    from ringmpi.cli.make_data import make_data
 
     inp = make_data(str(tmp / "fault.h5"), seq_len=400, heads=2, kv_heads=1, head_dim=16)
     for p in (2, 4):
@@ -109,7 +109,7 @@ PARTS = ("--output-mode", "parts")
 
 
 def _kill_input(tmp: Path, quick: bool) -> tuple:
-    from ringmpi.job.sample import make_data
+    from ringmpi.cli.make_data import make_data
 
     nseq = 6 if quick else 8
     seq_len = 4096 if quick else 6144

@@ -13,9 +13,9 @@ import pytest
 from test_cli_mpi import _digests, launch
 
 from ringmpi import reference
-from ringmpi.job.batch import make_batches, split
-from ringmpi.job.schema import scan
-from ringmpi.partition import LAYOUTS, positions
+from ringmpi.job.input.scan import scan
+from ringmpi.job.resources import make_batches, split
+from ringmpi.layout import LAYOUTS, positions
 
 H, HKV, D = 2, 1, 16
 # lengths of the groups (sorted names = plan order); g03 is packed, g05 is cross-attention
@@ -240,9 +240,9 @@ def test_no_batch_input_is_kept_past_its_batch(tmp_path, monkeypatch):
     import gc
     import weakref
 
+    from ringmpi.cli.make_data import make_data
     from ringmpi.job import loop as loop_mod
     from ringmpi.job.run import run
-    from ringmpi.job.sample import make_data
 
     (inp,) = make_data(str(tmp_path / "in.h5"), seq_len=64, heads=2, kv_heads=1, head_dim=8,
                        sequences=24)  # fmt: skip

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ringmpi import bench
+from ringmpi.cli import bench
 
 
 @pytest.mark.timeout(300)

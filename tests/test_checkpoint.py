@@ -1,4 +1,4 @@
-"""ringmpi.job.checkpoint on one process: the file format, its checks, the save/resume rules."""
+"""ringmpi.job.output.checkpoint on one process: the file format, its checks, save/resume rules."""
 
 import os
 import stat
@@ -6,7 +6,7 @@ import stat
 import numpy as np
 import pytest
 
-from ringmpi.job import checkpoint as C
+from ringmpi.job.output import checkpoint as C
 
 META = {"layout": "zigzag", "causal": True, "inputs": [["/x.h5", 10, 1, 2]], "nranks": 4}
 
@@ -216,8 +216,8 @@ def test_a_resumed_run_keeps_checkpoints_but_not_temporaries_or_finished_ones(tm
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_a_bad_interval_is_refused(tmp_path, bad, capsys):
-    from ringmpi.job.schema import InputError
-    from ringmpi.options import build_parser
+    from ringmpi.cli.parser import build_parser
+    from ringmpi.job.plan import InputError
 
     with pytest.raises(InputError, match="--checkpoint-every must be a number of seconds >= 0"):
         _ckpts(tmp_path, every=bad)

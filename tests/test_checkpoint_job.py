@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from test_cli_mpi import launch
 
-from ringmpi.job import checkpoint as C
-from ringmpi.job.sample import make_data
+from ringmpi.cli.make_data import make_data
+from ringmpi.job.output import checkpoint as C
 from ringmpi.reference import attention
 
 P, S, H, HKV, D = 4, 1203, 4, 2, 32

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from ringmpi import reference
-from ringmpi.cli import main
-from ringmpi.job.sample import make_data
+from ringmpi.cli.main import main
+from ringmpi.cli.make_data import make_data
 from ringmpi.job.verify import dense_head
 from ringmpi.testing import assert_all
 

@@ -37,7 +37,8 @@ from tools.conformance import CASES, MODS, SLOPES, VARIANTS
 
 import ringmpi
 from ringmpi import backend, reference, scoremods
-from ringmpi.cpu import fused, numpy_tile
+from ringmpi.cpu import isa as cpu_isa
+from ringmpi.cpu import numpy_tile
 from ringmpi.testing import assert_close, dense, dense_backward, lse_budget, random_qkv
 
 DTYPES = ("float32", "float64")
@@ -225,7 +226,7 @@ def test_every_registered_backend_is_covered():
         kinds.add("fused")
     assert conf.registry_names() == kinds, "a registered tile backend has no conformance variant"
     isas = {v.partition("-")[2] for v in VARIANTS if v.startswith("fused-")}
-    assert isas == (set(fused.host_isas()) if conf.FUSED else set())
+    assert isas == (set(cpu_isa.host_isas()) if conf.FUSED else set())
 
 
 def select_name() -> str:
@@ -350,7 +351,7 @@ def test_registry_is_what_select_builds():
     with conf.variant("numpy") as v:
         assert v.be.name == "numpy" and v.be.forward_tile is numpy_tile.forward_tile
         assert v.be.backward_tile is numpy_tile.backward_tile
-    with conf.variant(f"fused-{fused.host_isas()[0]}") as v:
+    with conf.variant(f"fused-{cpu_isa.host_isas()[0]}") as v:
         assert v.be.name == "fused"
 
 
@@ -370,7 +371,7 @@ print(var.be.describe())
 @pytest.mark.skipif(not conf.FUSED, reason="no fused C tiles on this host (no C compiler)")
 def test_in_process_isa_equals_the_environment(tmp_path):
     """The in-process ISA switch gives bit for bit what RINGMPI_CPU_ISA gives a fresh process."""
-    isa = fused.host_isas()[-1]  # the narrowest: never the default of auto
+    isa = cpu_isa.host_isas()[-1]  # the narrowest: never the default of auto
     env = dict(os.environ, RINGMPI_CPU_ISA=isa, RINGMPI_CPU_KERNEL="fused", PYTHONPATH="tests")
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-c", _ENV_RUN, str(tmp_path / "r.npz")], cwd=root,

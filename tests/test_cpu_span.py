@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringmpi.cpu import build, fused, fused_backward
+from ringmpi.cpu import fused, fused_backward
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.cpu import numpy_tile as spec
 
 N = 700
@@ -58,7 +59,7 @@ def _forward(tile, q, k, v, qp, kp, causal, bounds):
     return st
 
 
-@pytest.mark.parametrize("isa", build.host_isas())
+@pytest.mark.parametrize("isa", cpu_isa.host_isas())
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", ["packed", "window", "causal-sq<sk", "past-end"])
 def test_span_arithmetic_matches_search(isa, dtype, name):

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from ringmpi import reference
+from ringmpi.cli.make_data import make_data
+from ringmpi.job.input.scan import scan
+from ringmpi.job.plan import InputError
 from ringmpi.job.run import run
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError, scan
 from ringmpi.job.verify import verify
 
 H, HKV, D, F, S = 4, 2, 16, 24, 300

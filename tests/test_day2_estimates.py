@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from ringmpi.job import progress as progress_mod
+from ringmpi.cli.make_data import make_data
+from ringmpi.job import report as progress_mod
 from ringmpi.job.run import run
-from ringmpi.job.sample import make_data
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 

@@ -16,12 +16,12 @@ from mpi4py import MPI
 
 import ringmpi
 import ringmpi.testing
-from ringmpi.cli import main
-from ringmpi.job import sample as sample_mod
-from ringmpi.job import store as store_mod
+from ringmpi.cli import make_data as sample_mod
+from ringmpi.cli.main import main
+from ringmpi.cli.make_data import make_data
+from ringmpi.job.output import parts as store_mod
+from ringmpi.job.plan import InputError
 from ringmpi.job.run import run
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError
 
 
 def test_head_major_input_stops_with_the_advice(tmp_path, capsys):

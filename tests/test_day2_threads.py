@@ -6,12 +6,12 @@ import io
 
 import pytest
 
-from ringmpi.job import progress as progress_mod
+from ringmpi.cli.make_data import make_data
+from ringmpi.job import report as progress_mod
+from ringmpi.job.plan import InputError
 from ringmpi.job.report import one_process_note
+from ringmpi.job.resources import cores_per_rank, limit_blas
 from ringmpi.job.run import run
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError
-from ringmpi.job.threads import cores_per_rank, limit_blas
 
 threadpoolctl = pytest.importorskip("threadpoolctl")  # an install_requires: present in CI
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from ringmpi import reference
-from ringmpi.cli import main
+from ringmpi.cli.main import main
+from ringmpi.cli.make_data import make_data
 from ringmpi.job import verify as verify_mod
 from ringmpi.job.run import run
-from ringmpi.job.sample import make_data
 from ringmpi.job.verify import format_verify, rows_attention, verify
 from ringmpi.mask import make_mask
 from ringmpi.testing import assert_all

@@ -8,12 +8,12 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.job import rings
-from ringmpi.job.batch import make_batches
-from ringmpi.job.rings import deal
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import scan
-from ringmpi.job.store import OutputStore, fingerprint
+from ringmpi.cli.make_data import make_data
+from ringmpi.job import run as rings
+from ringmpi.job.input.scan import scan
+from ringmpi.job.output.parts import OutputStore, fingerprint
+from ringmpi.job.resources import make_batches
+from ringmpi.job.run import deal
 
 
 def _plan(lengths, d=64):
@@ -161,8 +161,8 @@ def _items(outs, lses):
 
 
 def test_check_batch_names_the_member_with_a_bad_value():
-    from ringmpi.job.batch import check_batch
-    from ringmpi.job.schema import InputError
+    from ringmpi.job.plan import InputError
+    from ringmpi.job.resources import check_batch
 
     rng = np.random.default_rng(3)
     seqs = [SimpleNamespace(name=f"s{i}") for i in range(3)]
@@ -186,7 +186,7 @@ def test_check_batch_names_the_member_with_a_bad_value():
 
 
 def test_joined_is_concatenate_and_a_view_for_split_members():
-    from ringmpi.job.batch import joined, split
+    from ringmpi.job.resources import joined, split
 
     rng = np.random.default_rng(4)
     base = rng.standard_normal((1, 30, 3, 4)).astype("f4")

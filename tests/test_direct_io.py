@@ -1,4 +1,4 @@
-"""Direct I/O (ringmpi.direct_io) and the reader's raw reads (ringmpi.job.rawread).
+"""Direct I/O (ringmpi.runtime.direct_io) and the reader's raw reads (ringmpi.job.input.reader).
 
 The bytes read or written must be exactly the file's / the pieces', whatever the
 alignment of offsets, lengths and buffers, across transfer boundaries (CHUNK made
@@ -19,10 +19,10 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi import direct_io, files
-from ringmpi.job import reader as reader_mod
-from ringmpi.job import schema
-from ringmpi.job.inputs import InputError
+from ringmpi.job.input import reader as reader_mod
+from ringmpi.job.input import scan as schema
+from ringmpi.job.plan import InputError
+from ringmpi.runtime import direct_io, files
 
 
 @pytest.fixture

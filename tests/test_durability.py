@@ -7,10 +7,12 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.job import heap, store
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError, scan
-from ringmpi.job.store import OutputStore, fingerprint
+from ringmpi.cli.make_data import make_data
+from ringmpi.job import resources as heap
+from ringmpi.job.input.scan import scan
+from ringmpi.job.output import parts as store
+from ringmpi.job.output.parts import OutputStore, fingerprint
+from ringmpi.job.plan import InputError
 
 S, H, HKV, D = 16, 2, 1, 8
 

@@ -1,7 +1,7 @@
 """The fused C tile against the numpy tile (the specification) and the dense reference.
 
 Every test that runs the kernel runs once per ISA path this CPU can execute
-(``fused.host_isas()``: avx512, avx2 and scalar on an AVX-512 machine), each path
+(``cpu_isa.host_isas()``: avx512, avx2 and scalar on an AVX-512 machine), each path
 loaded side by side in this process with ``fused.load``.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringmpi.cpu import fused
+from ringmpi.cpu import build, fused
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.cpu import numpy_tile as cpu
-from ringmpi.partition import positions
+from ringmpi.layout import positions
 from ringmpi.reference import attention
 from ringmpi.softmax import finalize, init_state
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     not fused.available(), reason=f"fused kernel unavailable: {fused.unavailable_reason()}"
 )
 
-ISAS = fused.host_isas() if fused.available() else ()
+ISAS = cpu_isa.host_isas() if fused.available() else ()
 
 
 @pytest.fixture(params=ISAS)
@@ -213,9 +214,9 @@ def test_cache_reuses_library(kern, tmp_path, monkeypatch):
     path = kern.path
     assert path is not None and path.is_file()
     monkeypatch.setenv("RINGMPI_CACHE_DIR", str(path.parent))
-    assert fused.build_library("cpu_tile.c", kern.isa) == path
+    assert build.build_library("cpu_tile.c", kern.isa) == path
     monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path))
-    built = fused.build_library("cpu_tile.c", kern.isa)
+    built = build.build_library("cpu_tile.c", kern.isa)
     assert built.parent == tmp_path and built.name == path.name
     # the library and its lock file; no temporary left behind
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".lock"]
@@ -223,7 +224,7 @@ def test_cache_reuses_library(kern, tmp_path, monkeypatch):
 
 def test_kernel_reports_its_isa(kern):
     """The library says which path it was compiled for, with the matching vector width."""
-    assert kern.isa in fused.ISAS
+    assert kern.isa in cpu_isa.ISAS
     assert kern.simd_width == {"avx512": 64, "avx2": 32, "scalar": 0}[kern.isa]
     assert f"-{kern.isa}-" in kern.path.name
     assert fused.load(kern.isa) is kern  # memoized

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import ringmpi
 from ringmpi.cpu import build, fused_backward
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.cpu import numpy_tile as spec
 from ringmpi.mask import make_mask
 from ringmpi.reference import attention, attention_backward
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.skipif(
     reason=f"fused backward kernel unavailable: {fused_backward.unavailable_reason()}",
 )
 
-ISAS = build.host_isas()
+ISAS = cpu_isa.host_isas()
 WIDTH = {"avx512": 64, "avx2": 32, "scalar": 0}
 # fused vs numpy tile, relative to the largest entry: both sum the same terms in another order
 TOL = {np.float32: 2e-5, np.float64: 1e-12}

@@ -16,11 +16,12 @@ import functools
 import numpy as np
 import pytest
 
-from ringmpi.cpu import build, fused, fused_backward
+from ringmpi.cpu import fused, fused_backward
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.cpu import numpy_tile as spec
 
 pytestmark = pytest.mark.skipif(
-    not {"avx512", "avx2"} <= set(build.host_isas()),
+    not {"avx512", "avx2"} <= set(cpu_isa.host_isas()),
     reason="the host cannot run both AVX-512 and AVX2 code",
 )
 

@@ -20,9 +20,10 @@ from mpi4py import MPI
 
 import ringmpi
 from ringmpi.cpu import fused
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.cpu import numpy_tile as cpu
+from ringmpi.layout import positions
 from ringmpi.mask import make_mask
-from ringmpi.partition import positions
 from ringmpi.reference import attention
 from ringmpi.softmax import finalize, init_state
 from ringmpi.testing import dense, tolerance
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(
     not fused.available(), reason=f"fused kernel unavailable: {fused.unavailable_reason()}"
 )
 
-ISAS = fused.host_isas() if fused.available() else ()
+ISAS = cpu_isa.host_isas() if fused.available() else ()
 H, HKV, D = 4, 2, 24  # GQA; D not a multiple of the vector width
 LENGTHS = (3, 257, 1, 439, 313)
 CU = np.concatenate(([0], np.cumsum(LENGTHS)))

@@ -35,10 +35,11 @@ from mpi4py import MPI
 import ringmpi
 from ringmpi import reference, scoremods
 from ringmpi.cpu import build, fused, fused_backward
+from ringmpi.cpu import isa as cpu_isa
 from ringmpi.cpu import numpy_tile as spec
-from ringmpi.kernel_files import kernel_path
+from ringmpi.layout import positions
 from ringmpi.mask import make_mask
-from ringmpi.partition import positions
+from ringmpi.runtime.kernel_files import kernel_path
 from ringmpi.softmax import finalize, init_state
 from ringmpi.testing import assert_close, lse_budget, random_qkv, tolerance
 
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.skipif(
     not fused.available(), reason=f"fused kernel unavailable: {fused.unavailable_reason()}"
 )
 
-ISAS = fused.host_isas() if fused.available() else ()
+ISAS = cpu_isa.host_isas() if fused.available() else ()
 H, HKV, D, P = 4, 2, 24, 3  # GQA; D not a multiple of the vector width
 LENGTHS = (3, 157, 1, 239, 113)
 CU = np.concatenate(([0], np.cumsum(LENGTHS)))

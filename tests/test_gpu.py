@@ -21,9 +21,10 @@ import ringmpi
 from ringmpi import gpu, softmax
 from ringmpi.cpu import numpy_tile as cpu
 from ringmpi.gpu import configs, device
+from ringmpi.gpu import plan as gpu_plan
 from ringmpi.gpu import tile as gpu_tile
+from ringmpi.layout import positions
 from ringmpi.mask import make_mask
-from ringmpi.partition import positions
 from ringmpi.reference import attention
 from ringmpi.testing import assert_all, dense, random_qkv
 
@@ -143,7 +144,7 @@ def test_tile_random_shapes(dtype, d):
                                               causal)  # fmt: skip
             what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
             check_state(c, g, dtype, np.abs(vn).max(), what)
-            assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, causal, b, h, hkv, d), what
+            assert flops == gpu_plan.tile_flops(kern, q_pos, k_pos, causal, b, h, hkv, d), what
             visible = (k_pos[None, :] <= q_pos[:, None]).sum() if causal else sq * sk
             assert 4 * visible * d * b * h <= flops <= 4 * sq * sk * d * b * h, what
             assert calls, "progress was never called"
@@ -166,7 +167,7 @@ def test_tile_causal_offsets_every_layout(dtype, layout):
                 check_state(c, g, dtype, np.abs(vn).max(), what)
                 visible = (k_pos[None, :] <= q_pos[:, None]).sum()
                 kern = kernel_for(dtype, d, True)
-                assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d), what
+                assert flops == gpu_plan.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d), what
                 assert (flops == 0) == (visible == 0), f"{what}: skipping is wrong"
 
 
@@ -230,7 +231,7 @@ def test_tile_masks(dtype, layout):
             c, g, flops, calls, vn = run_pair(rng, dtype, 1, 4, 2, d, q_pos, k_pos, k_pos0,
                                               True, bounds)  # fmt: skip
             check_state(c, g, dtype, np.abs(vn).max(), what)
-            assert flops == gpu_tile.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d, bounds)
+            assert flops == gpu_plan.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d, bounds)
             visible = int(visibility(q_pos, k_pos, True, bounds).sum())
             assert 4 * visible * d * 4 <= flops <= 4 * len(q_pos) * len(k_pos) * d * 4, what
             assert calls, "progress was never called"
@@ -294,7 +295,7 @@ def test_every_configuration_that_fits(monkeypatch):
                                                   causal, bounds)  # fmt: skip
                     what = f"{kern.name} {dtype} D={d} causal={causal} bounds={bounds is not None}"
                     check_state(c, g, dtype, np.abs(vn).max(), what)
-                    want = gpu_tile.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d, bounds)
+                    want = gpu_plan.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d, bounds)
                     assert flops == want, what
     monkeypatch.setenv(gpu_tile.CONFIG_ENV, "no-such-config")
     with pytest.raises(ValueError, match="no-such-config"):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringmpi import arguments
-from ringmpi.gpu import backward, configs, nvcc, nvrtc
+from ringmpi.gpu import backward, configs, kernel_args, nvcc, nvrtc
 from ringmpi.gpu import tile as gpu
 
 SKIP_NVRTC = os.environ.get("RINGMPI_SKIP_NVRTC") == "1"
@@ -220,7 +220,7 @@ def test_bf16_rounding_matches_reference():
     assert bad.size == 0, f"{bad.size} mismatches, e.g. {x[~nan][bad[:3]]}"
     # half an ulp of bfloat16 at the value's magnitude bounds the error (subnormals too)
     fin = np.isfinite(x) & (np.abs(x) < 3.3e38)
-    back = gpu.from_bf16_bits(got[fin]).astype(np.float64)
+    back = kernel_args.from_bf16_bits(got[fin]).astype(np.float64)
     e = np.floor(np.log2(np.maximum(np.abs(x[fin]).astype(np.float64), 2.0**-126)))
     assert np.all(np.abs(back - x[fin]) <= 2.0 ** (e - 8))
 
@@ -229,8 +229,8 @@ def test_bf16_nan_payloads_and_inf():
     x = np.array([0x7F800001, 0x7F80FFFF, 0xFFFFFFFF, 0x7FBFFFFF, 0x7F800000, 0xFF800000],
                  dtype=np.uint32).view(np.float32)  # fmt: skip
     b = gpu.to_bf16_bits(x)
-    assert np.all(is_nan_bits(b[:4])) and np.all(np.isnan(gpu.from_bf16_bits(b[:4])))
-    assert list(gpu.from_bf16_bits(b[4:])) == [np.inf, -np.inf]
+    assert np.all(is_nan_bits(b[:4])) and np.all(np.isnan(kernel_args.from_bf16_bits(b[:4])))
+    assert list(kernel_args.from_bf16_bits(b[4:])) == [np.inf, -np.inf]
 
 
 def test_check_finite_sees_bf16_bits():

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from ringmpi import scoremods
-from ringmpi.kernel_files import kernel_path
+from ringmpi.runtime.kernel_files import kernel_path
 
 LOG2E = 1.4426950408889634
 

@@ -23,8 +23,8 @@ import pytest
 
 import ringmpi
 from ringmpi.gpu import backward, configs, plan
+from ringmpi.layout import positions
 from ringmpi.mask import make_mask
-from ringmpi.partition import positions
 
 LENGTHS = (3, 57, 1, 139, 60)
 CU = np.concatenate(([0], np.cumsum(LENGTHS)))  # 260 tokens in 5 sequences

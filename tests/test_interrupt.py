@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringmpi import interrupt, reference, ring, ring_attention, shard
+from ringmpi import reference, ring, ring_attention, shard
+from ringmpi.runtime import interrupt
 from ringmpi.testing import assert_all
 
 LONG = (6144, 8, 64)  # S, H, D: tenths of a second of kernel time, many progress ticks
@@ -109,7 +110,7 @@ def test_sigint_on_every_rank_stops_and_frees(comm):
 
 _BLOCKED = """
 import os, signal, sys, time
-from ringmpi import interrupt
+from ringmpi.runtime import interrupt
 r, w = os.pipe()
 with interrupt.catching((signal.SIGINT, signal.SIGTERM)):
     print("ready", flush=True)

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 from ringmpi import reference
+from ringmpi.cli.make_data import make_data
 from ringmpi.collective import CollectiveError
 from ringmpi.collective import run_everywhere as collective
-from ringmpi.job.budget import check_memory, parse_size
-from ringmpi.job.reader import Reader
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError, scan
-from ringmpi.job.store import OutputStore, fingerprint, part_name
+from ringmpi.job.input.reader import Reader
+from ringmpi.job.input.scan import scan
+from ringmpi.job.output.layout import part_name
+from ringmpi.job.output.parts import OutputStore, fingerprint
+from ringmpi.job.plan import InputError
+from ringmpi.job.resources import check_memory, parse_size
 from ringmpi.job.verify import dense_head
-from ringmpi.partition import LAYOUTS, counts, positions
+from ringmpi.layout import LAYOUTS, counts, positions
 
 S, H, HKV, D = 97, 4, 2, 8
 
@@ -206,7 +208,7 @@ def test_memory_budget_refuses_absurd_sizes(tmp_path, monkeypatch):
         f.create_dataset("v", shape=(1 << 34, 16, 128), dtype="f4")
     with pytest.raises(InputError, match="0 of its .* bytes written"):
         scan([str(tmp_path / "huge.h5")])  # declared, never allocated: refused (issue 22)
-    from ringmpi.job import trust
+    from ringmpi.job.input import files as trust
 
     monkeypatch.setattr(trust, "check_written", lambda ds: "")  # the budget check alone
     plan = scan([str(tmp_path / "huge.h5")])
@@ -314,7 +316,7 @@ def test_dense_head_matches_reference(causal):
 def test_progress_lines_in_a_log(monkeypatch):
     import io as _io
 
-    from ringmpi.job import progress
+    from ringmpi.job import report as progress
 
     buf = _io.StringIO()
     monkeypatch.setattr(progress, "LOG_EVERY", 0.0)

@@ -36,21 +36,21 @@ def _fake_cpu(monkeypatch, *flags):
 
 def test_host_isas_follow_cpu_features(monkeypatch):
     _fake_cpu(monkeypatch, "sse2", "avx", "avx2", "fma", "avx512f")
-    assert fused.host_isas() == ("avx512", "avx2", "scalar")
+    assert cpu_isa.host_isas() == ("avx512", "avx2", "scalar")
     _fake_cpu(monkeypatch, "sse2", "avx", "avx2", "fma")
-    assert fused.host_isas() == ("avx2", "scalar")
+    assert cpu_isa.host_isas() == ("avx2", "scalar")
     assert build.resolve_isa("auto") == "avx2"
     _fake_cpu(monkeypatch, "sse2", "avx", "avx2")  # AVX2 without FMA: the kernel needs both
-    assert fused.host_isas() == ("scalar",)
+    assert cpu_isa.host_isas() == ("scalar",)
     monkeypatch.setattr(cpu_isa, "is_x86", lambda: False)
-    assert fused.host_isas() == ("scalar",)
+    assert cpu_isa.host_isas() == ("scalar",)
 
 
 def test_unknown_isa_is_refused():
     with pytest.raises(ValueError, match="unknown CPU ISA path 'sse9'.*auto, avx512, avx2, scalar"):
         fused.load("sse9")
     with pytest.raises(ValueError, match="unknown CPU ISA path"):
-        fused.build_library("cpu_tile.c", "neon")
+        build.build_library("cpu_tile.c", "neon")
 
 
 def test_path_the_host_cannot_run_is_refused(monkeypatch):
@@ -59,7 +59,7 @@ def test_path_the_host_cannot_run_is_refused(monkeypatch):
         fused.load("avx512")
     _fake_cpu(monkeypatch, "sse2")
     with pytest.raises(ValueError, match="'avx2' cannot run.*lacks avx2, fma.*can run scalar"):
-        fused.build_library("cpu_tile.c", "avx2")
+        build.build_library("cpu_tile.c", "avx2")
 
 
 def test_bad_environment_raises_instead_of_falling_back(monkeypatch, fresh_default):
@@ -73,7 +73,7 @@ def test_bad_environment_raises_instead_of_falling_back(monkeypatch, fresh_defau
 
 
 @needs_compiler
-@pytest.mark.parametrize("isa", fused.host_isas())
+@pytest.mark.parametrize("isa", cpu_isa.host_isas())
 def test_environment_picks_the_default_path(monkeypatch, fresh_default, isa):
     """RINGMPI_CPU_ISA selects what forward_tile/finalize run; results equal load(isa)'s."""
     monkeypatch.setenv("RINGMPI_CPU_ISA", isa.upper())
@@ -93,10 +93,10 @@ def test_environment_picks_the_default_path(monkeypatch, fresh_default, isa):
 
 
 @needs_compiler
-@pytest.mark.skipif(len(fused.host_isas()) < 2, reason="the host runs only the scalar path")
+@pytest.mark.skipif(len(cpu_isa.host_isas()) < 2, reason="the host runs only the scalar path")
 def test_auto_falls_back_to_a_narrower_path(monkeypatch, fresh_default, capsys):
     """auto: when the widest path fails to build, the next one is used, with one line."""
-    widest, nxt = fused.host_isas()[:2]
+    widest, nxt = cpu_isa.host_isas()[:2]
     real = fused.LOADER.load
 
     def load(isa=None):
@@ -119,7 +119,7 @@ def test_auto_falls_back_to_a_narrower_path(monkeypatch, fresh_default, capsys):
 
 @needs_compiler
 def test_auto_is_the_widest_path():
-    assert fused.load("auto").isa == fused.host_isas()[0]
+    assert fused.load("auto").isa == cpu_isa.host_isas()[0]
     assert fused.load(None) is fused.load(os.environ.get("RINGMPI_CPU_ISA", "auto"))
 
 
@@ -134,12 +134,12 @@ def test_build_library_compiles_any_kernel_source(tmp_path, monkeypatch):
     )
     monkeypatch.setenv("RINGMPI_KERNEL_DIR", str(src_dir))
     monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
-    for isa in fused.host_isas():
-        path = fused.build_library("answer.c", isa)
+    for isa in cpu_isa.host_isas():
+        path = build.build_library("answer.c", isa)
         assert path.parent == tmp_path / "cache" and path.name.startswith(f"answer-{isa}-")
         assert ctypes.CDLL(str(path)).answer() == {"avx512": 512, "avx2": 2, "scalar": 0}[isa]
     with pytest.raises(FileNotFoundError, match="nothere.c not found"):
-        fused.build_library("nothere.c")
+        build.build_library("nothere.c")
 
 
 def _logging_compiler(tmp_path: Path) -> tuple[Path, Path]:
@@ -163,7 +163,7 @@ def test_one_compile_for_concurrent_builders(tmp_path):
     """Four processes need the same library at once: one compiles, the others wait and load."""
     cc, log = _logging_compiler(tmp_path)
     env = dict(os.environ, CC=str(cc), RINGMPI_CACHE_DIR=str(tmp_path / "cache"))
-    isa = fused.host_isas()[-1]  # scalar: the quickest build
+    isa = cpu_isa.host_isas()[-1]  # scalar: the quickest build
     code = (
         f"from ringmpi.cpu import fused; k = fused.load({isa!r}); "
         "print(k.path); assert k.isa == " + repr(isa)
@@ -244,7 +244,7 @@ def test_ranks_of_a_node_compile_once(monkeypatch):
     comm.Barrier()
     monkeypatch.setenv("CC", str(tmp / "logcc"))
     monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp / "cache"))
-    path = fused.build_library("cpu_tile.c", fused.host_isas()[-1])
+    path = build.build_library("cpu_tile.c", cpu_isa.host_isas()[-1])
     paths = comm.allgather(str(path))
     comm.Barrier()
     compiles = len((tmp / "compiles.log").read_text().splitlines())
@@ -277,7 +277,7 @@ def test_both_fused_kernels_load_per_isa_through_one_loader():
     """The forward and backward tiles: one build per ISA path, reporting that path."""
     from ringmpi.cpu import fused_backward
 
-    for isa in fused.host_isas():
+    for isa in cpu_isa.host_isas():
         fwd, bwd = fused.load(isa), fused_backward.LOADER.load(isa)
         assert (fwd.isa, bwd.isa) == (isa, isa)
         assert fwd.simd_width == bwd.simd_width == {"avx512": 64, "avx2": 32, "scalar": 0}[isa]
@@ -291,7 +291,7 @@ def test_pinned_default_is_restored():
     from ringmpi.cpu import fused_backward
 
     before = fused.isa(), fused_backward.simd_width()
-    for isa in fused.host_isas():
+    for isa in cpu_isa.host_isas():
         with fused.LOADER.pinned(isa), fused_backward.LOADER.pinned(isa) as bwd:
             assert fused.isa() == isa and fused.library_path() == fused.load(isa).path
             assert fused_backward.library_path() == bwd.path and bwd.isa == isa

@@ -18,9 +18,9 @@ import pytest
 from test_cli_mpi import launch
 
 from ringmpi import reference
-from ringmpi.job.reader import Reader, local_runs
-from ringmpi.job.schema import scan
-from ringmpi.partition import LAYOUTS, positions
+from ringmpi.job.input.reader import Reader
+from ringmpi.job.input.scan import scan
+from ringmpi.layout import LAYOUTS, local_runs, positions
 
 H, HKV, D, F = 4, 2, 16, 12
 PACKED = (3, 257, 1, 439, 313)

@@ -9,13 +9,13 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.cli import main
-from ringmpi.job.config import JobOptions, split_keywords
+from ringmpi.cli.main import main
+from ringmpi.cli.make_data import make_data
+from ringmpi.cli.parser import build_parser, spec_from_args
+from ringmpi.job.options import JobOptions, split_keywords
+from ringmpi.job.plan import InputError
 from ringmpi.job.run import run
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError
 from ringmpi.job.verify import verify
-from ringmpi.options import build_parser, spec_from_args
 from ringmpi.spec import AttentionSpec, cli_fields
 
 
@@ -87,7 +87,7 @@ def test_every_flag_of_the_spec_comes_from_its_fields():
 
 
 def test_the_run_flags_default_to_the_job_options_defaults():
-    from ringmpi.job.config import options_from_args
+    from ringmpi.job.options import options_from_args
 
     args = build_parser().parse_args(["run", "x.h5", "-o", "o.h5"])
     assert options_from_args(args) == JobOptions()

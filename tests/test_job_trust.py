@@ -25,12 +25,13 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.cli import main
-from ringmpi.job import progress as progress_mod
-from ringmpi.job.pack import pack
+from ringmpi.cli.main import main
+from ringmpi.cli.make_data import make_data
+from ringmpi.job import report as progress_mod
+from ringmpi.job.input.scan import scan
+from ringmpi.job.output.pack import pack
+from ringmpi.job.plan import InputError
 from ringmpi.job.run import pick_device, run
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError, scan
 from ringmpi.job.verify import rows_attention, sample_rows_of, verify
 from ringmpi.testing import assert_all
 

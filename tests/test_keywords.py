@@ -9,7 +9,8 @@ import pytest
 from mpi4py import MPI
 
 import ringmpi
-from ringmpi import keywords, reference
+from ringmpi import reference
+from ringmpi import spec as keywords
 from ringmpi.spec import modifier_fields
 
 PUBLIC = (ringmpi.ring_attention, ringmpi.ring_attention_backward, ringmpi.decode_attention)

@@ -1,4 +1,4 @@
-"""Launch sanity (ringmpi.launch) and the PBS job script under a simulated PBS.
+"""Launch sanity (ringmpi.runtime.launch) and the PBS job script under a simulated PBS.
 
 The environments below are what the launchers really set (Slurm 22.05's sbatch and
 srun were read on a live one-node cluster, see tests/cluster/slurm.sh; hydra's from
@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.job.sample import make_data
-from ringmpi.launch import LaunchError, check_launch, launch_problem, launcher_tasks
+from ringmpi.cli.make_data import make_data
+from ringmpi.runtime.launch import LaunchError, check_launch, launch_problem, launcher_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 

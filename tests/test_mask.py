@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 import ringmpi
-from ringmpi.mask import check_window, make_mask
-from ringmpi.partition import counts
+from ringmpi.layout import counts
+from ringmpi.mask import make_mask
 from ringmpi.reference import attention
+from ringmpi.spec import check_window
 
 
 def brute_visible(i, j, nq, nk, causal, window, cu_q, cu_k):

@@ -11,7 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.job import inputs, trust
+from ringmpi.job.input import files as inputs
+from ringmpi.job.input import files as trust
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from ringmpi import reference
-from ringmpi.cli import main
-from ringmpi.job.modifiers import MAX_SLOPES_BYTES, alibi_slopes, read_slopes
+from ringmpi.cli.main import main
+from ringmpi.cli.make_data import make_data
+from ringmpi.job.options import MAX_SLOPES_BYTES, alibi_slopes, read_slopes
+from ringmpi.job.plan import InputError
 from ringmpi.job.run import run
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError
 from ringmpi.job.verify import verify
 from ringmpi.spec import AttentionSpec
 

@@ -26,9 +26,9 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.job.mpio import resolve_mode
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError
+from ringmpi.cli.make_data import make_data
+from ringmpi.job.output import resolve_mode
+from ringmpi.job.plan import InputError
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ REQUIRE = os.environ.get("RINGMPI_REQUIRE_MPIO") == "1"
 def _mpio() -> tuple:
     """(usable, reason) of parallel HDF5 inside an MPI job here (one rank)."""
     code = (
-        "from mpi4py import MPI; from ringmpi.job.mpio import mpio_status; "
+        "from mpi4py import MPI; from ringmpi.job.output import mpio_status; "
         "ok, why = mpio_status(MPI.COMM_WORLD); print('MPIO', int(ok), why)"
     )
     res = subprocess.run(

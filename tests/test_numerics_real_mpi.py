@@ -13,13 +13,7 @@ import pytest
 
 import ringmpi
 from ringmpi.reference import attention, attention_backward
-from ringmpi.testing import (
-    assert_close,
-    dense,
-    dense_backward,
-    lse_budget,
-    random_qkv,
-)
+from ringmpi.testing import assert_close, dense, dense_backward, lse_budget, random_qkv
 
 pytestmark = pytest.mark.mpi
 

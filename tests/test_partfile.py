@@ -1,4 +1,4 @@
-"""ringmpi.job.partfile: part files written from the arrays (HDF5 lays out only the metadata)."""
+"""ringmpi.job.output.layout: part files written from the arrays (HDF5 lays out the metadata)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.job import partfile
-from ringmpi.job.outdir import crc32_of
+from ringmpi.job.output import layout as partfile
+from ringmpi.job.output.layout import crc32_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +72,7 @@ def test_same_datasets_and_attributes_as_the_in_memory_image(tmp_path):
 
 def test_the_trust_checks_accept_a_part(tmp_path):
     """Storage allocated at creation and never filled: still a dataset written in full."""
-    from ringmpi.job import trust
+    from ringmpi.job.input import files as trust
 
     path = str(tmp_path / "p.h5")
     partfile.write_arrays(path, _arrays(50, np.float32), ATTRS)
@@ -109,7 +109,7 @@ def test_a_full_disk_is_a_plain_oserror_and_leaves_no_file(tmp_path):
         import errno, os, resource, signal, sys
         import numpy as np
         sys.path.insert(0, {ROOT!r})
-        from ringmpi.job import partfile
+        from ringmpi.job.output import layout as partfile
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         a = {{"out": np.ones((100_000, 4, 4), np.float32), "pos": np.arange(100_000)}}

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import ringmpi
-from ringmpi.partition import counts, runs
+from ringmpi.layout import counts, runs
 
 
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)

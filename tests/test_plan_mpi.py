@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ringmpi
-from ringmpi import plan
+from ringmpi.cli import plan
 from ringmpi.testing import assert_all
 
 SHAPES = [  # (N, H, D, causal)

@@ -1,6 +1,6 @@
 """--ring-size auto: a ring size per sequence (rings of one for short work, more for long).
 
-The assignment rule (ringmpi.job.rings) on plans of known shape, then the job on a
+The assignment rule (ringmpi.job.run) on plans of known shape, then the job on a
 dataset of one long and many short sequences (real-shaped values) at P = 2, 3, 4:
 matches the dense float64 reference, says which ring sizes ran how many tokens,
 and a kill in either phase resumes to the same bytes.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_cli_mpi import HKV, H, _digests, _read_inputs, check_against_reference, launch
 
-from ringmpi.job.rings import assign_ring_sizes, phases
+from ringmpi.job.run import assign_ring_sizes, phases
 
 D = 16  # test_cli_mpi's check_against_reference scales by its D
 LENGTHS = [2400, 150, 97, 301, 64, 211, 33, 180, 128, 75]
@@ -55,7 +55,7 @@ def test_a_long_sequence_among_short_ones_gets_a_larger_ring():
 
 
 def test_memory_raises_the_ring_size():
-    from ringmpi.job.budget import rank_bytes, seq_counts
+    from ringmpi.job.resources import rank_bytes, seq_counts
 
     plan = _plan([4096] * 8)
     one = rank_bytes(plan, *seq_counts(plan.sequences[0], 1, "zigzag")[:1], prefetch=True,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_cli_mpi import _digests, _read_inputs, check_against_reference, launch
 
-from ringmpi.job.sample import make_data
+from ringmpi.cli.make_data import make_data
 
 H, HKV, D = 4, 2, 16
 

@@ -2,8 +2,11 @@
 
 import pytest
 
-from ringmpi.job.sample import make_data
-from ringmpi.job.schema import InputError, _merge, _scan_files, scan
+from ringmpi.cli.make_data import make_data
+from ringmpi.job.input.scan import merge as _merge
+from ringmpi.job.input.scan import scan
+from ringmpi.job.input.scan import scan_files as _scan_files
+from ringmpi.job.plan import InputError
 
 
 @pytest.mark.parametrize("kind", ["groups", "single", "batch", "shards"])
@@ -78,7 +81,7 @@ def test_an_external_link_anywhere_is_refused_by_some_share_and_followed_by_none
 
 
 def test_the_link_limit_applies_to_the_shares_together(tmp_path, monkeypatch):
-    from ringmpi.job import trust
+    from ringmpi.job.input import files as trust
 
     files = make_data(str(tmp_path / "g.h5"), sequences=6, seq_len=16, heads=2, kv_heads=1,
                       head_dim=8)  # fmt: skip
@@ -95,7 +98,8 @@ def test_a_file_the_shares_walked_is_not_walked_again_until_it_changes(tmp_path,
     the reader's open_input then skips the walk, unless the file changed since."""
     import h5py
 
-    from ringmpi.job import inputs, trust
+    from ringmpi.job.input import files as inputs
+    from ringmpi.job.input import files as trust
 
     files = make_data(str(tmp_path / "g.h5"), sequences=4, seq_len=16, heads=2, kv_heads=1,
                       head_dim=8)  # fmt: skip

@@ -21,13 +21,14 @@ import pytest
 
 from ringmpi.cpu import build
 from ringmpi.cpu import cache as kernel_cache
-from ringmpi.files import UnsafePathError
+from ringmpi.cpu import isa as cpu_isa
+from ringmpi.runtime.files import UnsafePathError
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("cc", "gcc", "clang")), reason="no C compiler"
 )
-ISA = build.host_isas()[-1]  # scalar: the quickest build
+ISA = cpu_isa.host_isas()[-1]  # scalar: the quickest build
 
 PLANTED = r"""
 #include <stdio.h>
@@ -202,13 +203,13 @@ def _swap_after_hashing(monkeypatch, path: Path, planted: Path) -> list:
 def test_library_swapped_after_hashing_is_not_what_loads(cache, tmp_path, monkeypatch):
     path = build.build_library("answer.c", ISA)
     swapped = _swap_after_hashing(monkeypatch, path, _planted_so(tmp_path))
-    lib = build.load_verified(path)
+    lib = kernel_cache.load_verified(path)
     assert swapped, "the swap never happened"
     assert lib.answer() == 42  # the verified build, though the name now holds the planted one
     assert lib._name.startswith("/proc/self/fd/")
     assert not (tmp_path / "planted-ran").exists()
     with pytest.raises(UnsafePathError, match="SHA-256 differs"):
-        build.load_verified(path)  # what is under the name now is refused
+        kernel_cache.load_verified(path)  # what is under the name now is refused
 
 
 @needs_compiler
@@ -218,7 +219,7 @@ def test_without_proc_fd_the_checked_path_is_loaded(cache, tmp_path, monkeypatch
     path = build.build_library("answer.c", ISA)
     monkeypatch.setattr(kernel_cache, "fd_path", lambda fd: None)
     _swap_after_hashing(monkeypatch, path, _planted_so(tmp_path))
-    assert build.load_verified(path).answer() == 666
+    assert kernel_cache.load_verified(path).answer() == 666
     assert (tmp_path / "planted-ran").read_text() == "ran\n"
 
 
@@ -229,7 +230,7 @@ def test_libraries_loaded_in_turn_are_each_their_own(cache, tmp_path, monkeypatc
     got = []
     for i, value in enumerate((42, 7, 1234)):
         (kdir / f"n{i}.c").write_text(f"int answer(void) {{ return {value}; }}\n")
-        got.append(build.load_verified(build.build_library(f"n{i}.c", ISA)).answer())
+        got.append(kernel_cache.load_verified(build.build_library(f"n{i}.c", ISA)).answer())
     assert got == [42, 7, 1234]
 
 
@@ -254,12 +255,12 @@ def test_a_changed_header_changes_the_key(cache):
     (kdir / "hdr.h").write_text('#include "hdr_inner.h"\n#define ANSWER (INNER + 1)\n')
     (kdir / "hdr_inner.h").write_text("#define INNER 41\n")
     first = build.build_library("hdr.c", ISA)
-    assert build.load_verified(first).answer() == 42
+    assert kernel_cache.load_verified(first).answer() == 42
     assert build.build_library("hdr.c", ISA) == first  # unchanged sources: the cached build
     (kdir / "hdr_inner.h").write_text("#define INNER 6\n")  # a header of a header
     second = build.build_library("hdr.c", ISA)
     assert second != first
-    assert build.load_verified(second).answer() == 7
+    assert kernel_cache.load_verified(second).answer() == 7
     # the compiler read private copies, which are gone: only libraries and locks remain
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [first.name, first.name + ".lock", second.name, second.name + ".lock"]

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from ringmpi.files import UnsafePathError
 from ringmpi.gpu import loader, tune
 from ringmpi.gpu import tile as gpu
+from ringmpi.runtime.files import UnsafePathError
 
 SKIP_NVRTC = os.environ.get("RINGMPI_SKIP_NVRTC") == "1"
 needs_nvrtc = pytest.mark.skipif(SKIP_NVRTC, reason="RINGMPI_SKIP_NVRTC=1: NVRTC check skipped")

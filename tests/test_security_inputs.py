@@ -16,7 +16,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.job import schema, trust
+from ringmpi.job.input import files as trust
+from ringmpi.job.input import scan as schema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "security"))
 import hostile  # noqa: E402
@@ -125,7 +126,7 @@ def test_hostile_offsets_fail_closed_on_two_ranks(kind, tmp_path):
 def test_a_file_changed_after_its_links_were_walked_is_walked_again(tmp_path, monkeypatch):
     """open_input walks a file's links once per process (the reader reopens what the scan
     opened); a file changed since (an external link added) is walked again and refused."""
-    from ringmpi.job import inputs
+    from ringmpi.job.input import files as inputs
 
     p = tmp_path / "in.h5"
     with h5py.File(p, "w") as f:

@@ -20,8 +20,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi.cli import main
-from ringmpi.job.sample import make_data
+from ringmpi.cli.main import main
+from ringmpi.cli.make_data import make_data
 
 
 @pytest.fixture(autouse=True)

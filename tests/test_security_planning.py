@@ -18,8 +18,10 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi import interrupt
-from ringmpi.job import inputs, offsets, schema
+from ringmpi.job.input import files as inputs
+from ringmpi.job.input import scan as offsets
+from ringmpi.job.input import scan as schema
+from ringmpi.runtime import interrupt
 from ringmpi.testing import assert_all
 
 S, H, HKV, D = 4096, 2, 1, 8

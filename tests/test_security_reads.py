@@ -1,7 +1,7 @@
 """Reads are watched (issue 22, item 7): a stuck read ends the job, and so does SIGTERM.
 
 A read stuck in the file system is emulated by ``RINGMPI_TEST_READ_STALL_S``
-(:mod:`ringmpi.job.reader`): the reader thread sleeps while it holds h5py's global
+(:mod:`ringmpi.job.input.reader`): the reader thread sleeps while it holds h5py's global
 lock, as a read blocked inside HDF5 does. The job (``ringmpi run`` under mpiexec)
 must then end with one line: after ``RINGMPI_WATCHDOG_S`` (exit 124) when nobody
 stops it, within seconds of a SIGTERM (exit 143), never joined forever.
@@ -21,8 +21,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi import watchdog
-from ringmpi.job import reader as reader_mod
+from ringmpi.job.input import reader as reader_mod
+from ringmpi.runtime import watchdog
 
 PY = sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
@@ -153,7 +153,7 @@ def test_contiguous_reads_go_in_bounded_slabs(tmp_path, monkeypatch, layout):
     where their bytes lie; the raw reads are bounded by the next test.)"""
     import dataclasses
 
-    from ringmpi.job import schema
+    from ringmpi.job.input import scan as schema
 
     p = _data(tmp_path)
     monkeypatch.setattr(reader_mod, "SLAB_BYTES", 1000)  # q rows are 4*16*4 = 256 bytes
@@ -187,8 +187,8 @@ def test_raw_reads_go_in_bounded_transfers(tmp_path, monkeypatch, layout, direct
     """Rows whose bytes' place the plan knows are read without HDF5, by O_DIRECT or plain
     reads, in transfers of at most direct_io.CHUNK bytes (the watchdog sees progress after
     each); the rows are the file's, exactly, and HDF5 reads none of them."""
-    from ringmpi import direct_io
-    from ringmpi.job import schema
+    from ringmpi.job.input import scan as schema
+    from ringmpi.runtime import direct_io
 
     p = _data(tmp_path)
     monkeypatch.setenv("RINGMPI_DIRECT_IO", direct)
@@ -230,7 +230,7 @@ def test_whole_sequence_reads_take_one_low_level_call(tmp_path, monkeypatch):
 
     from h5py import h5d
 
-    from ringmpi.job import schema
+    from ringmpi.job.input import scan as schema
 
     p = _data(tmp_path)
     plan = schema.scan([str(p)])
@@ -269,7 +269,7 @@ def test_whole_sequence_reads_take_one_low_level_call(tmp_path, monkeypatch):
 _ABANDON = """
 import sys, time
 from h5py._objects import phil
-from ringmpi.job import reader
+from ringmpi.job.input import reader
 stuck = sys.argv[1] == "stuck"
 def read():
     with phil:  # like a read blocked inside HDF5

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ringmpi import launch, watchdog
+from ringmpi.runtime import launch, watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 

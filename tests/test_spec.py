@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ringmpi.mask import make_mask
+from ringmpi.mask import make_mask, mask_of
 from ringmpi.spec import AttentionSpec
 
 CU = (0, 3, 260, 261, 400)
@@ -76,14 +76,14 @@ def test_validate_rejects(kw, word):
 
 def test_mask_checks_lengths_and_matches_make_mask():
     s = AttentionSpec(causal=True, window=(50, 0), cu_seqlens=CU)
-    m = s.mask(400, 400)
+    m = mask_of(s, 400, 400)
     ref = make_mask(400, 400, True, (50, 0), np.array(CU))
     pos = np.arange(400)
     for a, b in zip(m.bounds(pos), ref.bounds(pos)):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="N=401"):
-        s.mask(401, 401)
-    assert AttentionSpec(causal=True).mask(10, 10).plain
+        mask_of(s, 401, 401)
+    assert mask_of(AttentionSpec(causal=True), 10, 10).plain
 
 
 def test_of_builds_or_passes_through():

@@ -8,17 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from ringmpi import env
+from ringmpi.runtime import env
 
 ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"<!-- env-table: [^>]*-->\n(.*?)\n<!-- /env-table -->", re.S)
 
 
 def test_docs_table_is_the_registry():
-    """The table of docs/environment.md is generated: `python -m ringmpi.env` prints it."""
+    """The table of docs/environment.md is generated: `python -m ringmpi.runtime.env` prints it."""
     found = _BLOCK.findall((ROOT / "docs" / "environment.md").read_text())
     assert len(found) == 1, "docs/environment.md needs one env-table block"
-    assert found[0] == env.table_block(), "docs table differs: paste `python -m ringmpi.env`"
+    assert found[0] == env.table_block(), (
+        "docs table differs: paste `python -m ringmpi.runtime.env`"
+    )
     assert "env-table" not in (ROOT / "README.md").read_text(), "the table lives in docs/ only"
 
 
@@ -32,7 +34,7 @@ def test_every_ringmpi_variable_in_the_sources_is_registered():
     names |= set(re.findall(r"RINGMPI_[A-Z0-9_]*[A-Z0-9]", (ROOT / "Makefile").read_text()))
     assert len(names) > 15  # the scan found the sources
     missing = sorted(names - set(env.REGISTRY))
-    assert not missing, f"read in the sources but not in ringmpi/env.py: {missing}"
+    assert not missing, f"read in the sources but not in ringmpi/runtime/env.py: {missing}"
 
 
 def test_get_parses_and_names_the_variable(monkeypatch):
@@ -64,7 +66,7 @@ def test_info_lists_the_variables_that_are_set():
 
 _PROBE = """
 import sys
-from ringmpi.cli import main
+from ringmpi.cli.main import main
 try:
     rc = main(sys.argv[1:])
 except SystemExit as e:
@@ -105,7 +107,7 @@ def test_public_names_load_on_use():
         "assert callable(ringmpi.grid)  # not shadowed by the submodule the loops import\n"
         "assert sorted(ringmpi.__all__) == ringmpi.__all__ and all(hasattr(ringmpi, n) "
         "for n in ringmpi.__all__)\n"
-        "print(ringmpi.partition.counts(10, 2).tolist())\n"
+        "print(ringmpi.layout.counts(10, 2).tolist())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)  # fmt: skip

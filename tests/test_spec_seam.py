@@ -1,8 +1,6 @@
 """The seam between calls and tiles: spec=, Backend.supports/describe, no silent fallback."""
 
-import ast
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +12,6 @@ from ringmpi.reference import attention, attention_backward
 from ringmpi.spec import AttentionSpec
 
 SELF = MPI.COMM_SELF
-PKG = Path(ringmpi.__file__).parent
 
 
 def _qkv(n=150, nk=None, h=4, hkv=2, d=16, dtype=np.float32, seed=0):
@@ -137,36 +134,3 @@ def test_supports_lists_every_reason():
     assert be.supports(spec, np.float32, 65, tiles=False) == []  # decode runs no tile
     gpu_like = dataclasses.replace(be, xp=object())
     assert "head_parallel" in gpu_like.supports(spec, np.float32, 8)[0]
-
-
-def _imports(path: Path) -> set:
-    """ringmpi modules imported at module level (not inside functions) by ``path``."""
-    tree = ast.parse(path.read_text())
-    found = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(a.name for a in node.names)
-    return found
-
-
-def test_no_import_cycle_among_the_core_modules():
-    """The module-level import graph of ringmpi/*.py has no cycle (hybrid imports no loop)."""
-    graph = {p.stem: _imports(p) for p in PKG.glob("*.py")}
-    assert not ({"attention", "backward"} & graph["hybrid"])
-    state: dict = {}
-
-    def visit(node, path):
-        state[node] = "open"
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == "open":
-                raise AssertionError(f"import cycle: {' -> '.join(path + [nxt])}")
-            if nxt not in state:
-                visit(nxt, path + [nxt])
-        state[node] = "done"
-
-    for mod in sorted(graph):
-        if mod not in state:
-            visit(mod, [mod])

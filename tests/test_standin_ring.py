@@ -33,7 +33,7 @@ def make(kind, aware, comm, cupy, monkeypatch):
     """(exchanger, array module) of one kind."""
     if aware is None:
         return Ring(comm), np
-    from ringmpi.gpu import GpuRing
+    from ringmpi.gpu.ring import GpuRing
 
     monkeypatch.setenv("RINGMPI_CUDA_AWARE", aware)
     ring = GpuRing(comm)
@@ -42,7 +42,7 @@ def make(kind, aware, comm, cupy, monkeypatch):
 
 
 def test_both_rings_have_the_contract_signatures():
-    from ringmpi.gpu import GpuRing
+    from ringmpi.gpu.ring import GpuRing
 
     for name in ("start", "test", "wait", "free"):
         want = inspect.signature(getattr(Exchanger, name))
@@ -178,7 +178,7 @@ def test_staged_ring_never_hands_mpi_a_device_buffer(cupy, monkeypatch):
     """A device buffer given to a non-CUDA-aware MPI is refused by the stand-in."""
     from mpi4py import MPI
 
-    from ringmpi.gpu import GpuRing
+    from ringmpi.gpu.ring import GpuRing
 
     monkeypatch.setenv("RINGMPI_CUDA_AWARE", "0")
     ring = GpuRing(MPI.COMM_SELF)

@@ -144,6 +144,22 @@ def test_no_module_level_cycle():
     assert not found, f"module-level import cycles: {found}"
 
 
+def test_job_input_and_output_do_not_import_each_other():
+    """The batch job reads through ringmpi.job.input and writes through ringmpi.job.output;
+    neither side imports the other, at module level or inside a function (what both
+    need lives in ringmpi.job.plan or below)."""
+    top, inner, _ = analyse()
+    crossing = [
+        f"{m} -> {t}"
+        for edges in (top, inner)
+        for m, targets in edges.items()
+        for t in targets
+        for src, dst in (("input", "output"), ("output", "input"))
+        if m.startswith(f"ringmpi.job.{src}") and t.startswith(f"ringmpi.job.{dst}")
+    ]
+    assert not crossing, crossing
+
+
 # Private names allowed across modules (none: the fused forward and backward loaders share
 # ringmpi.cpu.loader's public names since issue 21). The list must match exactly: a new use
 # fails, and so does an entry that is gone.

@@ -54,7 +54,7 @@ def test_table_without_torch_says_n_a():
 
 
 def test_write_lengths_follows_the_schema(tmp_path):
-    from ringmpi.job.schema import scan
+    from ringmpi.job.input.scan import scan
 
     tp = _module()
     path = str(tmp_path / "ln.h5")

@@ -74,10 +74,10 @@ def bad_inputs(comm):
     # q and k/v may differ in length (cross-attention), k and v may not
     yield "lengths", (q, k[:-1] if odd and len(k) else k, v), "shape"
     # the last rank holds `extra` more tokens than zigzag gives it: a count no layout cut
-    base = list(ringmpi.partition.counts(64, comm.size, "zigzag"))
+    base = list(ringmpi.layout.counts(64, comm.size, "zigzag"))
     extra = 1
     while comm.size > 1 and base[:-1] + [base[-1] + extra] == list(
-        ringmpi.partition.counts(64 + extra, comm.size, "zigzag")
+        ringmpi.layout.counts(64 + extra, comm.size, "zigzag")
     ):
         extra += 1
     s = base[comm.rank] + (extra if odd else 0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ringmpi import watchdog
+from ringmpi.runtime import watchdog
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 

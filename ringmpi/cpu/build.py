@@ -48,16 +48,16 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ..files import UnsafePathError, exclusive_temp, open_private_dir, sha256_fd
-from ..kernel_files import kernel_path
+from ..runtime.files import UnsafePathError, exclusive_temp, open_private_dir, sha256_fd
+from ..runtime.kernel_files import kernel_path
 from . import cache
-from .cache import load_verified
-from .isa import ISAS, cpu_flags, host_isas, isa_flags, isa_setting, resolve_isa
+from .isa import cpu_flags, isa_flags, resolve_isa
 
 __all__ = [
-    "ISAS", "FLAGS", "host_isas", "resolve_isa", "isa_setting", "build_library", "load_verified",
+    "FLAGS",
+    "build_library",
     "kernel_sources",
-]  # fmt: skip
+]
 
 FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast"]
 
@@ -76,7 +76,7 @@ _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"\n]*)"', re.M)
 def kernel_sources(source_name: str) -> dict[str, bytes]:
     """The text of kernel source ``source_name`` and of every local header it includes.
 
-    The source is found by :func:`ringmpi.kernel_files.kernel_path`; the headers it names
+    The source is found by :func:`ringmpi.runtime.kernel_files.kernel_path`; the headers it names
     with ``#include "name"`` (and those they name, recursively) are read from that same
     directory only, so a header is never taken from another of the places searched.
 
@@ -155,7 +155,7 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
     RuntimeError
         The compiler failed (its error output is in the message).
     PermissionError
-        (:class:`ringmpi.files.UnsafePathError`) the cache directory belongs to another
+        (:class:`ringmpi.runtime.files.UnsafePathError`) the cache directory belongs to another
         user or is writable by group or others.
     TimeoutError
         Another process held the build lock longer than ``$RINGMPI_BUILD_LOCK_S``.

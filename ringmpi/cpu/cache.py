@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..files import UnsafePathError, open_private_dir, open_private_file, sha256_fd
+from ..runtime.files import UnsafePathError, open_private_dir, open_private_file, sha256_fd
 
 try:
     import fcntl
@@ -32,9 +32,15 @@ except ImportError:  # not POSIX: the atomic rename alone keeps concurrent build
     fcntl = None
 
 __all__ = [
-    "HINT", "cache_dir", "lock_wait_s", "FileLock", "recorded", "verified", "fd_path",
+    "HINT",
+    "cache_dir",
+    "lock_wait_s",
+    "FileLock",
+    "recorded",
+    "verified",
+    "fd_path",
     "load_verified",
-]  # fmt: skip
+]
 
 
 def cache_dir() -> Path:
@@ -181,7 +187,7 @@ def load_verified(path) -> ctypes.CDLL:
     Raises
     ------
     PermissionError
-        (:class:`ringmpi.files.UnsafePathError`) the directory or file is not private,
+        (:class:`ringmpi.runtime.files.UnsafePathError`) the directory or file is not private,
         is a symlink, or does not hash to what its build recorded.
     """
     path = Path(path)

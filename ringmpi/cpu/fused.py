@@ -25,8 +25,8 @@ import numpy as np
 
 from .. import scoremods, softmax
 from . import numpy_tile
-from .build import ISAS, build_library, host_isas
-from .isa import l2_bytes
+from .build import build_library
+from .isa import ISAS, host_isas, l2_bytes
 from .loader import (
     Library,
     Loader,

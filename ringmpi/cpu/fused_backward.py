@@ -252,7 +252,7 @@ def backward_tile(
         (global key positions; lo > hi: no visible key). They replace ``causal``, which
         :meth:`ringmpi.mask.Mask.bounds` folds in.
     **modifiers
-        The score modifiers, as the tile keywords of :mod:`ringmpi.tile` (packed by
+        The score modifiers, as the tile keywords of :mod:`ringmpi.backend` (packed by
         :func:`ringmpi.scoremods.pack`: ValueError for bad values, TypeError for unknown
         keywords); dS gains the product of their derivatives d s'/d s.
 

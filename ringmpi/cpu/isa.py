@@ -18,9 +18,18 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = [
-    "ISAS", "ISA_FLAGS", "ISA_NEEDS", "is_x86", "cpu_flags", "host_features", "host_isas",
-    "isa_setting", "resolve_isa", "isa_flags", "l2_bytes",
-]  # fmt: skip
+    "ISAS",
+    "ISA_FLAGS",
+    "ISA_NEEDS",
+    "is_x86",
+    "cpu_flags",
+    "host_features",
+    "host_isas",
+    "isa_setting",
+    "resolve_isa",
+    "isa_flags",
+    "l2_bytes",
+]
 
 #: ISA paths of the kernels, widest first
 ISAS = ("avx512", "avx2", "scalar")

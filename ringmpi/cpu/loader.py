@@ -29,14 +29,24 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..partition import runs
+from ..layout import runs
 from ..scoremods import NMODS, TileMods
-from .build import build_library, host_isas, isa_setting, load_verified, resolve_isa
+from .build import build_library
+from .cache import load_verified
+from .isa import host_isas, isa_setting, resolve_isa
 
 __all__ = [
-    "PROGRESS", "TileArgs", "Library", "Loader", "ptr", "cuts", "check_bounds",
-    "mod_arrays", "check_mods", "progress_callback",
-]  # fmt: skip
+    "PROGRESS",
+    "TileArgs",
+    "Library",
+    "Loader",
+    "ptr",
+    "cuts",
+    "check_bounds",
+    "mod_arrays",
+    "check_mods",
+    "progress_callback",
+]
 
 #: ``int progress(void)``: a nonzero return stops the kernel call
 PROGRESS = ctypes.CFUNCTYPE(ctypes.c_int)

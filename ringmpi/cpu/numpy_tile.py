@@ -1,6 +1,6 @@
 """The numpy tiles, forward and backward: the specification every other tile matches.
 
-Arrays and arguments follow the tile contract in :mod:`ringmpi.tile`; here q, k,
+Arrays and arguments follow the tile contract in :mod:`ringmpi.backend`; here q, k,
 v and the state are in the compute dtype (float32, or float64 for float64 inputs).
 
 For one query row with scores s_j = scale * q.k_j over the visible keys, the
@@ -31,7 +31,7 @@ saved log-sum-exp: P_ij = exp(scale * q_i.k_j - lse_i)), O = P V and upstream dO
     dQ      = scale * dS K
     dK      = scale * dS^T Q
 
-Score modifiers (keywords such as ``softcap`` and ``alibi``, see :mod:`ringmpi.tile`;
+Score modifiers (keywords such as ``softcap`` and ``alibi``, see :mod:`ringmpi.backend`;
 applied by :func:`ringmpi.scoremods.apply`) change the score before the mask:
 with x = scale * q_i.k_j,
 
@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import scoremods
-from ..partition import runs
+from ..layout import runs
 
 __all__ = [
     "compute_dtype", "forward_tile", "backward_tile", "blocks", "key_block", "BLOCK_Q", "BLOCK_K",
@@ -124,7 +124,7 @@ def forward_tile(
     bounds: Optional[tuple] = None,
     **modifiers,
 ) -> int:
-    """Fold one K/V block into the online-softmax state, in place (see :mod:`ringmpi.tile`).
+    """Fold one K/V block into the online-softmax state, in place (see :mod:`ringmpi.backend`).
 
     Returns the flops of the two matrix products (4 * pairs * D per head) over
     the blocks that were not skipped.
@@ -208,7 +208,7 @@ def backward_tile(
     bounds: Optional[tuple] = None,
     **modifiers,
 ) -> int:
-    """Add one K/V block's gradient contributions, in place (see :mod:`ringmpi.tile`).
+    """Add one K/V block's gradient contributions, in place (see :mod:`ringmpi.backend`).
 
     Returns the flops of the five matrix products (10 * pairs * D per head) over
     the blocks that were not skipped.

@@ -11,16 +11,9 @@ GPU: ``python -m ringmpi.gpu.nvrtc``), :mod:`.bench` (TFLOP/s beside torch SDPA:
 """
 
 from .backward import backward_tile
+from .kernel_args import acc_dtype, from_bf16_bits, tile_dtype, to_bf16_bits
 from .ring import TAG_KV, GpuRing, bind_device, cuda_aware, info
-from .tile import (
-    KERNEL_FILE,
-    acc_dtype,
-    forward_tile,
-    from_bf16_bits,
-    kernel_names,
-    tile_dtype,
-    to_bf16_bits,
-)
+from .tile import KERNEL_FILE, forward_tile, kernel_names
 
 __all__ = [
     "KERNEL_FILE",

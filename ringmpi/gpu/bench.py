@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from .. import softmax
-from ..files import write_json
+from ..runtime.files import write_json
 from . import backward, configs, device, kernel_args, tile
 
 __all__ = ["bench_case", "main"]
@@ -113,7 +113,7 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
         row["config"] = "+".join(c.name for c in backward.chosen(storage, d, dev))
         useful = 10.0 * b * h * d * pairs
         delta = (do.astype(acc_t) * out).sum(-1) if dtype != "bfloat16" else (
-            tile.from_bf16_bits(do) * out).sum(-1)  # fmt: skip
+            kernel_args.from_bf16_bits(do) * out).sum(-1)  # fmt: skip
         grads = [cupy.zeros(shape, dtype=acc_t) for _ in range(3)]
 
         def bwd():

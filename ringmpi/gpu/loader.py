@@ -31,10 +31,15 @@ import tempfile
 from pathlib import Path
 from typing import Union
 
-from ..files import open_private_dir, open_private_file, sha256_fd, write_private
+from ..runtime.files import open_private_dir, open_private_file, sha256_fd, write_private
 from .sources import OPTIONS, source
 
-__all__ = ["OPTIONS", "source", "get_function", "precompile", "cache_dir", "last_path"]
+__all__ = [
+    "get_function",
+    "precompile",
+    "cache_dir",
+    "last_path",
+]
 
 _VERSION = 1
 last_path: dict = {}  # expression -> "cache" | "compiled" | "cupy: <why>" (diagnostics)
@@ -93,7 +98,7 @@ def _lookup(code: str, expr: str, arch: str):
 
     Raises
     ------
-    ringmpi.files.UnsafePathError
+    ringmpi.runtime.files.UnsafePathError
         The cache directory belongs to another user or is group/other-writable.
     """
     cubin, meta = _paths(code, expr, arch)

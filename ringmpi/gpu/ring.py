@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import interrupt
+from ..runtime import interrupt
 from .tile import kernel_names
 
 __all__ = ["GpuRing", "bind_device", "cuda_aware", "info", "TAG_KV"]
@@ -135,7 +135,7 @@ class GpuRing:
     synchronises the device, so it should not happen inside a timed step).
 
     Interrupts and errors: ``test`` and ``wait`` raise a recorded Ctrl-C
-    (:mod:`ringmpi.interrupt`); ``free(abandon=True)`` posts no staged send that
+    (:mod:`ringmpi.runtime.interrupt`); ``free(abandon=True)`` posts no staged send that
     is still waiting for its copy and cancels the transfers in flight, as
     :meth:`ringmpi.ring.Ring.free` does.
 
@@ -273,7 +273,7 @@ class GpuRing:
     def test(self) -> None:
         """Give MPI a chance to progress pending transfers (cheap, non-blocking).
 
-        Also the place where a recorded Ctrl-C/SIGTERM is raised (:mod:`ringmpi.interrupt`).
+        Also the place where a recorded Ctrl-C/SIGTERM is raised (:mod:`ringmpi.runtime.interrupt`).
         """
         self.ticks += 1
         if self._unsent is not None:

@@ -1,6 +1,6 @@
 """CUDA source text and compile options of the GPU kernels: what both the loader and NVRTC see.
 
-The kernel files live in ``kernels/`` (found by :func:`ringmpi.kernel_files.kernel_path`,
+The kernel files live in ``kernels/`` (found by :func:`ringmpi.runtime.kernel_files.kernel_path`,
 ``$RINGMPI_KERNEL_DIR`` first): ``attention_fwd.cu`` and ``attention_bwd.cu``, one
 module each, both including ``attention_common.cuh`` (types, helpers and the score
 modifiers they share). :func:`source` splices each ``#include "<name>.cuh"`` line
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Union
 
-from ..kernel_files import kernel_path
+from ..runtime.kernel_files import kernel_path
 
 __all__ = ["OPTIONS", "FORWARD_FILE", "BACKWARD_FILES", "HEADERS", "source"]
 

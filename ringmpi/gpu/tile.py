@@ -45,8 +45,7 @@ import numpy as np
 
 from .. import scoremods
 from . import configs, device, kernel_args, loader, tune
-from .kernel_args import acc_dtype, from_bf16_bits, tile_dtype, to_bf16_bits
-from .plan import tile_flops
+from .kernel_args import acc_dtype, to_bf16_bits
 from .sources import FORWARD_FILE
 
 __all__ = [
@@ -54,11 +53,6 @@ __all__ = [
     "KERNEL_FILE",
     "kernel_names",
     "forward_tile",
-    "tile_dtype",
-    "acc_dtype",
-    "to_bf16_bits",
-    "from_bf16_bits",
-    "tile_flops",
     "chosen",
 ]
 

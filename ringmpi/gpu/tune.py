@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
 
-from ..files import check_owned, exclusive_temp, open_private_dir
+from ..runtime.files import check_owned, exclusive_temp, open_private_dir
 
 __all__ = [
     "CACHE_ENV",

@@ -3,9 +3,9 @@
 :func:`run` sets the job up (plan, memory budget, device, rings, output) and
 hands each ring's sequences to :class:`ringmpi.job.loop.SequenceLoop`.
 
-Per sequence every rank reads only its own tokens (:class:`ringmpi.job.reader.Reader`),
+Per sequence every rank reads only its own tokens (:class:`ringmpi.job.input.reader.Reader`),
 calls :func:`ringmpi.ring_attention` and writes its part of the output
-(:class:`ringmpi.job.store.OutputStore`). While a sequence computes, a background
+(:class:`ringmpi.job.output.parts.OutputStore`). While a sequence computes, a background
 thread reads this rank's tokens of the next one. Only the main thread calls MPI
 (so MPI_THREAD_FUNNELED suffices); the reader thread only calls h5py, which
 releases the GIL inside the HDF5 read, so the read overlaps the compute.
@@ -14,9 +14,9 @@ Every step that can fail on a single rank (read, write) is followed by an
 agreement (:func:`ringmpi.collective.run_everywhere`): a problem on any rank becomes
 the same error on all ranks, so nobody waits forever.
 
-A Ctrl-C or SIGTERM (caught as a flag by the command, :mod:`ringmpi.interrupt`)
+A Ctrl-C or SIGTERM (caught as a flag by the command, :mod:`ringmpi.runtime.interrupt`)
 stops the loop at the next tile chunk, ring step or read wait and leaves as
-:class:`ringmpi.interrupt.Interrupted` carrying where it stopped; finished
+:class:`ringmpi.runtime.interrupt.Interrupted` carrying where it stopped; finished
 sequences stay marked done for ``--resume``.
 """
 
@@ -27,31 +27,41 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
+import numpy as np
+
 from ..collective import run_everywhere, run_on_root
-from ..grid import grid
+from ..cost import flops as model_flops
+from ..parallel import grid
 from ..spec import AttentionSpec
-from . import modifiers
-from .batch import batch_tokens, make_batches
-from .budget import check_memory, memory_budget
-from .config import JobOptions, split_keywords
-from .devices import gpu_probe, pick_device
-from .heap import keep_freed
+from . import options as modifiers
+from .input.scan import make_plan
 from .loop import JobContext, SequenceLoop
-from .mpio import make_store, resolve_mode
-from .report import format_summary, measure_rate, one_process_note, provenance, utc
-from .rings import assign_ring_sizes, deal, phases
-from .schema import InputError, make_plan
-from .store import fingerprint
-from .threads import limit_blas
+from .options import JobOptions, split_keywords
+from .output import make_store, resolve_mode
+from .output.parts import fingerprint
+from .plan import InputError
+from .report import measure_rate, one_process_note, provenance, utc, visible_pairs
+from .resources import (
+    BALANCE,
+    batch_tokens,
+    check_memory,
+    keep_freed,
+    limit_blas,
+    make_batches,
+    memory_budget,
+    rank_bytes,
+    seq_counts,
+)
 
 __all__ = [
     "run",
-    "JobOptions",
-    "format_summary",
     "pick_device",
     "gpu_probe",
-    "provenance",
     "choose_ring_size",
+    "assign_ring_sizes",
+    "phases",
+    "divisors",
+    "deal",
 ]
 
 
@@ -61,7 +71,7 @@ def choose_ring_size(ring_size, plan, size: int, layout: str, causal: bool, budg
 
     None: one ring of all ``size`` ranks; a number R: rings of R for every
     sequence; ``"auto"``: each sequence its own ring size
-    (:func:`ringmpi.job.rings.assign_ring_sizes`: rings of one for short work,
+    (:func:`ringmpi.job.run.assign_ring_sizes`: rings of one for short work,
     larger rings for sequences that would hold one rank too long or do not fit).
     """
     n = len(plan.sequences)
@@ -103,7 +113,7 @@ def run(
         the output's attributes and the resume fingerprint, read back by verify.
     options : JobOptions, optional
         How: device, rings, files, memory, reads, RoPE of features inputs
-        (:class:`ringmpi.job.config.JobOptions`).
+        (:class:`ringmpi.job.options.JobOptions`).
     comm : MPI communicator, optional
         Every rank of the job (None: this process alone).
     **keywords
@@ -113,19 +123,19 @@ def run(
 
     ``ring_size=R`` (or ``"auto"``) splits the P ranks into P/R rings of R ranks
     (:func:`ringmpi.grid`); the batches are dealt over the rings by their predicted
-    cost (:func:`ringmpi.job.rings.deal`), each ring reads, computes and writes its
+    cost (:func:`ringmpi.job.run.deal`), each ring reads, computes and writes its
     own; output, resume markers, progress and summary stay one job. ``rope`` rotates
     the projected q and k of features inputs at their global positions within their
     packed sequence
     (:func:`ringmpi.rope.apply_rope` with ``rope_theta``, ``rope_scale``).
 
     ``output_mode``: ``"parts"`` (per-rank part files + a virtual-dataset file),
-    ``"single"`` (one file written collectively, :mod:`ringmpi.job.mpio`; needs
+    ``"single"`` (one file written collectively, :mod:`ringmpi.job.output.single_file`; needs
     h5py with MPI and one ring) or ``"auto"`` (single where possible, else parts).
 
     Returns the summary dict (identical on every rank); raises InputError (the
     same on every rank) for bad input, output or memory budget, and
-    :class:`ringmpi.interrupt.Interrupted` (``where`` filled in) when a recorded
+    :class:`ringmpi.runtime.interrupt.Interrupted` (``where`` filled in) when a recorded
     SIGINT/SIGTERM stops it.
     """
     rank = 0 if comm is None else comm.Get_rank()
@@ -279,3 +289,199 @@ def _free(ring, across) -> None:
     if across is not None:
         ring.Free()
         across.Free()
+
+
+# ----------------------------------------------------------------------
+# Which device the batch job computes on: a GPU on every rank, or the CPUs.
+
+
+def gpu_probe() -> tuple:
+    """(usable, reason) for this process: is there a GPU ringmpi can use, and if not, why."""
+    try:
+        import cupy
+    except ImportError:
+        return False, "CuPy is not installed"
+    except Exception as e:  # noqa: BLE001 - a broken CuPy install
+        return False, f"CuPy does not import ({type(e).__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, no device, no permission
+        text = str(e)
+        if "insufficient" in text.lower():
+            why = "no NVIDIA driver is loaded; CUDA reports an insufficient driver"
+        elif "NoDevice" in text or "no CUDA-capable device" in text:
+            why = "CUDA sees no device"
+        else:
+            why = f"CUDA: {type(e).__name__}: {text}"
+        return False, f"no GPU found: {why}"
+    if n < 1:
+        return False, "no GPU found: CUDA sees 0 devices"
+    try:
+        from .. import gpu  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return False, f"ringmpi.gpu does not import ({type(e).__name__}: {e})"
+    return True, f"{n} GPU(s)"
+
+
+def pick_device(device: str, comm) -> str:
+    """Resolve ``auto`` to ``gpu`` when CuPy sees a GPU on every rank, else ``cpu``.
+
+    Every rank first reports whether it has a usable GPU; only when all do are
+    the ranks bound to devices (a collective step), so a node without CuPy
+    cannot leave the others waiting. ``gpu`` without a GPU on some rank is an
+    InputError giving each such rank's reason.
+    """
+    if device == "cpu":
+        return "cpu"
+    probe = gpu_probe()
+    probes = [probe] if comm is None else comm.allgather(probe)
+    flags = [ok for ok, _ in probes]
+    if device == "gpu" and not all(flags):
+        bad = [f"rank {r}: {why}" for r, (ok, why) in enumerate(probes) if not ok]
+        more = f" (and {len(bad) - 3} more rank(s))" if len(bad) > 3 else ""
+        raise InputError(f"--device gpu: no usable GPU on {'; '.join(bad[:3])}{more}")
+    if all(flags) and comm is not None:
+        from .. import gpu
+
+        gpu.bind_device(comm)
+    return "gpu" if all(flags) else "cpu"
+
+
+# ----------------------------------------------------------------------
+# Ring size per sequence under ``--ring-size auto``: one rank for short work, more for long.
+#
+# A dataset of many sequences is data-parallel work: a ring of one rank per
+# sequence has no exchange at all, and many rings share the sequences. A
+# sequence whose compute alone would hold one rank for a good part of the
+# job's time is the opposite: the rings of one would wait for it at the end
+# (and its memory may need more ranks), so it gets a larger ring. The rule,
+# from the plan alone (the same on every run, so ``--resume`` finds the same
+# assignment):
+#
+# * work of a sequence ``w`` = its model flops (visible pairs of the mask);
+#   one rank's fair share of the job ``W / P``;
+# * a sequence takes the smallest ring size R (a divisor of P) with
+#   ``w / R <= W / (P x BALANCE)`` (no call holds its ring longer than a
+#   ``1/BALANCE`` share of one rank's time), whose per-rank memory fits the
+#   budget and whose every rank gets tokens (R <= the sequence's length);
+#   else the largest ring that the sequence's length allows.
+#
+# The job then runs one *phase* per ring size, the largest first
+# (:func:`phases`): the ranks form rings of that size, deal that phase's
+# batches by cost (:func:`deal`), and move on together; one output, one marker per batch,
+# one summary (``ring_sizes``: tokens per ring size).
+
+
+# The dealing's cost model (seconds; only the ratios matter, the same on every rank): a
+# batch costs its model flops at the tile's rate, its bytes read and written (with the
+# copies and the short-sequence overheads that grow with its tokens), a fixed cost per
+# sequence and one per batch (its ring call, part file and marker); rank 0 also builds the
+# output's virtual-dataset file, so its ring starts with that much work already dealt.
+# Fitted to the batches of the 2,000-sequence benchmark (2-core AVX-512 machine, P = 2,
+# rings of one, direct I/O; 15 batches, residuals within 0.06 s but for one of 0.15 s):
+# 105-110 GFLOP/s and ~3.8 ms per 1,000 tokens (~0.8 GB/s of the 3 kB a token reads and
+# writes); the index ~0.5 ms per sequence.
+RATE = {"cpu": 100e9, "gpu": 20e12}  # flop/s
+IO_BYTES_S = 0.8e9
+SEQ_S = 3e-4
+BATCH_S = 4e-3
+INDEX_SEQ_S = 0.5e-3
+
+
+def divisors(n: int) -> list:
+    """The divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def assign_ring_sizes(plan, size: int, layout: str, causal: bool, budget: int,
+                      window=None) -> list:  # fmt: skip
+    """Ranks per ring for every sequence of ``plan`` (a list, in plan order), as the module says.
+
+    Parameters
+    ----------
+    plan : ringmpi.job.plan.Plan
+    size : int
+        Ranks of the job P.
+    layout : str
+        Token layout (sizes the per-rank memory).
+    causal : bool
+    budget : int
+        Per-rank memory budget (bytes).
+    window : (left, right), optional
+        Sliding window (fewer visible pairs).
+    """
+    seqs = plan.sequences
+    work = [float(visible_pairs(s, causal, window)) for s in seqs]
+    limit = sum(work) / (size * BALANCE)
+    many = len(seqs) > 1
+    out = []
+    for s, w in zip(seqs, work):
+        shortest = min(s.length, s.length_k)
+        pick = None
+        for r in divisors(size):
+            if r > 1 and r > shortest:
+                break
+            n, nk = seq_counts(s, r, layout)
+            fits = rank_bytes(plan, n, prefetch=many, n_local_k=nk, ranks=r) <= budget
+            if fits and w / r <= limit:
+                pick = r
+                break
+        if pick is None:  # the largest ring the sequence can feed (memory is checked later)
+            pick = max(r for r in divisors(size) if r == 1 or r <= shortest)
+        out.append(pick)
+    return out
+
+
+def phases(sizes: list) -> list:
+    """[(ring size, plan indices in order), ...], the largest ring size first."""
+    by: dict = {}
+    for i, r in enumerate(sizes):
+        by.setdefault(int(r), []).append(i)
+    return [(r, by[r]) for r in sorted(by, reverse=True)]
+
+
+def deal(plan, batches: list, rings: int, causal: bool, window=None, device: str = "cpu",
+         head_start: int = 0) -> list:  # fmt: skip
+    """Batches per ring: the dearest first, each to the ring with the least work dealt so far.
+
+    Longest-processing-time-first list scheduling: the rings' predicted times end
+    within the cheapest batch dealt last of each other (dealing in the phase's order
+    could leave a dear batch for last and one ring computing it alone).
+
+    Parameters
+    ----------
+    plan : ringmpi.job.plan.Plan
+    batches : list of ringmpi.job.resources.Batch
+        The phase's batches, in order.
+    rings : int
+        Rings sharing them.
+    causal, window :
+        The mask (the batches' visible pairs).
+    device : str
+        ``cpu`` or ``gpu`` (the rate of the cost model).
+    head_start : int
+        Sequences whose virtual-dataset entries ring 0's first rank builds meanwhile
+        (``INDEX_SEQ_S`` each, dealt to ring 0 before any batch).
+
+    Returns
+    -------
+    list of lists of Batch, one per ring, each in the phase's order. Without a head
+    start and with equal costs this is the round-robin.
+    """
+    per_flop = 1.0 / RATE.get(device, RATE["cpu"])
+    row = plan.head_dim * np.dtype(plan.dtype).itemsize
+    costs = []
+    for b in batches:
+        seqs = [plan.sequences[i] for i in b.members]
+        flops = sum(model_flops(visible_pairs(s, causal, window), plan.head_dim, plan.heads)
+                    for s in seqs)  # fmt: skip
+        nbytes = (b.length * (2 * plan.heads) + b.length_k * 2 * plan.kv_heads) * row
+        costs.append(flops * per_flop + nbytes / IO_BYTES_S + len(seqs) * SEQ_S + BATCH_S)
+    load = [0.0] * rings
+    load[0] = head_start * INDEX_SEQ_S
+    mine: list = [[] for _ in range(rings)]
+    for j in sorted(range(len(batches)), key=lambda j: (-costs[j], j)):
+        r = min(range(rings), key=lambda x: (load[x], x))
+        mine[r].append(j)
+        load[r] += costs[j]
+    return [[batches[j] for j in sorted(js)] for js in mine]

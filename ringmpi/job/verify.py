@@ -34,12 +34,13 @@ looser, never wrong), and every row's lse must be -inf exactly when the mask
 leaves it no key.
 
 This module splits the work over the ranks and judges it; the dense rows are
-:mod:`ringmpi.job.verify_rows`, what is read :mod:`ringmpi.job.verify_read`, the
-words :mod:`ringmpi.job.verify_report`.
+:mod:`ringmpi.job.verify`, what is read :mod:`ringmpi.job.verify`, the
+words :mod:`ringmpi.job.verify`.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -47,23 +48,16 @@ from typing import Optional, TextIO
 
 import numpy as np
 
-from .. import scoremods
+from .. import reference, scoremods
 from ..collective import run_everywhere
 from ..mask import make_mask
+from ..rope import apply_rope, positions_in_sequence
+from ..runtime import interrupt
+from ..spec import AttentionSpec
 from ..testing import EPS
-from .progress import LOG_EVERY, duration
-from .schema import InputError, make_plan
-from .verify_read import output_meta, read_head
-from .verify_report import describe_mask, format_verify
-from .verify_rows import (
-    RANGE_SLACK,
-    SAMPLE_ROWS,
-    default_sample_rows,
-    dense_head,
-    range_bad,
-    rows_attention,
-    sample_rows_of,
-)
+from .input.scan import make_plan
+from .plan import InputError, Plan
+from .report import LOG_EVERY, duration
 
 __all__ = [
     "dense_head",
@@ -74,6 +68,16 @@ __all__ = [
     "format_verify",
     "MAX_TOKENS",
     "SAMPLE_ROWS",
+    "read_head",
+    "output_attr",
+    "output_meta",
+    "describe_mask",
+    "range_bad",
+    "ROWS",
+    "MIN_SAMPLE_ROWS",
+    "SCORES",
+    "BLOCK_ROWS",
+    "RANGE_SLACK",
 ]
 
 MAX_TOKENS = 4096  # longest sequence checked in full by default (longer: sampled rows)
@@ -141,7 +145,7 @@ def verify(
         pairs go round-robin over the ranks, and when there are fewer pairs than
         ranks each pair's rows are split over several).
     """
-    from .threads import limit_blas
+    from .resources import limit_blas
 
     blas = limit_blas(comm)  # numpy float64 matmuls: no more BLAS threads than cores per rank
     try:
@@ -336,3 +340,339 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
         "ranks_checking": int(busy),
         "seconds": time.perf_counter() - t_start,
     }
+
+
+# ----------------------------------------------------------------------
+# What ``ringmpi verify`` reads: one head's whole-sequence inputs, the output's recorded options.
+#
+# :mod:`ringmpi.job.verify` compares the output with dense attention of these inputs;
+# the attributes say which mask, scale and positions the run used.
+
+
+def read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
+    """Whole-sequence inputs of one head: q (S, D) for query head ``head`` or k, v (S_k, D).
+
+    Features inputs are projected in float64, x @ w + b (biases when the weights
+    file has them; keys and values from ``x_kv`` when the sequence has it), rotated
+    by ``rope`` = (theta, scale) at the positions within each packed sequence (q
+    and k only), then rounded to the input dtype.
+
+    Parameters
+    ----------
+    plan : Plan
+        The job's input plan (files, weights, dtype, head size).
+    seq : SeqInfo
+        The sequence of ``plan`` to read.
+    head : int
+        Query head (``kv`` False) or key/value head (``kv`` True).
+    kv : bool
+        Read k and v instead of q.
+    rope : tuple of (float, float), optional
+        RoPE (theta, scale) of the run; None: no rotation.
+    """
+    import h5py
+
+    dt = np.dtype(plan.dtype)
+    names = ("k", "v") if kv else ("q",)
+    parts: dict = {n: [] for n in names}
+    w = None
+    if plan.mode == "features":
+        with h5py.File(plan.weights, "r", locking=False) as f:
+            d = plan.head_dim
+            cut = slice(head * d, (head + 1) * d)
+            w = {n: np.asarray(f["w" + n][:, cut], np.float64) for n in names}
+            bias = {n: np.asarray(f["b" + n][cut], np.float64) for n in names if "b" + n in f}
+    src = "x_kv" if (kv and seq.x_kv) else "x"
+    for path in plan.files:
+        with h5py.File(path, "r", locking=False) as f:
+            node = f[seq.group] if seq.group else f
+            b = (seq.batch,) if seq.batch is not None else ()
+            for n in names:
+                if w is None:
+                    parts[n].append(node[n][b + (slice(None), head)])
+                else:
+                    y = np.asarray(node[src][b], np.float64) @ w[n]
+                    parts[n].append(y + bias[n] if n in bias else y)
+    full = {n: np.concatenate(parts[n]) for n in names}
+    if rope is not None and w is not None:
+        cu = (seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k) if kv else (
+            seq.cu_seqlens)  # fmt: skip
+        n = "k" if kv else "q"
+        pos = positions_in_sequence(np.arange(len(full[n])), cu)
+        full[n] = apply_rope(full[n][:, None, :], pos, *rope)[:, 0]
+    return tuple(full[n].astype(dt) for n in names)
+
+
+def output_attr(f, key: str):
+    """A root attribute of open output file ``f``: typed (format 2) or a JSON string (format 1)."""
+    val = f.attrs[key]
+    if isinstance(val, bytes):
+        val = val.decode()
+    if isinstance(val, str) and int(f.attrs.get("format", 1)) < 2:
+        return json.loads(val)
+    return val.item() if isinstance(val, np.generic) else val
+
+
+def output_meta(output: str) -> dict:
+    """The options ``output`` records: causal, scale, layout, rope (theta, scale) and the spec.
+
+    Raises :class:`~ringmpi.job.input.scan.InputError` when ``output`` is not a ringmpi
+    output file.
+    """
+    import h5py
+
+    try:
+        with h5py.File(output, "r") as f:
+            got = {k: output_attr(f, k) for k in ("causal", "scale", "layout")}
+            # positions (outputs before them have none: no rope)
+            got["rope"] = bool(f.attrs.get("rope", False))
+            got["rope_theta"] = float(f.attrs.get("rope_theta", 10000.0))
+            got["rope_scale"] = float(f.attrs.get("rope_scale", 1.0))
+            # the whole spec the run recorded (any later field by its own name)
+            got["spec"] = AttentionSpec.from_attrs(f.attrs)
+            return got
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise InputError(f"{output}: not a ringmpi output file ({e})") from e
+
+
+# ----------------------------------------------------------------------
+# The words of ``ringmpi verify``: the mask the reference used, a line per sequence, the verdict.
+#
+# :func:`ringmpi.job.verify.verify` returns the result these format.
+
+
+def describe_mask(plan: Plan, causal: bool, window, rope) -> str:
+    """The mask and positions the reference used, in words.
+
+    Parameters
+    ----------
+    plan : Plan
+        The job's input plan (packed and cross-attention sequences are named).
+    causal : bool
+    window : tuple of (int, int) or None
+    rope : tuple of (float, float) or None
+        RoPE (theta, scale), or None without RoPE.
+    """
+    parts = ["causal" if causal else "bidirectional"]
+    if window is not None:
+        parts.append(f"window {tuple(window)}")
+    packed = [s for s in plan.sequences if s.packed]
+    if packed:
+        n = sum(len(s.cu_seqlens) - 1 for s in packed)
+        parts.append(f"{n} packed sequence(s) in {len(packed)} input sequence(s)")
+    cross = [s for s in plan.sequences if s.cross or s.x_kv]
+    if cross:
+        parts.append(f"cross-attention in {len(cross)} sequence(s)")
+    if rope is not None:
+        parts.append(f"RoPE (theta {rope[0]:g}, scale {rope[1]:g})")
+    return ", ".join(parts)
+
+
+def format_verify(res: dict) -> str:
+    """One line per sequence plus a verdict that says what was and was not checked."""
+    lines = []
+    for r in res["sequences"]:
+        per_head = r["rows_checked"] // max(1, r["rows_total"] // max(1, r["tokens"]))
+        if r["mode"] == "full":
+            how = f"full ({r['rows_checked']:,} rows)"
+        else:
+            how = (
+                f"sampled ({per_head:,} of {r['tokens']:,} rows per head; all rows: finite, "
+                "in range)"
+            )
+        bad = ""
+        if r["rows_failed"]:
+            bad = f", {r['rows_failed']:,} row(s) FAILED"
+            if r["rows_not_finite"]:
+                bad += f" ({r['rows_not_finite']:,} not finite / -inf mismatch)"
+            if r["rows_out_of_range"]:
+                bad += f" ({r['rows_out_of_range']:,} outside the value range)"
+        op_o = "<=" if r["err_out"] <= r["tol_out"] else ">"
+        op_l = "<=" if r["err_lse"] <= r["tol_lse"] else ">"
+        lines.append(
+            f"  verify {r['sequence']}: {how}: max|out-ref| {r['err_out']:.2e} {op_o} "
+            f"{r['tol_out']:.2e}, max|lse-ref| {r['err_lse']:.2e} {op_l} {r['tol_lse']:.2e}{bad}"
+            f": {'OK' if r['ok'] else 'FAIL'}"
+        )
+    for name in res["skipped"]:
+        lines.append(
+            f"  verify {name}: skipped (longer than --max-tokens {res['max_tokens']:,}, "
+            "and --sample-rows 0)"
+        )
+    n_checked = len(res["sequences"])
+    what = f"{res['full']} full, {res['sampled']} sampled, {len(res['skipped'])} skipped"
+    if res.get("mask"):
+        what += f"; reference: {res['mask']}"
+    if res["status"] == "nothing checked":
+        lines.append(
+            f"ringmpi verify: NOTHING CHECKED ({what}): not a pass; raise --max-tokens or "
+            "use --sample-rows > 0"
+        )
+    elif res["status"] == "failed":
+        lines.append(f"ringmpi verify: FAILED ({res['failed']} of {n_checked} checked; {what})")
+    else:
+        lines.append(f"ringmpi verify: PASSED ({what})")
+    if "seconds" in res:
+        lines[-1] += f" in {duration(res['seconds'])}"
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------
+# The dense rows of ``ringmpi verify``: reference attention of chosen query rows, the row sample,
+# and the value-range check of every row (:mod:`ringmpi.job.verify` runs them).
+
+ROWS = 512  # query rows per block of the dense computation (full check of short sequences)
+SAMPLE_ROWS = 2048  # most query rows per head checked in a longer sequence by default
+MIN_SAMPLE_ROWS = 256  # fewest (the default is S / 128 between the two: a share of the run)
+SCORES = 1 << 24  # score elements per block of rows (128 MiB in float64)
+BLOCK_ROWS = 64  # query rows per block (measured: 64 rows x 65,536 keys as fast as 256)
+# slack of the range check, relative to max|v|: rounding of the accumulation and output
+RANGE_SLACK = {"float16": 4e-3, "float32": 1e-4, "float64": 1e-10}
+
+
+def dense_head(q, k, v, causal: bool, scale: float, dtype) -> tuple:
+    """Dense attention of one head, q, k, v (S, D), in ``dtype`` and blocks of query rows.
+
+    Returns out (S, D) and lse (S,); a row with no visible key gives 0, -inf.
+    """
+    out, lse = reference.attention(
+        q[:, None], k[:, None], v[:, None], causal, scale, dtype=dtype, block=ROWS
+    )
+    return out[:, 0], lse[0]
+
+
+def rows_attention(
+    q, k, v, rows: np.ndarray, causal: bool, scale: float, dtype, mask=None, on_block=None,
+    mods=None, sink=None,
+) -> tuple:  # fmt: skip
+    """Dense attention of the query rows ``rows`` of one head against all S keys, in ``dtype``.
+
+    Parameters
+    ----------
+    q : array (S, D)
+    k, v : arrays (S_k, D)
+    rows : int array (R,)
+        Query rows (token positions) to compute.
+    causal : bool
+        Row i sees keys j <= i (ignored when ``mask`` is given).
+    scale : float
+    dtype : numpy dtype
+        Arithmetic precision.
+    mask : ringmpi.mask.Mask, optional
+        Row i sees keys lo[i] <= j <= hi[i] of ``mask.bounds`` (window, packed, cross).
+    on_block : callable(int), optional
+        Called with the number of rows after each block of rows (progress).
+    mods : ringmpi.scoremods.TileMods, optional
+        This head's score modifiers (params (1, NMODS), :func:`ringmpi.scoremods.of_spec`),
+        applied by :func:`ringmpi.scoremods.apply` (position modifiers use
+        ``mask.alibi_positions``; ``mask`` is then needed).
+    sink : float, optional
+        This head's sink logit: the row's softmax denominator gains exp(sink).
+
+    Only the keys some row of a block can see are computed (under causal, a block
+    of rows up to r needs keys 0..r): a masked key adds exactly 0 to the sums.
+
+    Returns
+    -------
+    out : (R, D) and lse : (R,) in ``dtype``; a row with no visible key gives 0, -inf.
+    """
+    dt = np.dtype(dtype)
+    kd, vd = np.asarray(k, dt), np.asarray(v, dt)
+    n = kd.shape[0]
+    # at most BLOCK_ROWS rows per block: under causal, sorted rows then need few keys each
+    block = max(1, min(BLOCK_ROWS, SCORES // max(1, n)))
+    outs, lses = [], []
+    for a in range(0, len(rows), block):
+        interrupt.check()
+        r = rows[a : a + block]
+        j0, j1 = 0, n  # the keys any row of the block can see: [j0, j1)
+        if mask is not None and not mask.plain:
+            lo, hi = mask.bounds(r)
+            j0, j1 = max(0, int(lo.min())), min(n, int(hi.max()) + 1)
+            j1 = max(j0, j1)
+        elif causal:
+            j1 = min(n, int(r.max()) + 1)
+        s = np.asarray(q[r], dt) @ kd[j0:j1].T
+        s *= dt.type(scale)
+        if mods is not None:
+            qa = mask.alibi_positions(r) if mask is not None else r
+            scoremods.apply(s, mods, qa, np.arange(j0, j1), ())
+        # in place (measured 2.6x faster than np.where copies at 2048 rows x 65536 keys)
+        if mask is not None and not mask.plain:
+            j = np.arange(j0, j1)[None, :]
+            np.putmask(s, (j < lo[:, None]) | (j > hi[:, None]), -np.inf)
+        elif causal:  # keys up to min(r) are visible to every row of the block
+            c = max(j0, int(r.min()) + 1)
+            if c < j1:
+                np.putmask(s[:, c - j0 :], np.arange(c, j1)[None, :] > r[:, None], -np.inf)
+        m = s.max(axis=-1, keepdims=True) if j1 > j0 else np.zeros((len(r), 1), dt)
+        if sink is not None:  # one more logit per row, of value 0
+            m = np.maximum(m, dt.type(sink))
+        m = np.where(np.isfinite(m), m, 0).astype(dt)
+        s -= m
+        e = np.exp(s, out=s)
+        z = e.sum(axis=-1)
+        if sink is not None:
+            z += np.exp(dt.type(sink) - m[:, 0])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o = np.where(z[:, None] > 0, (e @ vd[j0:j1]) / z[:, None], 0)
+            lse = np.where(z > 0, m[:, 0] + np.log(z), -np.inf)
+        outs.append(o.astype(dt))
+        lses.append(lse.astype(dt))
+        if on_block is not None:
+            on_block(len(r))
+    if not outs:
+        return np.zeros((0, q.shape[1]), dt), np.zeros(0, dt)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def default_sample_rows(length: int) -> int:
+    """Rows per head the sampled check uses by default for a sequence of ``length`` tokens."""
+    return int(min(SAMPLE_ROWS, max(MIN_SAMPLE_ROWS, length // 128)))
+
+
+def sample_rows_of(length: int, count: int, seed: int, seq_index: int, head: int) -> np.ndarray:
+    """The sorted query rows the sampled check uses for one (sequence, head): all if count >= S."""
+    if count >= length:
+        return np.arange(length, dtype=np.int64)
+    rng = np.random.default_rng([seed, seq_index, head])
+    return np.sort(rng.choice(length, size=count, replace=False)).astype(np.int64)
+
+
+def range_bad(v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool, slack: float,
+               mask=None, sink: bool = False):  # fmt: skip
+    """Rows whose output leaves the range of the visible value rows (or is not 0 when none is).
+
+    Under a mask other than plain causal the range is that of the value rows of
+    the query's packed sequence (the keys it may see lie there). With ``sink``
+    (attention sinks: a virtual key of value 0) the range includes 0.
+    """
+    # min and max are exact in any dtype: no float64 copy (float16 in float32, for the slack)
+    v64 = np.asarray(v, np.float32 if np.asarray(v).dtype == np.float16 else None)
+    if mask is not None and not mask.plain:
+        cu_k = mask.cu_k if mask.cu_k is not None else np.array([0, mask.nk], np.int64)
+        cu_q = mask.cu_q if mask.cu_q is not None else np.array([0, mask.nq], np.int64)
+        nseg = len(cu_k) - 1
+        seg_lo = np.full((nseg, v64.shape[1]), np.inf)
+        seg_hi = np.full((nseg, v64.shape[1]), -np.inf)
+        full = np.flatnonzero(np.diff(cu_k) > 0)
+        if len(full):
+            seg_lo[full] = np.minimum.reduceat(v64, cu_k[full], axis=0)
+            seg_hi[full] = np.maximum.reduceat(v64, cu_k[full], axis=0)
+            # reduceat runs to the next index: an empty segment between two full ones is
+            # skipped, so each full segment ends at its own end (the next full start)
+        seg = np.searchsorted(cu_q, np.arange(mask.nq), side="right") - 1
+        lo, hi = seg_lo[seg], seg_hi[seg]
+    elif causal:
+        lo = np.minimum.accumulate(v64, axis=0)
+        hi = np.maximum.accumulate(v64, axis=0)
+    else:
+        lo = np.broadcast_to(v64.min(axis=0, initial=np.inf), v64.shape)
+        hi = np.broadcast_to(v64.max(axis=0, initial=-np.inf), v64.shape)
+    if sink:  # a convex combination of the visible values and the sink's 0
+        lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+    with np.errstate(invalid="ignore"):
+        bad = ((out < lo - slack) | (out > hi + slack)).any(axis=1)
+    none = np.isneginf(lse)  # no visible key: out must be 0
+    bad = np.where(none, (out != 0).any(axis=1), bad)
+    return bad

@@ -100,7 +100,7 @@ def one(args, tmp: str, k: int) -> tuple:
     if args.mode == "call":
         cmd = [F.CHECKS, "call"]
     else:
-        from ringmpi.job.sample import make_data
+        from ringmpi.cli.make_data import make_data
 
         inp = os.path.join(tmp, "in.h5")
         if not os.path.exists(inp):

@@ -33,7 +33,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ringmpi.partition import positions
+from ringmpi.layout import positions
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

@@ -15,7 +15,7 @@
 #   kill -9    SIGKILL to one rank on the second host mid-run: the job must end in 15 s
 #   wrapper    the same rank behind a shell wrapper that exits 137 (an exit code, not a
 #              signal, for mpiexec), with RINGMPI_WATCHDOG_S=5: ends in 15 s. Runs only
-#              where `ringmpi.watchdog.ENV` exists (the watchdog); SKIP else
+#              where `ringmpi.runtime.watchdog.ENV` exists (the watchdog); SKIP else
 #              (FORCE_WRAPPER=1 runs it anyway: without a watchdog it fails, ends at 40 s)
 #   overlap    link shaped to 100 Mbit/s (tc tbf, both directions): MPI wait share vs the
 #              cost model's crossover, N = 2k..32k, causal and not (tests/cluster/overlap.py)
@@ -278,10 +278,10 @@ chmod +x "$work/rankwrap.sh"
 if ! want kill; then
     :
 elif [[ -n "${FORCE_WRAPPER:-}" ]] ||
-    "$PY" -c "import ringmpi.watchdog as w; w.ENV" 2>/dev/null; then
+    "$PY" -c "import ringmpi.runtime.watchdog as w; w.ENV" 2>/dev/null; then
     kill_test wrapper 1 RINGMPI_WATCHDOG_S=5
 else
-    record wrapper SKIP "needs the ring watchdog (ringmpi.watchdog.ENV not there):" \
+    record wrapper SKIP "needs the ring watchdog (ringmpi.runtime.watchdog.ENV not there):" \
         "without it the surviving ranks wait in MPI until an outer timeout"
 fi
 

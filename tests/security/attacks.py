@@ -106,9 +106,9 @@ def attack_planted_kernel(u: Users, shared: Path) -> None:
     mark = shared / "pwned-kernel"
     # the attacker builds the real library in their own cache (learning its name) ...
     code = (
-        "import os; from ringmpi.cpu import build; "
+        "import os; from ringmpi.cpu import build, isa; "
         f"os.environ['RINGMPI_CACHE_DIR'] = {str(cache)!r}; "
-        "print(build.build_library('cpu_tile.c', build.host_isas()[-1]))"
+        "print(build.build_library('cpu_tile.c', isa.host_isas()[-1]))"
     )
     r = u.python(u.attacker, code)
     target = Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
@@ -126,7 +126,7 @@ def attack_planted_kernel(u: Users, shared: Path) -> None:
     )
     u.run(u.attacker, [u.py, "-c", code, target, planted])
     probe = (
-        "from ringmpi.cpu import fused, build; isa = build.host_isas()[-1]; "
+        "from ringmpi.cpu import fused, build, isa as isas; isa = isas.host_isas()[-1]; "
         "print(fused.available(), fused.unavailable_reason())"
     )
     for label, env in (
@@ -187,7 +187,7 @@ def attack_planted_cubin(u: Users, shared: Path) -> None:
 def _victim_data(u: Users) -> tuple:
     home = u.homes[u.victim]
     code = (
-        "from ringmpi.job.sample import make_data; "
+        "from ringmpi.cli.make_data import make_data; "
         f"print(make_data({str(home / 'in.h5')!r}, seq_len=64, heads=2, kv_heads=1, "
         "head_dim=8, sequences=2)[0])"
     )

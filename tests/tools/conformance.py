@@ -27,7 +27,8 @@ import numpy as np
 import ringmpi
 from ringmpi import backend, gpu, scoremods, softmax
 from ringmpi.cpu import fused, fused_backward
-from ringmpi.mask import tile_modifiers
+from ringmpi.cpu import isa as cpu_isa
+from ringmpi.mask import mask_of, tile_modifiers
 from ringmpi.reference import attention, attention_backward
 from ringmpi.spec import AttentionSpec
 from ringmpi.testing import dense, dense_backward, random_qkv
@@ -48,7 +49,7 @@ TOL = {"float16": 2e-5, "bfloat16": 2e-5, "float32": 2e-5, "float64": 1e-12}
 #: whether the fused C tiles (forward and backward) build here (no C compiler: they do not)
 FUSED = fused.available() and fused_backward.available()
 #: variants: the registered backends as they run on this host (see the module docstring)
-VARIANTS = ("numpy", *(f"fused-{isa}" for isa in fused.host_isas() if FUSED), "gpu-standin")
+VARIANTS = ("numpy", *(f"fused-{isa}" for isa in cpu_isa.host_isas() if FUSED), "gpu-standin")
 
 PACKED = (0, 3, 97, 98, 211)  # 211 tokens: sequences of 3, 94, 1 and 113
 
@@ -242,7 +243,7 @@ def problem(case: str, mod: str, dtype: str) -> Problem:
         return x.astype(storage(dtype)).astype(np.float64)
 
     q, k, v, dout = (rounded(x) for x in (q, k, v, dout))
-    mask = spec.mask(c.nq, c.nk)
+    mask = mask_of(spec, c.nq, c.nk)
     q_pos = np.concatenate(
         [ringmpi.positions(c.nq, r, 2, c.layout, cu_seqlens=mask.cu_q) for r in range(2)]
     )

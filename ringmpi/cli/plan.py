@@ -1,0 +1,289 @@
+"""The planner: per-rank memory, flops, bytes and predicted time of a ring, and a recommendation.
+
+Cost model (design notes): per ring step a rank computes 4 Bq Bk D H flops (half on
+average under a balanced causal mask) and sends 2 Bk Hkv D elements. The
+exchange of step s + 1 runs while step s computes, so a step takes
+max(compute, transfer) and the exchange hides when
+
+    4 Bq Bk D H / rate >= 2 Bk Hkv D e / link + latency,   i.e.  Bq >= rate e Hkv / (2 H link)
+
+(e: bytes per element, rate in flop/s, link in bytes/s). A call takes P steps
+plus the fixed cost of agreeing on arguments and finalising. Rates come from
+``--measure`` (the tile kernel and a ping-pong timed here) or are given.
+
+    ringmpi plan --seq-len 1048576 --heads 32 --kv-heads 8 --head-dim 128 --ranks 64 --causal
+    mpiexec -n 2 python -m mpi4py -m ringmpi plan --seq-len 65536 --heads 8 --head-dim 64 --measure
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+from typing import Optional
+
+import numpy as np
+
+from .. import cost
+
+__all__ = ["predict", "recommend", "measure_compute", "measure_link", "main"]
+
+DEFAULT_GFLOPS = 100.0  # per rank, when neither measured nor given
+DEFAULT_LINK_GBPS = 10.0
+DEFAULT_LATENCY_S = 20e-6
+OVERHEAD_S = 2e-3  # argument agreement, communicator creation, finalize
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def memory_per_rank(n_local: int, h: int, hkv: int, d: int, dtype: str) -> int:
+    """Bytes one rank needs for ``n_local`` tokens (the batch job's budget rule)."""
+    from ..job.resources import rank_bytes
+
+    plan = SimpleNamespace(dtype=dtype, heads=h, kv_heads=hkv, head_dim=d, mode="qkv", features=0)
+    return rank_bytes(plan, n_local, prefetch=False)
+
+
+def predict(
+    n: int, h: int, hkv: int, d: int, *, ranks: int, dtype: str = "float32", causal: bool = False,
+    gflops: float = DEFAULT_GFLOPS, link_gbps: float = DEFAULT_LINK_GBPS,
+    latency_s: float = DEFAULT_LATENCY_S, head_parallel: int = 1,
+) -> dict:  # fmt: skip
+    """Predicted per-rank cost of one ``ring_attention`` call.
+
+    Parameters
+    ----------
+    n, h, hkv, d : int
+        Sequence length, query heads, key/value heads, head dim.
+    ranks : int
+        P (with ``head_parallel=U``: U x R ranks, the ring has R = P / U steps).
+    gflops : float
+        Achieved tile rate per rank, GFLOP/s.
+    link_gbps : float
+        Point-to-point bandwidth per rank, Gbit/s.
+
+    Returns
+    -------
+    dict with memory_bytes, flops_per_step, bytes_per_step, compute_s_per_step,
+    transfer_s_per_step, hidden (bool), step_s, time_s, and the minimum block
+    (tokens per rank) that hides the exchange.
+    """
+    u = head_parallel
+    ring = ranks // u
+    e = np.dtype(dtype).itemsize
+    block = n / ring  # tokens per ring position (the group's, under head parallelism)
+    heads = h / u
+    kvh = hkv / u if hkv >= u else 1
+    frac = 0.5 if causal else 1.0
+    flops_step = cost.flops(block * block * frac, d, heads)
+    bytes_step = cost.kv_bytes(block, kvh, d, e)
+    rate, link = gflops * 1e9, link_gbps * 1e9 / 8
+    compute = flops_step / rate
+    transfer = bytes_step / link + latency_s if ring > 1 else 0.0
+    step = max(compute, transfer)
+    total = compute + (ring - 1) * step + OVERHEAD_S
+    need_block = rate * e * kvh / (2.0 * heads * frac * link)
+    return {
+        "ranks": ranks,
+        "ring_size": ring,
+        "head_parallel": u,
+        "tokens_per_rank": n / ranks,
+        "memory_bytes": memory_per_rank(int(np.ceil(n / ranks)), h, hkv, d, dtype),
+        "flops_per_step": flops_step,
+        "bytes_per_step": bytes_step,
+        "compute_s_per_step": compute,
+        "transfer_s_per_step": transfer,
+        "hidden": transfer <= compute,
+        "min_block_to_hide": need_block,
+        "step_s": step,
+        "time_s": total,
+    }
+
+
+def recommend(
+    n: int, h: int, hkv: int, d: int, *, ranks: Optional[int] = None,
+    memory_per_rank_bytes: Optional[int] = None, sequences: int = 1, **rates,
+) -> dict:  # fmt: skip
+    """Ring size, layout and head-parallel degree for ``sequences`` sequences on ``ranks``.
+
+    Among the ring sizes R dividing P whose per-rank memory fits, the one with the
+    shortest predicted job (P/R rings each take one sequence at a time: many
+    sequences favour small rings, which also have big blocks that hide the
+    exchange; one long sequence favours one ring of P); ties go to the smaller
+    ring. Head parallelism (U dividing H, and Hkv or U dividing the other) is
+    suggested when it shortens a ring whose exchange is exposed. Without
+    ``ranks``, the fewest ranks (a power of two) whose memory fits.
+    """
+    causal = rates.get("causal", False)
+    dtype = rates.get("dtype", "float32")
+    budget = memory_per_rank_bytes
+
+    def fits(p: int) -> bool:
+        return budget is None or memory_per_rank(-(-n // p), h, hkv, d, dtype) <= budget
+
+    if ranks is None:
+        ranks = 1
+        while not fits(ranks) and ranks < (1 << 20):
+            ranks *= 2
+    options = []
+    for r in _divisors(ranks):
+        if not fits(r):
+            continue
+        waves = -(-sequences // (ranks // r))
+        for u in _divisors(r):
+            if u > 1 and (h % u or (hkv % u and u % hkv)):
+                continue
+            pr = predict(n, h, hkv, d, ranks=r, head_parallel=u, **rates)
+            options.append((waves * pr["time_s"], r, u, pr))
+    if not options:  # nothing fits: the largest ring, and say so
+        pr = predict(n, h, hkv, d, ranks=ranks, **rates)
+        options.append((-(-sequences // 1) * pr["time_s"], ranks, 1, pr))
+    job, r, u, best = min(options, key=lambda o: (round(o[0], 9), o[1], o[2]))
+    return {
+        "ranks": ranks,
+        "ring_size": r,
+        "rings": ranks // r,
+        "head_parallel": u,
+        "layout": "zigzag" if causal else "contiguous",
+        "fits": fits(r),
+        "per_ring": best,
+        "job_time_s": job,
+    }
+
+
+def measure_compute(d: int, h: int = 4, hkv: int = 4, n_local: int = 2048, dtype="float32",
+                    causal: bool = False, repeat: int = 3) -> float:  # fmt: skip
+    """Useful GFLOP/s of this machine's CPU tile on an (n_local x n_local) block (median)."""
+    from .. import softmax
+    from ..backend import select
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, n_local, h, d)).astype(dtype)
+    k = rng.standard_normal((1, n_local, hkv, d)).astype(dtype)
+    be = select(q)
+    qi = np.ascontiguousarray(np.moveaxis(q, 1, 2), dtype=be.tile_dtype(q.dtype))
+    ki = np.ascontiguousarray(np.moveaxis(k, 1, 2), dtype=qi.dtype)
+    pos = np.arange(n_local, dtype=np.int64)
+    times = []
+    for _ in range(repeat):
+        acc, m, l = softmax.init_state(qi.shape, be.acc_dtype(q.dtype))
+        t0 = time.perf_counter()
+        be.forward_tile(qi, ki, ki, pos, pos, acc, m, l, scale=d**-0.5, causal=causal)
+        times.append(time.perf_counter() - t0)
+    # the rate of useful work: visible pairs only (a causal tile also computes the
+    # masked half of its diagonal blocks), which is what predict() counts
+    pairs = n_local * (n_local + 1) / 2 if causal else n_local * n_local
+    return cost.flops(pairs, d, h) / float(np.median(times)) / 1e9
+
+
+def measure_link(comm, nbytes: int = 8 << 20, repeat: int = 5) -> Optional[tuple]:
+    """(Gbit/s, latency s) between ranks 0 and 1 by ping-pong; None with one rank."""
+    from mpi4py import MPI
+
+    if comm is None or comm.Get_size() < 2:
+        return None
+    rank = comm.Get_rank()
+    out = []
+    for size in (8, nbytes):
+        buf = np.zeros(size, dtype=np.uint8)
+        comm.Barrier()
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = MPI.Wtime()
+            if rank == 0:
+                comm.Send(buf, dest=1)
+                comm.Recv(buf, source=1)
+            elif rank == 1:
+                comm.Recv(buf, source=0)
+                comm.Send(buf, dest=0)
+            best = min(best, (MPI.Wtime() - t0) / 2)
+        out.append(comm.bcast(best, root=0))
+    lat, t_big = out
+    return nbytes * 8 / max(t_big - lat, 1e-9) / 1e9, lat
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringmpi plan",
+        description="Per-rank memory, flops, bytes per step and predicted time of ring "
+        "attention; whether the exchange hides behind compute; a recommended ring size, "
+        "layout and head-parallel degree.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  ringmpi plan --seq-len 1048576 --heads 32 --kv-heads 8 "
+        "--head-dim 128 --ranks 64 --causal --link-gbps 100\n  mpiexec -n 2 python -m mpi4py "
+        "-m ringmpi plan --seq-len 65536 --heads 8 --head-dim 64 --measure",
+    )
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence N")
+    p.add_argument("--heads", type=int, required=True, help="query heads H")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
+    p.add_argument("--head-dim", type=int, required=True, help="head dimension D")
+    p.add_argument("--dtype", default="float32", choices=("float16", "bfloat16", "float32",
+                                                           "float64"))  # fmt: skip
+    p.add_argument("--ranks", type=int, help="ranks available P")
+    p.add_argument("--memory-per-rank", help="memory budget per rank, e.g. 16G")
+    p.add_argument("--sequences", type=int, default=1, help="sequences in the job (default 1)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--gflops", type=float, help="tile rate per rank, GFLOP/s")
+    p.add_argument("--link-gbps", type=float, help="link bandwidth per rank, Gbit/s")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure the tile rate here (and the link, under mpiexec with >= 2 ranks)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    """``ringmpi plan``: print the prediction and the recommendation."""
+    args = _parser().parse_args(argv)
+    from ..job.resources import parse_size
+
+    hkv = args.kv_heads or args.heads
+    dt = "float16" if args.dtype == "bfloat16" else args.dtype
+    gflops, link, lat, source = args.gflops, args.link_gbps, DEFAULT_LATENCY_S, "given"
+    comm, ranks = None, args.ranks
+    if args.measure:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        cdt = "float64" if dt == "float64" else "float32"
+        gflops = gflops or measure_compute(args.head_dim, dtype=cdt, causal=args.causal)
+        got = measure_link(comm)
+        if got is not None and link is None:
+            link, lat = got
+        source = "measured"
+        ranks = ranks or comm.Get_size()
+    gflops = gflops or DEFAULT_GFLOPS
+    link = link or DEFAULT_LINK_GBPS
+    budget = parse_size(args.memory_per_rank) if args.memory_per_rank else None
+    rates = dict(dtype=dt, causal=args.causal, gflops=gflops, link_gbps=link, latency_s=lat)
+    rec = recommend(args.seq_len, args.heads, hkv, args.head_dim, ranks=ranks,
+                    memory_per_rank_bytes=budget, sequences=args.sequences, **rates)  # fmt: skip
+    if comm is not None and comm.Get_rank() != 0:
+        return 0
+    if args.json:
+        print(json.dumps({"rates": rates, "recommendation": rec}, indent=1))
+        return 0
+    r = rec["per_ring"]
+    print(f"ringmpi plan: N={args.seq_len:,} H={args.heads} Hkv={hkv} D={args.head_dim} "
+          f"{args.dtype}{' causal' if args.causal else ''}")  # fmt: skip
+    print(f"  rates ({source}): {gflops:.1f} GFLOP/s per rank, link {link:.2f} Gbit/s, "
+          f"latency {lat * 1e6:.1f} us")  # fmt: skip
+    print(f"  ring of {r['ring_size']} (x{r['head_parallel']} head-parallel): "
+          f"{r['tokens_per_rank']:,.0f} tokens/rank, memory/rank "
+          f"{r['memory_bytes'] / 2**30:.2f} GiB"
+          f"{'' if rec['fits'] else ' (OVER the budget)'}")  # fmt: skip
+    print(f"  per step: {r['flops_per_step'] / 1e9:.2f} GFLOP, {r['bytes_per_step'] / 2**20:.2f} "
+          f"MiB sent; compute {r['compute_s_per_step'] * 1e3:.2f} ms, transfer "
+          f"{r['transfer_s_per_step'] * 1e3:.2f} ms -> exchange "
+          f"{'hidden' if r['hidden'] else 'EXPOSED'} (needs >= {r['min_block_to_hide']:,.0f} "
+          f"tokens per rank)")  # fmt: skip
+    print(f"  predicted: {r['step_s'] * 1e3:.2f} ms per step, {r['time_s']:.3f} s per call")
+    print(f"  recommendation: {rec['rings']} ring(s) of {rec['ring_size']} on {rec['ranks']} "
+          f"ranks, layout {rec['layout']}, head_parallel {rec['head_parallel']}; "
+          f"{args.sequences} sequence(s) in ~{rec['job_time_s']:.2f} s")  # fmt: skip
+    return 0

@@ -1,0 +1,334 @@
+"""Token layouts: which global tokens each rank of the ring holds.
+
+Three layouts map the N tokens of a sequence onto P ranks:
+
+* ``contiguous``: rank r holds one block of consecutive tokens. Simple, but
+  under a causal mask the last rank does P times the work of the first.
+* ``zigzag``: the sequence is cut into 2P chunks; rank r holds chunks r and
+  2P-1-r, so every rank owns one "early" and one "late" chunk and the causal
+  work is balanced.
+* ``striped``: token t lives on rank t mod P; every rank sees the same mix of
+  early and late tokens.
+
+Any N >= 1 works with any P >= 1: chunk sizes differ by at most one token and
+a rank may hold no token at all.
+
+Packed sequences (``cu_seqlens``, FlashAttention's varlen convention: global
+offsets [0, n1, n1+n2, ..., N]): the layout applies within each sequence, so
+every sequence's causal work is balanced over the ranks, whatever its length.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:  # mpi4py.MPI is imported on use: token maps need no MPI
+    from mpi4py import MPI
+
+__all__ = [
+    "LAYOUTS",
+    "positions",
+    "counts",
+    "split_sizes",
+    "check_layout",
+    "check_cu_seqlens",
+    "shard",
+    "gather",
+    "local_runs",
+]
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout: str) -> str:
+    """Return ``layout`` if it names a known layout, else raise ValueError."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+def split_sizes(n: int, parts: int) -> np.ndarray:
+    """Sizes of ``parts`` near-equal pieces of ``n`` items (the first ones one larger)."""
+    base, rem = divmod(n, parts)
+    sizes = np.full(parts, base, dtype=np.int64)
+    sizes[:rem] += 1
+    return sizes
+
+
+def check_cu_seqlens(cu_seqlens, n: int) -> np.ndarray:
+    """``cu_seqlens`` as int64 offsets [0, ..., n], non-decreasing; ValueError otherwise."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or len(cu) < 2 or cu.dtype.kind not in "iu":
+        raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., N], got {cu!r}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or cu[-1] != n or (np.diff(cu) < 0).any():
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at N={n}: got {cu.tolist()[:8]}"
+            + (" ..." if len(cu) > 8 else "")
+        )
+    return cu
+
+
+def _check_args(n: int, rank: int, size: int) -> None:
+    if int(n) != n or n < 0:
+        raise ValueError(f"sequence length must be a non-negative integer, got {n!r}")
+    if int(size) != size or size < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {size!r}")
+    if int(rank) != rank or not 0 <= rank < size:
+        raise ValueError(f"rank {rank!r} is outside 0..{size - 1}")
+
+
+def _head_parallel(size: int, head_parallel: int) -> int:
+    u = int(head_parallel)
+    if u != head_parallel or u < 1 or size % u:
+        raise ValueError(
+            f"head_parallel={head_parallel!r} must be a positive divisor of {size} ranks"
+        )
+    return u
+
+
+def positions(
+    n: int,
+    rank: int,
+    size: int,
+    layout: str = "zigzag",
+    head_parallel: int = 1,
+    cu_seqlens=None,
+) -> np.ndarray:
+    """Global token indices held by ``rank``, in the order the rank stores them.
+
+    Parameters
+    ----------
+    n : int
+        Global sequence length (>= 0).
+    rank, size : int
+        This rank and the number of ranks.
+    layout : {"contiguous", "zigzag", "striped"}
+        Token layout.
+    head_parallel : int
+        U > 1: ranks form size/U groups of U consecutive ranks (rank = r * U + u);
+        the layout spreads the tokens over the size/U ring positions r, and member u
+        of a group holds the u-th contiguous part of its group's tokens (the
+        sequence shards an all-to-all turns into head shards, see
+        :func:`ringmpi.ring_attention`'s ``head_parallel``).
+    cu_seqlens : int array, optional
+        Offsets [0, n1, n1+n2, ..., n] of packed sequences: the layout applies
+        within each sequence (positions are still global).
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 array of shape (count,), count >= 0.
+    """
+    _check_args(n, rank, size)
+    check_layout(layout)
+    u = _head_parallel(size, head_parallel)
+    if u > 1:
+        group = positions(n, int(rank) // u, int(size) // u, layout, cu_seqlens=cu_seqlens)
+        sizes = split_sizes(len(group), u)
+        start = int(sizes[: int(rank) % u].sum())
+        return group[start : start + sizes[int(rank) % u]]
+    if size == 1:  # every layout: the one rank holds the tokens in order
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, n)
+        return np.arange(int(n), dtype=np.int64)
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, n)
+        parts = [positions(int(b - a), rank, size, layout) + a for a, b in zip(cu[:-1], cu[1:])]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    n, rank, size = int(n), int(rank), int(size)
+    if layout == "striped":
+        return np.arange(rank, n, size, dtype=np.int64)
+    if layout == "contiguous":
+        sizes = split_sizes(n, size)
+        start = int(sizes[:rank].sum())
+        return np.arange(start, start + sizes[rank], dtype=np.int64)
+    sizes = split_sizes(n, 2 * size)
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    a, b = rank, 2 * size - 1 - rank
+    return np.concatenate(
+        (
+            np.arange(starts[a], starts[a + 1], dtype=np.int64),
+            np.arange(starts[b], starts[b + 1], dtype=np.int64),
+        )
+    )
+
+
+def counts(
+    n: int, size: int, layout: str = "zigzag", head_parallel: int = 1, cu_seqlens=None
+) -> np.ndarray:
+    """Number of tokens each rank holds: int64 array of shape (size,)."""
+    _check_args(n, 0, size)
+    check_layout(layout)
+    u = _head_parallel(size, head_parallel)
+    if u > 1:
+        per_group = counts(n, size // u, layout, cu_seqlens=cu_seqlens)
+        return np.concatenate([split_sizes(int(c), u) for c in per_group])
+    if size == 1:
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, n)
+        return np.array([int(n)], dtype=np.int64)
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, n)
+        total = np.zeros(size, dtype=np.int64)
+        for a, b in zip(cu[:-1], cu[1:]):
+            total += counts(int(b - a), size, layout)
+        return total
+    if layout == "striped":
+        return np.array([len(range(r, n, size)) for r in range(size)], dtype=np.int64)
+    if layout == "contiguous":
+        return split_sizes(n, size)
+    s = split_sizes(n, 2 * size)
+    return s[:size] + s[::-1][:size]
+
+
+def runs(pos: np.ndarray) -> list[tuple[int, int]]:
+    """Split a position array into maximal runs with a constant positive stride.
+
+    Returns a list of (start, stop) index pairs covering ``pos`` in order. Greedy:
+    a run takes every following position that keeps its stride, so a run that ends
+    where the next begins (packed sequences under the striped layout) costs one
+    run, not one per token; the number of runs is about the number of stride
+    changes. Tiles cut inside one run have tight [min, max] position bounds,
+    which is what tile skipping needs. Positions that do not increase are runs of
+    one.
+    """
+    pos = np.asarray(pos)
+    n = len(pos)
+    if n <= 1:
+        return [(0, n)] if n else []
+    d = np.diff(pos)
+    chg = (np.flatnonzero(d[1:] != d[:-1]) + 1).tolist()
+    out, i = [], 0  # i: first position not yet in a run
+    for s, e in zip([0, *chg], [*chg, len(d)]):  # d[s:e] equal: points s..e evenly spaced
+        start = max(i, s)
+        if start >= e:  # at most point e is left: it starts the next run
+            continue
+        if d[s] <= 0:  # not increasing: each point on its own
+            out.extend((j, j + 1) for j in range(start, e))
+            i = e
+            continue
+        out.append((start, e + 1))
+        i = e + 1
+    if i < n:
+        out.append((i, n))
+    return out
+
+
+# ----------------------------------------------------------------------
+# Moving whole arrays to and from the per-rank token layouts.
+
+
+def _token_axis(x, axis: int, who: str) -> int:
+    """``axis`` as a non-negative index into ``x``'s dimensions, or one clear ValueError."""
+    nd = np.ndim(x)
+    if not -nd <= axis < nd:
+        raise ValueError(
+            f"{who}: the token axis {axis} does not exist in an array of shape "
+            f"{tuple(np.shape(x))} ({nd}-D); attention arrays are (S, H, D) or (B, S, H, D) "
+            "(add a head axis with x[:, None], or give axis=)"
+        )
+    return axis % nd
+
+
+def shard(
+    x,
+    comm: Optional[MPI.Comm] = None,
+    layout: str = "zigzag",
+    axis: int = -3,
+    head_parallel: int = 1,
+    cu_seqlens=None,
+):
+    """This rank's tokens of a global array that every rank holds.
+
+    Parameters
+    ----------
+    x : array (..., N, ...)
+        The whole sequence; ``axis`` is the token axis (default -3: (S, H, D)).
+    comm : mpi4py.MPI.Comm, optional
+        Default MPI.COMM_WORLD.
+    layout : {"zigzag", "striped", "contiguous"}
+    head_parallel : int
+        As in :func:`ringmpi.positions`.
+    cu_seqlens : int array, optional
+        Packed sequences: the layout applies within each (as in :func:`ringmpi.positions`).
+
+    Returns
+    -------
+    array with ``len(positions(N, rank, size, layout, head_parallel))`` tokens on ``axis``,
+    in the order the rank stores them.
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    ax = _token_axis(x, axis, "shard")
+    n = x.shape[ax]
+    # (H, S, D) given as (S, H, D): "heads" many times the "tokens" (tiny test inputs aside)
+    if x.ndim >= 3 and ax == x.ndim - 3 and x.shape[-2] >= max(64, 4 * n):
+        warnings.warn(
+            f"shard: x {tuple(x.shape)} has {n} tokens but {x.shape[-2]} heads: ringmpi "
+            "is token-major, (S, H, D); if the data is head-major (H, S, D), transpose it "
+            "(np.swapaxes(x, -3, -2)) or the heads are taken as tokens",
+            stacklevel=2,
+        )
+    idx = positions(n, comm.Get_rank(), comm.Get_size(), layout, head_parallel, cu_seqlens)
+    return x.take(idx, axis=ax)
+
+
+def gather(
+    x_local,
+    n: int,
+    comm: Optional[MPI.Comm] = None,
+    layout: str = "zigzag",
+    axis: int = -3,
+    head_parallel: int = 1,
+    cu_seqlens=None,
+):
+    """The global array in token order, on every rank (inverse of ``shard``).
+
+    Parameters
+    ----------
+    x_local : numpy array with this rank's tokens on ``axis``
+    n : int
+        Global sequence length.
+
+    Returns
+    -------
+    numpy array with ``n`` tokens on ``axis``. Holds the whole sequence: meant
+    for tests and small problems, not for the long-sequence path.
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    x_local = np.asarray(x_local.get() if hasattr(x_local, "get") else x_local)
+    size = comm.Get_size()
+    ax = _token_axis(x_local, axis, "gather")  # the same on every rank: before the collective
+    parts = comm.allgather(x_local)
+    shape = list(x_local.shape)
+    shape[ax] = n
+    out = np.empty(shape, dtype=x_local.dtype)
+    for r, part in enumerate(parts):
+        idx = positions(n, r, size, layout, head_parallel, cu_seqlens)
+        if part.shape[ax] != len(idx):
+            raise ValueError(
+                f"gather: rank {r} holds {part.shape[ax]} tokens, layout {layout!r} "
+                f"gives it {len(idx)} of n={n}"
+            )
+        np.moveaxis(out, ax, 0)[idx] = np.moveaxis(part, ax, 0)
+    return out
+
+
+def local_runs(pos: np.ndarray) -> list:
+    """Increasing positions as (first_token, count, step, dest_offset) arithmetic runs.
+
+    The runs of :func:`ringmpi.layout.runs` (greedy: about one per stride change).
+    """
+    pos = np.asarray(pos, dtype=np.int64)
+    if len(pos) > 1 and (np.diff(pos) <= 0).any():
+        raise ValueError("local_runs needs strictly increasing positions")
+    return [
+        (int(pos[a]), b - a, int(pos[a + 1] - pos[a]) if b - a > 1 else 1, a) for a, b in runs(pos)
+    ]
