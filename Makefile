@@ -64,12 +64,15 @@ constraints: $(VENV)/.installed
 	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check ringmpi tests data jobs
-	$(VENV)/bin/ruff format --check ringmpi tests data jobs
+	$(VENV)/bin/ruff check ringmpi tests data jobs benchmarks
+	$(VENV)/bin/ruff format --check ringmpi tests data jobs benchmarks
 	$(VENV)/bin/shellcheck -x jobs/*.sh jobs/slurm.sbatch .ci/run tests/cluster/*.sh
 
+# single-rank tests on every core (pytest-xdist; PYTEST_JOBS=0 runs them in this process)
+PYTEST_JOBS ?= auto
+XDIST = $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS))
 test-serial: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
 
 # Each rank runs pytest under `python -m mpi4py`, so an exception on one rank
 # aborts the whole job instead of leaving the others waiting; timeout bounds it.
@@ -87,15 +90,17 @@ docs: $(VENV)/.installed
 
 test: lint docs test-serial test-mpi
 
-# the inner loop (a few minutes): lint, the tile/spec/mask unit tests and the
-# conformance suite, then the ring at P = 2 and 3 (odd included)
-FAST_TESTS ?= tests/test_conformance.py tests/test_spec.py tests/test_keywords.py \
-	tests/test_mask.py tests/test_softmax.py tests/test_partition.py tests/test_structure.py \
-	tests/test_batch.py tests/test_rings_auto.py
-FAST_MPI ?= tests/test_ring_mpi.py tests/test_masks_mpi.py
+# the inner loop (about a minute and a half here): lint, the tile/spec/mask unit tests and
+# the conformance suite on every core, then the ring at P = 3 (odd, not a power of two,
+# oversubscribed on 2 cores; make test runs P = 1..4)
+FAST_TESTS ?= tests/test_backend_conformance.py tests/test_spec.py tests/test_spec_keywords.py \
+	tests/test_mask.py tests/test_softmax.py tests/test_layout.py tests/test_package.py \
+	tests/job/test_resources_batches.py tests/job/test_run_ring_sizes.py
+FAST_MPI ?= tests/test_attention_mpi.py tests/test_mask_ring_mpi.py
+FAST_RANKS ?= 3
 test-fast: lint
-	$(PY) -m pytest -q -p no:cacheprovider -x $(FAST_TESTS)
-	for p in 2 3; do \
+	$(PY) -m pytest -q -p no:cacheprovider -x $(XDIST) $(FAST_TESTS)
+	for p in $(FAST_RANKS); do \
 	  timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $$p $(PY) -m mpi4py -m pytest -q -p no:cacheprovider \
 	    --with-mpi -m mpi $(FAST_MPI) || exit $$?; \
 	done
@@ -112,12 +117,12 @@ run: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m ringmpi bench
 
-# the batch job's throughput beside its kernel/I-O bounds and a torch loop (jobs/throughput.py;
+# the batch job's throughput beside its kernel/I-O bounds and a torch loop (benchmarks/throughput.py;
 # BENCH_JOB_ARGS, e.g. "--full --json throughput.json")
 .PHONY: bench-job
 BENCH_JOB_ARGS ?=
 bench-job: $(VENV)/.installed
-	$(PY) jobs/throughput.py $(BENCH_JOB_ARGS)
+	$(PY) benchmarks/throughput.py $(BENCH_JOB_ARGS)
 
 stress: $(VENV)/.installed
 	$(PY) tests/stress.py

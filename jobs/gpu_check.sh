@@ -30,13 +30,13 @@
 #   env       CuPy sees a GPU (else exit 2); mpi4py loads an MPI library (else exit 3);
 #             ringmpi.gpu.info(); NVRTC and its builtins found (their folder on LD_LIBRARY_PATH)
 #   compile   every forward and backward kernel compiles for this GPU (NVRTC, cached)
-#   mods      the score modifiers first (tests/test_gpu.py -k softcap, one process): softcap
+#   mods      the score modifiers first (tests/gpu/test_tile_device.py -k softcap, one process): softcap
 #             and ALiBi in every forward configuration and in the backward kernels against
 #             the numpy tile, and ring_attention_backward with them against the dense
 #             float64 reference (the rerun of a failure: GPU_CHECK_STAGES=mods)
-#   tests1    tests/test_gpu.py on one process (tiles, every configuration, rings P=1)
+#   tests1    tests/gpu/test_tile_device.py on one process (tiles, every configuration, rings P=1)
 #   ranks     mpiexec -n 2 gives COMM_WORLD size 2
-#   staged    the MPI tests of tests/test_gpu.py at P=2, staged ring (RINGMPI_CUDA_AWARE=0)
+#   staged    the MPI tests of tests/gpu/test_tile_device.py at P=2, staged ring (RINGMPI_CUDA_AWARE=0)
 #   aware     the same, CUDA-aware (skipped when MPI does not report CUDA support)
 #   bench     one table: TFLOP/s forward and backward beside torch SDPA, every configuration
 # pytest runs with -v -rfEs --tb=short --timeout=120 (tests/gpu_runner.py without pytest).
@@ -308,11 +308,11 @@ PYEOF
         local modk=(-k softcap)
         [[ -n "${GPU_CHECK_K:-}" ]] && modk=()  # GPU_CHECK_K is already in tests
         run_stage mods 120 "$PY" "${tests[@]}" ${junit:+"${junit[0]}=$OUT/mods.xml"} \
-            -m "not mpi" "${modk[@]}" tests/test_gpu.py
+            -m "not mpi" "${modk[@]}" tests/gpu/test_tile_device.py
     fi
     if wanted tests1; then
         run_stage tests1 200 "$PY" "${tests[@]}" ${junit:+"${junit[0]}=$OUT/tests1.xml"} \
-            -m "not mpi" tests/test_gpu.py
+            -m "not mpi" tests/gpu/test_tile_device.py
     fi
 
     local mpiexec=${MPIEXEC:-}
@@ -341,12 +341,12 @@ print(f"rank {MPI.COMM_WORLD.Get_rank()} of {size}: {MPI.Get_library_version().s
     if ((ranks_ok)); then
         if wanted staged; then
             RINGMPI_CUDA_AWARE=0 run_stage staged 120 "$mpiexec" -n 2 "$PY" -m mpi4py \
-                "${mpitests[@]}" ${junit:+"${junit[0]}=$OUT/staged.xml"} -m mpi tests/test_gpu.py
+                "${mpitests[@]}" ${junit:+"${junit[0]}=$OUT/staged.xml"} -m mpi tests/gpu/test_tile_device.py
         fi
         if wanted aware; then
             if timeout 60 "$PY" -c 'import sys; from ringmpi.gpu import cuda_aware; sys.exit(0 if cuda_aware() else 1)' 2>/dev/null; then
                 RINGMPI_CUDA_AWARE=1 run_stage aware 120 "$mpiexec" -n 2 "$PY" -m mpi4py \
-                    "${mpitests[@]}" ${junit:+"${junit[0]}=$OUT/aware.xml"} -m mpi tests/test_gpu.py
+                    "${mpitests[@]}" ${junit:+"${junit[0]}=$OUT/aware.xml"} -m mpi tests/gpu/test_tile_device.py
             else
                 skip_stage aware "this MPI does not report CUDA support"
             fi

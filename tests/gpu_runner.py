@@ -1,7 +1,7 @@
 """A small test runner for machines without pytest (the GPU image of jobs/gpu_check.sh).
 
-    python tests/gpu_runner.py [-m mpi | -m "not mpi"] [-k WORD] tests/test_gpu.py ...
-    mpiexec -n 2 python -m mpi4py tests/gpu_runner.py -m mpi tests/test_gpu.py
+    python tests/gpu_runner.py [-m mpi | -m "not mpi"] [-k WORD] tests/gpu/test_tile_device.py ...
+    mpiexec -n 2 python -m mpi4py tests/gpu_runner.py -m mpi tests/gpu/test_tile_device.py
 
 It installs a minimal ``pytest`` stand-in (``importorskip``, ``skip``, ``fail``,
 ``raises``, ``fixture``, ``mark.parametrize``/``skipif``/any marker), imports

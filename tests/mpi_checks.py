@@ -13,7 +13,7 @@ finite              check_finite=True with a NaN on the last rank: every rank ra
 soak N              N consecutive calls: leaked requests, communicators, RSS, bytes
 oversub N           correctness of every layout, causal and not, at this P
 
-The numerics cases are also used by tests/test_numerics_mpi.py.
+The numerics cases are also used by tests/test_attention_numerics_mpi.py.
 """
 
 from __future__ import annotations

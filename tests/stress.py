@@ -101,7 +101,7 @@ def check_faults(tmp: Path, quick: bool):
 
 # The kill and disk checks inspect OUT.h5.parts/ (markers, part files): they ask
 # for the part-file output also where h5py has MPI and the default is one file
-# (tests/test_mpio_job.py kills and resumes the one-file output).
+# (tests/job/output/test_single_file.py kills and resumes the one-file output).
 PARTS = ("--output-mode", "parts")
 
 
@@ -389,7 +389,7 @@ def run_check(name: str, quick: bool, tmp_root: str | None = None) -> list:
     """Run one check in a fresh temporary directory; return its (ok, text) lines."""
     fn = globals()[f"check_{name}"]
     # kill and disk count finished sequences by their markers as the job goes: one
-    # sequence per ring call there (batches of several: tests/test_batch.py)
+    # sequence per ring call there (batches of several: tests/job/test_resources_batches.py)
     saved = os.environ.get("RINGMPI_BATCH_TOKENS")
     if name in ("kill", "disk"):
         os.environ["RINGMPI_BATCH_TOKENS"] = "0"

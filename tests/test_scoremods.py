@@ -121,7 +121,7 @@ def test_of_spec_and_tile_keywords():
 
 def test_backends_list_every_registered_modifier():
     """The fused backend's capabilities come from its builds' slots
-    (tests/test_fused_modifiers.py checks the header and the builds against the registry)."""
+    (tests/cpu/test_fused_modifiers.py checks the header and the builds against the registry)."""
     from ringmpi.backend import select
 
     be = select(np.zeros(1))

@@ -1,4 +1,4 @@
-"""jobs/throughput.py: datasets, a tiny run's table against its JSON, outputs verified, errors."""
+"""benchmarks/throughput.py: datasets, a tiny run's table against its JSON, outputs, errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "jobs", "throughput.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "throughput.py")
 
 
 def _module():

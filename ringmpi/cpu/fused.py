@@ -85,7 +85,7 @@ class Kernel(Library):
         """Declare the tile's entry points; check ``rm_tile_args`` against :class:`TileArgs`."""
         lib.rm_tile_args_size.restype = ctypes.c_int64
         size = lib.rm_tile_args_size()
-        # A build from before the score modifiers (jobs/kernel_ab.py's baseline) reads the
+        # A build from before the score modifiers (benchmarks/kernel_ab.py's baseline) reads the
         # fields up to `hi` only; one from before the modifier seam has three fields of the
         # same size there, which a plain call's zeros (mods 0, NULL) leave off. Both run
         # plain calls only (mods = 0: every modifier refused).

@@ -83,7 +83,7 @@ class BackwardKernel(Library):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         # The modifier arguments (mods, mparam, mpos) come last. Builds from before the
         # modifier seam end in three others, builds from before the score modifiers
-        # (jobs/kernel_ab.py's baselines) in none: both run plain calls only.
+        # (benchmarks/kernel_ab.py's baselines) in none: both run plain calls only.
         self.mods, tail, plain = 0, [], ()
         if hasattr(lib, "rm_backward_mods"):
             lib.rm_backward_mods.restype = ctypes.c_uint

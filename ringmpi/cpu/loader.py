@@ -177,7 +177,7 @@ def check_mods(mods: Optional[TileMods], have: int, what) -> None:
     mods : TileMods, optional
     have : int
         The build's slots (bit ``slot`` set: implemented; 0 for builds from before the
-        score modifiers, such as jobs/kernel_ab.py's baselines).
+        score modifiers, such as benchmarks/kernel_ab.py's baselines).
     what : object
         The build, for the message.
     """
@@ -232,7 +232,7 @@ class Library:
     mods : int
         The score-modifier slots the build implements (bit ``slot`` set; set by
         :meth:`declare`; 0 for builds from before the modifier seam, such as
-        jobs/kernel_ab.py's baselines, which run plain calls only).
+        benchmarks/kernel_ab.py's baselines, which run plain calls only).
     """
 
     SOURCE = ""

@@ -1,6 +1,6 @@
 """Compile CUDA sources with NVRTC directly: no device, no CuPy, no CUDA toolkit.
 
-Used by the CI compile check (tests/test_gpu_compile.py) and by ``python -m
+Used by the CI compile check (tests/gpu/test_nvrtc.py) and by ``python -m
 ringmpi.gpu.nvrtc`` to report register and spill counts. ``libnvrtc`` is looked up,
 in order: ``$RINGMPI_NVRTC`` (a file), the NVIDIA pip wheels
 (``nvidia-cuda-nvrtc-cu12`` -> ``nvidia/cuda_nvrtc/lib``, ``nvidia-cuda-nvrtc``

@@ -76,7 +76,7 @@ def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None,
     (cross-attention; the maximum over ranks sizes the ring buffers). ``ranks``:
     ring size (one rank never fills the receive buffer). The interpreter and
     libraries (:func:`resident_bytes`) are not included. Within 25% of the
-    measured peak (tests/test_day2_estimates.py).
+    measured peak (tests/job/test_report_estimates.py).
     """
     isz = np.dtype(plan.dtype).itemsize
     csz = 8 if plan.dtype == "float64" else 4

@@ -91,7 +91,7 @@ export OMPI_MCA_orte_execute_quiet=1
 # SIGTERM to mpiexec: Open MPI sends SIGCONT, then SIGTERM only after this many
 # seconds (default 1): the stress check that kills a job half way needs it at once
 export OMPI_MCA_odls_base_sigkill_timeout=0
-# the one-file output tests (tests/test_mpio_job.py) skip where h5py has no MPI; here
+# the one-file output tests (tests/job/output/test_single_file.py) skip where h5py has no MPI; here
 # it has (checked below), so a skip would hide a broken setup: make it a failure
 export RINGMPI_REQUIRE_MPIO=1
 # the CUDA compile check does not depend on the MPI/numpy/h5py stack and takes
@@ -153,7 +153,7 @@ for stage in $STAGES; do
       [[ $flags == *" avx512_bf16 "* ]] && cores+=(CooperLake)
       for c in "${cores[@]}"; do
         run "numpy tile on OpenBLAS $c" env OPENBLAS_CORETYPE="$c" "$PY" -m pytest -q \
-          -p no:cacheprovider -rfEs -k numpy "${EXTRA[@]}" tests/test_numerics_real.py
+          -p no:cacheprovider -rfEs -k numpy "${EXTRA[@]}" tests/test_attention_real_values.py
       done
       ;;
     *) die "unknown stage '$stage' (serial, mpi, blas)" ;;

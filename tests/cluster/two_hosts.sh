@@ -9,7 +9,7 @@
 #
 # Stages, each under a timeout; a table at the end; exit 1 when any fails:
 #   net        both namespaces up; a 16 MiB exchange between them crosses the veth
-#   ring P=2   tests/test_ring_mpi.py (ring_attention vs the float64 reference), 1 rank/host
+#   ring P=2   tests/test_attention_mpi.py (ring_attention vs the float64 reference), 1 rank/host
 #   ring P=4   the same with 2 ranks per host
 #   run        `ringmpi run --causal --verify` on sample data, P = 4
 #   kill -9    SIGKILL to one rank on the second host mid-run: the job must end in 15 s
@@ -161,12 +161,12 @@ for per_host in 1 2; do
     rc=0
     # shellcheck disable=SC2046
     timeout -k 5 400 $(mpi_cmd "$per_host" "$np") "$PY" -m mpi4py -m pytest -q \
-        -p no:cacheprovider --with-mpi -m mpi tests/test_ring_mpi.py >"$work/ring$np.log" 2>&1 ||
+        -p no:cacheprovider --with-mpi -m mpi tests/test_attention_mpi.py >"$work/ring$np.log" 2>&1 ||
         rc=$?
     summary=$(grep -E '^[0-9]+ passed|failed|error' "$work/ring$np.log" | head -n 1 |
         sed 's/ *\[ *[0-9]*%\]$//' || true)
     if [[ $rc -eq 0 && "$summary" == *passed* && "$summary" != *failed* ]]; then
-        record "ring P=$np" PASS "tests/test_ring_mpi.py, $per_host rank(s) per host: $summary"
+        record "ring P=$np" PASS "tests/test_attention_mpi.py, $per_host rank(s) per host: $summary"
     else
         record "ring P=$np" FAIL "exit $rc: ${summary:-no summary}"
         tail -n 30 "$work/ring$np.log"

@@ -2,7 +2,7 @@
 
 ``make(kind, dir)`` writes one crafted input (and whatever it points at) into ``dir``
 and returns (input path, words the error line must contain). ``KINDS`` lists them.
-Used by tests/test_security_inputs.py and by tests/security/run.sh (``--check``: run
+Used by tests/job/input/test_files_hostile.py and by tests/security/run.sh (``--check``: run
 every kind through the CLI, bounded in time and memory, and report).
 """
 

@@ -1,4 +1,6 @@
-"""Helpers of the conformance suite (tests/test_conformance.py): every registered tile vs the spec.
+"""Helpers of the conformance suite (tests/test_backend_conformance.py).
+
+Every registered tile against the spec.
 
 A *variant* is one registered tile backend as it runs here: ``numpy`` (the spec itself),
 ``fused-<isa>`` for every ISA path the host executes (the fused backend with its default
@@ -108,8 +110,8 @@ CASES = {
 #: ALiBi slopes in :data:`MODS`: the case's own (:func:`_slopes` of its heads)
 SLOPES = "slopes of the case's heads"
 #: score modifier sets: name -> spec fields (a set of one runs on fewer masks, see
-#: test_conformance.py); sinks act at finalize and are tested through ring_attention
-#: (test_conformance.py::test_sinks_through_ring_attention)
+#: test_backend_conformance.py); sinks act at finalize and are tested through ring_attention
+#: (test_backend_conformance.py::test_sinks_through_ring_attention)
 MODS = {
     "plain": {},
     "softcap": {"softcap": 4.0},

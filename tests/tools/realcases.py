@@ -1,14 +1,14 @@
 """GPU tile cases on values shaped like real data over long rows (issue 20), for any CuPy.
 
-The same code runs in tests/test_gpu.py on a real device (where it checks the CUDA
-kernels' float32 sums) and in tests/test_standin_gpu.py on the CuPy stand-in (where
+The same code runs in tests/gpu/test_tile_device.py on a real device (where it checks the CUDA
+kernels' float32 sums) and in tests/gpu/test_tile_standin.py on the CuPy stand-in (where
 the arithmetic is the numpy tile's: it checks the Python side and these cases, never
 CUDA). Inputs: :func:`ringmpi.testing.random_qkv` with ``realistic=True`` (means,
 small value spread, sink keys), rounded to the tile dtype before the float64
 reference sees them. The rule is :func:`ringmpi.testing.assert_close`'s: twice
 (forward) or three times (backward) the error of a dense float32 computation on
 the same inputs, plus eps; 16-bit tiles add the rounding of P (and dS) to 16 bits
-before their MMAs (``unit * bound``, the bound of tests/test_gpu.py's module doc).
+before their MMAs (``unit * bound``, the bound of tests/gpu/test_tile_device.py's module doc).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ skipped block pair hides every element, a pair run without a mask shows every
 element), then does the kernel's arithmetic with the numpy tile
 (:mod:`ringmpi.cpu.numpy_tile`) on the unpacked arguments. The CUDA code itself
 does not run: these tests cover the Python side of the GPU path, never the
-kernels (tests/test_gpu.py does, on a GPU).
+kernels (tests/gpu/test_tile_device.py does, on a GPU).
 """
 
 from __future__ import annotations

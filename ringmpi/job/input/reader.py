@@ -80,7 +80,7 @@ class Reader:
     strided : {"auto", "hyperslab", "blocks"}
         How a strided (striped layout) selection is read: one strided hyperslab
         per file, or contiguous blocks of ``block_bytes`` subsampled in memory.
-        "auto" (default) picks the faster one measured here (jobs/read_throughput.py):
+        "auto" (default) picks the faster one measured here (benchmarks/read_throughput.py):
         hyperslab for contiguous storage (742 vs 618 MB/s per rank at P=2, cold),
         blocks for chunked/compressed storage (101 vs 32 MB/s), where a strided
         selection makes HDF5 walk every chunk element by element.

@@ -216,7 +216,7 @@ def marker_members(marker: dict, i: int, names: list) -> Optional[tuple]:
 # allocated at once and never filled (HDF5 writes none of its bytes), HDF5's own
 # writes go to :class:`_Metadata` (kilobytes, in memory), and the file is the
 # metadata blocks and the arrays' bytes written in address order, straight from
-# the arrays (tests/test_partfile.py reads every array and attribute back).
+# the arrays (tests/job/output/test_layout.py reads every array and attribute back).
 #
 # Every byte reaches the disk through Python (:func:`ringmpi.runtime.files.replace_with`,
 # by ``O_DIRECT`` where the file system takes it: no page-cache copy,

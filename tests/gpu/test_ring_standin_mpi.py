@@ -1,0 +1,88 @@
+"""The GPU Python path under mpiexec at any P, on the CuPy stand-in (NOT a GPU).
+
+ring_attention and ring_attention_backward with CuPy-typed arrays (the stand-in's,
+tests/tools/fakecupy) through the GPU backend (masks, and the score modifiers softcap
+and ALiBi in the backward), its GpuRing (staged through pinned
+buffers, and CUDA-aware), the launch plans and every kernel launch check of
+tests/tools/standin_kernels.py, against the dense float64 reference. The kernels'
+arithmetic is the numpy tile's: the CUDA code runs only in tests/gpu/test_tile_device.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tools import gpucases, standin
+
+import ringmpi
+
+pytestmark = pytest.mark.mpi
+
+CU = np.concatenate(([0], np.cumsum((3, 97, 1, 60))))
+SLOPES = [0.5, 0.125, 2.0**-5, 0.0]  # H = 4 (gpucases), one head without ALiBi
+MASKS = [
+    ("window 30,0", 203, None, True, dict(window=(30, 0))),
+    ("packed causal", int(CU[-1]), None, True, dict(cu_seqlens=CU)),
+    ("cross 150x90 causal (empty rows)", 150, 90, True, {}),
+]
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    """The CuPy stand-in, for this module only (see tests/tools/standin.py)."""
+    with standin.installed() as cp:
+        yield cp
+
+
+@pytest.fixture(params=["0", "1"], ids=["staged", "cuda-aware"])
+def ring_kind(request, monkeypatch, cupy):
+    """GpuRing path: RINGMPI_CUDA_AWARE=0 (pinned staging) or 1 (device buffers to MPI)."""
+    monkeypatch.setenv("RINGMPI_CUDA_AWARE", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward(comm, cupy, ring_kind, layout, dtype, causal):
+    before = cupy.cuda.pinned_allocations[0]
+    gpucases.forward_case(cupy, comm, dtype, layout, causal)
+    staged = cupy.cuda.pinned_allocations[0] > before
+    assert staged == (ring_kind == "0" and comm.size > 1), "wrong GpuRing path ran"
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward(comm, cupy, ring_kind, layout, dtype, causal):
+    gpucases.backward_case(cupy, comm, dtype, layout, causal, d=111)
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+@pytest.mark.parametrize("case", MASKS, ids=[m[0] for m in MASKS])
+def test_masks(comm, cupy, ring_kind, layout, case):
+    _, n, nk, causal, mask = case
+    for dtype in ("float32", "bfloat16"):
+        gpucases.backward_case(cupy, comm, dtype, layout, causal, mask=mask, n=n, nk=nk, d=64)
+
+
+CU_Q = (0, 3, 100, 101, 163)
+CU_K = (0, 9, 70, 70, 150)  # cross-attention per sequence, one with no keys
+MODS = [
+    ("softcap, causal", 203, None, True, dict(softcap=2.5)),
+    ("alibi, window 30,0", 203, None, True, dict(alibi_slopes=SLOPES, window=(30, 0))),
+    ("both, packed causal", int(CU[-1]), None, True,
+     dict(softcap=4.0, alibi_slopes=SLOPES, cu_seqlens=CU)),
+    ("both, packed cross causal", CU_Q[-1], CU_K[-1], True,
+     dict(softcap=3.0, alibi_slopes=SLOPES, cu_seqlens=CU_Q, cu_seqlens_k=CU_K)),
+    ("both, window 20,6", 160, None, False, dict(softcap=5.0, alibi_slopes=SLOPES, window=(20, 6))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", MODS, ids=[m[0] for m in MODS])
+def test_backward_modifiers(comm, cupy, layout, dtype, case):
+    """Backward with softcap / ALiBi / both under masks (GPU path, stand-in) vs float64."""
+    _, n, nk, causal, mask = case
+    gpucases.backward_case(cupy, comm, dtype, layout, causal, mask=mask, n=n, nk=nk, d=64)

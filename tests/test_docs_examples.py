@@ -1,0 +1,51 @@
+"""The Python examples in README.md and docs/ run as written under mpiexec, with small errors."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [
+    (f"{page.relative_to(ROOT)}:{i}", code)
+    for page in PAGES
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+LINK = re.compile(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)")
+
+
+def test_readme_and_docs_have_examples():
+    assert sum(name.startswith("README.md") for name, _ in BLOCKS) >= 1
+    assert sum(name.startswith("docs") for name, _ in BLOCKS) >= 4
+    assert len(PAGES) >= 10  # README + the docs pages
+
+
+def test_links_point_at_files():
+    """Every relative link of README.md and docs/*.md names a file that exists."""
+    broken = [
+        f"{page.relative_to(ROOT)}: {target}"
+        for page in PAGES
+        for target in LINK.findall(page.read_text())
+        if not (page.parent / target).exists()
+    ]
+    assert not broken, broken
+    assert "docs/batch-job.md" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec beside this Python")
+@pytest.mark.parametrize("name, code", BLOCKS, ids=[name for name, _ in BLOCKS])
+def test_example_runs(tmp_path, name, code):
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    errs = [float(x) for x in re.findall(r"err\w*.*?([0-9.]+e-?[0-9]+)", res.stdout)]
+    assert errs, res.stdout
+    assert max(errs) < 1e-4, res.stdout
