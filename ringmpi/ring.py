@@ -35,14 +35,12 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 from mpi4py import MPI
 
-from .runtime import interrupt
+from .runtime import faults, interrupt
 from .runtime.watchdog import watch
 
 __all__ = ["Exchanger", "Ring", "KVRing", "TAG_KV", "abandoned", "settle"]
 
 TAG_KV = 7301
-# Test-only fault injection: "RANK:STEP" raises on that rank before that step.
-_FAULT_ENV = "RINGMPI_TEST_FAULT"
 # seconds an abandoned ring waits for its cancelled transfers to settle
 ABANDON_S = 2.0
 # transfers that neither completed nor cancelled in time: kept referenced (with their
@@ -192,14 +190,6 @@ class Ring:
             self.cart.Free()
 
 
-def _maybe_fault(rank: int, step: int) -> None:
-    spec = os.environ.get(_FAULT_ENV)
-    if spec:
-        r, s = (int(t) for t in spec.split(":"))
-        if r == rank and s == step:
-            raise RuntimeError(f"injected fault on rank {rank} at ring step {step}")
-
-
 class LocalRing:
     """The exchanger of a ring of one rank: nothing to send, nothing to wait for."""
 
@@ -301,12 +291,12 @@ class KVRing:
         if self.local is not None:
             for step in range(self.nsteps):  # one step (or none)
                 interrupt.check()
-                _maybe_fault(self.rank, step)
+                faults.ring_step(self.rank, step)
                 yield step, 0, self.local[0], self.local[1]
             return
         for step in range(self.first, self.nsteps):
             interrupt.check()
-            _maybe_fault(self.rank, step)
+            faults.ring_step(self.rank, step)
             src = self.owner(step)
             cur, nxt = self.bufs[step % 2], self.bufs[(step + 1) % 2]
             if step + 1 < self.nsteps:

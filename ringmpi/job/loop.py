@@ -28,7 +28,7 @@ import numpy as np
 from ..attention import ring_attention
 from ..collective import run_everywhere
 from ..layout import counts
-from ..runtime import interrupt
+from ..runtime import faults, interrupt
 from ..runtime.watchdog import watch
 from ..spec import AttentionSpec
 from .input.reader import Reader, abandon, in_background
@@ -255,7 +255,7 @@ class SequenceLoop:
         self.nxt = None
         if ctx.options.prefetch and j + 1 < len(self.todo):
             self.nxt = self._start(j + 1)
-        _test_kill_in_batch(ctx.rank, j)
+        faults.batch_read(ctx.rank, j)
         if ctx.device == "gpu":
             import cupy
 
@@ -306,7 +306,7 @@ class SequenceLoop:
         })  # fmt: skip
         bar.finish_seq(secs)
         self.finished += len(batch.members)
-        _test_kill(ctx.rank, self.finished + sum(b.finished for b in self.before))
+        faults.sequences_done(ctx.rank, self.finished + sum(b.finished for b in self.before))
 
     def _resume_point(self, i: int, name: str, q) -> Optional[tuple]:
         """The checkpoint the batch of first sequence ``i`` resumes from (collective over the
@@ -352,20 +352,6 @@ class SequenceLoop:
             err.where = text
         err.finished = len(self.done) + self.finished + sum(b.finished for b in self.before)
         return err
-
-
-def _test_kill(rank: int, completed: int) -> None:
-    """Test hook: RINGMPI_TEST_KILL_AFTER=n SIGKILLs rank 0 after n sequences of this run."""
-    n = os.environ.get("RINGMPI_TEST_KILL_AFTER")
-    if rank == 0 and n is not None and completed >= int(n):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _test_kill_in_batch(rank: int, j: int) -> None:
-    """Test hook: RINGMPI_TEST_KILL_IN_BATCH=j SIGKILLs rank 0 once batch j is read."""
-    n = os.environ.get("RINGMPI_TEST_KILL_IN_BATCH")
-    if rank == 0 and n is not None and j == int(n):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _drop_tmp_part(store, i: int) -> None:

@@ -4,5 +4,6 @@
 exclusive, atomic files on a shared machine), :mod:`.direct_io` (reads and writes
 that bypass the page cache), :mod:`.interrupt` (Ctrl-C and SIGTERM as a flag),
 :mod:`.watchdog` (bounded waits on other ranks), :mod:`.launch` (did the launcher
-form one communicator?) and :mod:`.kernel_files` (where the kernel sources are).
+form one communicator?), :mod:`.faults` (the tests' fault-injection seam) and
+:mod:`.kernel_files` (where the kernel sources are).
 """

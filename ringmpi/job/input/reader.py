@@ -16,7 +16,8 @@ The batch job reads the next sequence in a daemon thread (:func:`in_background`)
 a read stuck in the file system (a hung NFS server) neither keeps the process
 alive at exit nor blocks a SIGTERM; the job waits for it under the watchdog,
 which the reader's ``progress`` time (after every read) keeps moving.
-``RINGMPI_TEST_READ_STALL_S`` emulates such a stuck read for the tests.
+``RINGMPI_TEST_READ_STALL_S`` (:mod:`ringmpi.runtime.faults`) emulates such a stuck
+read for the tests.
 """
 
 from __future__ import annotations
@@ -31,33 +32,14 @@ import numpy as np
 
 from ...layout import local_runs, positions
 from ...rope import apply_rope, positions_in_sequence
-from ...runtime import direct_io
+from ...runtime import direct_io, faults
 from ..plan import Plan, SeqInfo, fail
 from .files import open_input
 
-__all__ = ["Reader", "in_background", "abandon", "UNION_RUNS", "STALL_ENV", "RawReads"]
+__all__ = ["Reader", "in_background", "abandon", "UNION_RUNS", "RawReads"]
 
 UNION_RUNS = 64  # unit-stride hyperslabs OR-ed into one selection (measured best: 16-256)
-STALL_ENV = "RINGMPI_TEST_READ_STALL_S"
 SLAB_BYTES = 256 << 20  # one HDF5 read at most (contiguous runs), so progress is seen
-
-
-def _stall(rank: int) -> None:
-    """Test hook: ``RINGMPI_TEST_READ_STALL_S=[RANK:]S`` blocks each read S seconds.
-
-    It holds h5py's global lock while it sleeps, as a read stuck inside HDF5 (a hung
-    file system) does; with ``RANK:`` only that rank (of its ring) stalls.
-    """
-    text = os.environ.get(STALL_ENV, "").strip()
-    if not text:
-        return
-    who, _, secs = text.rpartition(":")
-    if who and int(who) != rank:
-        return
-    from h5py._objects import phil
-
-    with phil:
-        time.sleep(float(secs))
 
 
 def _project(x64: np.ndarray, w: dict, name: str) -> np.ndarray:
@@ -319,7 +301,7 @@ class Reader:
     def _fill(self, seq: SeqInfo, into: Optional[tuple]) -> tuple:
         """((q, k, v), {name: array read}, pos, pos_k); raw reads stay queued (qkv inputs)."""
         plan = self.plan
-        _stall(self.rank)
+        faults.read(self.rank)
         pos, pos_k = self.positions(seq), self.positions_k(seq)
         n, nk, h, hkv, d = len(pos), len(pos_k), plan.heads, plan.kv_heads, plan.head_dim
         dt = np.dtype(plan.dtype)

@@ -51,6 +51,7 @@ from typing import Optional
 
 import numpy as np
 
+from ...runtime import faults
 from ...runtime.files import check_owned, exclusive_temp, fsync_path
 from ...runtime.watchdog import watch
 from ..plan import InputError
@@ -63,7 +64,6 @@ FORMAT = 1
 _HEADER_MAX = 1 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_KILL_ENV = "RINGMPI_TEST_KILL_AT_STEP"  # test-only: "SEQ:STEP", see _test_kill
 
 
 def ckpt_name(seq_index: int, rank: int, slot: int) -> str:
@@ -322,29 +322,8 @@ class Checkpoints:
                     self._warn(f"{self.parts}: cannot save a checkpoint ({e.strerror or e})")
                     self.warned = True
             self.last = time.monotonic()
-        _test_kill(self.ring, self.rank, self.seq, done)
+        faults.checkpoint_step(self.ring, self.rank, self.seq, done)
 
     def finish(self, i: int) -> None:
         """Sequence ``i`` is written: its checkpoints go."""
         self._remove(i)
-
-
-def _test_kill(ring, rank: int, seq: int, done: int) -> None:
-    """Test hook: RINGMPI_TEST_KILL_AT_STEP=I:S SIGKILLs ring rank 0 after step S of sequence I.
-
-    The ring first passes a barrier, so every rank's checkpoint of that step is on disk.
-    ``I:S:TERM`` sends SIGTERM to every rank of the ring instead (as mpiexec forwards it).
-    """
-    spec = os.environ.get(_KILL_ENV)
-    if not spec:
-        return
-    i, s, *how = spec.split(":")
-    if int(i) == seq and int(s) == done:
-        import signal
-
-        if ring is not None:
-            ring.Barrier()
-        if how == ["TERM"]:
-            os.kill(os.getpid(), signal.SIGTERM)
-        elif rank == 0:
-            os.kill(os.getpid(), signal.SIGKILL)

@@ -35,7 +35,6 @@ one ring of all ranks (``--ring-size`` equal to the number of ranks).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 import zlib
@@ -45,6 +44,7 @@ import numpy as np
 
 from ...collective import run_everywhere, run_on_root
 from ...layout import local_runs, positions
+from ...runtime import faults
 from ...runtime.files import fsync_path, write_json
 from ...runtime.watchdog import watch
 from ..plan import InputError
@@ -299,7 +299,7 @@ class SingleFileStore(OutputStore):
             with watch(f"the collective HDF5 write of sequence {i}"):
                 collective_io(do, lead, pos, len(lead), out)
                 collective_io(dl, lead, pos, len(lead) + 1, lse)
-                _test_kill(self.rank, i)
+                faults.rows_written(self.rank, i)
                 self.f.flush()  # MPI_File_sync: the rows are in the file before any marker
             return [len(pos), crc(pos), crc(out, lse)]
 
@@ -337,14 +337,6 @@ class SingleFileStore(OutputStore):
 
         run_on_root(self.comm, rename)
         unlock_output(self.parts)  # a no-op where this process holds no lock
-
-
-def _test_kill(rank: int, i: int) -> None:
-    """Test hook: RINGMPI_TEST_MPIO_KILL=i SIGKILLs rank 0 after writing sequence i's rows,
-    before the flush and the marker (a crash mid-sequence)."""
-    n = os.environ.get("RINGMPI_TEST_MPIO_KILL")
-    if rank == 0 and n is not None and int(n) == i:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------

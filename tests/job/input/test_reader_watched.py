@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from ringmpi.job.input import reader as reader_mod
-from ringmpi.runtime import watchdog
+from ringmpi.runtime import faults, watchdog
 
 PY = sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
@@ -66,7 +66,7 @@ def test_stuck_read_ends_the_job_after_the_watchdog(tmp_path, ranks):
     # the stuck rank is the last one: at P=2 rank 0 waits for it in the agreement
     stall = f"{ranks - 1}:3600"
     t0 = time.monotonic()
-    proc = _job(tmp_path, ranks, {reader_mod.STALL_ENV: stall, watchdog.ENV: "3"})
+    proc = _job(tmp_path, ranks, {faults.READ_STALL: stall, watchdog.ENV: "3"})
     rc, lines = _finish(proc, 60)
     took = time.monotonic() - t0
     assert rc == watchdog.EXIT_STATUS, (rc, lines)
@@ -81,7 +81,7 @@ def test_stuck_read_ends_the_job_after_the_watchdog(tmp_path, ranks):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_sigterm_during_a_stuck_read_ends_the_job_promptly(tmp_path, ranks):
     # watchdog far away: only the SIGTERM can end it
-    proc = _job(tmp_path, ranks, {reader_mod.STALL_ENV: "3600", watchdog.ENV: "600"})
+    proc = _job(tmp_path, ranks, {faults.READ_STALL: "3600", watchdog.ENV: "600"})
     time.sleep(6 if ranks > 1 else 4)  # past the start: the first read is stuck by now
     assert proc.poll() is None, proc.communicate()
     t0 = time.monotonic()
