@@ -13,6 +13,7 @@ whose fully masked tiles are skipped) and sends 2 * Sk * Hkv * D elements.
 from __future__ import annotations
 
 import time
+from contextvars import ContextVar
 from typing import Callable, Optional
 
 from mpi4py import MPI
@@ -27,7 +28,7 @@ from .runtime import interrupt
 from .runtime.watchdog import watch
 from .spec import AttentionSpec, spec_keywords
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "resumable_ring_attention"]
 
 
 @spec_keywords
@@ -50,8 +51,6 @@ def ring_attention(
     cu_seqlens_k=None,
     on_tick: Optional[Callable[[int], None]] = None,
     spec: Optional[AttentionSpec] = None,
-    _on_state: Optional[Callable] = None,
-    _start: Optional[tuple] = None,
     **modifiers,
 ):
     """Exact softmax attention of this rank's queries against the whole sequence.
@@ -81,7 +80,7 @@ def ring_attention(
         same on every backend: :mod:`ringmpi.cost`), tile_flops (what the tiles
         computed, masked parts of their blocks included), steps (run), steps_computed
         (by this rank), steps_skipped (ring size - steps), steps_resumed (the
-        ``done`` of ``_start``, else 0), bytes_sent (K/V, this
+        ring step a resumed call started at, else 0), bytes_sent (K/V, this
         rank), alltoall_bytes (heads x ring), backend and tile (what ran:
         :meth:`ringmpi.backend.Backend.describe`).
     on_step : callable, optional
@@ -112,21 +111,6 @@ def ring_attention(
         All of causal, layout, scale, head_parallel, window, cu_seqlens,
         cu_seqlens_k and the score modifiers as one value (then leave those
         keywords at their defaults).
-    _on_state : callable, optional
-        Checkpoint seam (private: :mod:`ringmpi.job.output.checkpoint` uses it). Called as
-        ``_on_state(done, acc, m, l)`` after each completed ring step (``done`` =
-        steps completed, 1..nsteps, the same on every rank) with this rank's running
-        state itself, not a copy: acc (B, H, S, D), m and l (B, H, S) in the tile
-        layout and accumulation dtype (device arrays on the GPU). Save, never modify.
-    _start : (done, acc, m, l), optional
-        Resume a ring after ``done`` completed steps from a state saved by
-        ``_on_state`` (same call, same ranks): the block this rank holds at step
-        ``done`` is fetched by one exchange shifted by ``done`` and the ring goes
-        on with the same tile calls on the same blocks in the same order, so out
-        and lse are bitwise those of an uninterrupted call. ``done`` must be the
-        same on every rank (agreed here: a ValueError on every rank otherwise).
-        Pass ``_on_state`` and/or ``_start`` on every rank of the call or on none:
-        a call using them adds one small allgather (the agreement on ``done``).
 
     Returns
     -------
@@ -155,7 +139,7 @@ def ring_attention(
         )
         del arrays
         out, lse, st = _loop(
-            groups.ring, args, qi, ki, vi, on_step, on_tick, groups.heads, _on_state, _start
+            groups.ring, args, qi, ki, vi, on_step, on_tick, groups.heads, *_SEAM.get()
         )
         out, lse = groups.gather(out, "q"), groups.gather(lse, "lse")
     out = be.cast_out(out, args.in_dtype)
@@ -164,6 +148,42 @@ def ring_attention(
     report(stats, t_start, **st, alltoall_bytes=groups.alltoall_bytes, backend=be.name,
            tile=be.describe())  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+# The checkpoint seam of the batch job: (on_state, start) of the resumable call in progress
+# in this context, (None, None) otherwise. Set only by resumable_ring_attention.
+_SEAM: ContextVar = ContextVar("ringmpi_checkpoint_seam", default=(None, None))
+
+
+def resumable_ring_attention(q, k, v, comm=None, *, on_state=None, start=None, **kwargs):
+    """:func:`ring_attention` that saves its state after each ring step and resumes from one.
+
+    The checkpoint seam of the batch job (:mod:`ringmpi.job.output.checkpoint`); not
+    part of ``import ringmpi``. Every other argument is that of :func:`ring_attention`.
+
+    Parameters
+    ----------
+    on_state : callable, optional
+        Called as ``on_state(done, acc, m, l)`` after each completed ring step (``done``
+        = steps completed, 1..nsteps, the same on every rank) with this rank's running
+        state itself, not a copy: acc (B, H, S, D), m and l (B, H, S) in the tile layout
+        and accumulation dtype (device arrays on the GPU). Save, never modify.
+    start : (done, acc, m, l), optional
+        Resume a ring after ``done`` completed steps from a state saved by ``on_state``
+        (same call, same ranks): the block this rank holds at step ``done`` is fetched
+        by one exchange shifted by ``done`` and the ring goes on with the same tile calls
+        on the same blocks in the same order, so out and lse are bitwise those of an
+        uninterrupted call. ``done`` must be the same on every rank (agreed here: a
+        ValueError on every rank otherwise).
+
+    Pass ``on_state`` and/or ``start`` on every rank of the call or on none: a call
+    using them adds one small allgather (the agreement on ``done``).
+    """
+    token = _SEAM.set((on_state, start))
+    try:
+        return ring_attention(q, k, v, comm, **kwargs)
+    finally:
+        _SEAM.reset(token)
 
 
 def _batched(x):
@@ -181,7 +201,7 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None),
     heads : slice
         The query heads of ``qi`` among the call's (heads x ring), for per-head options.
     on_state, start :
-        The checkpoint seam: ``_on_state`` and ``_start`` of :func:`ring_attention`.
+        The checkpoint seam: those of :func:`resumable_ring_attention`.
     """
     be, mask, layout = args.backend, args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -244,9 +264,9 @@ def _resume_from(comm, start, nsteps: int, state: tuple) -> int:
                for x in start[1:]]  # fmt: skip
         want = [(tuple(x.shape), str(x.dtype)) for x in state]
         if type(done) is not int or not 0 <= done <= nsteps:
-            why = f"_start: ring step {done!r} is not in 0..{nsteps}"
+            why = f"start: ring step {done!r} is not in 0..{nsteps}"
         elif got != want:
-            why = f"_start: a state of (shape, dtype) {got}, the ring's is {want}"
+            why = f"start: a state of (shape, dtype) {got}, the ring's is {want}"
     with watch("agreeing on the ring step to resume at with the other ranks"):
         got = comm.allgather((done, why))
     bad = [f"rank {r}: {w}" for r, (_, w) in enumerate(got) if w]

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..attention import ring_attention
+from ..attention import resumable_ring_attention
 from ..collective import run_everywhere
 from ..layout import counts
 from ..runtime import faults, interrupt
@@ -268,10 +268,19 @@ class SequenceLoop:
             where["step"] = step
             bar.step(step, nsteps)
 
-        out, lse = ring_attention(q, k, v, ctx.ring, spec=spec, return_lse=True, stats=stats,
-                                  on_step=on_step, on_tick=bar.tick if self.show else None,
-                                  _on_state=self.ckpt.on_state if self.ckpt.on else None,
-                                  _start=start)  # fmt: skip
+        out, lse = resumable_ring_attention(
+            q,
+            k,
+            v,
+            ctx.ring,
+            spec=spec,
+            return_lse=True,
+            stats=stats,
+            on_step=on_step,
+            on_tick=bar.tick if self.show else None,
+            on_state=self.ckpt.on_state if self.ckpt.on else None,
+            start=start,
+        )
         del q, k, v
         where["stage"] = "writing"
         if ctx.device == "gpu":

@@ -7,8 +7,8 @@ and fold them into acc and l before returning, so nothing else carries over).
 ``ringmpi run --checkpoint-every SECONDS`` saves that state at most every
 SECONDS (default 600; ``0``: never), and ``--resume`` continues an interrupted
 sequence from the last ring step every rank of its ring saved, through the
-checkpoint seam of :func:`ringmpi.ring_attention` (``_on_state``, ``_start``):
-the same tile calls on the same blocks in the same order, so the output is
+checkpoint seam of :func:`ringmpi.attention.resumable_ring_attention` (``on_state``,
+``start``): the same tile calls on the same blocks in the same order, so the output is
 bitwise that of an uninterrupted run.
 
 Files, in the output's parts folder (owned by this user, not writable by others:
@@ -190,7 +190,7 @@ def load(path: str, expect: dict) -> tuple:
 
 
 class Checkpoints:
-    """One rank's checkpoints in a job: the ``_on_state`` callback, resume and clean-up.
+    """One rank's checkpoints in a job: the ``on_state`` callback, resume and clean-up.
 
     Every method is called by every rank of the ring, in the same order.
 
@@ -302,7 +302,7 @@ class Checkpoints:
         return state
 
     def on_state(self, done: int, acc, m, l) -> None:
-        """The ``_on_state`` callback: save when due (decided by the ring's rank 0)."""
+        """The ``on_state`` callback: save when due (decided by the ring's rank 0)."""
         if self.every is None or done >= self.size:
             return  # the last step: the output is written next
         due = time.monotonic() - self.last >= self.every
