@@ -36,8 +36,19 @@ def ring_pass(q, k, v, comm):
     with KVRing(comm, be, ki, vi, cnt) as kv:
         for _, src, kb, vb in kv:
             k_pos = np.arange(cnt[src], dtype=np.int64)
-            be.forward_tile(qi, kb, vb, q_pos, k_pos, acc, m, l, scale=q.shape[-1] ** -0.5,
-                            causal=False, progress=kv.ring.test)  # fmt: skip
+            be.forward_tile(
+                qi,
+                kb,
+                vb,
+                q_pos,
+                k_pos,
+                acc,
+                m,
+                l,
+                scale=q.shape[-1] ** -0.5,
+                causal=False,
+                progress=kv.ring.test,
+            )
     out, _ = softmax.finalize(acc, m, l)
     return np.moveaxis(out[0], 0, 1)
 
@@ -71,9 +82,11 @@ def main() -> None:
     diff = comm.allreduce(diff, op=MPI.MAX)
     if comm.rank == 0:
         t_dec, t_ring = res["decode"][0], res["ring pass"][0]
-        print(f"P={comm.size} cache={a.cache} Sq={a.sq} H={a.heads} Hkv={a.kv_heads} "
-              f"D={a.head_dim}: decode {t_dec * 1e3:.3f} ms, ring pass {t_ring * 1e3:.3f} ms, "
-              f"ring/decode {t_ring / t_dec:.1f}x, max |diff| {diff:.1e}")  # fmt: skip
+        print(
+            f"P={comm.size} cache={a.cache} Sq={a.sq} H={a.heads} Hkv={a.kv_heads} "
+            f"D={a.head_dim}: decode {t_dec * 1e3:.3f} ms, ring pass {t_ring * 1e3:.3f} ms, "
+            f"ring/decode {t_ring / t_dec:.1f}x, max |diff| {diff:.1e}"
+        )
 
 
 if __name__ == "__main__":

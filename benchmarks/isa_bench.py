@@ -125,8 +125,10 @@ def main(argv=None) -> int:
     med = lambda xs: float(np.median(xs)) if xs else float("nan")  # noqa: E731
     print(f"peers: {args.peers}; clock: {args.clock}; H={h}; float32; 1 thread; median of", end="")
     print(f" {args.repeat} rounds")
-    print(f"{'isa':>7} {'N':>6} {'D':>4} {'causal':>6} {'GFLOP/s':>8} {'torch':>7} "
-          f"{'x torch':>7} {'sgemm':>7} {'x sgemm':>7}")  # fmt: skip
+    print(
+        f"{'isa':>7} {'N':>6} {'D':>4} {'causal':>6} {'GFLOP/s':>8} {'torch':>7} "
+        f"{'x torch':>7} {'sgemm':>7} {'x sgemm':>7}"
+    )
     for name in kerns:
         for c in cases:
             print(

@@ -57,13 +57,16 @@ def baseline_dir(rev: str, tmp: str) -> str:
     """Write the kernel sources of git revision ``rev`` (and its kernels/*.h) into ``tmp``."""
     headers = subprocess.run(
         ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:kernels"],
-        check=True, capture_output=True, text=True,
-    ).stdout.split()  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for name in (*SOURCES, *(h for h in headers if h.endswith(".h"))):
         text = subprocess.run(
             ["git", "-C", str(ROOT), "show", f"{rev}:kernels/{name}"],
-            check=True, capture_output=True,
-        ).stdout  # fmt: skip
+            check=True,
+            capture_output=True,
+        ).stdout
         with open(
             os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb"
         ) as f:
@@ -123,9 +126,21 @@ def gradients(fwd, bwd_lib, q, k, v, do):
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     qp, kp = positions(q.shape[2], k.shape[2])
     fused_backward.backward_tile_with(
-        bwd_lib, q, k, v, do, lse, delta, qp, kp, dq, dk, dv, scale=1 / np.sqrt(q.shape[-1]),
+        bwd_lib,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        qp,
+        kp,
+        dq,
+        dk,
+        dv,
+        scale=1 / np.sqrt(q.shape[-1]),
         causal=False,
-    )  # fmt: skip
+    )
     return dq, dk, dv
 
 
@@ -246,8 +261,10 @@ def packed(pairs: dict, lens, tokens: int, n: int, d: int, heads: int, kv_heads:
     """Best-of-rounds GFLOP/s of both builds on packed causal batches and one causal tile."""
     rng = np.random.default_rng(2)
     sc = 1 / np.sqrt(d)
-    print(f"packed: {tokens} tokens a batch, D={d} H={heads} Hkv={kv_heads} float32, "
-          f"best of {rounds} rounds x 2 runs each (thread CPU time)")  # fmt: skip
+    print(
+        f"packed: {tokens} tokens a batch, D={d} H={heads} Hkv={kv_heads} float32, "
+        f"best of {rounds} rounds x 2 runs each (thread CPU time)"
+    )
     for s in (*lens, None):
         t = n if s is None else tokens // s * s
         pos = np.arange(t, dtype=np.int64)
@@ -323,9 +340,21 @@ def modifiers(kern, lib, n: int, d: int, heads: int, rounds: int, causal: bool) 
             dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
             t = time.process_time()
             fused_backward.backward_tile_with(
-                lib, q, k, v, do, *lses[name], pos, pos, dq, dk, dv, scale=sc, causal=causal,
+                lib,
+                q,
+                k,
+                v,
+                do,
+                *lses[name],
+                pos,
+                pos,
+                dq,
+                dk,
+                dv,
+                scale=sc,
+                causal=causal,
                 **kw,
-            )  # fmt: skip
+            )
             times[("bwd", name)].append(time.process_time() - t)
     print(f"modifiers: N={n} D={d} H={heads} causal={causal}, {rounds} rounds, CPU time medians")
     for p, per in (("fwd", 4.0), ("bwd", 10.0)):

@@ -55,8 +55,9 @@ def windows(args) -> None:
             times[kern, w].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
             info[kern, w] = (st["backend"], st["steps"], comm.allreduce(st["bytes_sent"]))
     if comm.rank == 0:
-        print(f"N={n} H={h} D={d} float32 causal, contiguous, P={comm.size}, "
-              f"median of {args.repeat}")  # fmt: skip
+        print(
+            f"N={n} H={h} D={d} float32 causal, contiguous, P={comm.size}, median of {args.repeat}"
+        )
         print(
             f"{'tile':>6} {'window':>8} {'time s':>8} {'x full':>7} {'steps':>6}"
             f" {'MiB sent':>9} {'x full':>7}"
@@ -133,9 +134,12 @@ def main() -> None:
     ap.add_argument("--windows", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument(
-        "--kernels", nargs="+", default=["fused", "numpy"], choices=["fused", "numpy"],
+        "--kernels",
+        nargs="+",
+        default=["fused", "numpy"],
+        choices=["fused", "numpy"],
         help="CPU tiles to time side by side (RINGMPI_CPU_KERNEL)",
-    )  # fmt: skip
+    )
     ap.add_argument("--balance", action="store_true", help="only the packed-sequence balance")
     ap.add_argument("--tile", action="store_true", help="only fused vs numpy masked tile")
     ap.add_argument("--tile-window", type=int, default=256)

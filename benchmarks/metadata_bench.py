@@ -57,11 +57,20 @@ def peer_scan(path: str) -> int:
 
 
 def _plan(n: int, length: int):
-    seqs = [SimpleNamespace(name=f"seq{i:05d}", group=f"seq{i:05d}", length=length,
-                            length_k=length, cu_seqlens=None, cu_seqlens_k=None)
-            for i in range(n)]  # fmt: skip
-    return SimpleNamespace(sequences=seqs, heads=4, head_dim=64, dtype="float32",
-                           structure="groups")  # fmt: skip
+    seqs = [
+        SimpleNamespace(
+            name=f"seq{i:05d}",
+            group=f"seq{i:05d}",
+            length=length,
+            length_k=length,
+            cu_seqlens=None,
+            cu_seqlens_k=None,
+        )
+        for i in range(n)
+    ]
+    return SimpleNamespace(
+        sequences=seqs, heads=4, head_dim=64, dtype="float32", structure="groups"
+    )
 
 
 def peer_vds(path: str, plan, parts: str) -> None:
@@ -115,9 +124,15 @@ def measure(n: int, repeat: int, folder: str) -> dict:
     where = {i: (i,) for i in range(n)}
     vds = best(lambda: write_vds(out, plan, {}, parts, 2, "zigzag", where), repeat) / n
     vpeer = best(lambda: peer_vds(os.path.join(folder, "peer.h5"), plan, parts), repeat) / n
-    return {"sequences": n, "scan_ms": scan * 1e3, "h5py_scan_ms": peer * 1e3,
-            "scan_ratio": scan / peer, "vds_ms": vds * 1e3, "h5py_vds_ms": vpeer * 1e3,
-            "vds_ratio": vds / vpeer}  # fmt: skip
+    return {
+        "sequences": n,
+        "scan_ms": scan * 1e3,
+        "h5py_scan_ms": peer * 1e3,
+        "scan_ratio": scan / peer,
+        "vds_ms": vds * 1e3,
+        "h5py_vds_ms": vpeer * 1e3,
+        "vds_ratio": vds / vpeer,
+    }
 
 
 def main(argv=None) -> int:
@@ -129,10 +144,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ringmpi-meta-") as d:
         r = measure(a.sequences, a.repeat, d)
     print(f"{r['sequences']} sequences (ms per group / sequence, best of {a.repeat}):")
-    print(f"  plan scan      {r['scan_ms']:7.3f}   h5py peer {r['h5py_scan_ms']:7.3f}   "
-          f"ratio {r['scan_ratio']:.2f}")  # fmt: skip
-    print(f"  vds index      {r['vds_ms']:7.3f}   h5py peer {r['h5py_vds_ms']:7.3f}   "
-          f"ratio {r['vds_ratio']:.2f}")  # fmt: skip
+    print(
+        f"  plan scan      {r['scan_ms']:7.3f}   h5py peer {r['h5py_scan_ms']:7.3f}   "
+        f"ratio {r['scan_ratio']:.2f}"
+    )
+    print(
+        f"  vds index      {r['vds_ms']:7.3f}   h5py peer {r['h5py_vds_ms']:7.3f}   "
+        f"ratio {r['vds_ratio']:.2f}"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)

@@ -42,8 +42,9 @@ def measure(comm, n, h, d, causal, repeat=3):
     n_local = n // comm.size
     rates, times = [], []
     for _ in range(repeat):
-        rate = plan.measure_compute(d, h=h, hkv=h, n_local=min(n_local, 8192), causal=causal,
-                                    repeat=1)  # fmt: skip
+        rate = plan.measure_compute(
+            d, h=h, hkv=h, n_local=min(n_local, 8192), causal=causal, repeat=1
+        )
         rates.append(float(np.median(comm.allgather(rate))))
         comm.Barrier()
         t0 = time.perf_counter()
@@ -62,16 +63,19 @@ def main(argv=None) -> int:
     bad = 0
     for n, h, d, causal in SHAPES:
         rate, meas = measure(comm, n, h, d, causal, args.repeat)
-        pred = plan.predict(n, h, h, d, ranks=comm.size, causal=causal, gflops=rate,
-                            link_gbps=gbps, latency_s=lat)["time_s"]  # fmt: skip
+        pred = plan.predict(
+            n, h, h, d, ranks=comm.size, causal=causal, gflops=rate, link_gbps=gbps, latency_s=lat
+        )["time_s"]
         ratio = pred / meas
         off = not 0.7 <= ratio <= 1.3
         bad += off
         if comm.rank == 0:
-            print(f"N={n} H={h} D={d} causal={causal} P={comm.size}: {rate:.1f} GF/s, "
-                  f"predicted {pred:.3f} s, measured {meas:.3f} s, "
-                  f"predicted/measured {ratio:.2f}{'  OUTSIDE 0.7-1.3' if off else ''}",
-                  flush=True)  # fmt: skip
+            print(
+                f"N={n} H={h} D={d} causal={causal} P={comm.size}: {rate:.1f} GF/s, "
+                f"predicted {pred:.3f} s, measured {meas:.3f} s, "
+                f"predicted/measured {ratio:.2f}{'  OUTSIDE 0.7-1.3' if off else ''}",
+                flush=True,
+            )
     return 1 if bad else 0
 
 

@@ -53,14 +53,35 @@ from ringmpi.cost import flops as model_flops
 
 H, HKV, D, DTYPE = 4, 2, 64, "float32"
 CHUNK = 8 << 20  # bytes per write/read call of the I/O probe
-COLUMNS = ("dataset", "ring size", "job s", "process s", "kernel-bound s", "io-bound s",
-           "job/max(bound)", "in tiles", "torch s", "job/torch")  # fmt: skip
+COLUMNS = (
+    "dataset",
+    "ring size",
+    "job s",
+    "process s",
+    "kernel-bound s",
+    "io-bound s",
+    "job/max(bound)",
+    "in tiles",
+    "torch s",
+    "job/torch",
+)
 #: the range of the repeated runs (--repeat)
 REPEAT_COLUMNS = ("dataset", "ring size", "runs", "job s", "job min s", "job max s", "torch s")
 #: what the bounds are made of, one line per dataset
-BOUND_COLUMNS = ("dataset", "sequences", "tokens", "model GFLOP", "tile S", "tile GFLOP/s",
-                 "tile median", "in job GFLOP/s", "read MB", "write MB", "read MB/s",
-                 "write MB/s")  # fmt: skip
+BOUND_COLUMNS = (
+    "dataset",
+    "sequences",
+    "tokens",
+    "model GFLOP",
+    "tile S",
+    "tile GFLOP/s",
+    "tile median",
+    "in job GFLOP/s",
+    "read MB",
+    "write MB",
+    "read MB/s",
+    "write MB/s",
+)
 
 
 def lognormal_lengths(n: int, median: float, sigma: float, seed: int) -> np.ndarray:
@@ -192,8 +213,15 @@ def tile_rate(length: int, seconds: float = 1.0) -> tuple:
     return best, float(np.median(rates))
 
 
-def run_job(mpiexec: str, ranks: int, inp: str, out: str, ring, timeout: float,
-            extra_env: Optional[dict] = None) -> dict:  # fmt: skip
+def run_job(
+    mpiexec: str,
+    ranks: int,
+    inp: str,
+    out: str,
+    ring,
+    timeout: float,
+    extra_env: Optional[dict] = None,
+) -> dict:
     """Run ``ringmpi run`` under mpiexec; its summary plus ``process_s`` (the launch's wall time).
 
     Parameters
@@ -310,8 +338,9 @@ def measure(a, folder: str, mpiexec: str) -> list:
         uniform = bool((lengths == lengths[0]).all())
         if uniform:
             shape = dict(seq_len=int(lengths[0]), heads=H, kv_heads=HKV, head_dim=D)
-            make_data(inp, **shape, sequences=len(lengths), dtype=DTYPE, seed=a.seed,
-                      values="realistic")  # fmt: skip
+            make_data(
+                inp, **shape, sequences=len(lengths), dtype=DTYPE, seed=a.seed, values="realistic"
+            )
         else:
             write_lengths(inp, lengths, a.seed)
         tokens = int(lengths.sum())
@@ -348,22 +377,41 @@ def measure(a, folder: str, mpiexec: str) -> list:
             label += f" [{variant}]" if variant else ""
             job = float(np.median(walls))
             bound = max(kernel_s, io_s)
-            rows.append({
-                "dataset": name, "ring size": label, "job s": job, "process s": s["process_s"],
-                "runs": len(walls), "job min s": min(walls), "job max s": max(walls),
-                "kernel-bound s": kernel_s, "io-bound s": io_s, "job/max(bound)": job / bound,
-                "in tiles": s.get("kernel_share"),
-                "in job GFLOP/s": work / max(s.get("compute_s", 0.0) * a.ranks, 1e-9) / 1e9
-                if s.get("compute_s") else None,
-                "torch s": torch_s, "job/torch": job / torch_s if torch_s else None,
-                "sequences": len(lengths), "tokens": tokens, "model GFLOP": work / 1e9,
-                "tile S": tile, "tile GFLOP/s": rate / 1e9, "tile median": median_rate / 1e9,
-                "read MB": read_b / 1e6,
-                "write MB": write_b / 1e6, "read MB/s": rr / 1e6, "write MB/s": wr / 1e6,
-                "ranks": a.ranks,
-                "ring_size_run": s.get("ring_size"), "input": inp, "output": out,
-                "lengths": [int(x) for x in lengths],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "dataset": name,
+                    "ring size": label,
+                    "job s": job,
+                    "process s": s["process_s"],
+                    "runs": len(walls),
+                    "job min s": min(walls),
+                    "job max s": max(walls),
+                    "kernel-bound s": kernel_s,
+                    "io-bound s": io_s,
+                    "job/max(bound)": job / bound,
+                    "in tiles": s.get("kernel_share"),
+                    "in job GFLOP/s": work / max(s.get("compute_s", 0.0) * a.ranks, 1e-9) / 1e9
+                    if s.get("compute_s")
+                    else None,
+                    "torch s": torch_s,
+                    "job/torch": job / torch_s if torch_s else None,
+                    "sequences": len(lengths),
+                    "tokens": tokens,
+                    "model GFLOP": work / 1e9,
+                    "tile S": tile,
+                    "tile GFLOP/s": rate / 1e9,
+                    "tile median": median_rate / 1e9,
+                    "read MB": read_b / 1e6,
+                    "write MB": write_b / 1e6,
+                    "read MB/s": rr / 1e6,
+                    "write MB/s": wr / 1e6,
+                    "ranks": a.ranks,
+                    "ring_size_run": s.get("ring_size"),
+                    "input": inp,
+                    "output": out,
+                    "lengths": [int(x) for x in lengths],
+                }
+            )
             if not a.keep:
                 os.remove(out)
                 shutil.rmtree(out + ".parts", ignore_errors=True)
@@ -388,8 +436,10 @@ def table(rows: list, columns=COLUMNS, unique: bool = False) -> str:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[2:]))  # fmt: skip
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     ap.add_argument("--ranks", type=int, default=2, help="MPI ranks of the job (default 2)")
     ap.add_argument(
         "--uniform",
@@ -433,9 +483,14 @@ def parse(argv=None):
         "(repeatable; e.g. RINGMPI_FSYNC_S=0,RINGMPI_KEEP_MEMORY=0 for the per-batch fsync "
         "and glibc's own malloc)",
     )
-    ap.add_argument("--repeat", type=int, default=1, metavar="N",
-                    help="run every job and the torch loop N times, taking turns; report "
-                    "medians and the range (default 1)")  # fmt: skip
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every job and the torch loop N times, taking turns; report "
+        "medians and the range (default 1)",
+    )
     ap.add_argument("--no-torch", action="store_true", help="skip the torch loop")
     ap.add_argument("--dir", default=None, help="parent of the private temporary folder")
     ap.add_argument("--keep", action="store_true", help="keep inputs and outputs (path printed)")

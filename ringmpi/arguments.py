@@ -169,8 +169,11 @@ def _view(comm, spec, arrays: dict, be, check_finite: bool, decode) -> dict:
         if decode:  # the modifiers decode does not apply: refused
             for name, _ in modifier_fields():
                 if getattr(spec, name) is not None and name not in decode:
-                    why = ("needs token positions, which a decode cache has not"
-                           if name == "alibi_slopes" else "is not supported by decode")  # fmt: skip
+                    why = (
+                        "needs token positions, which a decode cache has not"
+                        if name == "alibi_slopes"
+                        else "is not supported by decode"
+                    )
                     err = err or f"{name} {why}"
     if err is None:
         backward = "dout" in arrays
@@ -223,9 +226,14 @@ def _counts(views: list, size: int, spec, mask, what: str) -> dict:
 
 
 def agree(
-    comm: MPI.Comm, spec: AttentionSpec, arrays: dict, *, what: str = "ring_attention",
-    check_finite: bool = False, decode=(),
-) -> RingArgs:  # fmt: skip
+    comm: MPI.Comm,
+    spec: AttentionSpec,
+    arrays: dict,
+    *,
+    what: str = "ring_attention",
+    check_finite: bool = False,
+    decode=(),
+) -> RingArgs:
     """Check the call on every rank together (one ``allgather``) and return what they agreed.
 
     Parameters

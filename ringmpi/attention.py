@@ -126,9 +126,17 @@ def ring_attention(
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
-    spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
-                            cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                            head_parallel=head_parallel, **modifiers)  # fmt: skip
+    spec = AttentionSpec.of(
+        spec,
+        causal=causal,
+        layout=layout,
+        scale=scale,
+        window=window,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_k=cu_seqlens_k,
+        head_parallel=head_parallel,
+        **modifiers,
+    )
     arrays = {"q": q, "k": k, "v": v}
     args = agree(comm, spec, arrays, what="ring_attention", check_finite=check_finite)
     be = args.backend
@@ -145,8 +153,14 @@ def ring_attention(
     out = be.cast_out(out, args.in_dtype)
     if not args.batched:
         out, lse = out[0], lse[0]
-    report(stats, t_start, **st, alltoall_bytes=groups.alltoall_bytes, backend=be.name,
-           tile=be.describe())  # fmt: skip
+    report(
+        stats,
+        t_start,
+        **st,
+        alltoall_bytes=groups.alltoall_bytes,
+        backend=be.name,
+        tile=be.describe(),
+    )
     return (out, lse) if return_lse else out
 
 
@@ -190,8 +204,9 @@ def _batched(x):
     return x if x.ndim == 4 else x[None]
 
 
-def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None,
-          start=None) -> tuple:  # fmt: skip
+def _loop(
+    comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None, start=None
+) -> tuple:
     """The forward ring over ``comm``: (out (B, S, H, D) in the accumulation dtype, lse, stats).
 
     Parameters
@@ -230,9 +245,19 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None),
                 t0 = time.perf_counter()
                 k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k)
                 tile_flops += be.forward_tile(
-                    qi, kb, vb, plan.q_pos, k_pos, acc, m, l,
-                    scale=args.scale, causal=args.causal, progress=progress, **masked,
-                )  # fmt: skip
+                    qi,
+                    kb,
+                    vb,
+                    plan.q_pos,
+                    k_pos,
+                    acc,
+                    m,
+                    l,
+                    scale=args.scale,
+                    causal=args.causal,
+                    progress=progress,
+                    **masked,
+                )
                 compute_s += time.perf_counter() - t0
                 pairs = cost.visible_pairs(plan.q_pos, k_pos, args.causal, plan.bounds)
                 flops += cost.flops(pairs, d, h, b)
@@ -243,10 +268,17 @@ def _loop(comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None),
                 on_step(step + 1, plan.nsteps)
     sinks = args.spec.sinks
     out, lse = be.finish(acc, m, l, sinks=None if sinks is None else sinks[heads])
-    stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s, flops=flops, tile_flops=tile_flops,
-                 steps=plan.nsteps,
-                 steps_computed=computed, steps_skipped=size - plan.nsteps,
-                 steps_resumed=first, bytes_sent=kv.bytes_sent)  # fmt: skip
+    stats = dict(
+        compute_s=compute_s,
+        wait_s=kv.ring.wait_s,
+        flops=flops,
+        tile_flops=tile_flops,
+        steps=plan.nsteps,
+        steps_computed=computed,
+        steps_skipped=size - plan.nsteps,
+        steps_resumed=first,
+        bytes_sent=kv.bytes_sent,
+    )
     return out, lse, stats
 
 
@@ -260,8 +292,10 @@ def _resume_from(comm, start, nsteps: int, state: tuple) -> int:
     done, why = 0, ""
     if start is not None:
         done = start[0]
-        got = [(tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
-               for x in start[1:]]  # fmt: skip
+        got = [
+            (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+            for x in start[1:]
+        ]
         want = [(tuple(x.shape), str(x.dtype)) for x in state]
         if type(done) is not int or not 0 <= done <= nsteps:
             why = f"start: ring step {done!r} is not in 0..{nsteps}"

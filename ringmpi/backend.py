@@ -133,9 +133,16 @@ def _numpy_backend(why: str = "") -> Backend:
     cd = numpy_tile.compute_dtype
     note = "forward and backward: numpy tiles" + (f" ({why})" if why else "")
     return Backend(
-        "numpy", np, numpy_tile.forward_tile, numpy_tile.backward_tile, cd, cd, Ring, _CPU_DTYPES,
+        "numpy",
+        np,
+        numpy_tile.forward_tile,
+        numpy_tile.backward_tile,
+        cd,
+        cd,
+        Ring,
+        _CPU_DTYPES,
         notes=(note,),
-    )  # fmt: skip
+    )
 
 
 _MODS = scoremods.names()
@@ -188,11 +195,20 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         bwd = None if forced else numpy_tile.backward_tile
         notes.append(f"backward: {'none' if forced else 'numpy tile'} ({missing})")
     return Backend(
-        "fused", np, fwd, bwd, cd, cd, Ring, _CPU_DTYPES,
+        "fused",
+        np,
+        fwd,
+        bwd,
+        cd,
+        cd,
+        Ring,
+        _CPU_DTYPES,
         finalize=lambda acc, m, l: fused.finalize(acc, m, l, seq_major=True),
-        notes=tuple(notes), backward_missing=missing or "no backward tile",
-        forward_mods=fmods, backward_mods=bmods,
-    )  # fmt: skip
+        notes=tuple(notes),
+        backward_missing=missing or "no backward tile",
+        forward_mods=fmods,
+        backward_mods=bmods,
+    )
 
 
 def _gpu_backend() -> Backend:
@@ -331,17 +347,44 @@ class ForwardTile(Protocol):
     """Fold one K/V block into (acc, m, l); return the flops spent."""
 
     def __call__(
-        self, q, k, v, q_pos, k_pos, acc, m, l, *,
-        scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
-        bounds: Optional[tuple] = None, **modifiers,
-    ) -> int: ...  # fmt: skip
+        self,
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+        acc,
+        m,
+        l,
+        *,
+        scale: float,
+        causal: bool,
+        progress: Optional[Callable[[], None]] = None,
+        bounds: Optional[tuple] = None,
+        **modifiers,
+    ) -> int: ...
 
 
 class BackwardTile(Protocol):
     """Add one K/V block's gradient contributions to (dq, dk, dv); return the flops spent."""
 
     def __call__(
-        self, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv, *,
-        scale: float, causal: bool, progress: Optional[Callable[[], None]] = None,
-        bounds: Optional[tuple] = None, **modifiers,
-    ) -> int: ...  # fmt: skip
+        self,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        q_pos,
+        k_pos,
+        dq,
+        dk,
+        dv,
+        *,
+        scale: float,
+        causal: bool,
+        progress: Optional[Callable[[], None]] = None,
+        bounds: Optional[tuple] = None,
+        **modifiers,
+    ) -> int: ...

@@ -113,9 +113,17 @@ def ring_attention_backward(
     """
     t_start = time.perf_counter()
     comm = MPI.COMM_WORLD if comm is None else comm
-    spec = AttentionSpec.of(spec, causal=causal, layout=layout, scale=scale, window=window,
-                            cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                            head_parallel=head_parallel, **modifiers)  # fmt: skip
+    spec = AttentionSpec.of(
+        spec,
+        causal=causal,
+        layout=layout,
+        scale=scale,
+        window=window,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_k=cu_seqlens_k,
+        head_parallel=head_parallel,
+        **modifiers,
+    )
     # every array and option in one allgather: identical errors everywhere
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     args = agree(comm, spec, arrays, what="ring_attention_backward", check_finite=check_finite)
@@ -141,8 +149,14 @@ def ring_attention_backward(
             for g, kind in ((dq, "q"), (dk, "kv"), (dv, "kv"))
         )
     grads = tuple(_external(be.cast_out(g, like.dtype), like) for g, like in zip(grads, (q, k, v)))
-    report(stats, t_start, **st, alltoall_bytes=groups.alltoall_bytes, backend=be.name,
-           tile=be.describe())  # fmt: skip
+    report(
+        stats,
+        t_start,
+        **st,
+        alltoall_bytes=groups.alltoall_bytes,
+        backend=be.name,
+        tile=be.describe(),
+    )
     return grads if dsinks is None else (*grads, dsinks)
 
 
@@ -231,9 +245,22 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                     t0 = time.perf_counter()
                     k_pos = positions(args.nk, src, size, layout, cu_seqlens=args.mask.cu_k)
                     tile_flops += be.backward_tile(
-                        qa, kb, vb, do, lse_i, delta, plan.q_pos, k_pos, dq, mine[0], mine[1],
-                        scale=args.scale, causal=causal, progress=progress, **masked,
-                    )  # fmt: skip
+                        qa,
+                        kb,
+                        vb,
+                        do,
+                        lse_i,
+                        delta,
+                        plan.q_pos,
+                        k_pos,
+                        dq,
+                        mine[0],
+                        mine[1],
+                        scale=args.scale,
+                        causal=causal,
+                        progress=progress,
+                        **masked,
+                    )
                     compute_s += time.perf_counter() - t0
                     computed += 1
                     pairs = cost.visible_pairs(plan.q_pos, k_pos, causal, plan.bounds)
@@ -251,16 +278,27 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                     ring_d.start(here[:here_n], nxt_d[:nxt_n], tag=TAG_DKV)
                 else:  # the last hop: every accumulator straight home (next rank after P steps)
                     home = kv.view(nxt_d, cnt[rank]).size
-                    ring_d.start(here[:here_n], nxt_d[:home], tag=TAG_DKV, dest=src,
-                                 source=(rank + step) % size)  # fmt: skip
+                    ring_d.start(
+                        here[:here_n],
+                        nxt_d[:home],
+                        tag=TAG_DKV,
+                        dest=src,
+                        source=(rank + step) % size,
+                    )
             with watch(f"the last dK/dV hop to rank {rank}"):
                 ring_d.wait()
             stopped = False
         finally:
             ring_d.free(abandon=stopped)
     dkv = kv.view(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
-    stats = dict(compute_s=compute_s, wait_s=kv.ring.wait_s + ring_d.wait_s, flops=flops,
-                 tile_flops=tile_flops,
-                 steps=plan.nsteps, steps_computed=computed, steps_skipped=size - plan.nsteps,
-                 bytes_sent=kv.bytes_sent)  # fmt: skip
+    stats = dict(
+        compute_s=compute_s,
+        wait_s=kv.ring.wait_s + ring_d.wait_s,
+        flops=flops,
+        tile_flops=tile_flops,
+        steps=plan.nsteps,
+        steps_computed=computed,
+        steps_skipped=size - plan.nsteps,
+        bytes_sent=kv.bytes_sent,
+    )
     return dq, dkv[0], dkv[1], stats

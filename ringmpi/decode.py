@@ -35,9 +35,15 @@ DECODE_MODIFIERS = ("softcap", "sinks")
 
 @spec_keywords
 def decode_attention(
-    q, k, v, comm: Optional[MPI.Comm] = None, *, scale: Optional[float] = None,
-    return_lse: bool = False, **modifiers,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    comm: Optional[MPI.Comm] = None,
+    *,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    **modifiers,
+):
     """Attention of a few queries against a cache sharded over the ranks; exact on every rank.
 
     Parameters
@@ -68,8 +74,9 @@ def decode_attention(
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     spec = AttentionSpec(scale=scale, **modifiers)
-    args = agree(comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention",
-                 decode=DECODE_MODIFIERS)  # fmt: skip
+    args = agree(
+        comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention", decode=DECODE_MODIFIERS
+    )
     be, d, sc = args.backend, q.shape[-1], args.scale
     cap = args.spec.softcap
     out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype, cap)  # (B, H, Sq, D), (B, H, Sq)

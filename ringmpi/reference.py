@@ -81,9 +81,20 @@ def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None)):
 
 
 def attention(
-    q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64, block=None,
-    window=None, cu_seqlens=None, cu_seqlens_k=None, sinks=None, **modifiers,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    dtype=np.float64,
+    block=None,
+    window=None,
+    cu_seqlens=None,
+    cu_seqlens_k=None,
+    sinks=None,
+    **modifiers,
+):
     """Dense softmax attention, computed in ``dtype``, with the masks of ``ring_attention``.
 
     Parameters
@@ -132,9 +143,20 @@ def attention(
 
 
 def attention_backward(
-    dout, q, k, v, causal: bool = False, scale: float | None = None, *, dtype=np.float64,
-    window=None, cu_seqlens=None, cu_seqlens_k=None, sinks=None, **modifiers,
-):  # fmt: skip
+    dout,
+    q,
+    k,
+    v,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    dtype=np.float64,
+    window=None,
+    cu_seqlens=None,
+    cu_seqlens_k=None,
+    sinks=None,
+    **modifiers,
+):
     """Dense gradients of ``attention(q, k, v)[0]`` against ``dout``, computed in ``dtype``.
 
     With P = softmax(scale * Q K^T), O = P V and delta_i = sum_d dO_id O_id:

@@ -101,8 +101,14 @@ class Exchanger(Protocol):
     polls: int
     ticks: int
 
-    def start(self, send_buf, recv_buf, tag: int = TAG_KV, dest: Optional[int] = None,
-              source: Optional[int] = None) -> None:  # fmt: skip
+    def start(
+        self,
+        send_buf,
+        recv_buf,
+        tag: int = TAG_KV,
+        dest: Optional[int] = None,
+        source: Optional[int] = None,
+    ) -> None:
         """Post the receive into ``recv_buf`` (from ``source``, default ``prev``) and the
         send of ``send_buf`` (to ``dest``, default ``next``); return at once."""
 

@@ -116,11 +116,27 @@ def _alibi_np(s, slopes, dist):
 
 
 MODS = (
-    ScoreMod("softcap", "softcap", 0, scalar=True, positive=True, positions=False,
-             numpy=_softcap_np, doc="s = softcap * tanh(s / softcap)"),
-    ScoreMod("alibi_slopes", "alibi", 1, scalar=False, positive=False, positions=True,
-             numpy=_alibi_np, doc="s += -slopes[h] * abs(qa[i] - k_pos[j])"),
-)  # fmt: skip
+    ScoreMod(
+        "softcap",
+        "softcap",
+        0,
+        scalar=True,
+        positive=True,
+        positions=False,
+        numpy=_softcap_np,
+        doc="s = softcap * tanh(s / softcap)",
+    ),
+    ScoreMod(
+        "alibi_slopes",
+        "alibi",
+        1,
+        scalar=False,
+        positive=False,
+        positions=True,
+        numpy=_alibi_np,
+        doc="s += -slopes[h] * abs(qa[i] - k_pos[j])",
+    ),
+)
 _BY_KEYWORD = {m.keyword: m for m in MODS}
 _BY_FIELD = {m.field: m for m in MODS}
 assert len({m.slot for m in MODS}) == len(MODS) and max(m.slot for m in MODS) < NMODS

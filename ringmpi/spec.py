@@ -213,8 +213,11 @@ def _modifier(kind: str, doc: str, tile: bool = True, check=check_per_head) -> d
 
 def modifier_fields() -> list:
     """[(name, {"kind", "doc", "tile", "check"}), ...]: the score-modifier fields, in order."""
-    return [(f.name, f.metadata["modifier"]) for f in dataclasses.fields(AttentionSpec)
-            if "modifier" in f.metadata]  # fmt: skip
+    return [
+        (f.name, f.metadata["modifier"])
+        for f in dataclasses.fields(AttentionSpec)
+        if "modifier" in f.metadata
+    ]
 
 
 @dataclass(frozen=True)
@@ -477,8 +480,10 @@ def spec_keywords(fn):
         raise TypeError(f"{fn.__name__} must end with **modifiers")
     rest = params[:-1]
     at = next((i for i, p in enumerate(rest) if p.name.startswith("_")), len(rest))
-    mods = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
-            for name, _ in modifier_fields()]  # fmt: skip
+    mods = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+        for name, _ in modifier_fields()
+    ]
     new = sig.replace(parameters=rest[:at] + mods + rest[at:])
     allowed = frozenset(new.parameters)
     names = frozenset(m.name for m in mods)

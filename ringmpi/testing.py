@@ -134,8 +134,13 @@ def assert_close(
     fin = np.isfinite(ref)
     err = float(np.abs(got[fin] - ref[fin]).max(initial=0.0))
     same_inf = bool(np.array_equal(got[~fin], ref[~fin]))
-    assert_all(comm, err <= tol and same_inf, f"{name}: max err {err:.3g} > tol {tol:.3g}"
-               if same_inf else f"{name}: infinite entries differ")  # fmt: skip
+    assert_all(
+        comm,
+        err <= tol and same_inf,
+        f"{name}: max err {err:.3g} > tol {tol:.3g}"
+        if same_inf
+        else f"{name}: infinite entries differ",
+    )
     return err / tol
 
 
@@ -169,9 +174,20 @@ REALISTIC = {"means": (0.0, 0.5, 1.0), "spreads": (1.0, 1.0, 0.1), "sinks": 2}
 
 
 def random_qkv(
-    rng, n: int, h: int, hkv: int, d: int, batch=None, dtype=np.float64, *,
-    realistic: bool = False, means=None, spreads=None, sinks=None, nk=None,
-):  # fmt: skip
+    rng,
+    n: int,
+    h: int,
+    hkv: int,
+    d: int,
+    batch=None,
+    dtype=np.float64,
+    *,
+    realistic: bool = False,
+    means=None,
+    spreads=None,
+    sinks=None,
+    nk=None,
+):
     """Global q (n, h, d), k and v (nk, hkv, d), with a leading batch axis if given.
 
     Parameters

@@ -326,9 +326,21 @@ def _shape_case(rng, dst: str) -> tuple:
     shapes = {"q": (n, h, dd), "k": (n, hkv, dd), "v": (n, hkv, dd)}
     dtypes = {"q": "f4", "k": "f4", "v": "f4"}
     kind = rng.choice(
-        ["D mismatch", "H not multiple", "2-D q", "5-D q", "no token", "one token",
-         "int dtype", "missing v", "q is a group", "k longer", "batch mismatch", "zero heads"]
-    )  # fmt: skip
+        [
+            "D mismatch",
+            "H not multiple",
+            "2-D q",
+            "5-D q",
+            "no token",
+            "one token",
+            "int dtype",
+            "missing v",
+            "q is a group",
+            "k longer",
+            "batch mismatch",
+            "zero heads",
+        ]
+    )
     if kind == "D mismatch":
         shapes["k"] = shapes["v"] = (n, hkv, dd + 1)
     elif kind == "H not multiple":
@@ -387,9 +399,13 @@ def fuzz_cases(d: str, count: int, seed: int = 2024):
     rng = np.random.default_rng(seed)
     bases = fuzz_bases(d)
     plan = (
-        ["truncate"] * 25 + ["flip"] * 25 + ["flip-metadata"] * 15 + ["smash"] * 10
-        + ["shape"] * 15 + ["absurd"] * 10
-    )  # fmt: skip
+        ["truncate"] * 25
+        + ["flip"] * 25
+        + ["flip-metadata"] * 15
+        + ["smash"] * 10
+        + ["shape"] * 15
+        + ["absurd"] * 10
+    )
     kinds = [plan[(i * 100) // count % 100] for i in range(count)]
     rng.shuffle(kinds)
     for i, kind in enumerate(kinds):

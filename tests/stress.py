@@ -157,9 +157,16 @@ def check_kill(tmp: Path, quick: bool):
         got = F.digests(str(out)) if res.rc == 0 else {}
         skipped = f"({nmark} already done)" in res.out
         ok = (
-            not killed.hang and killed.rc != 0 and 0 < done_at_kill < nseq and w1.seen == 0
-            and w2.incomplete == 0 and not problems and res.rc == 0 and skipped and got == want
-        )  # fmt: skip
+            not killed.hang
+            and killed.rc != 0
+            and 0 < done_at_kill < nseq
+            and w1.seen == 0
+            and w2.incomplete == 0
+            and not problems
+            and res.rc == 0
+            and skipped
+            and got == want
+        )
         detail = problems[0] if problems else f"{nmark} markers + {nparts} parts consistent"
         yield _line(
             ok,
@@ -196,9 +203,12 @@ def _disk_verdict(label: str, res: F.Result, out: Path, words: tuple, nseq: int)
     nmark, nparts, problems = F.markers_consistent(str(out) + ".parts")
     err = _first_error(res)
     clear = (
-        res.rc == 2 and len(lines) == 1 and err.startswith("ringmpi: error: ")
-        and "cannot write" in err and any(w in err for w in words)
-    )  # fmt: skip
+        res.rc == 2
+        and len(lines) == 1
+        and err.startswith("ringmpi: error: ")
+        and "cannot write" in err
+        and any(w in err for w in words)
+    )
     ok = clear and not os.path.lexists(out) and not problems and 0 < nmark < nseq
     detail = problems[0] if problems else f"{nmark} markers consistent"
     rc = "hang" if res.hang else f"exit {res.rc}"
@@ -266,9 +276,16 @@ def check_fuzz(tmp: Path, quick: bool):
         out = d / f"out{i:03d}.h5"
         causal = i % 2 == 1
         res = F.run_cli(
-            2, "run", *files, "-o", str(out), "--quiet", *extra,
-            *(["--causal"] if causal else []), timeout=60,
-        )  # fmt: skip
+            2,
+            "run",
+            *files,
+            "-o",
+            str(out),
+            "--quiet",
+            *extra,
+            *(["--causal"] if causal else []),
+            timeout=60,
+        )
         cls = F.classify(res)
         slowest = max(slowest, res.secs)
         if cls == "ok":

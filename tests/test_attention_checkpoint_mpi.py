@@ -26,8 +26,9 @@ def _case(comm, n, dtype, realistic=True, seed=3):
 
 
 def _run(comm, loc, layout, causal, window=None, **kw):
-    return resumable_ring_attention(*loc, comm, causal=causal, layout=layout, window=window,
-                                    return_lse=True, **kw)  # fmt: skip
+    return resumable_ring_attention(
+        *loc, comm, causal=causal, layout=layout, window=window, return_lse=True, **kw
+    )
 
 
 @pytest.mark.parametrize("kernel", ["auto", "numpy"])
@@ -90,8 +91,9 @@ def test_resume_masked_ring_and_batch(comm):
     assert_all(comm, sorted(saved) == list(range(1, nsteps + 1)), f"saved {sorted(saved)}")
     for s in range(1, nsteps + 1):
         st = {}
-        got, got_lse = _run(comm, loc, "contiguous", True, window=(60, 0),
-                            start=(s, *saved[s]), stats=st)  # fmt: skip
+        got, got_lse = _run(
+            comm, loc, "contiguous", True, window=(60, 0), start=(s, *saved[s]), stats=st
+        )
         same = got.tobytes() == out.tobytes() and got_lse.tobytes() == lse.tobytes()
         assert_all(comm, same and st["steps_resumed"] == s, f"masked resume at {s}/{nsteps}")
         assert_all(comm, st["steps_computed"] <= nsteps - s, f"recomputed {st['steps_computed']}")

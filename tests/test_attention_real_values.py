@@ -113,9 +113,11 @@ def _backward(isa, q, k, v, dout):
     out, lse = (softmax.finalize if kern is None else kern.finalize)(acc, m, l)
     delta = (doh * out).sum(-1)
     dq, dk, dv = np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)
-    lib = None if isa is None else fused_backward.open_library(
-        build.build_library("cpu_backward.c", isa)
-    )  # fmt: skip
+    lib = (
+        None
+        if isa is None
+        else fused_backward.open_library(build.build_library("cpu_backward.c", isa))
+    )
     fused_backward.backward_tile_with(
         lib, qh, kh, vh, doh, lse, delta, pos_q, pos_k, dq, dk, dv, scale=sc, causal=False
     )

@@ -37,8 +37,9 @@ def _check(comm, nq, nk, causal, layout, dtype, seed, h=4, hkv=2, d=32, grads=Tr
     assert_close(comm, full_lse, ref_lse, peer[1], f"{tag} lse")
     if not grads:
         return
-    g = ringmpi.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
-                                        layout=layout, **kw)  # fmt: skip
+    g = ringmpi.ring_attention_backward(
+        dl, ql, kl, vl, out, lse, comm, causal=causal, layout=layout, **kw
+    )
     want = attention_backward(dout, q, k, v, causal)
     other = (None,) * 3 if dtype == np.float64 else dense_backward(dout, q, k, v, causal)
     for gi, w, o, name, n in zip(g, want, other, "qkv", (nq, nk, nk)):

@@ -89,15 +89,19 @@ def _params(direction: str) -> list:
         for case, mod, dt in _combos(name):
             why = KNOWN.get((name, direction, case, mod, dt))
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
-            out.append(pytest.param(name, case, mod, dt, marks=marks,
-                                    id=f"{name}-{case}-{mod}-{dt}"))  # fmt: skip
+            out.append(
+                pytest.param(name, case, mod, dt, marks=marks, id=f"{name}-{case}-{mod}-{dt}")
+            )
     return out
 
 
 def _check_refusal(be, which: str, spec, reasons: list) -> None:
     """Every reason must name an option this backend may refuse in that pass (MAY_REFUSE)."""
-    allowed = [f for f in scoremods.names()
-               if getattr(spec, f) is not None and (be.name, which, f) in MAY_REFUSE]  # fmt: skip
+    allowed = [
+        f
+        for f in scoremods.names()
+        if getattr(spec, f) is not None and (be.name, which, f) in MAY_REFUSE
+    ]
     for r in reasons:
         assert any(f in r for f in allowed), f"{be.name} refuses the {which} pass: {r!r}"
 
@@ -179,10 +183,21 @@ def test_forward(var, case, mod, dtype):
         conf.close(m_lse, lse, dtype, f"{tag} merged lse")
     peer = (None, None) if p.peer is None else p.peer
     qp = p.q_pos
-    assert_close(None, out, p.ref[0][:, qp], None if peer[0] is None else peer[0][:, qp],
-                 f"{tag} out vs dense")  # fmt: skip
-    assert_close(None, lse, p.ref[1][..., qp], None if peer[1] is None else peer[1][..., qp],
-                 f"{tag} lse vs dense", extra=_lse_extra(p, dtype))  # fmt: skip
+    assert_close(
+        None,
+        out,
+        p.ref[0][:, qp],
+        None if peer[0] is None else peer[0][:, qp],
+        f"{tag} out vs dense",
+    )
+    assert_close(
+        None,
+        lse,
+        p.ref[1][..., qp],
+        None if peer[1] is None else peer[1][..., qp],
+        f"{tag} lse vs dense",
+        extra=_lse_extra(p, dtype),
+    )
     empty = _empty_rows(case, mod, dtype)
     assert case not in ("empty_rows", "empty_packed") or empty.any()
     assert not out[:, empty].any() and (l[..., empty] == 0).all(), f"{tag}: empty rows"
@@ -311,14 +326,14 @@ def test_sinks_through_ring_attention(var, mod, dtype):
     rng = np.random.default_rng(7)
     q, k, v = random_qkv(rng, 67, 4, 2, 59, dtype=np.dtype(dtype), nk=40, realistic=True)
     dout = (0.2 + 0.1 * rng.standard_normal(q.shape)).astype(dtype)
-    fields = {f: (0.25, 0.0625, 0.0, 0.015625) if v is SLOPES else v
-              for f, v in MODS[mod].items()}  # fmt: skip
+    fields = {f: (0.25, 0.0625, 0.0, 0.015625) if v is SLOPES else v for f, v in MODS[mod].items()}
     kw = dict(causal=True, window=(30, 0), sinks=SINKS, **fields)
     dev = [var.to_dev(x) for x in (q, k, v, dout)]
     comm = MPI.COMM_SELF
     stats = {}
-    out, lse = ringmpi.ring_attention(*dev[:3], comm, layout="contiguous", return_lse=True,
-                                      stats=stats, **kw)  # fmt: skip
+    out, lse = ringmpi.ring_attention(
+        *dev[:3], comm, layout="contiguous", return_lse=True, stats=stats, **kw
+    )
     assert stats["tile"] == var.be.describe()  # the variant's tiles ran (its ISA path)
     out, lse = var.to_host(out), var.to_host(lse)
     ref, ref_lse = reference.attention(q, k, v, **kw)
@@ -333,11 +348,20 @@ def test_sinks_through_ring_attention(var, mod, dtype):
     if why:  # refused on every rank before any message, with the reason
         _check_refusal(var.be, "backward", spec, why)
         with pytest.raises(ValueError, match="softcap|alibi_slopes"):
-            ringmpi.ring_attention_backward(dev[3], *dev[:3], var.to_dev(out), var.to_dev(lse),
-                                            comm, layout="contiguous", **kw)  # fmt: skip
+            ringmpi.ring_attention_backward(
+                dev[3], *dev[:3], var.to_dev(out), var.to_dev(lse), comm, layout="contiguous", **kw
+            )
         return
-    got = ringmpi.ring_attention_backward(dev[3], *dev[:3], var.to_dev(out), var.to_dev(lse),
-                                          comm, layout="contiguous", stats=stats, **kw)  # fmt: skip
+    got = ringmpi.ring_attention_backward(
+        dev[3],
+        *dev[:3],
+        var.to_dev(out),
+        var.to_dev(lse),
+        comm,
+        layout="contiguous",
+        stats=stats,
+        **kw,
+    )
     assert stats["tile"] == var.be.describe()
     want = reference.attention_backward(dout, q, k, v, **kw)
     peer_g = dense_backward(dout, q, k, v, **kw) if low else (None,) * 4
@@ -374,8 +398,14 @@ def test_in_process_isa_equals_the_environment(tmp_path):
     isa = cpu_isa.host_isas()[-1]  # the narrowest: never the default of auto
     env = dict(os.environ, RINGMPI_CPU_ISA=isa, RINGMPI_CPU_KERNEL="fused", PYTHONPATH="tests")
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", _ENV_RUN, str(tmp_path / "r.npz")], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENV_RUN, str(tmp_path / "r.npz")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == f"fused: forward: fused C ({isa}); backward: fused C ({isa})"
     got = np.load(tmp_path / "r.npz")

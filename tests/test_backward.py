@@ -85,9 +85,20 @@ def simulated_ring(dout, q, k, v, size, layout, causal, dtype):
             ki, vi = internal(k, kp).astype(dtype), internal(v, kp).astype(dtype)
             dk_i, dv_i = np.zeros_like(ki), np.zeros_like(vi)
             flops += backward_tile(
-                qi, ki, vi, doi, lse_i, delta, qp, kp, dq_i, dk_i, dv_i,
-                scale=scale, causal=causal,
-            )  # fmt: skip
+                qi,
+                ki,
+                vi,
+                doi,
+                lse_i,
+                delta,
+                qp,
+                kp,
+                dq_i,
+                dk_i,
+                dv_i,
+                scale=scale,
+                causal=causal,
+            )
             dk[:, kp] += np.moveaxis(dk_i, 1, 2)
             dv[:, kp] += np.moveaxis(dv_i, 1, 2)
         dq[:, qp] = np.moveaxis(dq_i, 1, 2)
@@ -141,15 +152,37 @@ def test_rows_without_visible_key_get_no_gradient(rng):
     delta = np.zeros((1, 2, 5))
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     f = backward_tile(
-        q, k, v, dout, lse, delta, np.arange(5), np.arange(10, 17), dq, dk, dv,
-        scale=1.0, causal=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        np.arange(5),
+        np.arange(10, 17),
+        dq,
+        dk,
+        dv,
+        scale=1.0,
+        causal=True,
+    )
     assert f == 0 and not dq.any() and not dk.any() and not dv.any()
     # same rows, no mask: lse = -inf still means "no probability mass", never NaN
     backward_tile(
-        q, k, v, dout, lse, delta, np.arange(5), np.arange(10, 17), dq, dk, dv,
-        scale=1.0, causal=False,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        np.arange(5),
+        np.arange(10, 17),
+        dq,
+        dk,
+        dv,
+        scale=1.0,
+        causal=False,
+    )
     assert not dq.any() and not dk.any() and not dv.any()
 
 

@@ -49,8 +49,16 @@ def test_bounds_match_the_rule(case):
     lo, hi = m.bounds(np.arange(case["nq"]))
     for i in range(case["nq"]):
         for j in range(case["nk"]):
-            want = brute_visible(i, j, case["nq"], case["nk"], case["causal"], case["window"],
-                                 cu_q, cu_k if cu_k is not None else cu_q)  # fmt: skip
+            want = brute_visible(
+                i,
+                j,
+                case["nq"],
+                case["nk"],
+                case["causal"],
+                case["window"],
+                cu_q,
+                cu_k if cu_k is not None else cu_q,
+            )
             assert (lo[i] <= j <= hi[i]) == want, (case, i, j)
 
 
@@ -61,11 +69,24 @@ def test_reference_masks_by_the_rule(case, rng):
     k = rng.standard_normal((nk, 1, 8))
     v = rng.standard_normal((nk, 1, 8))
     cu_q, cu_k = case.get("cu"), case.get("cu_k")
-    out, lse = attention(q, k, v, case["causal"], window=case["window"], cu_seqlens=cu_q,
-                         cu_seqlens_k=cu_k)  # fmt: skip
+    out, lse = attention(
+        q, k, v, case["causal"], window=case["window"], cu_seqlens=cu_q, cu_seqlens_k=cu_k
+    )
     for i in range(nq):
-        vis = [j for j in range(nk) if brute_visible(i, j, nq, nk, case["causal"],
-               case["window"], cu_q, cu_k if cu_k is not None else cu_q)]  # fmt: skip
+        vis = [
+            j
+            for j in range(nk)
+            if brute_visible(
+                i,
+                j,
+                nq,
+                nk,
+                case["causal"],
+                case["window"],
+                cu_q,
+                cu_k if cu_k is not None else cu_q,
+            )
+        ]
         for h in range(2):
             if not vis:
                 assert np.all(out[i, h] == 0) and np.isneginf(lse[h, i])

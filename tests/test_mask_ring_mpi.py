@@ -45,10 +45,12 @@ def _run(comm, rng, case, layout, dtype):
     ql, dl = (ringmpi.shard(x, comm, layout, cu_seqlens=cu_q) for x in (q, dout))
     kl, vl = (ringmpi.shard(x, comm, layout, cu_seqlens=cu_k) for x in (k, v))
     stats: dict = {}
-    out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=causal, layout=layout,
-                                      return_lse=True, stats=stats, **mask)  # fmt: skip
-    grads = ringmpi.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
-                                            layout=layout, **mask)  # fmt: skip
+    out, lse = ringmpi.ring_attention(
+        ql, kl, vl, comm, causal=causal, layout=layout, return_lse=True, stats=stats, **mask
+    )
+    grads = ringmpi.ring_attention_backward(
+        dl, ql, kl, vl, out, lse, comm, causal=causal, layout=layout, **mask
+    )
     tag = f"{name} {layout} {np.dtype(dtype)}"
     full = ringmpi.gather(out, nq, comm, layout, cu_seqlens=cu_q)
     full_lse = ringmpi.gather(lse, nq, comm, layout, axis=-1, cu_seqlens=cu_q)

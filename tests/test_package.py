@@ -196,9 +196,12 @@ def test_checker_catches_a_cycle_and_a_private_import(tmp_path):
 
 
 NOT_MODULES = {
-    "tests/test_package.py", "tests/test_docs_examples.py", "tests/test_job_scripts.py",
-    "tests/test_stress.py", "tests/test_throughput_bench.py",
-}  # fmt: skip
+    "tests/test_package.py",
+    "tests/test_docs_examples.py",
+    "tests/test_job_scripts.py",
+    "tests/test_stress.py",
+    "tests/test_throughput_bench.py",
+}
 
 
 def test_every_module_has_its_tests_in_the_index():

@@ -111,11 +111,22 @@ _CU = np.concatenate(([0], np.cumsum(_LENGTHS)))
 # (name, nq, nk, causal, mask keywords): masks pass through the all-to-all unchanged
 _MASKS = [
     ("window 37,20", 300, 300, False, dict(window=(37, 20))),
-    ("packed + window causal", int(_CU[-1]), int(_CU[-1]), True, dict(window=(50, 0), cu_seqlens=_CU)),  # noqa: E501
+    (
+        "packed + window causal",
+        int(_CU[-1]),
+        int(_CU[-1]),
+        True,
+        dict(window=(50, 0), cu_seqlens=_CU),
+    ),  # noqa: E501
     ("cross 300x500 causal", 300, 500, True, {}),
-    ("cross packed", int(_CU[-1]), int(_CU[-1]) + 5 * 9, False,
-     dict(cu_seqlens=_CU, cu_seqlens_k=_CU + 9 * np.arange(len(_CU)))),
-]  # fmt: skip
+    (
+        "cross packed",
+        int(_CU[-1]),
+        int(_CU[-1]) + 5 * 9,
+        False,
+        dict(cu_seqlens=_CU, cu_seqlens_k=_CU + 9 * np.arange(len(_CU))),
+    ),
+]
 
 
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
@@ -134,14 +145,17 @@ def test_head_parallel_with_masks(comm, layout):
         kw = dict(layout=layout, head_parallel=u)
         ql, dl = (ringmpi.shard(x, comm, cu_seqlens=cu_q, **kw) for x in (q, dout))
         kl, vl = (ringmpi.shard(x, comm, cu_seqlens=cu_k, **kw) for x in (k, v))
-        out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=causal, return_lse=True,
-                                          **kw, **mask)  # fmt: skip
-        grads = ringmpi.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
-                                                **kw, **mask)  # fmt: skip
+        out, lse = ringmpi.ring_attention(
+            ql, kl, vl, comm, causal=causal, return_lse=True, **kw, **mask
+        )
+        grads = ringmpi.ring_attention_backward(
+            dl, ql, kl, vl, out, lse, comm, causal=causal, **kw, **mask
+        )
         tag = f"{name} U={u} {layout}"
         ref, ref_lse = attention(q, k, v, causal, **mask)
-        assert_close(comm, ringmpi.gather(out, nq, comm, cu_seqlens=cu_q, **kw), ref, None,
-                     f"{tag} out")  # fmt: skip
+        assert_close(
+            comm, ringmpi.gather(out, nq, comm, cu_seqlens=cu_q, **kw), ref, None, f"{tag} out"
+        )
         full_lse = ringmpi.gather(lse, nq, comm, axis=-1, cu_seqlens=cu_q, **kw)
         assert_close(comm, full_lse, ref_lse, None, f"{tag} lse")
         want = attention_backward(dout, q, k, v, causal, **mask)
@@ -188,5 +202,4 @@ def test_head_parallel_ticks_and_stats(comm, rng):
     assert_all(comm, st["flops"] > 0 and st["backend"] in st["tile"], f"stats {st}")
     ringmpi.ring_attention_backward(sl[0], *sl, out, lse, comm, causal=True, stats=st_b, **kw)
     assert_all(comm, st_b["steps"] == ring and st_b["alltoall_bytes"] > 0, f"stats {st_b}")
-    assert_close(comm, ringmpi.gather(out, n, comm, **kw), attention(q, k, v, True)[0], None,
-                 "out")  # fmt: skip
+    assert_close(comm, ringmpi.gather(out, n, comm, **kw), attention(q, k, v, True)[0], None, "out")

@@ -54,12 +54,24 @@ def _mpiexec() -> str:
 def _pytest_on_two_ranks(tmp_path, source: str, timeout: float = 120.0, *extra: str):
     path = tmp_path / "test_user.py"
     path.write_text(textwrap.dedent(source))
-    cmd = [_mpiexec(), "-n", "2", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-p", "ringmpi.pytest_plugin", *extra, str(path)]  # fmt: skip
+    cmd = [
+        _mpiexec(),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "ringmpi.pytest_plugin",
+        *extra,
+        str(path),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGMPI_TEST_AGREE_S="5")
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                       cwd=tmp_path)  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     return r.returncode, r.stdout + r.stderr, time.perf_counter() - t0
 
 

@@ -172,8 +172,9 @@ def _ring_tiles(q, k, v, causal, scale, mask_kw, mods, size, layout, dtype, dout
     for r in range(size):
         qp = ringmpi.positions(nq, r, size, layout, cu_seqlens=cu_q)
         qi = np.ascontiguousarray(np.moveaxis(q[:, qp], 1, 2)).astype(cd)
-        alibi = None if slopes is None else (np.asarray(slopes, np.float64),
-                                             mask.alibi_positions(qp))  # fmt: skip
+        alibi = (
+            None if slopes is None else (np.asarray(slopes, np.float64), mask.alibi_positions(qp))
+        )
         bounds = None if mask.plain else mask.bounds(qp)
         acc, m, l = softmax.init_state(qi.shape, cd)
         blocks = []
@@ -199,8 +200,9 @@ def _ring_tiles(q, k, v, causal, scale, mask_kw, mods, size, layout, dtype, dout
         dq = np.zeros_like(qi)
         for kp, ki, vi in blocks:
             dk, dv = np.zeros_like(ki), np.zeros_like(vi)
-            numpy_tile.backward_tile(qi, ki, vi, doi, ls, delta, qp, kp, dq, dk, dv,
-                                     bounds=bounds, alibi=alibi, **kw)  # fmt: skip
+            numpy_tile.backward_tile(
+                qi, ki, vi, doi, ls, delta, qp, kp, dq, dk, dv, bounds=bounds, alibi=alibi, **kw
+            )
             grads[1][:, kp] += np.moveaxis(dk, 1, 2)
             grads[2][:, kp] += np.moveaxis(dv, 1, 2)
         grads[0][:, qp] = np.moveaxis(dq, 1, 2)
@@ -307,11 +309,14 @@ def test_spec_fields_validate_and_round_trip():
     with pytest.raises(ValueError, match="alibi_slopes has 2 values but q has H=4"):
         spec.check_heads(4)
     for bad, word in (
-        (dict(softcap=0), "softcap"), (dict(softcap=float("inf")), "softcap"),
-        (dict(softcap=[1.0]), "softcap"), (dict(sinks=[]), "sinks"),
-        (dict(sinks=["a"]), "sinks"), (dict(alibi_slopes=[np.nan]), "alibi_slopes"),
+        (dict(softcap=0), "softcap"),
+        (dict(softcap=float("inf")), "softcap"),
+        (dict(softcap=[1.0]), "softcap"),
+        (dict(sinks=[]), "sinks"),
+        (dict(sinks=["a"]), "sinks"),
+        (dict(alibi_slopes=[np.nan]), "alibi_slopes"),
         (dict(alibi_slopes=np.ones((2, 2))), "alibi_slopes"),
-    ):  # fmt: skip
+    ):
         with pytest.raises(ValueError, match=word):
             ringmpi.AttentionSpec(**bad).validate()
     with pytest.raises(ValueError, match="not both"):

@@ -68,8 +68,9 @@ def _check(comm, q, k, v, dout, causal, layout, mods, **kw):
     peer = dense(q, k, v, causal, **mask, **mods) if f32 else (None, None)
     assert_close(comm, full, ref, peer[0], f"{tag} out")
     assert_close(comm, full_lse, ref_lse, peer[1], f"{tag} lse")
-    g = ringmpi.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
-                                        layout=layout, **kw, **mods)  # fmt: skip
+    g = ringmpi.ring_attention_backward(
+        dl, ql, kl, vl, out, lse, comm, causal=causal, layout=layout, **kw, **mods
+    )
     want = attention_backward(dout, q, k, v, causal, **mask, **mods)
     other = dense_backward(dout, q, k, v, causal, **mask, **mods) if f32 else (None,) * 4
     assert_all(comm, len(g) == len(want), f"{tag}: {len(g)} gradients, want {len(want)}")
@@ -143,8 +144,9 @@ def test_rows_without_keys(comm, numpy_tiles):
         _check(comm, q, k, v, dout, True, layout, MODS, **mask)
         ql = ringmpi.shard(q, comm, layout, cu_seqlens=mask["cu_seqlens"])
         kl, vl = (ringmpi.shard(x, comm, layout, cu_seqlens=mask["cu_seqlens_k"]) for x in (k, v))
-        out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=True, layout=layout,
-                                          return_lse=True, **mask, **MODS)  # fmt: skip
+        out, lse = ringmpi.ring_attention(
+            ql, kl, vl, comm, causal=True, layout=layout, return_lse=True, **mask, **MODS
+        )
         full = ringmpi.gather(out, 300, comm, layout, cu_seqlens=mask["cu_seqlens"])
         fl = ringmpi.gather(lse, 300, comm, layout, axis=-1, cu_seqlens=mask["cu_seqlens"])
         ok = np.array_equal(full[:40], np.zeros_like(full[:40]))
@@ -219,8 +221,9 @@ def test_cpu_backend_applies_or_refuses(comm, monkeypatch, kernel):
             name,
             "does not apply it",
         )
-    out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=True, return_lse=True,
-                                      sinks=MODS["sinks"])  # fmt: skip
+    out, lse = ringmpi.ring_attention(
+        ql, kl, vl, comm, causal=True, return_lse=True, sinks=MODS["sinks"]
+    )
     ref_out, ref_lse = attention(q, k, v, True, sinks=MODS["sinks"])
     peer = dense(q, k, v, True, sinks=MODS["sinks"])
     assert_close(comm, ringmpi.gather(out, 331, comm), ref_out, peer[0], f"{be.name} sinks out")

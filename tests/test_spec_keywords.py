@@ -52,8 +52,13 @@ def test_a_new_modifier_field_is_a_keyword_with_no_other_edit(monkeypatch):
         return modifiers
 
     g = keywords.spec_keywords(f)
-    assert list(inspect.signature(g).parameters) == ["q", "causal", *NAMES, "temperature",
-                                                     "_private"]  # fmt: skip
+    assert list(inspect.signature(g).parameters) == [
+        "q",
+        "causal",
+        *NAMES,
+        "temperature",
+        "_private",
+    ]
     assert g(1, temperature=2.0) == {"temperature": 2.0}
     assert "        temperature : float, optional\n            A dummy." in g.__doc__
 
@@ -65,8 +70,7 @@ def test_modifier_keywords_reach_the_call():
     v = 1.0 + 0.1 * rng.standard_normal((40, 1, 16))
     slopes, sinks = np.array([0.25, 0.0625]), np.array([0.5, -1.0])
     mods = dict(softcap=5.0, alibi_slopes=slopes, sinks=sinks)
-    out, lse = ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, causal=True, return_lse=True,
-                                      **mods)  # fmt: skip
+    out, lse = ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, causal=True, return_lse=True, **mods)
     ref_o, ref_l = reference.attention(q, k, v, causal=True, **mods)
     assert np.abs(out - ref_o).max() < 1e-12 and np.abs(lse - ref_l).max() < 1e-12
 

@@ -80,9 +80,26 @@ def test_tiny_run_table_json_and_verified_outputs(tmp_path):
     out_json = str(tmp_path / "t.json")
     keep = tmp_path / "keep"
     keep.mkdir()
-    p = _run("--uniform", "3x96", "--lognormal", "3", "--median", "150", "--ranks", "2",
-             "--ring-sizes", "1", "default", "--tile-max", "256", "--keep", "--dir", str(keep),
-             "--json", out_json)  # fmt: skip
+    p = _run(
+        "--uniform",
+        "3x96",
+        "--lognormal",
+        "3",
+        "--median",
+        "150",
+        "--ranks",
+        "2",
+        "--ring-sizes",
+        "1",
+        "default",
+        "--tile-max",
+        "256",
+        "--keep",
+        "--dir",
+        str(keep),
+        "--json",
+        out_json,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     with open(out_json) as f:
         data = json.load(f)
@@ -107,8 +124,9 @@ def test_tiny_run_table_json_and_verified_outputs(tmp_path):
         assert _cell(kb) > 0 and _cell(io) > 0
         bound = max(_cell(kb), _cell(io))
         assert _cell(ratio) == pytest.approx(_cell(job) / bound, rel=2e-3), line
-        assert r["job/max(bound)"] == pytest.approx(r["job s"] / max(r["kernel-bound s"],
-                                                    r["io-bound s"]), rel=1e-12)  # fmt: skip
+        assert r["job/max(bound)"] == pytest.approx(
+            r["job s"] / max(r["kernel-bound s"], r["io-bound s"]), rel=1e-12
+        )
         # the job's time in its tiles: a share of its ranks' time, at a real rate
         assert 0 < r["in tiles"] < 1 and _cell(tiles) == pytest.approx(r["in tiles"], rel=2e-3)
         assert 1e-3 < r["in job GFLOP/s"] < 1e4
@@ -128,8 +146,11 @@ def test_tiny_run_table_json_and_verified_outputs(tmp_path):
             assert (tor, jt) == ("n/a", "n/a") and r["torch s"] is None
         ver = subprocess.run(
             [sys.executable, "-m", "ringmpi", "verify", r["output"], r["input"], "--quiet"],
-            capture_output=True, text=True, timeout=300, cwd=ROOT,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert ver.returncode == 0, (ver.stdout + ver.stderr)[-2000:]
     assert len(cols) == 10 and cols[2] == "job s" and cols[7] == "in tiles"
 
@@ -141,8 +162,19 @@ def test_bad_arguments_and_a_failing_launcher(tmp_path):
     assert p.returncode == 2 and "--ring-sizes" in p.stderr.strip().splitlines()[-1]
     p = _run("--json", str(tmp_path / "no" / "t.json"))
     assert p.returncode == 2 and "no folder for --json" in p.stderr.strip().splitlines()[-1]
-    p = _run("--uniform", "2x64", "--lognormal", "0", "--ring-sizes", "1", "--no-torch",
-             "--mpiexec", "/bin/false", "--dir", str(tmp_path))  # fmt: skip
+    p = _run(
+        "--uniform",
+        "2x64",
+        "--lognormal",
+        "0",
+        "--ring-sizes",
+        "1",
+        "--no-torch",
+        "--mpiexec",
+        "/bin/false",
+        "--dir",
+        str(tmp_path),
+    )
     err = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(err) == 1 and "ringmpi run exited 1" in err[0], p.stderr
     assert os.listdir(tmp_path) == []  # the private folder is gone
@@ -150,9 +182,27 @@ def test_bad_arguments_and_a_failing_launcher(tmp_path):
 
 def test_repeat_takes_turns_and_reports_the_median_and_range(tmp_path):
     out_json = str(tmp_path / "r.json")
-    p = _run("--uniform", "2x64", "--lognormal", "0", "--ranks", "1", "--ring-sizes", "1",
-             "--variant", "RINGMPI_FSYNC_S=0", "--repeat", "3", "--no-torch", "--tile-max", "64",
-             "--dir", str(tmp_path), "--json", out_json)  # fmt: skip
+    p = _run(
+        "--uniform",
+        "2x64",
+        "--lognormal",
+        "0",
+        "--ranks",
+        "1",
+        "--ring-sizes",
+        "1",
+        "--variant",
+        "RINGMPI_FSYNC_S=0",
+        "--repeat",
+        "3",
+        "--no-torch",
+        "--tile-max",
+        "64",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        out_json,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     with open(out_json) as f:
         rows = json.load(f)["rows"]
@@ -163,8 +213,12 @@ def test_repeat_takes_turns_and_reports_the_median_and_range(tmp_path):
     head = [i for i, x in enumerate(lines) if x.split()[:1] == ["dataset"]]
     assert len(head) == 3 and "job min s" in lines[head[2]]  # the range's own table
     ranged = lines[head[2] + 1].split()
-    assert ranged[-5:-1] == ["3", f"{rows[0]['job s']:.4g}", f"{rows[0]['job min s']:.4g}",
-                             f"{rows[0]['job max s']:.4g}"]  # fmt: skip
+    assert ranged[-5:-1] == [
+        "3",
+        f"{rows[0]['job s']:.4g}",
+        f"{rows[0]['job min s']:.4g}",
+        f"{rows[0]['job max s']:.4g}",
+    ]
     assert os.listdir(tmp_path) == ["r.json"]  # outputs and inputs removed
     p = _run("--repeat", "0")
     assert p.returncode == 2 and "--repeat" in p.stderr.strip().splitlines()[-1]

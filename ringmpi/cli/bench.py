@@ -81,10 +81,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4, help="query heads H (default 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
-                   help="forward and/or backward rows (default both)")  # fmt: skip
-    p.add_argument("--mods", nargs="+", choices=list(_MODS), default=["plain"],
-                   help="score modifiers measured side by side (default plain)")  # fmt: skip
+    p.add_argument(
+        "--passes",
+        nargs="+",
+        choices=["fwd", "bwd"],
+        default=["fwd", "bwd"],
+        help="forward and/or backward rows (default both)",
+    )
+    p.add_argument(
+        "--mods",
+        nargs="+",
+        choices=list(_MODS),
+        default=["plain"],
+        help="score modifiers measured side by side (default plain)",
+    )
     p.add_argument("--softcap", type=float, default=30.0, help="softcap of --mods softcap/both")
     p.add_argument("--np", type=int, nargs="+", default=[1, 2], help="rank counts P")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
@@ -445,8 +455,11 @@ def summarize(doc: dict) -> None:
     mm = {w["p"]: w["matmul_gflops_per_rank"] for w in doc["workers"]}
     key = lambda r: (r["n"], r["d"], r["causal"], r["pass_"], r.get("mod", "plain"))  # noqa: E731
     t1 = {key(r): r["time_s"] for r in doc["runs"] if r["p"] == 1}
-    plain = {key(r)[:4] + (r["p"],): r["gflops_per_rank"] for r in doc["runs"]
-             if r.get("mod", "plain") == "plain"}  # fmt: skip
+    plain = {
+        key(r)[:4] + (r["p"],): r["gflops_per_rank"]
+        for r in doc["runs"]
+        if r.get("mod", "plain") == "plain"
+    }
     torch = {(key(t), t["threads"]): t["gflops_per_thread"] for t in doc["torch"]}
     for r in doc["runs"]:
         r["frac_matmul"] = r["gflops_per_rank"] / mm[r["p"]]
@@ -487,8 +500,11 @@ def plot(doc: dict, path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    runs = [r for r in doc["runs"] if r.get("pass_", "fwd") == "fwd" and
-            r.get("mod", "plain") == "plain"]  # the plain forward rows  # fmt: skip
+    runs = [
+        r
+        for r in doc["runs"]
+        if r.get("pass_", "fwd") == "fwd" and r.get("mod", "plain") == "plain"
+    ]  # the plain forward rows
     trs = [t for t in doc["torch"] if t.get("pass_", "fwd") == "fwd"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = sorted({(r["n"], r["d"], r["causal"]) for r in runs})
@@ -496,16 +512,28 @@ def plot(doc: dict, path: str) -> Optional[str]:
     width = 0.8 / (len(ps) + 1)
     for i, p in enumerate(ps):
         ys = [
-            next((r["gflops_per_rank"] for r in runs if r["p"] == p and
-                  (r["n"], r["d"], r["causal"]) == lab), 0.0)
+            next(
+                (
+                    r["gflops_per_rank"]
+                    for r in runs
+                    if r["p"] == p and (r["n"], r["d"], r["causal"]) == lab
+                ),
+                0.0,
+            )
             for lab in labels
-        ]  # fmt: skip
+        ]
         ax.bar([j + i * width for j in range(len(labels))], ys, width, label=f"ringmpi P={p}")
     ty = [
-        next((t["gflops_per_thread"] for t in trs if t["threads"] == 1 and
-              (t["n"], t["d"], t["causal"]) == lab), 0.0)
+        next(
+            (
+                t["gflops_per_thread"]
+                for t in trs
+                if t["threads"] == 1 and (t["n"], t["d"], t["causal"]) == lab
+            ),
+            0.0,
+        )
         for lab in labels
-    ]  # fmt: skip
+    ]
     if any(ty):
         ax.bar([j + len(ps) * width for j in range(len(labels))], ty, width, label="torch SDPA 1t")
     for w in doc["workers"]:

@@ -138,8 +138,9 @@ def _cmd_run(args, comm) -> int:
     if args.summary_json:  # refused before anything is computed, on every rank alike
         inputs = list(args.inputs) + ([args.weights] if args.weights else [])
         check_side_file(args.summary_json, "--summary-json", args.output, inputs)
-    summary = run(args.inputs, args.output, spec_from_args(args), options_from_args(args),
-                  comm=comm)  # fmt: skip
+    summary = run(
+        args.inputs, args.output, spec_from_args(args), options_from_args(args), comm=comm
+    )
     rc = 0
     rank = comm.Get_rank()
     if args.verify:
@@ -147,9 +148,15 @@ def _cmd_run(args, comm) -> int:
 
         try:
             res = verify(
-                args.output, args.inputs, args.weights, comm, max_tokens=args.verify_max_tokens,
-                sample_rows=args.verify_sample_rows, quiet=args.quiet, full=args.verify_full,
-            )  # fmt: skip
+                args.output,
+                args.inputs,
+                args.weights,
+                comm,
+                max_tokens=args.verify_max_tokens,
+                sample_rows=args.verify_sample_rows,
+                quiet=args.quiet,
+                full=args.verify_full,
+            )
         except interrupt.Interrupted as e:
             e.where = "the verify step (the output is complete)"
             raise
@@ -178,9 +185,16 @@ def _cmd_verify(args, comm) -> int:
     from ..job.verify import format_verify, verify
 
     res = verify(
-        args.output, args.inputs, args.weights, comm, max_tokens=args.max_tokens,
-        sample_rows=args.sample_rows, seed=args.seed, quiet=args.quiet, full=args.full,
-    )  # fmt: skip
+        args.output,
+        args.inputs,
+        args.weights,
+        comm,
+        max_tokens=args.max_tokens,
+        sample_rows=args.sample_rows,
+        seed=args.seed,
+        quiet=args.quiet,
+        full=args.full,
+    )
     if comm.Get_rank() == 0:
         print(format_verify(res))
     return _verify_status(res)

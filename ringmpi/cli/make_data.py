@@ -35,8 +35,9 @@ def shard_paths(path: str, shards: int) -> list:
 VALUES = {"normal": {}, "realistic": {"k": (0.5, 1.0), "v": (1.0, 0.1)}}
 
 
-def _block(seed: int, seq: int, blk: int, n: int, widths: dict, dtype, stream=None,
-           values: str = "normal") -> dict:  # fmt: skip
+def _block(
+    seed: int, seq: int, blk: int, n: int, widths: dict, dtype, stream=None, values: str = "normal"
+) -> dict:
     rng = np.random.default_rng([seed, seq, blk] + ([] if stream is None else [stream]))
     out = {}
     for k, w in widths.items():
@@ -46,8 +47,21 @@ def _block(seed: int, seq: int, blk: int, n: int, widths: dict, dtype, stream=No
     return out
 
 
-def _write_family(node, widths, total, lo, hi, seed, gi, stream, dt, sequences, batch_axis,
-                  compression, values="normal") -> None:  # fmt: skip
+def _write_family(
+    node,
+    widths,
+    total,
+    lo,
+    hi,
+    seed,
+    gi,
+    stream,
+    dt,
+    sequences,
+    batch_axis,
+    compression,
+    values="normal",
+) -> None:
     """Write tokens [lo, hi) of the datasets ``widths`` (all of length ``total``) into ``node``."""
     n = hi - lo
     lead = (sequences,) if batch_axis else ()
@@ -195,8 +209,21 @@ def make_data(
                 for fam, total, stream in families:
                     starts = np.concatenate(([0], np.cumsum(split_sizes(total, shards))))
                     lo, hi = int(starts[j]), int(starts[j + 1])
-                    _write_family(node, fam, total, lo, hi, seed, gi, stream, dt, sequences,
-                                  batch_axis, compression, values)  # fmt: skip
+                    _write_family(
+                        node,
+                        fam,
+                        total,
+                        lo,
+                        hi,
+                        seed,
+                        gi,
+                        stream,
+                        dt,
+                        sequences,
+                        batch_axis,
+                        compression,
+                        values,
+                    )
         os.replace(tmp, p)
     if features:
         wpath = weights or os.path.splitext(path)[0] + "-weights.h5"

@@ -48,10 +48,19 @@ def memory_per_rank(n_local: int, h: int, hkv: int, d: int, dtype: str) -> int:
 
 
 def predict(
-    n: int, h: int, hkv: int, d: int, *, ranks: int, dtype: str = "float32", causal: bool = False,
-    gflops: float = DEFAULT_GFLOPS, link_gbps: float = DEFAULT_LINK_GBPS,
-    latency_s: float = DEFAULT_LATENCY_S, head_parallel: int = 1,
-) -> dict:  # fmt: skip
+    n: int,
+    h: int,
+    hkv: int,
+    d: int,
+    *,
+    ranks: int,
+    dtype: str = "float32",
+    causal: bool = False,
+    gflops: float = DEFAULT_GFLOPS,
+    link_gbps: float = DEFAULT_LINK_GBPS,
+    latency_s: float = DEFAULT_LATENCY_S,
+    head_parallel: int = 1,
+) -> dict:
     """Predicted per-rank cost of one ``ring_attention`` call.
 
     Parameters
@@ -104,9 +113,16 @@ def predict(
 
 
 def recommend(
-    n: int, h: int, hkv: int, d: int, *, ranks: Optional[int] = None,
-    memory_per_rank_bytes: Optional[int] = None, sequences: int = 1, **rates,
-) -> dict:  # fmt: skip
+    n: int,
+    h: int,
+    hkv: int,
+    d: int,
+    *,
+    ranks: Optional[int] = None,
+    memory_per_rank_bytes: Optional[int] = None,
+    sequences: int = 1,
+    **rates,
+) -> dict:
     """Ring size, layout and head-parallel degree for ``sequences`` sequences on ``ranks``.
 
     Among the ring sizes R dividing P whose per-rank memory fits, the one with the
@@ -154,8 +170,15 @@ def recommend(
     }
 
 
-def measure_compute(d: int, h: int = 4, hkv: int = 4, n_local: int = 2048, dtype="float32",
-                    causal: bool = False, repeat: int = 3) -> float:  # fmt: skip
+def measure_compute(
+    d: int,
+    h: int = 4,
+    hkv: int = 4,
+    n_local: int = 2048,
+    dtype="float32",
+    causal: bool = False,
+    repeat: int = 3,
+) -> float:
     """Useful GFLOP/s of this machine's CPU tile on an (n_local x n_local) block (median)."""
     from .. import softmax
     from ..backend import select
@@ -220,8 +243,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, required=True, help="query heads H")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
     p.add_argument("--head-dim", type=int, required=True, help="head dimension D")
-    p.add_argument("--dtype", default="float32", choices=("float16", "bfloat16", "float32",
-                                                           "float64"))  # fmt: skip
+    p.add_argument(
+        "--dtype", default="float32", choices=("float16", "bfloat16", "float32", "float64")
+    )
     p.add_argument("--ranks", type=int, help="ranks available P")
     p.add_argument("--memory-per-rank", help="memory budget per rank, e.g. 16G")
     p.add_argument("--sequences", type=int, default=1, help="sequences in the job (default 1)")
@@ -261,29 +285,47 @@ def main(argv: Optional[list] = None) -> int:
     link = link or DEFAULT_LINK_GBPS
     budget = parse_size(args.memory_per_rank) if args.memory_per_rank else None
     rates = dict(dtype=dt, causal=args.causal, gflops=gflops, link_gbps=link, latency_s=lat)
-    rec = recommend(args.seq_len, args.heads, hkv, args.head_dim, ranks=ranks,
-                    memory_per_rank_bytes=budget, sequences=args.sequences, **rates)  # fmt: skip
+    rec = recommend(
+        args.seq_len,
+        args.heads,
+        hkv,
+        args.head_dim,
+        ranks=ranks,
+        memory_per_rank_bytes=budget,
+        sequences=args.sequences,
+        **rates,
+    )
     if comm is not None and comm.Get_rank() != 0:
         return 0
     if args.json:
         print(json.dumps({"rates": rates, "recommendation": rec}, indent=1))
         return 0
     r = rec["per_ring"]
-    print(f"ringmpi plan: N={args.seq_len:,} H={args.heads} Hkv={hkv} D={args.head_dim} "
-          f"{args.dtype}{' causal' if args.causal else ''}")  # fmt: skip
-    print(f"  rates ({source}): {gflops:.1f} GFLOP/s per rank, link {link:.2f} Gbit/s, "
-          f"latency {lat * 1e6:.1f} us")  # fmt: skip
-    print(f"  ring of {r['ring_size']} (x{r['head_parallel']} head-parallel): "
-          f"{r['tokens_per_rank']:,.0f} tokens/rank, memory/rank "
-          f"{r['memory_bytes'] / 2**30:.2f} GiB"
-          f"{'' if rec['fits'] else ' (OVER the budget)'}")  # fmt: skip
-    print(f"  per step: {r['flops_per_step'] / 1e9:.2f} GFLOP, {r['bytes_per_step'] / 2**20:.2f} "
-          f"MiB sent; compute {r['compute_s_per_step'] * 1e3:.2f} ms, transfer "
-          f"{r['transfer_s_per_step'] * 1e3:.2f} ms -> exchange "
-          f"{'hidden' if r['hidden'] else 'EXPOSED'} (needs >= {r['min_block_to_hide']:,.0f} "
-          f"tokens per rank)")  # fmt: skip
+    print(
+        f"ringmpi plan: N={args.seq_len:,} H={args.heads} Hkv={hkv} D={args.head_dim} "
+        f"{args.dtype}{' causal' if args.causal else ''}"
+    )
+    print(
+        f"  rates ({source}): {gflops:.1f} GFLOP/s per rank, link {link:.2f} Gbit/s, "
+        f"latency {lat * 1e6:.1f} us"
+    )
+    print(
+        f"  ring of {r['ring_size']} (x{r['head_parallel']} head-parallel): "
+        f"{r['tokens_per_rank']:,.0f} tokens/rank, memory/rank "
+        f"{r['memory_bytes'] / 2**30:.2f} GiB"
+        f"{'' if rec['fits'] else ' (OVER the budget)'}"
+    )
+    print(
+        f"  per step: {r['flops_per_step'] / 1e9:.2f} GFLOP, {r['bytes_per_step'] / 2**20:.2f} "
+        f"MiB sent; compute {r['compute_s_per_step'] * 1e3:.2f} ms, transfer "
+        f"{r['transfer_s_per_step'] * 1e3:.2f} ms -> exchange "
+        f"{'hidden' if r['hidden'] else 'EXPOSED'} (needs >= {r['min_block_to_hide']:,.0f} "
+        f"tokens per rank)"
+    )
     print(f"  predicted: {r['step_s'] * 1e3:.2f} ms per step, {r['time_s']:.3f} s per call")
-    print(f"  recommendation: {rec['rings']} ring(s) of {rec['ring_size']} on {rec['ranks']} "
-          f"ranks, layout {rec['layout']}, head_parallel {rec['head_parallel']}; "
-          f"{args.sequences} sequence(s) in ~{rec['job_time_s']:.2f} s")  # fmt: skip
+    print(
+        f"  recommendation: {rec['rings']} ring(s) of {rec['ring_size']} on {rec['ranks']} "
+        f"ranks, layout {rec['layout']}, head_parallel {rec['head_parallel']}; "
+        f"{args.sequences} sequence(s) in ~{rec['job_time_s']:.2f} s"
+    )
     return 0

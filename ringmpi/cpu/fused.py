@@ -138,9 +138,20 @@ class Kernel(Library):
         )
         if not ok:
             return numpy_tile.forward_tile(
-                q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-                bounds=bounds, **modifiers,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                q_pos,
+                k_pos,
+                acc,
+                m,
+                l,
+                scale=scale,
+                causal=causal,
+                progress=progress,
+                bounds=bounds,
+                **modifiers,
+            )
         bsz, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
         if h % hkv:
@@ -166,14 +177,38 @@ class Kernel(Library):
         # by progress stops the kernel and is re-raised here.
         cb, errors = progress_callback(progress)
         args = TileArgs(
-            q=ptr(q), k=ptr(k), v=ptr(v), qpos=ptr(q_pos), kpos=ptr(k_pos),
-            acc=ptr(acc), m=ptr(m), l=ptr(l),
-            B=bsz, H=h, Hkv=hkv, Sq=sq, Sk=sk, D=d, q0=0, q1=sq,
-            qcuts=ptr(qc), kcuts=ptr(kc), nqcuts=len(qc), nkcuts=len(kc),
-            scale=float(scale), causal=int(bool(causal)), bq=BLOCK_Q, bk=bk,
-            progress=cb, chunk=CHUNK_Q * bsz * h, lo=ptr(lo), hi=ptr(hi),
-            mods=bits, mparam=ptr(mparam), mpos=ptr(mpos),
-        )  # fmt: skip
+            q=ptr(q),
+            k=ptr(k),
+            v=ptr(v),
+            qpos=ptr(q_pos),
+            kpos=ptr(k_pos),
+            acc=ptr(acc),
+            m=ptr(m),
+            l=ptr(l),
+            B=bsz,
+            H=h,
+            Hkv=hkv,
+            Sq=sq,
+            Sk=sk,
+            D=d,
+            q0=0,
+            q1=sq,
+            qcuts=ptr(qc),
+            kcuts=ptr(kc),
+            nqcuts=len(qc),
+            nkcuts=len(kc),
+            scale=float(scale),
+            causal=int(bool(causal)),
+            bq=BLOCK_Q,
+            bk=bk,
+            progress=cb,
+            chunk=CHUNK_Q * bsz * h,
+            lo=ptr(lo),
+            hi=ptr(hi),
+            mods=bits,
+            mparam=ptr(mparam),
+            mpos=ptr(mpos),
+        )
         f = fn(ctypes.byref(args))
         if errors:
             raise errors[0]
@@ -317,13 +352,35 @@ def forward_tile(
     kern = _default_kernel()
     if kern is None:
         return numpy_tile.forward_tile(
-            q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-            bounds=bounds, **modifiers,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            q_pos,
+            k_pos,
+            acc,
+            m,
+            l,
+            scale=scale,
+            causal=causal,
+            progress=progress,
+            bounds=bounds,
+            **modifiers,
+        )
     return kern.forward_tile(
-        q, k, v, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, progress=progress,
-        bounds=bounds, **modifiers,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+        acc,
+        m,
+        l,
+        scale=scale,
+        causal=causal,
+        progress=progress,
+        bounds=bounds,
+        **modifiers,
+    )
 
 
 def finalize(

@@ -265,9 +265,24 @@ def backward_tile(
     """
     kern = LOADER.default()
     return backward_tile_with(
-        kern, q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-        scale=scale, causal=causal, progress=progress, bounds=bounds, **modifiers,
-    )  # fmt: skip
+        kern,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        q_pos,
+        k_pos,
+        dq,
+        dk,
+        dv,
+        scale=scale,
+        causal=causal,
+        progress=progress,
+        bounds=bounds,
+        **modifiers,
+    )
 
 
 def backward_tile_with(
@@ -310,9 +325,23 @@ def backward_tile_with(
     )
     if not ok:
         return _spec.backward_tile(
-            q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
-            scale=scale, causal=causal, progress=progress, bounds=bounds, **modifiers,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            q_pos,
+            k_pos,
+            dq,
+            dk,
+            dv,
+            scale=scale,
+            causal=causal,
+            progress=progress,
+            bounds=bounds,
+            **modifiers,
+        )
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if hkv == 0 or h % hkv:
@@ -350,11 +379,37 @@ def backward_tile_with(
     bk = int(max(32, min(BLOCK_K, (BLOCK_K * 128) // d)))
     cb, errors = progress_callback(progress)
     f = fn(
-        ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(q_pos),
-        ptr(k_pos), ptr(dq), ptr(dk), ptr(dv), bsz, h, hkv, sq, sk, d,
-        ptr(qc), len(qc), ptr(kc), len(kc), ptr(lo), ptr(hi),
-        float(scale), int(bool(causal)), BLOCK_Q, bk, cb, CHUNK_PAIRS, *tail,
-    )  # fmt: skip
+        ptr(q),
+        ptr(k),
+        ptr(v),
+        ptr(dout),
+        ptr(lse),
+        ptr(delta),
+        ptr(q_pos),
+        ptr(k_pos),
+        ptr(dq),
+        ptr(dk),
+        ptr(dv),
+        bsz,
+        h,
+        hkv,
+        sq,
+        sk,
+        d,
+        ptr(qc),
+        len(qc),
+        ptr(kc),
+        len(kc),
+        ptr(lo),
+        ptr(hi),
+        float(scale),
+        int(bool(causal)),
+        BLOCK_Q,
+        bk,
+        cb,
+        CHUNK_PAIRS,
+        *tail,
+    )
     if errors:
         raise errors[0]
     if f < 0:

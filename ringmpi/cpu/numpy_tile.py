@@ -53,8 +53,14 @@ from .. import scoremods
 from ..layout import runs
 
 __all__ = [
-    "compute_dtype", "forward_tile", "backward_tile", "blocks", "key_block", "BLOCK_Q", "BLOCK_K",
-]  # fmt: skip
+    "compute_dtype",
+    "forward_tile",
+    "backward_tile",
+    "blocks",
+    "key_block",
+    "BLOCK_Q",
+    "BLOCK_K",
+]
 
 
 BLOCK_Q = 256

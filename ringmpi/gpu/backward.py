@@ -88,8 +88,9 @@ def _as(x, dtype):
     return cupy.ascontiguousarray(x, dtype=dtype)
 
 
-def backward_flops(kern_dq, q_pos, k_pos, causal: bool, b: int, h: int, d: int,
-                   bounds: Optional[tuple] = None) -> int:  # fmt: skip
+def backward_flops(
+    kern_dq, q_pos, k_pos, causal: bool, b: int, h: int, d: int, bounds: Optional[tuple] = None
+) -> int:
     """Flops ``backward_tile`` reports: 10 * D per pair in the dQ kernel's computed blocks."""
     from .plan import host_plan
 

@@ -69,8 +69,17 @@ def _storage_dtype(dtype: str):
     return np.dtype("uint16" if dtype == "bfloat16" else dtype)
 
 
-def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, torch_mod=None,
-               direction: str = "fwd", min_s: float = 0.3) -> dict:  # fmt: skip
+def bench_case(
+    dtype: str,
+    d: int,
+    n: int,
+    causal: bool,
+    h: int,
+    b: int = 1,
+    torch_mod=None,
+    direction: str = "fwd",
+    min_s: float = 0.3,
+) -> dict:
     """One benchmark row (dict) for inputs (b, h, n, d) of ``dtype``; direction fwd or bwd.
 
     Parameters
@@ -112,13 +121,17 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
     else:
         row["config"] = "+".join(c.name for c in backward.chosen(storage, d, dev))
         useful = 10.0 * b * h * d * pairs
-        delta = (do.astype(acc_t) * out).sum(-1) if dtype != "bfloat16" else (
-            kernel_args.from_bf16_bits(do) * out).sum(-1)  # fmt: skip
+        delta = (
+            (do.astype(acc_t) * out).sum(-1)
+            if dtype != "bfloat16"
+            else (kernel_args.from_bf16_bits(do) * out).sum(-1)
+        )
         grads = [cupy.zeros(shape, dtype=acc_t) for _ in range(3)]
 
         def bwd():
-            backward.backward_tile(q, k, v, do, lse, delta, pos, pos, *grads, scale=scale,
-                                   causal=causal)  # fmt: skip
+            backward.backward_tile(
+                q, k, v, do, lse, delta, pos, pos, *grads, scale=scale, causal=causal
+            )
 
         bwd()
         mine = grads[0].copy()  # dQ of one call
@@ -147,15 +160,19 @@ def bench_case(dtype: str, d: int, n: int, causal: bool, h: int, b: int = 1, tor
     return row
 
 
-HEAD = (f"{'pass':>4} {'dtype':>9} {'D':>4} {'N':>6} {'causal':>6} {'config':>14} {'ms':>9} "
-        f"{'TFLOP/s':>8} {'torch ms':>9} {'TFLOP/s':>8} {'x torch':>7} "
-        f"{'max diff':>9}")  # fmt: skip
+HEAD = (
+    f"{'pass':>4} {'dtype':>9} {'D':>4} {'N':>6} {'causal':>6} {'config':>14} {'ms':>9} "
+    f"{'TFLOP/s':>8} {'torch ms':>9} {'TFLOP/s':>8} {'x torch':>7} "
+    f"{'max diff':>9}"
+)
 
 
 def _fmt(row: dict) -> str:
-    s = (f"{row['pass']:>4} {row['dtype']:>9} {row['D']:>4} {row['N']:>6} "
-         f"{str(row['causal']):>6} {row['config']:>14} {row['ms']:>9.3f} "
-         f"{row['tflops']:>8.1f}")  # fmt: skip
+    s = (
+        f"{row['pass']:>4} {row['dtype']:>9} {row['D']:>4} {row['N']:>6} "
+        f"{str(row['causal']):>6} {row['config']:>14} {row['ms']:>9.3f} "
+        f"{row['tflops']:>8.1f}"
+    )
     if "torch_tflops" in row:
         s += f" {row['torch_ms']:>9.3f} {row['torch_tflops']:>8.1f} {row['ratio']:>7.2f}"
         s += f" {row['max_diff']:>9.2e}"
@@ -165,12 +182,15 @@ def _fmt(row: dict) -> str:
 
 
 def _fmt_failed(row: dict) -> str:
-    return (f"{row['pass']:>4} {row['dtype']:>9} {row['D']:>4} {row['N']:>6} "
-            f"{str(row['causal']):>6} FAILED: {row['error']}")  # fmt: skip
+    return (
+        f"{row['pass']:>4} {row['dtype']:>9} {row['D']:>4} {row['N']:>6} "
+        f"{str(row['causal']):>6} FAILED: {row['error']}"
+    )
 
 
-def run_row(rows: list, dtype: str, d: int, n: int, causal: bool, save=None, forced: str = "",
-            **kw) -> bool:  # fmt: skip
+def run_row(
+    rows: list, dtype: str, d: int, n: int, causal: bool, save=None, forced: str = "", **kw
+) -> bool:
     """Run one row, print it and append it to ``rows``; a failure is a row too. True if ok.
 
     ``save``, if given, is called after the row was appended (the JSON so far).
@@ -181,8 +201,14 @@ def run_row(rows: list, dtype: str, d: int, n: int, causal: bool, save=None, for
             row["forced"] = forced
         ok = True
     except Exception as exc:  # one broken row must not cost the rest of the table
-        row = {"pass": kw.get("direction", "fwd"), "dtype": dtype, "D": d, "N": n,
-               "causal": causal, "error": f"{type(exc).__name__}: {exc}"[:500]}  # fmt: skip
+        row = {
+            "pass": kw.get("direction", "fwd"),
+            "dtype": dtype,
+            "D": d,
+            "N": n,
+            "causal": causal,
+            "error": f"{type(exc).__name__}: {exc}"[:500],
+        }
         ok = False
     rows.append(row)
     print(_fmt(row) if ok else _fmt_failed(row), flush=True)
@@ -194,10 +220,20 @@ def run_row(rows: list, dtype: str, d: int, n: int, causal: bool, save=None, for
 def cases(quick: bool, ns: Optional[tuple] = None) -> list:
     """(pass, dtype, D, N, causal) of the table (``ns``: the sequence lengths, if given)."""
     ns = ns or ((1024,) if quick else (4096, 16384))
-    out = [(p, t, d, n, c) for p in ("fwd", "bwd") for t in ("bfloat16", "float16")
-           for d in (64, 128) for n in ns for c in (False, True)]  # fmt: skip
-    out += [(p, t, 64, ns[0], c) for p in ("fwd", "bwd") for t in ("float32", "float64")
-            for c in (False, True)]  # fmt: skip
+    out = [
+        (p, t, d, n, c)
+        for p in ("fwd", "bwd")
+        for t in ("bfloat16", "float16")
+        for d in (64, 128)
+        for n in ns
+        for c in (False, True)
+    ]
+    out += [
+        (p, t, 64, ns[0], c)
+        for p in ("fwd", "bwd")
+        for t in ("float32", "float64")
+        for c in (False, True)
+    ]
     return out
 
 
@@ -211,8 +247,11 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="N = 1024 only")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--configs", action="store_true",
-                    help="also time every forward configuration (bf16, N=4096)")  # fmt: skip
+    ap.add_argument(
+        "--configs",
+        action="store_true",
+        help="also time every forward configuration (bf16, N=4096)",
+    )
     ap.add_argument("--n", type=int, action="append", help="sequence length (repeatable)")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per timing")
     args = ap.parse_args(argv)

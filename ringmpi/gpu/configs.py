@@ -191,8 +191,9 @@ def _bwd_mma(storage: str, hd: int) -> tuple:
     dq = []
     for bn in (64, 32):
         smem = (2 * 64 + 4 * bn) * (hd + 8) * 2
-        dq.append(Config(f"mma_n{bn}", f"attn_bwd_dq_mma<{storage}, {hd}, {bn}>", 64, bn, 128,
-                         smem, True))  # fmt: skip
+        dq.append(
+            Config(f"mma_n{bn}", f"attn_bwd_dq_mma<{storage}, {hd}, {bn}>", 64, bn, 128, smem, True)
+        )
     return dkdv, dq
 
 

@@ -133,8 +133,17 @@ def device_pos(pos: np.ndarray, dev: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, g: int, causal: bool,
-                 lob: Optional[bytes], hib: Optional[bytes]):  # fmt: skip
+def _plan_cached(
+    dev: int,
+    qb: bytes,
+    kb: bytes,
+    bm: int,
+    bn: int,
+    g: int,
+    causal: bool,
+    lob: Optional[bytes],
+    hib: Optional[bytes],
+):
     import cupy
 
     q_pos, k_pos = np.frombuffer(qb, dtype=np.int64), np.frombuffer(kb, dtype=np.int64)
@@ -145,8 +154,15 @@ def _plan_cached(dev: int, qb: bytes, kb: bytes, bm: int, bn: int, g: int, causa
     return cupy.asarray(env), cupy.asarray(order), pairs
 
 
-def device_plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: configs.Config, g: int,
-                causal: bool, dev: int, rows: Optional[tuple] = None):  # fmt: skip
+def device_plan(
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    kern: configs.Config,
+    g: int,
+    causal: bool,
+    dev: int,
+    rows: Optional[tuple] = None,
+):
     """(device block plan, device order, computed pairs per row group) for a call, cached.
 
     Parameters
@@ -163,8 +179,9 @@ def device_plan(q_pos: np.ndarray, k_pos: np.ndarray, kern: configs.Config, g: i
     """
     g = g if kern.packed else 1
     lob, hib = (None, None) if rows is None else (rows[0].tobytes(), rows[1].tobytes())
-    return _plan_cached(dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, g, causal,
-                        lob, hib)  # fmt: skip
+    return _plan_cached(
+        dev, q_pos.tobytes(), k_pos.tobytes(), kern.bm, kern.bn, g, causal, lob, hib
+    )
 
 
 def checked_rows(bounds: Optional[tuple], q_pos: np.ndarray) -> Optional[tuple]:

@@ -133,8 +133,7 @@ def _compile(code: str, expr: str, arch: str) -> tuple:
     """Compile one instantiation with NVRTC and store it; (cubin path, mangled name)."""
     from . import nvrtc
 
-    res = nvrtc.compile_source(code, (expr,), arch, OPTIONS, verbose_ptxas=False,
-                               keep_cubin=True)  # fmt: skip
+    res = nvrtc.compile_source(code, (expr,), arch, OPTIONS, verbose_ptxas=False, keep_cubin=True)
     if not res.ok or expr not in res.lowered:
         raise RuntimeError(f"NVRTC could not compile {expr} for {arch}:\n{res.log}")
     mangled = res.lowered[expr]

@@ -62,8 +62,17 @@ def compile_module(files, names: Sequence[str], arch: str, nvcc: str, timeout: i
         src = os.path.join(tmp, "module.cu")
         with open(src, "x") as f:  # a fresh private directory: O_EXCL
             f.write(source(files) + instantiations(names))
-        cmd = [nvcc, *OPTIONS, f"-arch={arch}", "-c", "-Werror", "all-warnings", src, "-o",
-               os.path.join(tmp, "module.o")]  # fmt: skip
+        cmd = [
+            nvcc,
+            *OPTIONS,
+            f"-arch={arch}",
+            "-c",
+            "-Werror",
+            "all-warnings",
+            src,
+            "-o",
+            os.path.join(tmp, "module.o"),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out = (res.stdout + res.stderr).strip()
         return res.returncode == 0 and not out, out

@@ -152,9 +152,16 @@ def host_plan(
 
 
 def tile_flops(
-    kern, q_pos, k_pos, causal: bool, b: int, h: int, hkv: int, d: int,
+    kern,
+    q_pos,
+    k_pos,
+    causal: bool,
+    b: int,
+    h: int,
+    hkv: int,
+    d: int,
     bounds: Optional[tuple] = None,
-) -> int:  # fmt: skip
+) -> int:
     """Flops the forward tile reports for one call with configuration ``kern``.
 
     4 * D per (query, key) pair inside the (query block, key block) pairs that

@@ -213,8 +213,14 @@ class GpuRing:
                 self._alloc(other, nbytes)
         return slot[0], slot[1]
 
-    def start(self, send_buf, recv_buf, tag: int = TAG_KV, dest: Optional[int] = None,
-              source: Optional[int] = None) -> None:  # fmt: skip
+    def start(
+        self,
+        send_buf,
+        recv_buf,
+        tag: int = TAG_KV,
+        dest: Optional[int] = None,
+        source: Optional[int] = None,
+    ) -> None:
         """Post the receive of the next block and the send of ``send_buf``.
 
         Parameters
@@ -249,8 +255,9 @@ class GpuRing:
             self.requests.append(self.cart.Irecv([hr[: recv_buf.nbytes], MPI.BYTE], src, tag))
             self._copy.wait_event(ev_post)
             d2h = runtime.memcpyDeviceToHost
-            runtime.memcpyAsync(hs.ctypes.data, send_buf.data.ptr, send_buf.nbytes, d2h,
-                                self._copy.ptr)  # fmt: skip
+            runtime.memcpyAsync(
+                hs.ctypes.data, send_buf.data.ptr, send_buf.nbytes, d2h, self._copy.ptr
+            )
             copied = cupy.cuda.Event(block=False, disable_timing=True)
             copied.record(self._copy)
             self._unsent = (copied, hs[: send_buf.nbytes], dst, tag)
@@ -307,8 +314,13 @@ class GpuRing:
         if self._pending is not None:
             recv_buf, hr, slot = self._pending
             self._pending = None
-            runtime.memcpyAsync(recv_buf.data.ptr, hr.ctypes.data, recv_buf.nbytes,
-                                runtime.memcpyHostToDevice, self._copy.ptr)  # fmt: skip
+            runtime.memcpyAsync(
+                recv_buf.data.ptr,
+                hr.ctypes.data,
+                recv_buf.nbytes,
+                runtime.memcpyHostToDevice,
+                self._copy.ptr,
+            )
             uploaded = cupy.cuda.Event(block=False, disable_timing=True)
             uploaded.record(self._copy)
             stream.wait_event(uploaded)
@@ -362,8 +374,15 @@ class GpuRing:
             c1 = self._t0 + cupy.cuda.get_elapsed_time(self._ev0, r["ev_wait"]) / 1e3
             x0, x1 = r["t_post"], r["t_done"]
             ov = max(0.0, min(c1, x1) - max(c0, x0))
-            rows.append({"bytes": r["bytes"], "exchange_s": x1 - x0, "compute_s": c1 - c0,
-                         "overlap_s": ov, "blocked_s": x1 - r["t_wait"]})  # fmt: skip
+            rows.append(
+                {
+                    "bytes": r["bytes"],
+                    "exchange_s": x1 - x0,
+                    "compute_s": c1 - c0,
+                    "overlap_s": ov,
+                    "blocked_s": x1 - r["t_wait"],
+                }
+            )
         tot = {k: sum(r[k] for r in rows) for k in ("exchange_s", "compute_s", "overlap_s")}
         tot["blocked_s"] = sum(r["blocked_s"] for r in rows)
         tot["hidden_fraction"] = tot["overlap_s"] / tot["exchange_s"] if tot["exchange_s"] else 0.0

@@ -164,8 +164,9 @@ def forward_tile(
     return flops
 
 
-def _launch(kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=None,
-            mods=None) -> int:  # fmt: skip
+def _launch(
+    kern, q, k, v, q_pos, k_pos, acc, m, l, scale, causal, dev, rows=None, mods=None
+) -> int:
     """Enqueue configuration ``kern`` on the current stream; return the flops it computes.
 
     ``rows``: the (lo, hi) per-row bounds from :func:`_rows`, or None. ``mods``: the

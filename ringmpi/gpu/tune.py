@@ -174,8 +174,10 @@ def choose(k: str, names: Sequence[str], measure: Callable[[str], float]) -> str
         raise RuntimeError(f"GPU autotune {k}: no configuration ran: {errors}")
     with _lock:
         _memo[k] = best
-    entry = {"config": best, "ms": {n: (t * 1e3 if math.isfinite(t) else None)
-                                    for n, t in times.items()}}  # fmt: skip
+    entry = {
+        "config": best,
+        "ms": {n: (t * 1e3 if math.isfinite(t) else None) for n, t in times.items()},
+    }
     if errors:
         entry["errors"] = errors
     _save(cache_path(), k, entry)

@@ -108,8 +108,17 @@ class SequenceLoop:
         the start line.
     """
 
-    def __init__(self, ctx: JobContext, store, todo: list, left: list, done, before=(),
-                 last: bool = True, job_left: Optional[list] = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: JobContext,
+        store,
+        todo: list,
+        left: list,
+        done,
+        before=(),
+        last: bool = True,
+        job_left: Optional[list] = None,
+    ) -> None:
         self.ctx, self.store = ctx, store
         self.todo, self.left, self.done = todo, left, done
         self.before, self.last = list(before), last
@@ -121,11 +130,18 @@ class SequenceLoop:
         predicted = predicted_seconds(plan, todo_all, ctx.size, spec.causal, ctx.rate, spec.window)
         work = [sum(float(plan.sequences[i].length) ** 2 for i in b.members) for b in todo]
         unit = "batch" if any(not b.single for b in todo) else "sequence"
-        self.bar = Progress([b.length for b in todo], enabled=self.show, predicted=predicted,
-                            work=work, unit=unit)  # fmt: skip
+        self.bar = Progress(
+            [b.length for b in todo], enabled=self.show, predicted=predicted, work=work, unit=unit
+        )
         self.where = {"j": -1, "stage": "starting", "step": 0}
-        self.reader = Reader(plan, ctx.ring_rank, ctx.ring_size, spec.layout,
-                             strided=ctx.options.strided, rope=ctx.rope)  # fmt: skip
+        self.reader = Reader(
+            plan,
+            ctx.ring_rank,
+            ctx.ring_size,
+            spec.layout,
+            strided=ctx.options.strided,
+            rope=ctx.rope,
+        )
         self.acc = {"compute_s": 0.0, "wait_s": 0.0, "total_s": 0.0, "flops": 0.0}
         self.read_wait = self.write_s = 0.0
         self.tokens = 0
@@ -136,9 +152,15 @@ class SequenceLoop:
         self.nxt = None  # the read of the next batch, started ahead
         self.finished = 0  # sequences this ring wrote
         # checkpoints of a batch's ring state, named by its first sequence
-        self.ckpt = Checkpoints(store.parts, ctx.ring, store.meta, ctx.options.checkpoint_every,
-                                ctx.options.resume, todo=[b.members[0] for b in todo],
-                                finished=done)  # fmt: skip
+        self.ckpt = Checkpoints(
+            store.parts,
+            ctx.ring,
+            store.meta,
+            ctx.options.checkpoint_every,
+            ctx.options.resume,
+            todo=[b.members[0] for b in todo],
+            finished=done,
+        )
 
     # -- reading ---------------------------------------------------------------------------
     def read_ahead(self) -> None:
@@ -194,17 +216,30 @@ class SequenceLoop:
         ctx, bar = self.ctx, self.bar
         if self.show and not self.before:
             every = [i for b, _ in self.job_left for i in b.members]
-            bar.header(start_line(ctx.plan, every, ctx.size, ctx.spec.layout,
-                                  ctx.spec.causal, ctx.device, ctx.attrs["kernel"],
-                                  ctx.attrs["isa"], ctx.rate, ring=ctx.ring_size,
-                                  window=ctx.spec.window, notes=ctx.notes,
-                                  units=[b for b, _ in self.job_left],
-                                  unit_rings=[r for _, r in self.job_left]))  # fmt: skip
+            bar.header(
+                start_line(
+                    ctx.plan,
+                    every,
+                    ctx.size,
+                    ctx.spec.layout,
+                    ctx.spec.causal,
+                    ctx.device,
+                    ctx.attrs["kernel"],
+                    ctx.attrs["isa"],
+                    ctx.rate,
+                    ring=ctx.ring_size,
+                    window=ctx.spec.window,
+                    notes=ctx.notes,
+                    units=[b for b, _ in self.job_left],
+                    unit_rings=[r for _, r in self.job_left],
+                )
+            )
         if self.show and (self.before or not self.last):  # --ring-size auto: say the phase
             rings = ctx.size // ctx.ring_size
             n = sum(len(b.members) for b in self.left)
-            bar.note(f"{rings} ring(s) of {ctx.ring_size}: {n} sequence(s) in {len(self.left)} "
-                     "call(s)")  # fmt: skip
+            bar.note(
+                f"{rings} ring(s) of {ctx.ring_size}: {n} sequence(s) in {len(self.left)} call(s)"
+            )
         prefetch = ctx.options.prefetch
         stopped = False
         try:
@@ -305,14 +340,20 @@ class SequenceLoop:
         self.write_s += time.perf_counter() - t0
         self.tokens += batch.length
         secs = time.perf_counter() - t_seq
-        self.timings.append({
-            "sequence": batch.name, "sequences": len(batch.members), "tokens": batch.length,
-            "seconds": secs, "read_wait_s": t_read,
-            "compute_s": float(stats.get("compute_s", 0.0)),
-            "mpi_wait_s": float(stats.get("wait_s", 0.0)), "write_s": time.perf_counter() - t0,
-            "ring_steps": int(stats.get("steps", 0)),
-            "ring_steps_resumed": int(stats.get("steps_resumed", 0)),
-        })  # fmt: skip
+        self.timings.append(
+            {
+                "sequence": batch.name,
+                "sequences": len(batch.members),
+                "tokens": batch.length,
+                "seconds": secs,
+                "read_wait_s": t_read,
+                "compute_s": float(stats.get("compute_s", 0.0)),
+                "mpi_wait_s": float(stats.get("wait_s", 0.0)),
+                "write_s": time.perf_counter() - t0,
+                "ring_steps": int(stats.get("steps", 0)),
+                "ring_steps_resumed": int(stats.get("steps_resumed", 0)),
+            }
+        )
         bar.finish_seq(secs)
         self.finished += len(batch.members)
         faults.sequences_done(ctx.rank, self.finished + sum(b.finished for b in self.before))
@@ -330,9 +371,12 @@ class SequenceLoop:
         if start is not None and ctx.ring_rank == 0 and not ctx.options.quiet:
             self.bar.close()
             s, p = start[0], ctx.ring_size
-            print(f"ringmpi: sequence {name}: resuming at ring step {s}/{p} from a "
-                  f"checkpoint ({s} step(s) done, {p - s} to compute)", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"ringmpi: sequence {name}: resuming at ring step {s}/{p} from a "
+                f"checkpoint ({s} step(s) done, {p - s} to compute)",
+                file=sys.stderr,
+                flush=True,
+            )
         return start
 
     # -- the end ---------------------------------------------------------------------------
@@ -404,9 +448,17 @@ def job_summary(ctx, phases: list, skipped: int, store) -> dict:
     mine = np.zeros(9 + len(sizes), dtype=np.float64)
     for p in phases:
         a = p.acc
-        mine[:9] += [a["flops"], a["wait_s"], a["total_s"], a["compute_s"],
-                     p.read_wait + p.write_s, p.read_wait, p.write_s,
-                     p.reader.bytes_read, p.tokens / p.ctx.ring_size]  # fmt: skip
+        mine[:9] += [
+            a["flops"],
+            a["wait_s"],
+            a["total_s"],
+            a["compute_s"],
+            p.read_wait + p.write_s,
+            p.read_wait,
+            p.write_s,
+            p.reader.bytes_read,
+            p.tokens / p.ctx.ring_size,
+        ]
         mine[9 + sizes.index(p.ctx.ring_size)] += p.tokens / p.ctx.ring_size
     peak = np.array([peak_rss(), wall], dtype=np.float64)
     if ctx.comm is not None:

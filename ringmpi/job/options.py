@@ -324,8 +324,10 @@ def check_tiles(spec: AttentionSpec, device: str) -> None:
         return  # the job reports an unusable backend itself, the usual way
     missing = [f for f in wanted if f not in be.forward_mods or f not in be.backward_mods]
     if missing:
-        flags = ", ".join("--" + ("alibi" if f == "alibi_slopes" else f.replace("_", "-"))
-                          for f in missing)  # fmt: skip
+        flags = ", ".join(
+            "--" + ("alibi" if f == "alibi_slopes" else f.replace("_", "-")) for f in missing
+        )
         hint = "; RINGMPI_CPU_KERNEL=numpy runs them on the CPU" if device == "cpu" else ""
-        raise InputError(f"{flags}: the {be.name} tiles do not apply {', '.join(missing)} yet"
-                         f"{hint}")  # fmt: skip
+        raise InputError(
+            f"{flags}: the {be.name} tiles do not apply {', '.join(missing)} yet{hint}"
+        )

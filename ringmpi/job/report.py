@@ -186,13 +186,29 @@ def one_process_note(env=None) -> str:
 
     launch = launcher_tasks(os.environ if env is None else env)
     if launch.tasks is None and launch.rank is None:
-        return ("one process: not started by mpiexec/srun, so 1 rank does all the work "
-                "(mpiexec -n P ringmpi run ... for P ranks)")  # fmt: skip
+        return (
+            "one process: not started by mpiexec/srun, so 1 rank does all the work "
+            "(mpiexec -n P ringmpi run ... for P ranks)"
+        )
     return f"1 rank, as {launch.launcher} started it"
 
 
-def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=None,
-               window=None, notes=(), units=None, unit_rings=None) -> str:  # fmt: skip
+def start_line(
+    plan,
+    todo,
+    size,
+    layout,
+    causal,
+    dev,
+    kernel,
+    isa,
+    rate,
+    ring=None,
+    window=None,
+    notes=(),
+    units=None,
+    unit_rings=None,
+) -> str:
     """The job's first line: what, where, how much memory, how long (predicted).
 
     ``notes``: more clauses (BLAS threads, a run of one process), joined with "; ".
@@ -210,8 +226,13 @@ def start_line(plan, todo, size, layout, causal, dev, kernel, isa, rate, ring=No
     for r in set(rings):
         mine = [u for u, ur in zip(units, rings) if ur == r]
         ahead = len(mine) > size // r  # read-ahead of a next call's inputs on some ring
-        mem = max([mem] + [rank_bytes(plan, n, prefetch=ahead, n_local_k=nk, ranks=r)
-                           for n, nk in (seq_counts(s, r, layout) for s in mine)])  # fmt: skip
+        mem = max(
+            [mem]
+            + [
+                rank_bytes(plan, n, prefetch=ahead, n_local_k=nk, ranks=r)
+                for n, nk in (seq_counts(s, r, layout) for s in mine)
+            ]
+        )
     mem = (mem + resident_bytes()) / 2**30  # the peak resident memory it should match
     where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
     text = (

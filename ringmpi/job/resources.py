@@ -63,8 +63,9 @@ RING_KV = 2.75
 COPY = 1.0
 
 
-def rank_bytes(plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None,
-               ranks: int = 2) -> int:  # fmt: skip
+def rank_bytes(
+    plan: Plan, n_local: int, prefetch: bool = True, n_local_k=None, ranks: int = 2
+) -> int:
     """Estimate of the bytes one rank holding ``n_local`` tokens needs for one sequence.
 
     The peak of: the local q/k/v as read, plus the larger of the ring's state

@@ -65,8 +65,9 @@ __all__ = [
 ]
 
 
-def choose_ring_size(ring_size, plan, size: int, layout: str, causal: bool, budget: int,
-                     window=None) -> list:  # fmt: skip
+def choose_ring_size(
+    ring_size, plan, size: int, layout: str, causal: bool, budget: int, window=None
+) -> list:
     """Ranks per ring for every sequence (a list in plan order): ``ring_size`` checked.
 
     None: one ring of all ``size`` ranks; a number R: rings of R for every
@@ -146,8 +147,9 @@ def run(
     started_utc = utc()
     spec, opts = split_keywords(spec, options, keywords)
     ring_size = opts.ring_size
-    plan = make_plan(comm, inputs, opts.weights, 1 if ring_size not in (None, size) else size,
-                     rope=opts.rope)  # fmt: skip
+    plan = make_plan(
+        comm, inputs, opts.weights, 1 if ring_size not in (None, size) else size, rope=opts.rope
+    )
     # ALiBi slopes (--alibi, --alibi-slopes) and the weights' sinks join the spec here
     spec = modifiers.resolve(comm, spec, plan, opts.alibi, opts.alibi_slopes_file)
     head_major = [w for w in plan.warnings if "head-major" in w]
@@ -167,23 +169,46 @@ def run(
     layout, causal = spec.layout, spec.causal
     try:
         rate = measure_rate(plan, dev) if rank == 0 and not opts.quiet else 0.0
-        sizes = run_on_root(comm, choose_ring_size, ring_size, plan, size, layout, causal,
-                            budget, spec.window)  # fmt: skip
-        run_everywhere(comm, lambda: [check_memory(plan, s, r, layout, budget)
-                                      for s, r in zip(plan.sequences, sizes)])  # fmt: skip
-        short = run_on_root(comm, lambda: [
-            s.name for s, r in zip(plan.sequences, sizes)
-            if r != size and min(s.length, s.length_k) < r
-        ])  # fmt: skip
+        sizes = run_on_root(
+            comm, choose_ring_size, ring_size, plan, size, layout, causal, budget, spec.window
+        )
+        run_everywhere(
+            comm,
+            lambda: [
+                check_memory(plan, s, r, layout, budget) for s, r in zip(plan.sequences, sizes)
+            ],
+        )
+        short = run_on_root(
+            comm,
+            lambda: [
+                s.name
+                for s, r in zip(plan.sequences, sizes)
+                if r != size and min(s.length, s.length_k) < r
+            ],
+        )
         if short:
             r = sizes[[s.name for s in plan.sequences].index(short[0])]
             raise InputError(f"sequence {short[0]} has fewer tokens than the {r} ranks of a ring")
-        caps = {r: run_on_root(comm, batch_tokens, plan, r, layout, budget)
-                for r in sorted(set(sizes))}  # fmt: skip
-        ctx = JobContext(plan=plan, spec=spec, options=opts, comm=comm, ring=comm,
-                         ring_size=max(sizes), device=dev, attrs={}, rate=rate, t_start=t_start,
-                         started_utc=started_utc, output=output, notes=notes, budget=budget,
-                         batch_tokens=caps[max(sizes)])  # fmt: skip
+        caps = {
+            r: run_on_root(comm, batch_tokens, plan, r, layout, budget) for r in sorted(set(sizes))
+        }
+        ctx = JobContext(
+            plan=plan,
+            spec=spec,
+            options=opts,
+            comm=comm,
+            ring=comm,
+            ring_size=max(sizes),
+            device=dev,
+            attrs={},
+            rate=rate,
+            t_start=t_start,
+            started_utc=started_utc,
+            output=output,
+            notes=notes,
+            budget=budget,
+            batch_tokens=caps[max(sizes)],
+        )
         return _job(ctx, sizes, caps)
     finally:
         heap.restore()
@@ -224,8 +249,18 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
     # how sequences are packed into calls decides the rounding of each: resume must match
     tokens = [caps[r] for r, _ in todo_phases]
     meta["batch_tokens"] = tokens if mixed else tokens[0]
-    attrs = run_on_root(comm, provenance, plan, layout, causal, scale, size, ctx.device,
-                        window=spec.window, rope=ctx.rope)  # fmt: skip
+    attrs = run_on_root(
+        comm,
+        provenance,
+        plan,
+        layout,
+        causal,
+        scale,
+        size,
+        ctx.device,
+        window=spec.window,
+        rope=ctx.rope,
+    )
     attrs.update(_spec_attrs(spec))
     attrs["ring_size"] = rs if not mixed else "auto"
     if mixed:
@@ -236,9 +271,18 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
     ring, across = _rings(comm, todo_phases[0][0], size)
     store = None
     try:
-        store = make_store(mode, ctx.output, comm, plan, meta, attrs=attrs,
-                           overwrite=opts.overwrite, compress=opts.compress, ring=ring,
-                           **({"ring_sizes": sizes} if mixed else {}))  # fmt: skip
+        store = make_store(
+            mode,
+            ctx.output,
+            comm,
+            plan,
+            meta,
+            attrs=attrs,
+            overwrite=opts.overwrite,
+            compress=opts.compress,
+            ring=ring,
+            **({"ring_sizes": sizes} if mixed else {}),
+        )
         done = store.open(opts.resume)
         # the batches follow from the plan alone (not from what is done), so a resumed
         # run computes every batch it redoes exactly as the first run did
@@ -259,12 +303,20 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
             # rank 0 builds the output's index while the other rings compute (several rings,
             # the part files): its ring is dealt that much less of the last phase
             ahead = last and nr > 1 and hasattr(store, "build_ahead")
-            dealt = deal(plan, left, nr, spec.causal, spec.window, ctx.device,
-                         head_start=len(plan.sequences) if ahead else 0)  # fmt: skip
+            dealt = deal(
+                plan,
+                left,
+                nr,
+                spec.causal,
+                spec.window,
+                ctx.device,
+                head_start=len(plan.sequences) if ahead else 0,
+            )
             todo = dealt[0 if across is None else across.Get_rank()]
             pctx = dataclasses.replace(ctx, ring=ring, ring_size=r, batch_tokens=caps[r])
-            loop = SequenceLoop(pctx, store, todo, left, done, before=loops, last=last,
-                                job_left=job_left)  # fmt: skip
+            loop = SequenceLoop(
+                pctx, store, todo, left, done, before=loops, last=last, job_left=job_left
+            )
             loop.read_ahead()  # the first batch's read goes on while rank 0 builds the index
             if ahead:
                 store.build_ahead([(b.members, rb) for b, rb in job_left])
@@ -393,8 +445,7 @@ def divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def assign_ring_sizes(plan, size: int, layout: str, causal: bool, budget: int,
-                      window=None) -> list:  # fmt: skip
+def assign_ring_sizes(plan, size: int, layout: str, causal: bool, budget: int, window=None) -> list:
     """Ranks per ring for every sequence of ``plan`` (a list, in plan order), as the module says.
 
     Parameters
@@ -440,8 +491,15 @@ def phases(sizes: list) -> list:
     return [(r, by[r]) for r in sorted(by, reverse=True)]
 
 
-def deal(plan, batches: list, rings: int, causal: bool, window=None, device: str = "cpu",
-         head_start: int = 0) -> list:  # fmt: skip
+def deal(
+    plan,
+    batches: list,
+    rings: int,
+    causal: bool,
+    window=None,
+    device: str = "cpu",
+    head_start: int = 0,
+) -> list:
     """Batches per ring: the dearest first, each to the ring with the least work dealt so far.
 
     Longest-processing-time-first list scheduling: the rings' predicted times end
@@ -473,8 +531,9 @@ def deal(plan, batches: list, rings: int, causal: bool, window=None, device: str
     costs = []
     for b in batches:
         seqs = [plan.sequences[i] for i in b.members]
-        flops = sum(model_flops(visible_pairs(s, causal, window), plan.head_dim, plan.heads)
-                    for s in seqs)  # fmt: skip
+        flops = sum(
+            model_flops(visible_pairs(s, causal, window), plan.head_dim, plan.heads) for s in seqs
+        )
         nbytes = (b.length * (2 * plan.heads) + b.length_k * 2 * plan.kv_heads) * row
         costs.append(flops * per_flop + nbytes / IO_BYTES_S + len(seqs) * SEQ_S + BATCH_S)
     load = [0.0] * rings

@@ -254,10 +254,13 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
                 def tick(done_rows, what=what, nk=seq.length_k):
                     report.advance(done_rows * nk / 2, what)  # two precisions per row block
 
-                mods = dict(mods=scoremods.of_spec(spec, plan.heads, slice(h, h + 1)),
-                            sink=_at(spec.sinks, h))  # fmt: skip
-                ref_o, ref_l = rows_attention(q, k, v, rows, causal, scale, np.float64, mask, tick,
-                                              **mods)  # fmt: skip
+                mods = dict(
+                    mods=scoremods.of_spec(spec, plan.heads, slice(h, h + 1)),
+                    sink=_at(spec.sinks, h),
+                )
+                ref_o, ref_l = rows_attention(
+                    q, k, v, rows, causal, scale, np.float64, mask, tick, **mods
+                )
                 lo_o, lo_l = rows_attention(q, k, v, rows, causal, scale, low, mask, tick, **mods)
                 lo_o = lo_o.astype(dt).astype(np.float64)
                 ro, rl = ring_o[rows], ring_l[rows]
@@ -395,8 +398,11 @@ def read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
                     parts[n].append(y + bias[n] if n in bias else y)
     full = {n: np.concatenate(parts[n]) for n in names}
     if rope is not None and w is not None:
-        cu = (seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k) if kv else (
-            seq.cu_seqlens)  # fmt: skip
+        cu = (
+            (seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k)
+            if kv
+            else (seq.cu_seqlens)
+        )
         n = "k" if kv else "q"
         pos = positions_in_sequence(np.arange(len(full[n])), cu)
         full[n] = apply_rope(full[n][:, None, :], pos, *rope)[:, 0]
@@ -542,9 +548,18 @@ def dense_head(q, k, v, causal: bool, scale: float, dtype) -> tuple:
 
 
 def rows_attention(
-    q, k, v, rows: np.ndarray, causal: bool, scale: float, dtype, mask=None, on_block=None,
-    mods=None, sink=None,
-) -> tuple:  # fmt: skip
+    q,
+    k,
+    v,
+    rows: np.ndarray,
+    causal: bool,
+    scale: float,
+    dtype,
+    mask=None,
+    on_block=None,
+    mods=None,
+    sink=None,
+) -> tuple:
     """Dense attention of the query rows ``rows`` of one head against all S keys, in ``dtype``.
 
     Parameters
@@ -639,8 +654,15 @@ def sample_rows_of(length: int, count: int, seed: int, seq_index: int, head: int
     return np.sort(rng.choice(length, size=count, replace=False)).astype(np.int64)
 
 
-def range_bad(v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool, slack: float,
-               mask=None, sink: bool = False):  # fmt: skip
+def range_bad(
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    causal: bool,
+    slack: float,
+    mask=None,
+    sink: bool = False,
+):
     """Rows whose output leaves the range of the visible value rows (or is not 0 when none is).
 
     Under a mask other than plain causal the range is that of the value rows of

@@ -287,8 +287,11 @@ def _span(fd: int, items: list, buf: np.ndarray, progress) -> None:
             progress()
         if first == len(items):
             return
-        nxt = min(items[t][0] + done[t] * rows[t] for t in range(first, len(items))
-                  if done[t] < len(items[t][1]))  # fmt: skip
+        nxt = min(
+            items[t][0] + done[t] * rows[t]
+            for t in range(first, len(items))
+            if done[t] < len(items[t][1])
+        )
         if nxt // ALIGN * ALIGN <= pos:  # nothing to move on to: the file ends before it
             raise OSError(errno.EIO, f"file ends at byte {top}, before byte {end}")
         pos = nxt // ALIGN * ALIGN

@@ -17,9 +17,19 @@ import time
 from . import env
 
 __all__ = [
-    "RING_STEP", "KILL_AFTER", "KILL_IN_BATCH", "KILL_AT_STEP", "MPIO_KILL", "READ_STALL",
-    "ring_step", "sequences_done", "batch_read", "checkpoint_step", "rows_written", "read",
-]  # fmt: skip
+    "RING_STEP",
+    "KILL_AFTER",
+    "KILL_IN_BATCH",
+    "KILL_AT_STEP",
+    "MPIO_KILL",
+    "READ_STALL",
+    "ring_step",
+    "sequences_done",
+    "batch_read",
+    "checkpoint_step",
+    "rows_written",
+    "read",
+]
 
 RING_STEP = "RINGMPI_TEST_FAULT"
 KILL_AFTER = "RINGMPI_TEST_KILL_AFTER"

@@ -121,8 +121,12 @@ class _Backstop:
             os.close(w)
             return
         self.fds, self.done = (r, w), threading.Event()
-        t = threading.Thread(target=self._run, args=(r, grace, self.done), daemon=True,
-                             name="ringmpi-interrupt-backstop")  # fmt: skip
+        t = threading.Thread(
+            target=self._run,
+            args=(r, grace, self.done),
+            daemon=True,
+            name="ringmpi-interrupt-backstop",
+        )
         t.start()
 
     def stop(self) -> None:
@@ -144,8 +148,11 @@ class _Backstop:
                     return
                 # only the signals recorded by our handler (a program's own handler for
                 # another signal also writes to the wakeup fd)
-                sigs = [b for b in data if b in (signal.SIGINT, signal.SIGTERM)
-                        and signal.getsignal(b) is _handler]  # fmt: skip
+                sigs = [
+                    b
+                    for b in data
+                    if b in (signal.SIGINT, signal.SIGTERM) and signal.getsignal(b) is _handler
+                ]
                 if not sigs:
                     continue
                 t0 = time.monotonic()

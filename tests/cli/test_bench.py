@@ -26,9 +26,21 @@ def test_bench_smoke(tmp_path, capsys):
     assert sorted({r["pass_"] for r in runs}) == ["bwd", "fwd"]
     assert all(w["isa"] for w in doc["workers"])
     fields = {
-        "p", "n", "d", "causal", "pass_", "time_s", "gflops_per_rank", "frac_matmul", "scaling_eff",
-        "peak_mem_mib_per_rank", "rss_growth_mib_per_rank", "compute_s", "wait_s", "vs_torch",
-    }  # fmt: skip
+        "p",
+        "n",
+        "d",
+        "causal",
+        "pass_",
+        "time_s",
+        "gflops_per_rank",
+        "frac_matmul",
+        "scaling_eff",
+        "peak_mem_mib_per_rank",
+        "rss_growth_mib_per_rank",
+        "compute_s",
+        "wait_s",
+        "vs_torch",
+    }
     for r in runs:
         assert fields <= set(r), fields - set(r)
         assert r["time_s"] > 0 and math.isfinite(r["time_s"])

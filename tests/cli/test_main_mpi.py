@@ -145,8 +145,10 @@ def test_run_batch_axis_with_verify_and_summary(data, tmp_path):
     assert summary["started_utc"].endswith("Z") and len(summary["hosts"]) == 2
     with h5py.File(out, "r") as f:
         assert {k: f.attrs[k] for k in ("layout", "ranks", "kernel")} == {
-            "layout": "striped", "ranks": 2, "kernel": prov["kernel"],
-        }  # fmt: skip
+            "layout": "striped",
+            "ranks": 2,
+            "kernel": prov["kernel"],
+        }
     for b in range(3):
         q, k, v = _read_inputs(data["batch"], batch=b)
         check_against_reference(out, q, k, v, True, batch=b)
@@ -266,8 +268,9 @@ def test_error_on_one_rank_aborts_job(data, tmp_path):
 def test_verify_command_passes_and_fails(data, tmp_path, capsys):
     out = str(tmp_path / "out.h5")
     # part files: the test damages one (the one-file output: tests/job/output/test_single_file.py)
-    rc, _, se, _ = launch(2, "run", *data["batch"], "-o", out, "--causal", "--quiet",
-                          "--output-mode", "parts")  # fmt: skip
+    rc, _, se, _ = launch(
+        2, "run", *data["batch"], "-o", out, "--causal", "--quiet", "--output-mode", "parts"
+    )
     assert rc == 0, se
     assert main(["verify", out, *data["batch"]]) == 0
     assert "PASSED" in capsys.readouterr().out

@@ -48,8 +48,11 @@ def _status(pid: int) -> dict:
 def _sigs(mask: str) -> str:
     """Names of the signals in a /proc hex mask (only the interesting ones)."""
     bits = int(mask, 16)
-    names = [s.name for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGCONT)
-             if bits >> (s.value - 1) & 1]  # fmt: skip
+    names = [
+        s.name
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGCONT)
+        if bits >> (s.value - 1) & 1
+    ]
     return "+".join(names) or "-"
 
 
@@ -144,8 +147,10 @@ def main() -> int:
                 continue
             ok = rc != 0 and want in err
             bad += not ok
-            print(f"run {k}: exit {rc} in {secs:.1f} s{'' if ok else ' (NO clear message)'}",
-                  flush=True)  # fmt: skip
+            print(
+                f"run {k}: exit {rc} in {secs:.1f} s{'' if ok else ' (NO clear message)'}",
+                flush=True,
+            )
             if rc != 1:  # a signal or an odd status: what the launcher said
                 print("  stderr tail: " + " | ".join(err.strip().splitlines()[-4:]), flush=True)
             left = orphans()

@@ -361,8 +361,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="directory for the probe files (shared by all ranks)")
     ap.add_argument("--phase", choices=("cases", "crash", "resume"), default="cases")
-    ap.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")],
-                    default=[1000, 37, 4099, 2])  # fmt: skip
+    ap.add_argument(
+        "--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[1000, 37, 4099, 2]
+    )
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--libver", default="earliest", help="crash phase: lowest file format")
     ap.add_argument("--dim", type=int, default=32)

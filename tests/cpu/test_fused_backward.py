@@ -98,13 +98,35 @@ def _ring(dout, q, k, v, size, layout, causal, dtype, tol=None):
             dk = {t: np.zeros_like(ki) for t in dq}
             dv = {t: np.zeros_like(vi) for t in dq}
             f_n = backward.backward_tile(
-                qi, ki, vi, doi, lse_i, delta, qp, kp, dq["numpy"], dk["numpy"], dv["numpy"],
-                scale=scale, causal=causal,
-            )  # fmt: skip
+                qi,
+                ki,
+                vi,
+                doi,
+                lse_i,
+                delta,
+                qp,
+                kp,
+                dq["numpy"],
+                dk["numpy"],
+                dv["numpy"],
+                scale=scale,
+                causal=causal,
+            )
             f_f = fused_backward.backward_tile(
-                qi, ki, vi, doi, lse_i, delta, qp, kp, dq["fused"], dk["fused"], dv["fused"],
-                scale=scale, causal=causal,
-            )  # fmt: skip
+                qi,
+                ki,
+                vi,
+                doi,
+                lse_i,
+                delta,
+                qp,
+                kp,
+                dq["fused"],
+                dk["fused"],
+                dv["fused"],
+                scale=scale,
+                causal=causal,
+            )
             assert f_f == f_n
             flops += f_f
             _assert_close(dk["fused"], dk["numpy"], dtype, tol, what=f"dk {r}<-{src}")
@@ -407,8 +429,11 @@ def test_spec_flops_counts_like_the_numpy_tile(monkeypatch, layout):
     monkeypatch.setattr(backward, "BLOCK_Q", 48)
     monkeypatch.setattr(backward, "BLOCK_K", 80)
     rng = np.random.default_rng(1)
-    cases = [(ringmpi.positions(900, r, 3, layout), ringmpi.positions(900, s, 3, layout))
-             for r in range(3) for s in range(3)]  # fmt: skip
+    cases = [
+        (ringmpi.positions(900, r, 3, layout), ringmpi.positions(900, s, 3, layout))
+        for r in range(3)
+        for s in range(3)
+    ]
     cases.append((rng.permutation(200)[:60], rng.permutation(200)[:80]))
     for qp, kp in cases:
         qp, kp = qp.astype(np.int64), kp.astype(np.int64)

@@ -131,9 +131,21 @@ def _ring(case, size, layout, dtype, isas):
             fs = {}
             for name, fn in tiles.items():
                 fs[name] = fn(
-                    qi, ki, vi, doi, lse_i, delta, qp, kp, dq[name], dk[name], dv[name],
-                    scale=d**-0.5, causal=causal, bounds=bounds,
-                )  # fmt: skip
+                    qi,
+                    ki,
+                    vi,
+                    doi,
+                    lse_i,
+                    delta,
+                    qp,
+                    kp,
+                    dq[name],
+                    dk[name],
+                    dv[name],
+                    scale=d**-0.5,
+                    causal=causal,
+                    bounds=bounds,
+                )
             for isa in isas:
                 assert fs[isa] == fs["numpy"], f"{isa}: flops {r}<-{src}"
                 flops[isa] += fs[isa]
@@ -202,9 +214,21 @@ def _full_tile(isa, n, sq_pos, sk_pos, bounds, causal, count):
     delta = rng.standard_normal((1, h, len(sq_pos))).astype(np.float32)
     acc = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
     return fused_backward.backward_tile_with(
-        _lib(isa), q, k, v, do, lse, delta, sq_pos, sk_pos, *acc,
-        scale=0.125, causal=causal, bounds=bounds, count=count,
-    )  # fmt: skip
+        _lib(isa),
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        sq_pos,
+        sk_pos,
+        *acc,
+        scale=0.125,
+        causal=causal,
+        bounds=bounds,
+        count=count,
+    )
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -287,9 +311,16 @@ def test_nothing_visible_is_skipped_untouched():
     f = fused_backward.backward_tile(*args, qp, kp, *acc, scale=0.3, causal=False, bounds=(lo, hi))
     assert f == 0 and not any(a.any() for a in acc)
     kernel = fused_backward.backward_tile_with(
-        _lib(ISAS[0]), *args, qp, kp, *acc, scale=0.3, causal=False, bounds=(lo, hi),
+        _lib(ISAS[0]),
+        *args,
+        qp,
+        kp,
+        *acc,
+        scale=0.3,
+        causal=False,
+        bounds=(lo, hi),
         count="kernel",
-    )  # fmt: skip
+    )
     assert kernel == 0
 
 
@@ -303,9 +334,15 @@ def test_progress_and_interrupt_with_bounds(monkeypatch):
     args, acc = _small_args(rng, np.float32, n, n)
     calls = []
     fused_backward.backward_tile(
-        *args, pos, pos, *acc, scale=0.2, causal=True, bounds=bounds,
+        *args,
+        pos,
+        pos,
+        *acc,
+        scale=0.2,
+        causal=True,
+        bounds=bounds,
         progress=lambda: calls.append(1),
-    )  # fmt: skip
+    )
     # a call after each computed block pair (each has more than CHUNK_PAIRS pairs), plus one
     # at the end: every query block of 96 rows sees 196 keys, i.e. 1 or 2 key blocks of 256
     nqb = -(-n // fused_backward.BLOCK_Q)

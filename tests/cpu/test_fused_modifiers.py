@@ -333,9 +333,20 @@ def test_a_build_without_a_slot_refuses_it(monkeypatch):
     grads = (np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(vi))
     with pytest.raises(ValueError, match="without the score modifiers alibi_slopes"):
         fused_backward.backward_tile_with(
-            lib, qi, ki, vi, do, lse, delta, pos, pos, *grads, scale=0.2, causal=True,
+            lib,
+            qi,
+            ki,
+            vi,
+            do,
+            lse,
+            delta,
+            pos,
+            pos,
+            *grads,
+            scale=0.2,
+            causal=True,
             alibi=alibi,
-        )  # fmt: skip
+        )
     kern.forward_tile(qi, ki, vi, pos, pos, *st, scale=0.2, causal=True, softcap=CAP)
 
 
@@ -384,6 +395,17 @@ def test_builds_from_before_the_seam_run_plain_calls(tmp_path, monkeypatch):
     g = (np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(vi))
     with pytest.raises(ValueError, match="without the score modifiers alibi_slopes"):
         fused_backward.backward_tile_with(
-            old_bwd, qi, ki, vi, qi, lse, delta, pos, pos, *g, scale=0.2, causal=True,
+            old_bwd,
+            qi,
+            ki,
+            vi,
+            qi,
+            lse,
+            delta,
+            pos,
+            pos,
+            *g,
+            scale=0.2,
+            causal=True,
             alibi=(SLOPES, pos),
-        )  # fmt: skip
+        )

@@ -74,16 +74,28 @@ def test_span_arithmetic_matches_search(isa, dtype, name):
         delta = (do * out).sum(-1)
         g = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
         fused_backward.backward_tile_with(
-            bwd, q, k, v, do, lse, delta, qp, kp, *g, scale=q.shape[-1] ** -0.5, causal=causal,
+            bwd,
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            qp,
+            kp,
+            *g,
+            scale=q.shape[-1] ** -0.5,
+            causal=causal,
             bounds=bounds,
-        )  # fmt: skip
+        )
         fw[tag] = (acc, m, l, *g)
     for a, b in zip(fw["plain"], fw["doubled"]):
         assert a.tobytes() == b.tobytes()
     # and both right: the numpy tile's state (float64 inputs), within float32/64 rounding
     qp, kp, causal, bounds = case
-    ref = _forward(spec.forward_tile, *(x.astype(np.float64) for x in (q, k, v)), qp, kp, causal,
-                   bounds)  # fmt: skip
+    ref = _forward(
+        spec.forward_tile, *(x.astype(np.float64) for x in (q, k, v)), qp, kp, causal, bounds
+    )
     tol = 2e-5 if dtype == np.float32 else 1e-12
     out = kern.finalize(*fw["plain"][:3])[0]
     out_ref = kern.finalize(*ref)[0]

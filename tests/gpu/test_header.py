@@ -98,8 +98,11 @@ def _cases(n_per=60):
     to 2^22 (exact in float32).
     """
     rng = np.random.default_rng(11)
-    combos = [sum(1 << m.slot for m in c) for r in range(len(scoremods.MODS) + 1)
-              for c in itertools.combinations(scoremods.MODS, r)]  # fmt: skip
+    combos = [
+        sum(1 << m.slot for m in c)
+        for r in range(len(scoremods.MODS) + 1)
+        for c in itertools.combinations(scoremods.MODS, r)
+    ]
     rows = []
     for bits, unit in itertools.product(combos, (1.0, LOG2E)):
         x = rng.choice([0.5, 3.0, 30.0, 150.0], n_per) * rng.uniform(-4, 4, n_per)
@@ -135,8 +138,19 @@ def harness(tmp_path_factory):
     src.write_text(HARNESS)
     exe = d / "harness"
     inc = kernel_path("attention_common.cuh").parent
-    cmd = [cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(inc),
-           str(src), "-o", str(exe)]  # fmt: skip
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-I",
+        str(inc),
+        str(src),
+        "-o",
+        str(exe),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"{' '.join(cmd)}:\n{res.stderr}"
     return exe
@@ -148,8 +162,14 @@ def _run(exe, prec: int, rows):
         f"{prec} {bits} {unit!r} {pos} {qa} {kp} {x!r} " + " ".join(repr(float(v)) for v in p)
         for bits, unit, pos, qa, kp, x, p in rows
     ]
-    res = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True,
-                         text=True, timeout=60, check=True)  # fmt: skip
+    res = subprocess.run(
+        [str(exe)],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     head, *body = res.stdout.splitlines()
     out = np.array([[float(t) for t in ln.split()] for ln in body]).reshape(-1, 3)
     assert out.shape == (len(rows), 3), out.shape

@@ -46,8 +46,15 @@ def test_every_instantiation_compiles(results, arch):
     assert not missing, f"{arch}: instantiations not lowered: {missing}"
     assert res.binary_size > 0
     assert len(gpu.kernel_names()) >= 16 and len(backward.kernel_names()) >= 16
-    for kind in ("attn_fwd_mma<", "attn_fwd_mma2<", "attn_fwd_simt<", "attn_bwd_dkdv_mma<",
-                 "attn_bwd_dq_mma<", "attn_bwd_dkdv_simt<", "attn_bwd_dq_simt<"):  # fmt: skip
+    for kind in (
+        "attn_fwd_mma<",
+        "attn_fwd_mma2<",
+        "attn_fwd_simt<",
+        "attn_bwd_dkdv_mma<",
+        "attn_bwd_dq_mma<",
+        "attn_bwd_dkdv_simt<",
+        "attn_bwd_dq_simt<",
+    ):
         assert any(n.startswith(kind) for n in res.lowered), f"{arch}: no {kind} compiled"
 
 
@@ -127,9 +134,13 @@ def test_selection_fits_the_device(arch):
 
 def test_selection_uses_the_largest_tiles_that_fit():
     # the configurations the review found over sm_86's 101,376 B get smaller tiles there
-    for storage, d, big in [("float", 128, 115_712), ("double", 128, 107_520),
-                            ("float", 256, 102_912), ("half_t", 200, 102_912),
-                            ("bf16_t", 256, 102_912)]:  # fmt: skip
+    for storage, d, big in [
+        ("float", 128, 115_712),
+        ("double", 128, 107_520),
+        ("float", 256, 102_912),
+        ("half_t", 200, 102_912),
+        ("bf16_t", 256, 102_912),
+    ]:
         assert configs.select_forward(storage, d, LIMITS["sm_80"]).smem == big
         small = configs.select_forward(storage, d, LIMITS["sm_86"])
         assert small.smem < LIMITS["sm_86"] < big
@@ -207,10 +218,30 @@ def is_nan_bits(b: np.ndarray) -> np.ndarray:
 def test_bf16_rounding_matches_reference():
     rng = np.random.default_rng(5)
     raw = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
-    special = np.array([0, 0x80000000, 0x00000001, 0x007FFFFF, 0x00800000, 0x3F808000,
-                        0x3F818000, 0x3F80FFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000,
-                        0xFF800000, 0x7F800001, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF, 0x7FC00000,
-                        0x000116C2], dtype=np.uint32)  # fmt: skip
+    special = np.array(
+        [
+            0,
+            0x80000000,
+            0x00000001,
+            0x007FFFFF,
+            0x00800000,
+            0x3F808000,
+            0x3F818000,
+            0x3F80FFFF,
+            0x7F7F7FFF,
+            0x7F7F8000,
+            0x7F7FFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x7F800001,
+            0x7FFFFFFF,
+            0xFF800001,
+            0xFFFFFFFF,
+            0x7FC00000,
+            0x000116C2,
+        ],
+        dtype=np.uint32,
+    )
     x = np.concatenate((raw, special)).view(np.float32)
     got, want = gpu.to_bf16_bits(x), bf16_reference(x)
     nan = np.isnan(x)
@@ -226,8 +257,9 @@ def test_bf16_rounding_matches_reference():
 
 
 def test_bf16_nan_payloads_and_inf():
-    x = np.array([0x7F800001, 0x7F80FFFF, 0xFFFFFFFF, 0x7FBFFFFF, 0x7F800000, 0xFF800000],
-                 dtype=np.uint32).view(np.float32)  # fmt: skip
+    x = np.array(
+        [0x7F800001, 0x7F80FFFF, 0xFFFFFFFF, 0x7FBFFFFF, 0x7F800000, 0xFF800000], dtype=np.uint32
+    ).view(np.float32)
     b = gpu.to_bf16_bits(x)
     assert np.all(is_nan_bits(b[:4])) and np.all(np.isnan(kernel_args.from_bf16_bits(b[:4])))
     assert list(kernel_args.from_bf16_bits(b[4:])) == [np.inf, -np.inf]

@@ -43,14 +43,27 @@ MASKS = [
     ("cross 300x120 causal (empty rows)", 300, 120, True, {}),
     ("cross 90x300 window", 90, 300, False, dict(window=(4, 4))),
     ("cross packed causal", 260, int(CU_K[-1]), True, dict(cu_seqlens=CU, cu_seqlens_k=CU_K)),
-    ("cross packed window", 260, int(CU_K[-1]), False,
-     dict(cu_seqlens=CU, cu_seqlens_k=CU_K, window=(3, 2))),
-]  # fmt: skip
+    (
+        "cross packed window",
+        260,
+        int(CU_K[-1]),
+        False,
+        dict(cu_seqlens=CU, cu_seqlens_k=CU_K, window=(3, 2)),
+    ),
+]
 
 # (bm, bn, g): the block shapes of the kernels (m128n64/n32 packed, m64n64, dQ n32,
 # dK/dV with 32 and 64 query rows, the CUDA-core tiles) and a group wider than a block
-SHAPES = [(128, 64, 3), (128, 32, 1), (64, 64, 1), (64, 32, 1), (32, 64, 1), (32, 32, 1),
-          (16, 16, 1), (16, 16, 20)]  # fmt: skip
+SHAPES = [
+    (128, 64, 3),
+    (128, 32, 1),
+    (64, 64, 1),
+    (64, 32, 1),
+    (32, 64, 1),
+    (32, 32, 1),
+    (16, 16, 1),
+    (16, 16, 20),
+]
 
 
 def decode(env: np.ndarray, nqb: int, nkb: int) -> tuple:

@@ -71,12 +71,22 @@ CU_K = (0, 9, 70, 70, 150)  # cross-attention per sequence, one with no keys
 MODS = [
     ("softcap, causal", 203, None, True, dict(softcap=2.5)),
     ("alibi, window 30,0", 203, None, True, dict(alibi_slopes=SLOPES, window=(30, 0))),
-    ("both, packed causal", int(CU[-1]), None, True,
-     dict(softcap=4.0, alibi_slopes=SLOPES, cu_seqlens=CU)),
-    ("both, packed cross causal", CU_Q[-1], CU_K[-1], True,
-     dict(softcap=3.0, alibi_slopes=SLOPES, cu_seqlens=CU_Q, cu_seqlens_k=CU_K)),
+    (
+        "both, packed causal",
+        int(CU[-1]),
+        None,
+        True,
+        dict(softcap=4.0, alibi_slopes=SLOPES, cu_seqlens=CU),
+    ),
+    (
+        "both, packed cross causal",
+        CU_Q[-1],
+        CU_K[-1],
+        True,
+        dict(softcap=3.0, alibi_slopes=SLOPES, cu_seqlens=CU_Q, cu_seqlens_k=CU_K),
+    ),
     ("both, window 20,6", 160, None, False, dict(softcap=5.0, alibi_slopes=SLOPES, window=(20, 6))),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)

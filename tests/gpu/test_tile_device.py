@@ -103,9 +103,19 @@ def run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None
     cpu.forward_tile(qn, kn, vn, q_pos, k_pos, acc, m, l, scale=scale, causal=causal, **kw)
     calls = []
     flops = gpu.forward_tile(
-        qg, kg, vg, q_pos, k_pos, ga, gm, gl, scale=scale, causal=causal,
-        progress=lambda: calls.append(1), **kw,
-    )  # fmt: skip
+        qg,
+        kg,
+        vg,
+        q_pos,
+        k_pos,
+        ga,
+        gm,
+        gl,
+        scale=scale,
+        causal=causal,
+        progress=lambda: calls.append(1),
+        **kw,
+    )
     cupy.cuda.get_current_stream().synchronize()
     return (acc, m, l), tuple(cupy.asnumpy(x) for x in (ga, gm, gl)), flops, calls, vn
 
@@ -140,8 +150,9 @@ def test_tile_random_shapes(dtype, d):
         k_pos, k_pos0 = np.arange(sk, dtype=np.int64), np.arange(sk0, dtype=np.int64)
         for causal in (False, True):
             kern = kernel_for(dtype, d, causal)
-            c, g, flops, calls, vn = run_pair(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0,
-                                              causal)  # fmt: skip
+            c, g, flops, calls, vn = run_pair(
+                rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal
+            )
             what = f"{dtype} D={d} trial {trial} causal={causal} ({b},{h},{hkv},{sq},{sk})"
             check_state(c, g, dtype, np.abs(vn).max(), what)
             assert flops == gpu_plan.tile_flops(kern, q_pos, k_pos, causal, b, h, hkv, d), what
@@ -195,9 +206,14 @@ MASKS = [
     ("packed window 20,20", 300, 300, False, dict(cu_seqlens=CU, window=(20, 20))),
     ("cross 200x500 causal", 200, 500, True, {}),
     ("cross 500x200 causal (empty rows)", 500, 200, True, {}),
-    ("cross packed window", 300, int(CU_K[-1]), True,
-     dict(cu_seqlens=CU, cu_seqlens_k=CU_K, window=(16, 0))),
-]  # fmt: skip
+    (
+        "cross packed window",
+        300,
+        int(CU_K[-1]),
+        True,
+        dict(cu_seqlens=CU, cu_seqlens_k=CU_K, window=(16, 0)),
+    ),
+]
 
 
 def mask_tiles(layout: str, pairs=((0, 0), (1, 0), (0, 1)), p: int = 2):
@@ -228,8 +244,9 @@ def test_tile_masks(dtype, layout):
         kern = kernel_for(dtype, d, True)
         for what, q_pos, k_pos, k_pos0, bounds in mask_tiles(layout):
             what = f"{dtype} D={d} {kern.name} {what}"
-            c, g, flops, calls, vn = run_pair(rng, dtype, 1, 4, 2, d, q_pos, k_pos, k_pos0,
-                                              True, bounds)  # fmt: skip
+            c, g, flops, calls, vn = run_pair(
+                rng, dtype, 1, 4, 2, d, q_pos, k_pos, k_pos0, True, bounds
+            )
             check_state(c, g, dtype, np.abs(vn).max(), what)
             assert flops == gpu_plan.tile_flops(kern, q_pos, k_pos, True, 1, 4, 2, d, bounds)
             visible = int(visibility(q_pos, k_pos, True, bounds).sum())
@@ -243,13 +260,15 @@ def test_fully_masked_bounds_leave_state():
     q_pos, k_pos = np.arange(100, dtype=np.int64), np.arange(100, 250, dtype=np.int64)
     for lo, hi in [(q_pos - 20, q_pos), (q_pos + 5, q_pos)]:  # keys outside / every row empty
         for dtype in ("float16", "float32"):
-            c, g, flops, _, _ = run_pair(rng, dtype, 1, 2, 1, 64, q_pos, k_pos, q_pos, False,
-                                         (lo, hi))  # fmt: skip
+            c, g, flops, _, _ = run_pair(
+                rng, dtype, 1, 2, 1, 64, q_pos, k_pos, q_pos, False, (lo, hi)
+            )
             assert flops == 0
             for x, y in zip(c, g):
                 assert np.array_equal(x, y)
-            ref, got, flops, _, _, _ = run_backward(rng, dtype, 1, 2, 1, 64, q_pos, k_pos,
-                                                    q_pos, False, (lo, hi))  # fmt: skip
+            ref, got, flops, _, _, _ = run_backward(
+                rng, dtype, 1, 2, 1, 64, q_pos, k_pos, q_pos, False, (lo, hi)
+            )
             assert flops == 0
             for r, x in zip(ref, got):
                 assert np.array_equal(r.astype(x.dtype), x)
@@ -258,8 +277,7 @@ def test_fully_masked_bounds_leave_state():
 def test_bf16_bits_round_trip():
     """CuPy rounding is bit-identical to the numpy path (checked against a reference in
     tests/gpu/test_nvrtc.py); the error is at most half a bfloat16 ulp, subnormals too."""
-    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-40, -1e-39, 0.0],
-                 dtype=np.float32)  # fmt: skip
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-40, -1e-39, 0.0], dtype=np.float32)
     b = gpu.to_bf16_bits(cupy.asarray(x))
     assert b.dtype == cupy.uint16
     np.testing.assert_array_equal(cupy.asnumpy(b), gpu.to_bf16_bits(x))
@@ -291,8 +309,9 @@ def test_every_configuration_that_fits(monkeypatch):
                 lo, hi = q_pos - 70, q_pos - 10
                 hi[::7] = lo[::7] - 1
                 for causal, bounds in ((False, None), (True, None), (False, (lo, hi))):
-                    c, g, flops, _, vn = run_pair(rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0,
-                                                  causal, bounds)  # fmt: skip
+                    c, g, flops, _, vn = run_pair(
+                        rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0, causal, bounds
+                    )
                     what = f"{kern.name} {dtype} D={d} causal={causal} bounds={bounds is not None}"
                     check_state(c, g, dtype, np.abs(vn).max(), what)
                     want = gpu_plan.tile_flops(kern, q_pos, k_pos, causal, 2, 6, 2, d, bounds)
@@ -338,8 +357,11 @@ def test_staged_start_does_not_wait_for_the_kernel(aware):
         recv = cupy.empty_like(send)
         for it in range(3):
             rate = device.props(device.current())["clockRate"] * 1e3  # Hz
-            spin((64,), (256,), (send, np.int32(send.size), np.float32(it + 1),
-                                 np.int64(int(0.2 * rate))))  # fmt: skip
+            spin(
+                (64,),
+                (256,),
+                (send, np.int32(send.size), np.float32(it + 1), np.int64(int(0.2 * rate))),
+            )
             done = cupy.cuda.Event()
             done.record()
             ring.start(send, recv)
@@ -371,8 +393,7 @@ def visibility(q_pos, k_pos, causal, bounds=None):
     return np.ones((len(q_pos), len(k_pos)), bool)
 
 
-def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None,
-                 mods=None):  # fmt: skip
+def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=None, mods=None):
     """(reference increments, GPU results, flops, progress calls, tolerance bounds).
 
     ``mods``: the tiles' score modifier keywords (``softcap``, ``alibi``), applied to the
@@ -395,23 +416,46 @@ def run_backward(rng, dtype, b, h, hkv, d, q_pos, k_pos, k_pos0, causal, bounds=
     acc, m, l = softmax.init_state(q64.shape, np.float64)
     for kk, vv, pp in ((k0, v0, k_pos0), (k64, v64, k_pos)):
         if len(pp):
-            cpu.forward_tile(q64, kk.astype(np.float64), vv.astype(np.float64), q_pos, pp,
-                             acc, m, l, scale=scale, causal=causal, **kw)  # fmt: skip
+            cpu.forward_tile(
+                q64,
+                kk.astype(np.float64),
+                vv.astype(np.float64),
+                q_pos,
+                pp,
+                acc,
+                m,
+                l,
+                scale=scale,
+                causal=causal,
+                **kw,
+            )
     out, lse = softmax.finalize(acc, m, l)
     delta = (do64 * out).sum(-1)
     # += is checked too; the starting values are exact in the accumulation dtype, so a
     # block that adds nothing leaves the GPU accumulators equal to the reference
     start = [rng.standard_normal(x.shape).astype(adt).astype(np.float64) for x in (q64, k64, v64)]
     ref = [x.copy() for x in start]
-    cpu.backward_tile(q64, k64, v64, do64, lse, delta, q_pos, k_pos, *ref, scale=scale,
-                      causal=causal, **kw)  # fmt: skip
+    cpu.backward_tile(
+        q64, k64, v64, do64, lse, delta, q_pos, k_pos, *ref, scale=scale, causal=causal, **kw
+    )
     got = [cupy.asarray(x.astype(adt)) for x in start]
     calls = []
     as_acc = [cupy.asarray(x.astype(adt)) for x in (qn, don, lse, delta)]
     flops = gpu.backward_tile(
-        as_acc[0], kg, vg, as_acc[1], as_acc[2], as_acc[3], q_pos, k_pos, *got,
-        scale=scale, causal=causal, progress=lambda: calls.append(1), **kw,
-    )  # fmt: skip
+        as_acc[0],
+        kg,
+        vg,
+        as_acc[1],
+        as_acc[2],
+        as_acc[3],
+        q_pos,
+        k_pos,
+        *got,
+        scale=scale,
+        causal=causal,
+        progress=lambda: calls.append(1),
+        **kw,
+    )
     cupy.cuda.get_current_stream().synchronize()
     # dense |P| and |dS| bound what rounding P and dS to 16 bits can move
     kf, vf = grouped(k64, g), grouped(v64, g)
@@ -589,8 +633,11 @@ def ring_case(comm, dtype, causal, layout, n=517, h=4, hkv=2, d=64, batch=None):
     if dtype == np.float16:  # output rounding + probability rounding (see module doc)
         tol += UNIT["float16"] * (np.abs(ref).max() + np.abs(v.astype(np.float64)).max())
     err = np.abs(full - ref).max()
-    assert_all(comm, err <= tol, f"{np.dtype(dtype).name} {layout} causal={causal}: "
-               f"err {err:.3g} > tol {tol:.3g}")  # fmt: skip
+    assert_all(
+        comm,
+        err <= tol,
+        f"{np.dtype(dtype).name} {layout} causal={causal}: err {err:.3g} > tol {tol:.3g}",
+    )
     assert_all(comm, stats.get("backend") == "gpu", f"backend {stats.get('backend')}")
 
 
@@ -666,11 +713,11 @@ def ring_backward_case(comm, dtype, causal, layout, n=517, h=4, hkv=2, d=64, bat
         data = (q, k, v, rng.standard_normal(q.shape))
     q, k, v, dout = (x.astype(dtype) for x in comm.bcast(data))
     loc = [cupy.asarray(ringmpi.shard(x, comm, layout)) for x in (q, k, v, dout)]
-    out, lse = ringmpi.ring_attention(*loc[:3], comm, causal=causal, layout=layout,
-                                      return_lse=True)  # fmt: skip
+    out, lse = ringmpi.ring_attention(*loc[:3], comm, causal=causal, layout=layout, return_lse=True)
     stats = {}
-    grads = ring_attention_backward(loc[3], *loc[:3], out, lse, comm, causal=causal,
-                                    layout=layout, stats=stats)  # fmt: skip
+    grads = ring_attention_backward(
+        loc[3], *loc[:3], out, lse, comm, causal=causal, layout=layout, stats=stats
+    )
     assert_all(comm, stats.get("backend") == "gpu", f"backend {stats.get('backend')}")
     ok = all(isinstance(g, cupy.ndarray) and g.dtype == x.dtype for g, x in zip(grads, loc))
     assert_all(comm, ok, "gradients are not CuPy arrays of the input dtype")
@@ -685,8 +732,12 @@ def ring_backward_case(comm, dtype, causal, layout, n=517, h=4, hkv=2, d=64, bat
             tol = 3 * np.abs(other - want).max() + 1e-6
             if dtype == np.float16:  # output rounding and P, dS rounded to fp16 (module doc)
                 tol += 32 * UNIT["float16"] * np.abs(want).max()
-        assert_all(comm, err <= tol, f"{np.dtype(dtype).name} {layout} causal={causal} "
-                   f"d{name}: err {err:.3g} > tol {tol:.3g}")  # fmt: skip
+        assert_all(
+            comm,
+            err <= tol,
+            f"{np.dtype(dtype).name} {layout} causal={causal} "
+            f"d{name}: err {err:.3g} > tol {tol:.3g}",
+        )
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -735,8 +786,9 @@ def ring_mask_case(comm, dtype, layout, case, h=4, hkv=2, d=64):
     ql, dl = (cupy.asarray(ringmpi.shard(x, comm, layout, cu_seqlens=cu_q)) for x in (q, dout))
     kl, vl = (cupy.asarray(ringmpi.shard(x, comm, layout, cu_seqlens=cu_k)) for x in (k, v))
     stats = {}
-    out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=causal, layout=layout,
-                                      return_lse=True, stats=stats, **kw)  # fmt: skip
+    out, lse = ringmpi.ring_attention(
+        ql, kl, vl, comm, causal=causal, layout=layout, return_lse=True, stats=stats, **kw
+    )
     assert_all(comm, stats.get("backend") == "gpu", f"backend {stats.get('backend')}")
     tag = f"{name} {layout} {np.dtype(dtype).name} P={comm.size}"
     full = ringmpi.gather(cupy.asnumpy(out).astype(np.float64), nq, comm, layout, cu_seqlens=cu_q)
@@ -748,8 +800,9 @@ def ring_mask_case(comm, dtype, layout, case, h=4, hkv=2, d=64):
     err = np.abs(full - ref).max()
     assert_all(comm, err <= tol, f"{tag} out: err {err:.3g} > tol {tol:.3g}")
     assert_all(comm, bool(cupy.isfinite(out).all()), f"{tag}: non-finite output")
-    grads = ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
-                                    layout=layout, **kw)  # fmt: skip
+    grads = ring_attention_backward(
+        dl, ql, kl, vl, out, lse, comm, causal=causal, layout=layout, **kw
+    )
     want = attention_backward(dout, q, k, v, causal, **kw)
     other = dense_backward(dout, q, k, v, causal, **kw)
     for nm, g, w, o, n, cu in zip("qkv", grads, want, other, (nq, nk, nk), (cu_q, cu_k, cu_k)):
@@ -781,12 +834,26 @@ def test_ring_masks_mpi(comm, layout, dtype):
 
 GPU_RING_MODS = [
     ("softcap, window 60,0", 203, None, True, dict(softcap=4.0, window=(60, 0))),
-    ("alibi, packed causal", 203, None, True,
-     dict(alibi_slopes=[0.5, 0.25, 0.0625, 0.0], cu_seqlens=(0, 40, 41, 203))),
-    ("both, packed cross causal", 163, 150, True,
-     dict(softcap=3.0, alibi_slopes=[0.125, 0.5, 0.0, 2.0**-5], cu_seqlens=(0, 3, 100, 101, 163),
-          cu_seqlens_k=(0, 9, 70, 70, 150))),
-]  # fmt: skip
+    (
+        "alibi, packed causal",
+        203,
+        None,
+        True,
+        dict(alibi_slopes=[0.5, 0.25, 0.0625, 0.0], cu_seqlens=(0, 40, 41, 203)),
+    ),
+    (
+        "both, packed cross causal",
+        163,
+        150,
+        True,
+        dict(
+            softcap=3.0,
+            alibi_slopes=[0.125, 0.5, 0.0, 2.0**-5],
+            cu_seqlens=(0, 3, 100, 101, 163),
+            cu_seqlens_k=(0, 9, 70, 70, 150),
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
@@ -796,8 +863,9 @@ def test_backward_ring_softcap_alibi_single_process(dtype):
     from tools import gpucases
 
     for _, n, nk, causal, mask in GPU_RING_MODS:
-        gpucases.backward_case(cupy, MPI.COMM_SELF, dtype, "zigzag", causal, mask=mask, n=n,
-                               nk=nk, d=64)  # fmt: skip
+        gpucases.backward_case(
+            cupy, MPI.COMM_SELF, dtype, "zigzag", causal, mask=mask, n=n, nk=nk, d=64
+        )
 
 
 @pytest.mark.mpi
@@ -865,7 +933,8 @@ def test_every_configuration_with_softcap_and_alibi(monkeypatch):
                 cases = [dict(softcap=2.0), dict(alibi=alibi), dict(softcap=5.0, alibi=alibi)]
                 for mods in cases:
                     for causal, bounds in ((True, None), (False, (lo, hi))):
-                        c, g, _, _, vn = run_pair(rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0,
-                                                  causal, bounds, mods)  # fmt: skip
+                        c, g, _, _, vn = run_pair(
+                            rng, dtype, 2, 6, 2, d, q_pos, k_pos, k_pos0, causal, bounds, mods
+                        )
                         what = f"{kern.name} {dtype} D={d} {sorted(mods)} causal={causal}"
                         check_state(c, g, dtype, np.abs(vn).max(), what)

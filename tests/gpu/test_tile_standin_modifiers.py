@@ -56,8 +56,9 @@ def test_forward_modifiers_reach_every_configuration(cupy, monkeypatch, dtype):
     want = init_state(q.shape, adt)
     numpy_tile.forward_tile(*(x.astype(adt) for x in (q, k, v)), q_pos, k_pos, *want, **kw)
     plain = init_state(q.shape, adt)
-    numpy_tile.forward_tile(*(x.astype(adt) for x in (q, k, v)), q_pos, k_pos, *plain,
-                            scale=d**-0.5, causal=True)  # fmt: skip
+    numpy_tile.forward_tile(
+        *(x.astype(adt) for x in (q, k, v)), q_pos, k_pos, *plain, scale=d**-0.5, causal=True
+    )
     assert not np.allclose(plain[0], want[0])  # the modifiers change the state
     for kern in configs.forward_candidates(STORAGE[dtype], d, 232448):
         monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
@@ -126,34 +127,67 @@ def test_backward_modifiers_reach_every_configuration(cupy, monkeypatch, dtype, 
             got = [cupy.zeros(x.shape, dtype=adt) for x in (q, k, v)]
             n0 = len(cupy.launches)
             backward.backward_tile(
-                cupy.asarray(q), *dev, cupy.asarray(do), cupy.asarray(lse),
-                cupy.asarray(delta), q_pos, k_pos, *got, **kw, **mod_kw,
-            )  # fmt: skip
+                cupy.asarray(q),
+                *dev,
+                cupy.asarray(do),
+                cupy.asarray(lse),
+                cupy.asarray(delta),
+                q_pos,
+                k_pos,
+                *got,
+                **kw,
+                **mod_kw,
+            )
             ran = [e for e, *_ in cupy.launches[n0:]]
             assert ran == [k_dkdv.expr, k_dq.expr], ran
             for name, g, w in zip(("dq", "dk", "dv"), got, want):
                 what = f"{k_dkdv.name}/{k_dq.name} D={d} {name}"
-                np.testing.assert_allclose(g.get(), w, rtol=0, atol=1e-5 * np.abs(w).max(),
-                                           err_msg=what)  # fmt: skip
+                np.testing.assert_allclose(
+                    g.get(), w, rtol=0, atol=1e-5 * np.abs(w).max(), err_msg=what
+                )
     with pytest.raises(ValueError, match="softcap"):
         backward.backward_tile(
-            cupy.asarray(q), *dev, cupy.asarray(do), cupy.asarray(lse), cupy.asarray(delta),
-            q_pos, k_pos, *got, scale=0.1, causal=True, softcap=0.0,
-        )  # fmt: skip
+            cupy.asarray(q),
+            *dev,
+            cupy.asarray(do),
+            cupy.asarray(lse),
+            cupy.asarray(delta),
+            q_pos,
+            k_pos,
+            *got,
+            scale=0.1,
+            causal=True,
+            softcap=0.0,
+        )
     with pytest.raises(ValueError, match="slopes"):
         backward.backward_tile(
-            cupy.asarray(q), *dev, cupy.asarray(do), cupy.asarray(lse), cupy.asarray(delta),
-            q_pos, k_pos, *got, scale=0.1, causal=True, alibi=(slopes[:3], q_pos),
-        )  # fmt: skip
+            cupy.asarray(q),
+            *dev,
+            cupy.asarray(do),
+            cupy.asarray(lse),
+            cupy.asarray(delta),
+            q_pos,
+            k_pos,
+            *got,
+            scale=0.1,
+            causal=True,
+            alibi=(slopes[:3], q_pos),
+        )
 
 
 RING_MODS = [
     ("softcap, window 60,0", dict(softcap=4.0, window=(60, 0))),
     ("alibi, packed", dict(alibi_slopes=[0.5, 0.25, 0.0625, 0.0], cu_seqlens=(0, 40, 41, 203))),
-    ("both, packed window 25,4",
-     dict(softcap=3.0, alibi_slopes=[0.125, 0.5, 0.0, 2.0**-5], window=(25, 4),
-          cu_seqlens=(0, 90, 203))),
-]  # fmt: skip
+    (
+        "both, packed window 25,4",
+        dict(
+            softcap=3.0,
+            alibi_slopes=[0.125, 0.5, 0.0, 2.0**-5],
+            window=(25, 4),
+            cu_seqlens=(0, 90, 203),
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
@@ -209,14 +243,28 @@ def test_launches_are_checked_against_the_kernel_signatures(cupy, monkeypatch):
         "the old tail": (lambda m, dev: (np.float32(2.0), null, null), "mods must be uint32"),
         "dropped": (lambda m, dev: real(m, dev)[:2], "arguments for the"),
         "int32 bits": (lambda m, dev: (np.int32(m.bits),) + real(m, dev)[1:], "uint32"),
-        "float32 block": (lambda m, dev: (np.uint32(m.bits), cupy.asarray(
-            m.params.astype(np.float32)), real(m, dev)[2]), "mparam has dtype float32"),
-        "block (NMODS, H)": (lambda m, dev: (np.uint32(m.bits), cupy.asarray(
-            np.ascontiguousarray(m.params.T)), real(m, dev)[2]), "mparam has shape"),
-        "unknown bit": (lambda m, dev: (np.uint32(m.bits | 1 << (scoremods.NMODS - 1)),)
-                        + real(m, dev)[1:], "no modifier"),
+        "float32 block": (
+            lambda m, dev: (
+                np.uint32(m.bits),
+                cupy.asarray(m.params.astype(np.float32)),
+                real(m, dev)[2],
+            ),
+            "mparam has dtype float32",
+        ),
+        "block (NMODS, H)": (
+            lambda m, dev: (
+                np.uint32(m.bits),
+                cupy.asarray(np.ascontiguousarray(m.params.T)),
+                real(m, dev)[2],
+            ),
+            "mparam has shape",
+        ),
+        "unknown bit": (
+            lambda m, dev: (np.uint32(m.bits | 1 << (scoremods.NMODS - 1)),) + real(m, dev)[1:],
+            "no modifier",
+        ),
         "positions missing": (positions_dropped, "mpos"),
-    }  # fmt: skip
+    }
     for fake, msg in fakes.values():
         monkeypatch.setattr(kernel_args, "modifier_args", fake)
         with pytest.raises(standin_kernels.LaunchError, match=msg):

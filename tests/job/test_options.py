@@ -22,8 +22,16 @@ from ringmpi.spec import AttentionSpec, cli_fields
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("spec") / "p.h5")
-    make_data(path, seq_len=300, heads=4, kv_heads=2, head_dim=16, packed=[100, 1, 199],
-              values="realistic", seed=3)  # fmt: skip
+    make_data(
+        path,
+        seq_len=300,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        packed=[100, 1, 199],
+        values="realistic",
+        seed=3,
+    )
     return path
 
 
@@ -37,8 +45,17 @@ def test_spec_and_options_equal_the_keyword_form(packed, tmp_path):
     opts = JobOptions(device="cpu", quiet=True, output_mode="parts")
     a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
     sa = run([packed], a, spec, opts)
-    sb = run([packed], b, causal=True, window=(40, 0), layout="striped", scale=0.2,
-             device="cpu", quiet=True, output_mode="parts")  # fmt: skip
+    sb = run(
+        [packed],
+        b,
+        causal=True,
+        window=(40, 0),
+        layout="striped",
+        scale=0.2,
+        device="cpu",
+        quiet=True,
+        output_mode="parts",
+    )
     assert _datasets(a) == _datasets(b)
     assert sa["layout"] == sb["layout"] == "striped" and sa["causal"] and sb["causal"]
     with h5py.File(a, "r") as f:  # the spec the run used, readable back as one value
@@ -76,7 +93,7 @@ def test_every_flag_of_the_spec_comes_from_its_fields():
             "0.5",
             "--layout",
             "contiguous",
-        ]  # fmt: skip
+        ]
     )
     assert spec_from_args(args) == AttentionSpec(
         causal=True, window=(7, 7), scale=0.5, layout="contiguous"
@@ -104,7 +121,7 @@ def test_the_run_flags_default_to_the_job_options_defaults():
             "2",
             "--device",
             "cpu",
-        ]  # fmt: skip
+        ]
     )
     opts = options_from_args(args)
     assert (opts.prefetch, opts.strided, opts.ring_size, opts.device) == (False, "blocks", 2, "cpu")

@@ -35,16 +35,32 @@ def numpy_tiles(monkeypatch):
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("mods") / "p.h5")
-    make_data(path, seq_len=300, heads=H, kv_heads=HKV, head_dim=D, packed=[100, 1, 199],
-              values="realistic", seed=5)  # fmt: skip
+    make_data(
+        path,
+        seq_len=300,
+        heads=H,
+        kv_heads=HKV,
+        head_dim=D,
+        packed=[100, 1, 199],
+        values="realistic",
+        seed=5,
+    )
     return path
 
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory):
     d = tmp_path_factory.mktemp("feat")
-    paths = make_data(str(d / "x.h5"), seq_len=257, heads=H, kv_heads=HKV, head_dim=D,
-                      features=24, seed=6, values="realistic")  # fmt: skip
+    paths = make_data(
+        str(d / "x.h5"),
+        seq_len=257,
+        heads=H,
+        kv_heads=HKV,
+        head_dim=D,
+        features=24,
+        seed=6,
+        values="realistic",
+    )
     return paths[0], paths[-1]
 
 
@@ -111,8 +127,9 @@ def test_alibi_softcap_end_to_end(packed, tmp_path, capsys):
     assert spec.alibi_slopes == alibi_slopes(H) and spec.softcap == 5.0 and spec.causal
     with h5py.File(packed, "r") as f:
         q, k, v, cu = (f[n][...] for n in ("q", "k", "v", "cu_seqlens"))
-    ref, ref_lse = reference.attention(q, k, v, True, cu_seqlens=cu, alibi_slopes=alibi_slopes(H),
-                                       softcap=5.0)  # fmt: skip
+    ref, ref_lse = reference.attention(
+        q, k, v, True, cu_seqlens=cu, alibi_slopes=alibi_slopes(H), softcap=5.0
+    )
     plain, _ = reference.attention(q, k, v, True, cu_seqlens=cu)
     assert np.abs(o - ref).max() < 1e-4 < np.abs(plain - ref).max()
     res = verify(out, [packed], None, None, quiet=True)
@@ -186,15 +203,31 @@ def test_job_on_three_ranks_then_verify_on_two(packed, tmp_path):
 
     out = str(tmp_path / "o.h5")
     env = {"RINGMPI_CPU_KERNEL": "numpy"}
-    rc, _, se, _ = launch(3, "run", packed, "-o", out, "--causal", "--alibi", "--softcap", "3",
-                          "--window", "50,0", "--quiet", "--device", "cpu", env=env)  # fmt: skip
+    rc, _, se, _ = launch(
+        3,
+        "run",
+        packed,
+        "-o",
+        out,
+        "--causal",
+        "--alibi",
+        "--softcap",
+        "3",
+        "--window",
+        "50,0",
+        "--quiet",
+        "--device",
+        "cpu",
+        env=env,
+    )
     assert rc == 0, se
     spec, o, _ = _attrs(out)
     assert spec.softcap == 3.0 and spec.alibi_slopes == alibi_slopes(H) and spec.window == (50, 0)
     with h5py.File(packed, "r") as f:
         q, k, v, cu = (f[n][...] for n in ("q", "k", "v", "cu_seqlens"))
-    ref, _ = reference.attention(q, k, v, True, cu_seqlens=cu, window=(50, 0),
-                                 alibi_slopes=alibi_slopes(H), softcap=3.0)  # fmt: skip
+    ref, _ = reference.attention(
+        q, k, v, True, cu_seqlens=cu, window=(50, 0), alibi_slopes=alibi_slopes(H), softcap=3.0
+    )
     assert np.abs(o - ref).max() < 1e-4
     rc, so, se, _ = launch(2, "verify", out, packed, env=env)
     assert rc == 0, so + se

@@ -29,17 +29,41 @@ def _gib(line: str) -> float:
 def test_memory_estimate_within_25_percent_of_the_peak(tmp_path, kind):
     """The start line's memory per rank against the peak resident memory, at P = 2."""
     if kind == "qkv":  # big arrays, few flops: the arrays dominate the interpreter
-        paths = make_data(str(tmp_path / "in.h5"), seq_len=8192, heads=32, kv_heads=32,
-                          head_dim=128)  # fmt: skip
+        paths = make_data(
+            str(tmp_path / "in.h5"), seq_len=8192, heads=32, kv_heads=32, head_dim=128
+        )
         extra = []
     else:
-        paths = make_data(str(tmp_path / "in.h5"), seq_len=16384, heads=8, kv_heads=8,
-                          head_dim=64, features=768, bias=True)  # fmt: skip
+        paths = make_data(
+            str(tmp_path / "in.h5"),
+            seq_len=16384,
+            heads=8,
+            kv_heads=8,
+            head_dim=64,
+            features=768,
+            bias=True,
+        )
         extra = ["--weights", paths.pop()]
     summary = tmp_path / "s.json"
     out = str(tmp_path / "o.h5")
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "ringmpi", "run", *paths,
-           *extra, "-o", out, "--causal", "--summary-json", str(summary)]  # fmt: skip
+    cmd = [
+        MPIEXEC,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "ringmpi",
+        "run",
+        *paths,
+        *extra,
+        "-o",
+        out,
+        "--causal",
+        "--summary-json",
+        str(summary),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -55,8 +79,9 @@ def test_first_eta_within_25_percent_of_the_time_left(tmp_path, monkeypatch):
     A run of about a second on a shared machine: a busy neighbour during its first percent
     moves the first ETA by itself, so the estimate gets up to three runs and must be within
     25% in one of them (a wrong estimator fails all three)."""
-    x, w = make_data(str(tmp_path / "in.h5"), seq_len=12288, heads=4, kv_heads=4, head_dim=32,
-                     features=2048)  # fmt: skip
+    x, w = make_data(
+        str(tmp_path / "in.h5"), seq_len=12288, heads=4, kv_heads=4, head_dim=32, features=2048
+    )
     monkeypatch.setattr(progress_mod, "LOG_EVERY", 0.0)
     seen = []
     for attempt in range(3):
@@ -69,8 +94,14 @@ def test_first_eta_within_25_percent_of_the_time_left(tmp_path, monkeypatch):
                 return stream.write(text)
 
         monkeypatch.setattr(progress_mod.sys, "stderr", Stamped())
-        run([x], str(tmp_path / f"o{attempt}.h5"), weights=w, causal=True, device="cpu",
-            output_mode="parts")  # fmt: skip
+        run(
+            [x],
+            str(tmp_path / f"o{attempt}.h5"),
+            weights=w,
+            causal=True,
+            device="cpu",
+            output_mode="parts",
+        )
         lines = [(t, s) for t, s in stamps if "ETA" in s and "%" in s]
         assert lines, stream.getvalue()
         t_first, text = lines[0]

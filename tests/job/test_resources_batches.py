@@ -57,8 +57,11 @@ def _write(path: str, groups: dict, shards: int = 1) -> list:
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("batch")
     groups = _groups()
-    return {"groups": groups, "one": _write(str(d / "in.h5"), groups),
-            "shards": _write(str(d / "sh.h5"), groups, shards=2)}  # fmt: skip
+    return {
+        "groups": groups,
+        "one": _write(str(d / "in.h5"), groups),
+        "shards": _write(str(d / "sh.h5"), groups, shards=2),
+    }
 
 
 def _outputs(path: str) -> dict:
@@ -131,18 +134,29 @@ def test_split_gives_each_member_its_rows():
 
 
 # -- the job --------------------------------------------------------------------------------
-@pytest.mark.parametrize("p,layout,ring", [(2, "zigzag", "1"), (3, "striped", None),
-                                           (2, "contiguous", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    "p,layout,ring", [(2, "zigzag", "1"), (3, "striped", None), (2, "contiguous", None)]
+)
 def test_batched_job_matches_the_reference_and_one_by_one(data, tmp_path, p, layout, ring):
     out, one = str(tmp_path / "b.h5"), str(tmp_path / "one.h5")
     args = ["--causal", "--layout", layout, "--quiet", "--output-mode", "parts"]
     args += ["--ring-size", ring] if ring else []
     js = str(tmp_path / "s.json")
-    rc, _, se, _ = launch(p, "run", *data["one"], "-o", out, *args, "--summary-json", js,
-                          env={"RINGMPI_BATCH_TOKENS": "500"})  # fmt: skip
+    rc, _, se, _ = launch(
+        p,
+        "run",
+        *data["one"],
+        "-o",
+        out,
+        *args,
+        "--summary-json",
+        js,
+        env={"RINGMPI_BATCH_TOKENS": "500"},
+    )
     assert rc == 0, se
-    rc, _, se, _ = launch(p, "run", *data["one"], "-o", one, *args,
-                          env={"RINGMPI_BATCH_TOKENS": "0"})  # fmt: skip
+    rc, _, se, _ = launch(
+        p, "run", *data["one"], "-o", one, *args, env={"RINGMPI_BATCH_TOKENS": "0"}
+    )
     assert rc == 0, se
     _check_reference(out, data["groups"], causal=True)
     a, b = _outputs(out), _outputs(one)
@@ -165,8 +179,17 @@ def test_kill_inside_a_batch_then_resume_is_bitwise(data, tmp_path):
     """Batch 1 (of several) is read, then rank 0 dies: batch 0 stays done, batch 1 and the
     rest are computed again by the resumed run, bit for bit as an uninterrupted run."""
     out = str(tmp_path / "o.h5")
-    args = ["run", *data["shards"], "-o", out, "--causal", "--window", "50",
-            "--output-mode", "parts"]  # fmt: skip
+    args = [
+        "run",
+        *data["shards"],
+        "-o",
+        out,
+        "--causal",
+        "--window",
+        "50",
+        "--output-mode",
+        "parts",
+    ]
     env = {"RINGMPI_BATCH_TOKENS": "400"}
     rc, _, se, _ = launch(2, *args, "--quiet", env=env)
     assert rc == 0, se
@@ -244,8 +267,9 @@ def test_no_batch_input_is_kept_past_its_batch(tmp_path, monkeypatch):
     from ringmpi.job import loop as loop_mod
     from ringmpi.job.run import run
 
-    (inp,) = make_data(str(tmp_path / "in.h5"), seq_len=64, heads=2, kv_heads=1, head_dim=8,
-                       sequences=24)  # fmt: skip
+    (inp,) = make_data(
+        str(tmp_path / "in.h5"), seq_len=64, heads=2, kv_heads=1, head_dim=8, sequences=24
+    )
     monkeypatch.setenv("RINGMPI_BATCH_TOKENS", "128")  # 12 batches of 2 sequences
     inputs, alive = [], []
     read, one = loop_mod.SequenceLoop._read_batch, loop_mod.SequenceLoop._one

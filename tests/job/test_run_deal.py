@@ -17,8 +17,10 @@ from ringmpi.job.run import deal
 
 
 def _plan(lengths, d=64):
-    seqs = [SimpleNamespace(name=f"s{i}", length=n, length_k=n, cu_seqlens=None,
-                            cu_seqlens_k=None) for i, n in enumerate(lengths)]  # fmt: skip
+    seqs = [
+        SimpleNamespace(name=f"s{i}", length=n, length_k=n, cu_seqlens=None, cu_seqlens_k=None)
+        for i, n in enumerate(lengths)
+    ]
     return SimpleNamespace(sequences=seqs, heads=4, kv_heads=2, head_dim=d, dtype="float32")
 
 
@@ -56,12 +58,18 @@ def _cost(plan, batches):
 
 
 def _one(plan, b):
-    flops = sum(4.0 * plan.head_dim * plan.heads * s.length * (s.length + 1) / 2
-                for s in (plan.sequences[i] for i in b.members))  # fmt: skip
+    flops = sum(
+        4.0 * plan.head_dim * plan.heads * s.length * (s.length + 1) / 2
+        for s in (plan.sequences[i] for i in b.members)
+    )
     row = plan.head_dim * 4
     nbytes = (b.length * 2 * plan.heads + b.length_k * 2 * plan.kv_heads) * row
-    return (flops / rings.RATE["cpu"] + nbytes / rings.IO_BYTES_S + len(b.members) * rings.SEQ_S
-            + rings.BATCH_S)  # fmt: skip
+    return (
+        flops / rings.RATE["cpu"]
+        + nbytes / rings.IO_BYTES_S
+        + len(b.members) * rings.SEQ_S
+        + rings.BATCH_S
+    )
 
 
 def test_head_start_moves_work_off_ring_zero():
@@ -90,11 +98,13 @@ S, H, HKV, D = 16, 2, 1, 8
 
 
 def _store(tmp_path, n=4):
-    paths = make_data(str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D,
-                      sequences=n)  # fmt: skip
+    paths = make_data(
+        str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D, sequences=n
+    )
     plan = scan(paths)
-    st = OutputStore(str(tmp_path / "out.h5"), None, plan,
-                     fingerprint(plan, "zigzag", True, None, 1))  # fmt: skip
+    st = OutputStore(
+        str(tmp_path / "out.h5"), None, plan, fingerprint(plan, "zigzag", True, None, 1)
+    )
     st.open(False)
     return st
 
@@ -198,7 +208,10 @@ def test_joined_is_concatenate_and_a_view_for_split_members():
     np.testing.assert_array_equal(ls, lse)
     assert np.shares_memory(o, out) and np.shares_memory(ls, lse)  # no copy
     # not consecutive (reordered, a gap, separate arrays): a plain concatenation
-    for pieces, axis in (([out[7:18], out[:7]], 0), ([out[:5], out[6:9]], 0),
-                         ([lse[:, :4].copy(), lse[:, 4:9].copy()], 1)):  # fmt: skip
+    for pieces, axis in (
+        ([out[7:18], out[:7]], 0),
+        ([out[:5], out[6:9]], 0),
+        ([lse[:, :4].copy(), lse[:, 4:9].copy()], 1),
+    ):
         got = joined(pieces, axis)
         np.testing.assert_array_equal(got, np.concatenate(pieces, axis=axis))

@@ -86,8 +86,11 @@ def _write_inputs(d, groups, shards: bool) -> list:
 def mix(tmp_path_factory):
     d = tmp_path_factory.mktemp("masks")
     groups = _groups()
-    return {"groups": groups, "single": _write_inputs(d, groups, False),
-            "shards": _write_inputs(d, groups, True)}  # fmt: skip
+    return {
+        "groups": groups,
+        "single": _write_inputs(d, groups, False),
+        "shards": _write_inputs(d, groups, True),
+    }
 
 
 def _window(opt):
@@ -164,8 +167,10 @@ def feats(tmp_path_factory):
     rng = np.random.default_rng(7)
     lq, lk = (40, 1, 171, 88), (64, 30, 5, 100)
     x, xk = rng.standard_normal((300, F)), rng.standard_normal((sum(lk), F))
-    w = {n: rng.standard_normal((F, h * D)) / np.sqrt(F) for n, h in
-         (("wq", H), ("wk", HKV), ("wv", HKV))}  # fmt: skip
+    w = {
+        n: rng.standard_normal((F, h * D)) / np.sqrt(F)
+        for n, h in (("wq", H), ("wk", HKV), ("wv", HKV))
+    }
     paths = [str(d / f"x.part{j}.h5") for j in range(2)]
     cut, cut_k = 130, 77  # splits the packed sequences mid-way
     for j, p in enumerate(paths):
@@ -207,14 +212,29 @@ def _dense_rope(feats, g, theta, scale):
 
 @pytest.mark.parametrize(
     "p, layout, rope_opts",
-    [(2, "zigzag", []), (3, "striped", ["--rope-theta", "500", "--rope-scale", "2"]),
-     (3, "contiguous", ["--rope-scale", "4"])],
-)  # fmt: skip
+    [
+        (2, "zigzag", []),
+        (3, "striped", ["--rope-theta", "500", "--rope-scale", "2"]),
+        (3, "contiguous", ["--rope-scale", "4"]),
+    ],
+)
 def test_rope_features_match_dense(feats, tmp_path, p, layout, rope_opts):
     out = str(tmp_path / "out.h5")
-    rc, so, se, _ = launch(p, "run", *feats["paths"], "--weights", feats["weights"], "-o", out,
-                           "--layout", layout, "--causal", "--rope", *rope_opts,
-                           "--verify")  # fmt: skip
+    rc, so, se, _ = launch(
+        p,
+        "run",
+        *feats["paths"],
+        "--weights",
+        feats["weights"],
+        "-o",
+        out,
+        "--layout",
+        layout,
+        "--causal",
+        "--rope",
+        *rope_opts,
+        "--verify",
+    )
     assert rc == 0, se
     assert "PASSED (2 full" in so and "RoPE" in so, so
     opts = dict(zip(rope_opts[::2], rope_opts[1::2]))

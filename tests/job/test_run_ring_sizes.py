@@ -24,12 +24,30 @@ LENGTHS = [2400, 150, 97, 301, 64, 211, 33, 180, 128, 75]
 
 
 def _plan(lengths, d=64, dtype="float32"):
-    seqs = [SimpleNamespace(name=f"s{i}", length=n, length_k=n, cu_seqlens=None,
-                            cu_seqlens_k=None, packed=False, cross=False)
-            for i, n in enumerate(lengths)]  # fmt: skip
-    return SimpleNamespace(sequences=seqs, heads=4, kv_heads=2, head_dim=d, dtype=dtype,
-                           features=0, rope=None, weights=None, files=["x"],
-                           mode="qkv")  # fmt: skip
+    seqs = [
+        SimpleNamespace(
+            name=f"s{i}",
+            length=n,
+            length_k=n,
+            cu_seqlens=None,
+            cu_seqlens_k=None,
+            packed=False,
+            cross=False,
+        )
+        for i, n in enumerate(lengths)
+    ]
+    return SimpleNamespace(
+        sequences=seqs,
+        heads=4,
+        kv_heads=2,
+        head_dim=d,
+        dtype=dtype,
+        features=0,
+        rope=None,
+        weights=None,
+        files=["x"],
+        mode="qkv",
+    )
 
 
 BIG = 1 << 40  # a memory budget nothing exceeds
@@ -58,8 +76,13 @@ def test_memory_raises_the_ring_size():
     from ringmpi.job.resources import rank_bytes, seq_counts
 
     plan = _plan([4096] * 8)
-    one = rank_bytes(plan, *seq_counts(plan.sequences[0], 1, "zigzag")[:1], prefetch=True,
-                     n_local_k=4096, ranks=1)  # fmt: skip
+    one = rank_bytes(
+        plan,
+        *seq_counts(plan.sequences[0], 1, "zigzag")[:1],
+        prefetch=True,
+        n_local_k=4096,
+        ranks=1,
+    )
     sizes = assign_ring_sizes(plan, 4, "zigzag", True, one // 2)
     assert set(sizes) in ({2}, {4})  # rings of one would not fit
 
@@ -87,8 +110,9 @@ def mixed(tmp_path_factory):
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_auto_job_matches_reference_and_reports_sizes(mixed, tmp_path, p):
     out, sj = str(tmp_path / "out.h5"), str(tmp_path / "s.json")
-    rc, so, se, _ = launch(p, "run", *mixed, "-o", out, "--causal", "--ring-size", "auto",
-                           "--summary-json", sj)  # fmt: skip
+    rc, so, se, _ = launch(
+        p, "run", *mixed, "-o", out, "--causal", "--ring-size", "auto", "--summary-json", sj
+    )
     assert rc == 0, se
     assert "(--ring-size auto)" in se + so and f"on a ring of {p}" in se + so
     s = json.load(open(sj))
@@ -115,8 +139,9 @@ def test_kill_in_either_phase_then_resume_is_bitwise(mixed, tmp_path, kill_after
     rc, _, se, _ = launch(2, *args, env=one)
     assert rc == 0, se
     want = _digests(out)
-    rc, _, _, _ = launch(2, *args, "--overwrite", env=dict(one, RINGMPI_TEST_KILL_AFTER=str(
-        kill_after)))  # fmt: skip
+    rc, _, _, _ = launch(
+        2, *args, "--overwrite", env=dict(one, RINGMPI_TEST_KILL_AFTER=str(kill_after))
+    )
     assert rc != 0
     done = len(glob.glob(out + ".parts/*.done"))
     assert 1 <= done < len(LENGTHS)
@@ -128,8 +153,7 @@ def test_kill_in_either_phase_then_resume_is_bitwise(mixed, tmp_path, kill_after
 def test_auto_and_fixed_runs_do_not_resume_each_other(mixed, tmp_path):
     out = str(tmp_path / "out.h5")
     base = ["run", *mixed, "-o", out, "--causal", "--quiet"]
-    rc, _, _, _ = launch(2, *base, "--ring-size", "auto",
-                         env={"RINGMPI_TEST_KILL_AFTER": "1"})  # fmt: skip
+    rc, _, _, _ = launch(2, *base, "--ring-size", "auto", env={"RINGMPI_TEST_KILL_AFTER": "1"})
     assert rc != 0
     rc, so, se, _ = launch(2, *base, "--ring-size", "1", "--resume")
     assert rc == 2 and "ring_size" in se, se

@@ -15,8 +15,9 @@ H, HKV, D = 4, 2, 16
 @pytest.fixture(scope="module")
 def five(tmp_path_factory):
     d = tmp_path_factory.mktemp("rings")
-    return make_data(str(d / "in.h5"), seq_len=301, sequences=5, heads=H, kv_heads=HKV,
-                     head_dim=D, seed=3)  # fmt: skip
+    return make_data(
+        str(d / "in.h5"), seq_len=301, sequences=5, heads=H, kv_heads=HKV, head_dim=D, seed=3
+    )
 
 
 def _outputs(path):
@@ -28,8 +29,18 @@ def test_two_rings_of_two_match_reference_and_one_ring(five, tmp_path):
     one, two = str(tmp_path / "one.h5"), str(tmp_path / "two.h5")
     rc, _, se, _ = launch(4, "run", *five, "-o", one, "--causal", "--quiet")
     assert rc == 0, se
-    rc, so, se, _ = launch(4, "run", *five, "-o", two, "--causal", "--ring-size", "2",
-                           "--summary-json", str(tmp_path / "s.json"))  # fmt: skip
+    rc, so, se, _ = launch(
+        4,
+        "run",
+        *five,
+        "-o",
+        two,
+        "--causal",
+        "--ring-size",
+        "2",
+        "--summary-json",
+        str(tmp_path / "s.json"),
+    )
     assert rc == 0, se
     assert "as 2 rings of 2" in se + so
     a, b = _outputs(one), _outputs(two)

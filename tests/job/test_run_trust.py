@@ -110,15 +110,19 @@ def test_interrupt_stops_within_seconds_and_resume_is_bitwise_identical(
     args = ["run", *long_input, "-o", "OUT", "--causal", "--device", "cpu"]
     r = subprocess.run(
         _cmd(p, *[ref if a == "OUT" else a for a in args], "--quiet"),
-        capture_output=True, text=True, timeout=300, env=_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert r.returncode == 0, r.stderr
     want = _digests(ref)
 
     out = str(tmp_path / "out.h5")
     cmd = _cmd(p, *[out if a == "OUT" else a for a in args])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         pids = _rank_pids(proc, p)
         end = time.time() + 120
@@ -147,8 +151,11 @@ def test_interrupt_stops_within_seconds_and_resume_is_bitwise_identical(
         lines = [ln for ln in se.splitlines() if ln.startswith("ringmpi: interrupted")]
         assert len(lines) == 1, se
         # the second sequence normally; the third when this machine was slow to look
-        hit = re.search(r"at sequence (\d)/3 \(seq00(\d)\), ring step .*: (\d) finished "
-                        r"sequence\(s\) kept; rerun with --resume$", lines[0])  # fmt: skip
+        hit = re.search(
+            r"at sequence (\d)/3 \(seq00(\d)\), ring step .*: (\d) finished "
+            r"sequence\(s\) kept; rerun with --resume$",
+            lines[0],
+        )
         assert hit, lines[0]
         at, name, kept = map(int, hit.groups())
         assert at in (2, 3) and name == at - 1 and kept == at - 1, lines[0]
@@ -159,8 +166,13 @@ def test_interrupt_stops_within_seconds_and_resume_is_bitwise_identical(
     assert not os.path.exists(out)
     done = len(glob.glob(out + ".parts/*.done"))
     assert done in (1, 2) and (kept is None or done == kept), (done, kept)
-    r = subprocess.run(_cmd(p, *cmd[cmd.index("run") :], "--resume"), capture_output=True,
-                       text=True, timeout=300, env=_env())  # fmt: skip
+    r = subprocess.run(
+        _cmd(p, *cmd[cmd.index("run") :], "--resume"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert r.returncode == 0, r.stderr
     assert f"({done} already done)" in r.stdout
     assert _digests(out) == want
@@ -306,8 +318,16 @@ def test_attributes_are_typed_and_complete(tmp_path):
         assert bool(a["scale_is_default"]) is True
         assert isinstance(a["ranks"], np.integer) and a["ranks"] == 1
         assert a["layout"] == "zigzag" and a["structure"] == "groups"
-        for k in ("ringmpi_version", "numpy_version", "h5py_version", "hdf5_version",
-                  "mpi_version", "kernel", "isa", "host"):  # fmt: skip
+        for k in (
+            "ringmpi_version",
+            "numpy_version",
+            "h5py_version",
+            "hdf5_version",
+            "mpi_version",
+            "kernel",
+            "isa",
+            "host",
+        ):
             assert isinstance(a[k], str) and a[k], k
         assert a["isa"] in ("avx512", "avx2", "scalar", "sse/neon", "numpy") or a["isa"]
         assert list(a["inputs"]) == [os.path.abspath(p) for p in paths]
@@ -418,8 +438,14 @@ def test_job_output_typed_nan_filled_and_protected(comm):
             make_data(f"{d}/in.h5", seq_len=n, heads=H, kv_heads=HKV, head_dim=D)
         comm.Barrier()
         # part files: one is removed below (where h5py has MPI the default is one file)
-        run([f"{d}/in.h5"], f"{d}/out.h5", comm=comm, layout="striped", quiet=True,
-            output_mode="parts")  # fmt: skip
+        run(
+            [f"{d}/in.h5"],
+            f"{d}/out.h5",
+            comm=comm,
+            layout="striped",
+            quiet=True,
+            output_mode="parts",
+        )
         with pytest.raises(InputError, match="output exists"):
             run([f"{d}/in.h5"], f"{d}/out.h5", comm=comm, quiet=True)
         ok, msg = True, ""
@@ -455,20 +481,27 @@ def test_sampled_verify_on_all_ranks(comm):
             make_data(f"{d}/in.h5", seq_len=500, sequences=2, heads=H, kv_heads=HKV, head_dim=D)
         comm.Barrier()
         run([f"{d}/in.h5"], f"{d}/out.h5", comm=comm, causal=True, quiet=True)
-        res = verify(f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, max_tokens=100, sample_rows=64,
-                     quiet=True)  # fmt: skip
+        res = verify(
+            f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, max_tokens=100, sample_rows=64, quiet=True
+        )
         assert_all(comm, res["ok"] and res["sampled"] == 2, str(res))
         assert_all(comm, res["sequences"][1]["rows_checked"] == 64 * H, str(res))
         ok, msg = True, ""
         if comm.rank == 0:
             try:  # any failure here must reach assert_all, not leave the others waiting
-                _corrupt(f"{d}/out.h5", 1, int(sample_rows_of(500, 64, 0, 1, H - 1)[3]), H - 1,
-                         lambda r: r - 1e-3)  # fmt: skip
+                _corrupt(
+                    f"{d}/out.h5",
+                    1,
+                    int(sample_rows_of(500, 64, 0, 1, H - 1)[3]),
+                    H - 1,
+                    lambda r: r - 1e-3,
+                )
             except Exception as e:
                 ok, msg = False, repr(e)
         assert_all(comm, ok, msg)
-        res = verify(f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, max_tokens=100, sample_rows=64,
-                     quiet=True)  # fmt: skip
+        res = verify(
+            f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, max_tokens=100, sample_rows=64, quiet=True
+        )
         assert_all(comm, res["status"] == "failed" and res["failed"] == 1, str(res))
     finally:
         comm.Barrier()

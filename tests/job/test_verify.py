@@ -21,8 +21,15 @@ H, HKV, D = 2, 1, 16
 
 @pytest.fixture
 def job(tmp_path):
-    (x,) = make_data(str(tmp_path / "in.h5"), seq_len=5000, heads=H, kv_heads=HKV, head_dim=D,
-                     dtype="float64", seed=5)  # fmt: skip
+    (x,) = make_data(
+        str(tmp_path / "in.h5"),
+        seq_len=5000,
+        heads=H,
+        kv_heads=HKV,
+        head_dim=D,
+        dtype="float64",
+        seed=5,
+    )
     out = str(tmp_path / "out.h5")
     run([x], out, causal=True, quiet=True, output_mode="parts")
     return x, out
@@ -72,8 +79,9 @@ def test_rows_attention_on_visible_keys_only_matches_reference(kind):
     mask = make_mask(n, nk, True, window, cu, None)
     rows = np.sort(rng.choice(n, 97, replace=False))
     got_o, got_l = rows_attention(q, k, v, rows, True, 0.25, np.float64, mask)
-    ref_o, ref_l = reference.attention(q[:, None], k[:, None], v[:, None], True, 0.25,
-                                       window=window, cu_seqlens=cu)  # fmt: skip
+    ref_o, ref_l = reference.attention(
+        q[:, None], k[:, None], v[:, None], True, 0.25, window=window, cu_seqlens=cu
+    )
     np.testing.assert_allclose(got_o, ref_o[rows, 0], rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(got_l, ref_l[0, rows], rtol=1e-12, atol=1e-13)
 

@@ -69,8 +69,13 @@ def test_gather_reads_exact_bytes_of_any_range(tmp_path, small_chunks, direct, g
             assert raw[3:].tobytes() == data[off : off + n]
         outs = [np.zeros(n, np.uint8) for _, n in cases]
         calls = []
-        direct_io.gather(fd, [(o, b) for (o, _), b in zip(cases, outs)], direct, gap=gap,
-                         progress=lambda: calls.append(1))  # fmt: skip
+        direct_io.gather(
+            fd,
+            [(o, b) for (o, _), b in zip(cases, outs)],
+            direct,
+            gap=gap,
+            progress=lambda: calls.append(1),
+        )
         for (off, n), b in zip(cases, outs):
             assert b.tobytes() == data[off : off + n]
         assert calls
@@ -127,8 +132,9 @@ def test_gather_past_the_end_is_an_error(tmp_path, small_chunks, direct):
     try:
         for off, n in ((size - 4, 5), (size, 1), (0, size + 1), (size + 10 * direct_io.ALIGN, 3)):
             with pytest.raises(OSError) as e:
-                direct_io.gather(fd, [(0, np.zeros(4, np.uint8)), (off, np.zeros(n, np.uint8))],
-                                 direct)  # fmt: skip
+                direct_io.gather(
+                    fd, [(0, np.zeros(4, np.uint8)), (off, np.zeros(n, np.uint8))], direct
+                )
             assert e.value.errno == errno.EIO and "file ends" in str(e.value)
     finally:
         os.close(fd)
@@ -262,15 +268,22 @@ def _hdf5_only(plan):
 @pytest.mark.parametrize(
     "kind", ["plain", "packed", "shards", "big-endian", "chunked", "float64", "float16"]
 )
-@pytest.mark.parametrize("layout, size", [("zigzag", 1), ("zigzag", 3), ("contiguous", 2),
-                                          ("striped", 2)])  # fmt: skip
-def test_raw_reads_equal_hdf5_reads(tmp_path, monkeypatch, small_chunks, direct, kind, layout,
-                                    size):  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, size", [("zigzag", 1), ("zigzag", 3), ("contiguous", 2), ("striped", 2)]
+)
+def test_raw_reads_equal_hdf5_reads(
+    tmp_path, monkeypatch, small_chunks, direct, kind, layout, size
+):
     monkeypatch.setenv("RINGMPI_DIRECT_IO", direct)
     dtype = {"big-endian": ">f4", "float64": "<f8", "float16": "<f2"}.get(kind, "<f4")
-    paths = _write(tmp_path / "in", [97, 300, 64, 1000], dtype=dtype,
-                   chunks=(16, 2, 8) if kind == "chunked" else None, packed=kind == "packed",
-                   shards=2 if kind == "shards" else 1)  # fmt: skip
+    paths = _write(
+        tmp_path / "in",
+        [97, 300, 64, 1000],
+        dtype=dtype,
+        chunks=(16, 2, 8) if kind == "chunked" else None,
+        packed=kind == "packed",
+        shards=2 if kind == "shards" else 1,
+    )
     plan = schema.scan(paths)
     raw_known = kind not in ("big-endian", "chunked")
     for s in plan.sequences:

@@ -44,8 +44,11 @@ def test_get_parses_and_names_the_variable(monkeypatch):
     assert env.get("RINGMPI_WATCHDOG_S") is None
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", " Fused ")
     assert env.get("RINGMPI_CPU_KERNEL") == "fused"
-    for name, bad in (("RINGMPI_CPU_KERNEL", "gpu"), ("RINGMPI_BUILD_LOCK_S", "-1"),
-                      ("RINGMPI_WATCHDOG_S", "soon")):  # fmt: skip
+    for name, bad in (
+        ("RINGMPI_CPU_KERNEL", "gpu"),
+        ("RINGMPI_BUILD_LOCK_S", "-1"),
+        ("RINGMPI_WATCHDOG_S", "soon"),
+    ):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             env.get(name)
@@ -55,8 +58,14 @@ def test_get_parses_and_names_the_variable(monkeypatch):
 
 def test_info_lists_the_variables_that_are_set():
     e = dict(os.environ, RINGMPI_POLL="0", RINGMPI_BUILD_LOCK_S="25")
-    out = subprocess.run([sys.executable, "-m", "ringmpi", "info"], env=e, capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ringmpi", "info"],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "env       RINGMPI_BUILD_LOCK_S=25" in lines and "env       RINGMPI_POLL=0" in lines
@@ -90,8 +99,13 @@ def test_import_help_make_data_pack_never_load_mpi(tmp_path, argv):
     code = "import sys, ringmpi; print(ringmpi.LAYOUTS)\n" if not argv else _PROBE
     if not argv:
         code += 'print("MPI-INITIALISED" if "mpi4py.MPI" in sys.modules else "MPI-UNTOUCHED", 0)'
-    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("MPI-UNTOUCHED"), (argv, out.stdout[-500:], out.stderr[-500:])
     want = {"make-data": "0", "pack": "2"}.get(argv[0] if argv else "", "0")
@@ -109,6 +123,5 @@ def test_public_names_load_on_use():
         "for n in ringmpi.__all__)\n"
         "print(ringmpi.layout.counts(10, 2).tolist())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "[5, 5]", out.stderr[-800:]

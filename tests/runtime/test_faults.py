@@ -17,8 +17,14 @@ import ringmpi
 from ringmpi.runtime import env, faults
 
 PKG = Path(ringmpi.__file__).parent
-POINTS = [faults.RING_STEP, faults.KILL_AFTER, faults.KILL_IN_BATCH, faults.KILL_AT_STEP,
-          faults.MPIO_KILL, faults.READ_STALL]  # fmt: skip
+POINTS = [
+    faults.RING_STEP,
+    faults.KILL_AFTER,
+    faults.KILL_IN_BATCH,
+    faults.KILL_AT_STEP,
+    faults.MPIO_KILL,
+    faults.READ_STALL,
+]
 
 
 @pytest.fixture

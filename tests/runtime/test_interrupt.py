@@ -132,8 +132,13 @@ def _start_blocked(mode: str, grace: str):
     import sys
 
     env = dict(os.environ, RINGMPI_INTERRUPT_GRACE_S=grace)
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCKED, mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 

@@ -38,9 +38,13 @@ def srun_step(n: int, rank: int, mpi: str = "none") -> dict:
 def hydra(n: int, rank: int) -> dict:
     """One process of the PyPI mpich's ``mpiexec -n n`` on one host."""
     return {
-        "PMI_RANK": str(rank), "PMI_SIZE": str(n), "PMI_FD": "9", "PMI_HOSTNAME": "vm",
-        "MPI_LOCALNRANKS": str(n), "MPI_LOCALRANKID": str(rank),
-    }  # fmt: skip
+        "PMI_RANK": str(rank),
+        "PMI_SIZE": str(n),
+        "PMI_FD": "9",
+        "PMI_HOSTNAME": "vm",
+        "MPI_LOCALNRANKS": str(n),
+        "MPI_LOCALRANKID": str(rank),
+    }
 
 
 class FakeComm:
@@ -110,7 +114,7 @@ def test_srun_pmi2_with_a_library_that_ignores_it():
         ({"PMIX_RANK": "3"}, "a PMIx launcher (srun --mpi=pmix or prterun) started this task"),
         ({"PALS_RANKID": "1"}, "HPE PALS mpiexec started this task as rank 1 (PALS_RANKID=1)"),
     ],
-)  # fmt: skip
+)
 def test_mpiexec_kind_launchers(env, head):
     msg = launch_problem(env, 1)
     assert msg is not None and msg.startswith(head), msg

@@ -38,8 +38,12 @@ def test_bad_watchdog_setting_stops_the_cli_with_one_line(tmp_path):
     env = dict(os.environ, RINGMPI_WATCHDOG_S="nan")
     r = subprocess.run(
         [sys.executable, "-m", "ringmpi", "run", "x.h5", "-o", str(tmp_path / "o.h5")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "RINGMPI_WATCHDOG_S must be a finite number" in lines[0]
@@ -56,18 +60,26 @@ def test_shared_working_directory_is_refused_unless_safe_path(tmp_path):
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "other users can write it" in lines[0] and "python -P" in lines[0]
     r = subprocess.run(
-        cmd, cwd=shared, env=dict(env, PYTHONSAFEPATH="1"), capture_output=True, text=True,
+        cmd,
+        cwd=shared,
+        env=dict(env, PYTHONSAFEPATH="1"),
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert "other users can write it" not in r.stderr
     assert "x.h5: no such file" in r.stderr
 
 
 @pytest.mark.parametrize(
     "flag, value, words",
-    [("--scale", "nan", "finite number"), ("--scale", "inf", "finite number"),
-     ("--window", "1e23", "integers"), ("--window", "5,nan", "integers")],
-)  # fmt: skip
+    [
+        ("--scale", "nan", "finite number"),
+        ("--scale", "inf", "finite number"),
+        ("--window", "1e23", "integers"),
+        ("--window", "5,nan", "integers"),
+    ],
+)
 def test_bad_numbers_refused_before_anything_is_created(tmp_path, flag, value, words):
     inp = tmp_path / "in.h5"
     with h5py.File(inp, "w") as f:
@@ -76,8 +88,11 @@ def test_bad_numbers_refused_before_anything_is_created(tmp_path, flag, value, w
     out = tmp_path / "out.h5"
     r = subprocess.run(
         [sys.executable, "-m", "ringmpi", "run", str(inp), "-o", str(out), flag, value],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert words in r.stderr.strip().splitlines()[-1], r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5"], "something was created"

@@ -65,13 +65,24 @@ class Users:
     def run(self, user, cmd, cwd=None, umask="022", timeout=300, **env):
         ent = self.ids[user]
         full = [
-            "setpriv", f"--reuid={ent.pw_uid}", f"--regid={ent.pw_gid}", "--clear-groups",
-            "sh", "-c", f'umask {umask}; exec "$@"', "sh", *map(str, cmd),
-        ]  # fmt: skip
+            "setpriv",
+            f"--reuid={ent.pw_uid}",
+            f"--regid={ent.pw_gid}",
+            "--clear-groups",
+            "sh",
+            "-c",
+            f'umask {umask}; exec "$@"',
+            "sh",
+            *map(str, cmd),
+        ]
         return subprocess.run(
-            full, cwd=cwd or self.homes[user], env=self.env(user, **env), capture_output=True,
-            text=True, timeout=timeout,
-        )  # fmt: skip
+            full,
+            cwd=cwd or self.homes[user],
+            env=self.env(user, **env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def python(self, user, code, **kw):
         return self.run(user, [self.py, "-c", code], **kw)
@@ -175,9 +186,14 @@ def attack_planted_cubin(u: Users, shared: Path) -> None:
     stub.write_text('#!/bin/sh\necho "CUPY_CACHE_DIR=$CUPY_CACHE_DIR"\n')
     stub.chmod(0o755)
     r = u.run(
-        u.victim, ["bash", REPO / "jobs" / "pbs.sh"], MPIEXEC=str(stub), ARGS="in.h5 -o o.h5",
-        TMPDIR=str(tmpdir), PYTHON=u.py, PBS_O_WORKDIR=str(u.homes[u.victim]),
-    )  # fmt: skip
+        u.victim,
+        ["bash", REPO / "jobs" / "pbs.sh"],
+        MPIEXEC=str(stub),
+        ARGS="in.h5 -o o.h5",
+        TMPDIR=str(tmpdir),
+        PYTHON=u.py,
+        PBS_O_WORKDIR=str(u.homes[u.victim]),
+    )
     used = [x.split("=", 1)[1] for x in r.stdout.splitlines() if x.startswith("CUPY_CACHE_DIR=")]
     ok = bool(used) and used[0] != str(tmpdir / f"cupy-cache-{vuid}")
     ok = ok and os.stat(used[0]).st_uid == vuid and (os.stat(used[0]).st_mode & 0o777) == 0o700
@@ -275,8 +291,10 @@ def attack_inputs(u: Users, shared: Path) -> None:
     outdir.mkdir(mode=0o700)
     os.chown(outdir, u.ids[u.victim].pw_uid, u.ids[u.victim].pw_gid)
     for name, words in (
-        ("link.h5", "external link"), ("raw.h5", "external file"), ("vds.h5", "virtual dataset"),
-    ):  # fmt: skip
+        ("link.h5", "external link"),
+        ("raw.h5", "external file"),
+        ("vds.h5", "virtual dataset"),
+    ):
         out = outdir / f"{name}.out.h5"
         r = _job(u, evil / name, "-o", out, ranks=2)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
@@ -294,9 +312,10 @@ def attack_module_path(u: Users, shared: Path) -> None:
     u.run(u.attacker, ["sh", "-c", f'echo \'open("{mark}", "w")\' > {job}/numpy/__init__.py'])
     inp = u.homes[u.victim] / "in.h5"
     r = u.run(
-        u.victim, [u.py, "-P", "-m", "ringmpi", "run", inp, "-o", u.homes[u.victim] / "p.h5"],
+        u.victim,
+        [u.py, "-P", "-m", "ringmpi", "run", inp, "-o", u.homes[u.victim] / "p.h5"],
         cwd=job,
-    )  # fmt: skip
+    )
     report("numpy/ planted in the job directory (python -P)", not mark.exists(), r.stderr[-300:])
 
 

@@ -150,9 +150,12 @@ def run_cli(inp: Path, out: Path, env=None, ranks: int = 1) -> dict:
         cmd = [mpiexec, "-n", str(ranks), *cmd]
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [py, "-c", _MEASURE, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [py, "-c", _MEASURE, *cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=env,
-    )  # fmt: skip
+    )
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:

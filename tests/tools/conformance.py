@@ -38,11 +38,26 @@ from ringmpi.testing import dense, dense_backward, random_qkv
 from . import standin
 
 __all__ = [
-    "Case", "CASES", "MODS", "SLOPES", "FUSED", "VARIANTS", "TOL", "Variant", "registry_names",
+    "Case",
+    "CASES",
+    "MODS",
+    "SLOPES",
+    "FUSED",
+    "VARIANTS",
+    "TOL",
+    "Variant",
+    "registry_names",
     "variant",
-    "Problem", "problem", "spec_of", "run_forward", "run_backward", "visible_pairs", "close",
-    "spec_result", "storage",
-]  # fmt: skip
+    "Problem",
+    "problem",
+    "spec_of",
+    "run_forward",
+    "run_backward",
+    "visible_pairs",
+    "close",
+    "spec_result",
+    "storage",
+]
 
 #: tile vs the numpy tile (the spec), relative to max(1, max |spec|): the same terms summed
 #: in another order (float32: a few hundred terms, exp within a few ulps; float64 ~1e-15)
@@ -254,8 +269,12 @@ def problem(case: str, mod: str, dtype: str) -> Problem:
         for r in range(c.blocks)
     )
     bounds = None if mask.plain else mask.bounds(q_pos)
-    kw = dict(window=c.window, cu_seqlens=c.cu_q, cu_seqlens_k=c.cu_k,
-              **{f: getattr(spec, f) for f in scoremods.names()})  # fmt: skip
+    kw = dict(
+        window=c.window,
+        cu_seqlens=c.cu_q,
+        cu_seqlens_k=c.cu_k,
+        **{f: getattr(spec, f) for f in scoremods.names()},
+    )
     ref = attention(q, k, v, c.causal, **kw)
     grads = attention_backward(dout, q, k, v, c.causal, **kw)
     low = dtype != "float64"
@@ -348,8 +367,11 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
     dks, dvs, flops = [], [], []
     for kp, k, v in _blocks(var, p, tdt):
         dk, dv = var.xp.zeros(k.shape, adt), var.xp.zeros(v.shape, adt)
-        flops.append(be.backward_tile(q, k, v, dout, lse_d, delta_d, p.q_pos, kp, dq, dk, dv,
-                                      **_tile_kw(p, case)))  # fmt: skip
+        flops.append(
+            be.backward_tile(
+                q, k, v, dout, lse_d, delta_d, p.q_pos, kp, dq, dk, dv, **_tile_kw(p, case)
+            )
+        )
         dks.append(var.to_host(dk).astype(np.float64))
         dvs.append(var.to_host(dv).astype(np.float64))
     dq = np.moveaxis(var.to_host(dq).astype(np.float64), 1, 2)

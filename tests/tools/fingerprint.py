@@ -212,8 +212,9 @@ def sharded_call(rm: Any, comm: Any, layout: str, kind: str, dtype: str, kw: dic
     kl, vl = (rm.shard(x, comm, layout=layout, head_parallel=hp, cu_seqlens=cu_k) for x in (k, v))
 
     def gather_q(x: Any, axis: int = -3) -> Any:
-        return rm.gather(x, q.shape[-3], comm, layout=layout, axis=axis, head_parallel=hp,
-                         cu_seqlens=cu_q)  # fmt: skip
+        return rm.gather(
+            x, q.shape[-3], comm, layout=layout, axis=axis, head_parallel=hp, cu_seqlens=cu_q
+        )
 
     def gather_k(x: Any) -> Any:
         return rm.gather(x, k.shape[-3], comm, layout=layout, head_parallel=hp, cu_seqlens=cu_k)
@@ -235,8 +236,9 @@ def api_forward(rm: Any, comm: Any, rec: Recorder) -> None:
         _, (ql, kl, vl), gq, _ = sharded_call(rm, comm, layout, "self", "float16", {})
         out = rm.ring_attention(ql, kl, vl, comm, layout=layout, causal=True)
         rec.add(f"fwd/{layout}/causal/float16/out", gq(out))
-        spec = rm.AttentionSpec(causal=True, window=(64, 0), cu_seqlens=CU, layout=layout,
-                                softcap=30.0, sinks=SINKS)  # fmt: skip
+        spec = rm.AttentionSpec(
+            causal=True, window=(64, 0), cu_seqlens=CU, layout=layout, softcap=30.0, sinks=SINKS
+        )
         kw = {"cu_seqlens": CU}
         _, (ql, kl, vl), gq, _ = sharded_call(rm, comm, layout, "self", "float32", kw)
         out, lse = rm.ring_attention(ql, kl, vl, comm, spec=spec, return_lse=True)
@@ -254,8 +256,13 @@ def api_backward(rm: Any, comm: Any, rec: Recorder) -> None:
             (q, _, _), (ql, kl, vl), gq, gk = sharded_call(rm, comm, layout, kind, dtype, kw)
             rng = np.random.default_rng([SEED, 99])
             dout = (0.1 * rng.standard_normal(q.shape)).astype(dtype)
-            dl = rm.shard(dout, comm, layout=layout, head_parallel=kw.get("head_parallel", 1),
-                          cu_seqlens=kw.get("cu_seqlens"))  # fmt: skip
+            dl = rm.shard(
+                dout,
+                comm,
+                layout=layout,
+                head_parallel=kw.get("head_parallel", 1),
+                cu_seqlens=kw.get("cu_seqlens"),
+            )
             out, lse = rm.ring_attention(ql, kl, vl, comm, layout=layout, return_lse=True, **kw)
             grads = rm.ring_attention_backward(dl, ql, kl, vl, out, lse, comm, layout=layout, **kw)
             key = f"bwd/{layout}/{name}/{dtype}"
@@ -278,9 +285,14 @@ def api_decode(rm: Any, comm: Any, rec: Recorder) -> None:
         out, lse = rm.decode_attention(q, kl, vl, comm, return_lse=True, softcap=20.0, sinks=SINKS)
         rec.add(f"decode/softcap-sinks/{dtype}/out", out)
         rec.add(f"decode/softcap-sinks/{dtype}/lse", lse)
-        out, lse = rm.decode_attention(q[None].repeat(2, 0), kl[None].repeat(2, 0),
-                                       vl[None].repeat(2, 0), comm, scale=0.05,
-                                       return_lse=True)  # fmt: skip
+        out, lse = rm.decode_attention(
+            q[None].repeat(2, 0),
+            kl[None].repeat(2, 0),
+            vl[None].repeat(2, 0),
+            comm,
+            scale=0.05,
+            return_lse=True,
+        )
         rec.add(f"decode/batched-scale/{dtype}/out", out)
         rec.add(f"decode/batched-scale/{dtype}/lse", lse)
         if comm.size > 1:  # rank 0 holds none of the cache
@@ -316,8 +328,10 @@ def api_positions(rm: Any, comm: Any, rec: Recorder) -> None:
     for layout in rm.LAYOUTS:
         for n, cu in ((N, None), (NQ_CROSS, None), (3, None), (N, CU)):
             for u in hps:
-                every = [rm.positions(n, r, comm.size, layout, head_parallel=u, cu_seqlens=cu)
-                         for r in range(comm.size)]  # fmt: skip
+                every = [
+                    rm.positions(n, r, comm.size, layout, head_parallel=u, cu_seqlens=cu)
+                    for r in range(comm.size)
+                ]
                 tag = "packed" if cu else "plain"
                 rec.add(f"positions/{layout}/n{n}-{tag}/hp{u}", *every)
 
@@ -378,7 +392,7 @@ def job_cases(size: int, layouts: tuple) -> list:
             "feats",
             ["--layout", "striped", "--rope", "--rope-theta", "500", "--rope-scale", "2"],
             {},
-        ),  # fmt: skip
+        ),
     ]
     if size % 2 == 0 and size > 2:
         cases.append(("zigzag/causal-ring2", "plain", ["--causal", "--ring-size", "2"], {}))
@@ -498,8 +512,16 @@ def driver(args: argparse.Namespace) -> int:
             for p in ranks:
                 t0 = time.perf_counter()
                 out = work / f"api-{kernel}-P{p}.json"
-                cmd = [*mpi, str(p), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
-                       "--out", str(out)]  # fmt: skip
+                cmd = [
+                    *mpi,
+                    str(p),
+                    sys.executable,
+                    "-m",
+                    "mpi4py",
+                    str(Path(__file__).resolve()),
+                    "--out",
+                    str(out),
+                ]
                 run_cmd(cmd, {**env, "RINGMPI_CPU_KERNEL": kernel})
                 got = json.loads(out.read_text())
                 hashes.update(got)
@@ -517,9 +539,27 @@ def driver(args: argparse.Namespace) -> int:
                     flags = [data[f] if f.startswith("@") else f for f in flags]
                     out = work / "out" / f"P{p}" / (name.replace("/", "-") + ".h5")
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    cmd = [*mpi, str(p), sys.executable, "-m", "mpi4py", "-m", "ringmpi", "run",
-                           *paths, "-o", str(out), "--overwrite", "--quiet", "--output-mode",
-                           "parts", "--max-memory", "2G", *more, *flags]  # fmt: skip
+                    cmd = [
+                        *mpi,
+                        str(p),
+                        sys.executable,
+                        "-m",
+                        "mpi4py",
+                        "-m",
+                        "ringmpi",
+                        "run",
+                        *paths,
+                        "-o",
+                        str(out),
+                        "--overwrite",
+                        "--quiet",
+                        "--output-mode",
+                        "parts",
+                        "--max-memory",
+                        "2G",
+                        *more,
+                        *flags,
+                    ]
                     run_cmd(cmd, {**env, **extra})
                     hashes.update(hash_output(out, f"job/P{p}/{name}"))
                 dt = time.perf_counter() - t0
@@ -554,8 +594,11 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--all", action="store_true", help="driver: every P, tile and job case")
     ap.add_argument("--ranks", default="1,2,3,4", help="driver: rank counts (default 1,2,3,4)")
-    ap.add_argument("--kernels", default="auto,numpy",
-                    help="driver: RINGMPI_CPU_KERNEL values for the API cases")  # fmt: skip
+    ap.add_argument(
+        "--kernels",
+        default="auto,numpy",
+        help="driver: RINGMPI_CPU_KERNEL values for the API cases",
+    )
     ap.add_argument("--no-job", action="store_true", help="driver: skip the batch job cases")
     ap.add_argument("--work", help="driver: folder for inputs and outputs (default a temporary)")
     ap.add_argument("--keep", action="store_true", help="driver: keep the work folder")

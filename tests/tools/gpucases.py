@@ -54,8 +54,9 @@ def _shard(cupy, comm, x, layout, dtype, cu=None):
     return to_device(cupy, ringmpi.shard(x, comm, layout, cu_seqlens=cu), dtype)
 
 
-def forward_case(cupy, comm, dtype, layout, causal, n=203, h=4, hkv=2, d=59, mask=None,
-                 nk=None, seed=3):  # fmt: skip
+def forward_case(
+    cupy, comm, dtype, layout, causal, n=203, h=4, hkv=2, d=59, mask=None, nk=None, seed=3
+):
     """ring_attention on the device arrays of every rank against the reference; returns data."""
     mask = mask or {}
     nk = n if nk is None else nk
@@ -66,8 +67,9 @@ def forward_case(cupy, comm, dtype, layout, causal, n=203, h=4, hkv=2, d=59, mas
     ql, dl = (_shard(cupy, comm, x, layout, dtype, cu_q) for x in (q, dout))
     kl, vl = (_shard(cupy, comm, x, layout, dtype, cu_k) for x in (k, v))
     stats = {}
-    out, lse = ringmpi.ring_attention(ql, kl, vl, comm, causal=causal, layout=layout,
-                                      return_lse=True, stats=stats, **mask)  # fmt: skip
+    out, lse = ringmpi.ring_attention(
+        ql, kl, vl, comm, causal=causal, layout=layout, return_lse=True, stats=stats, **mask
+    )
     tag = f"{dtype} {layout} causal={causal} D={d} {mask} P={comm.size}"
     assert_all(comm, stats.get("backend") == "gpu", f"{tag}: backend {stats.get('backend')}")
     assert_all(comm, type(out) is cupy.ndarray, f"{tag}: out is a {type(out)}")
@@ -84,8 +86,11 @@ def forward_case(cupy, comm, dtype, layout, causal, n=203, h=4, hkv=2, d=59, mas
     fin = np.isfinite(want)
     ok = np.array_equal(np.isfinite(glse), fin)
     err = np.abs(glse[fin] - want[fin]).max(initial=0.0)
-    assert_all(comm, ok and err <= 1e-4 * max(1.0, np.abs(want[fin]).max(initial=0.0)),
-               f"{tag} lse: err {err:.3g}")  # fmt: skip
+    assert_all(
+        comm,
+        ok and err <= 1e-4 * max(1.0, np.abs(want[fin]).max(initial=0.0)),
+        f"{tag} lse: err {err:.3g}",
+    )
     return (q, k, v, dout), (ql, kl, vl, dl), (out, lse), tag
 
 
@@ -110,8 +115,9 @@ def out_correction(dout, q, k, v, out, causal, mask):
     kh = np.repeat(np.moveaxis(k, -3, -2), group, axis=-3)
     scale = 1.0 / np.sqrt(q.shape[-1])  # the reference's default
     n_q, n_k = qh.shape[-2], kh.shape[-2]
-    m = make_mask(n_q, n_k, causal, mask.get("window"),
-                  mask.get("cu_seqlens"), mask.get("cu_seqlens_k"))  # fmt: skip
+    m = make_mask(
+        n_q, n_k, causal, mask.get("window"), mask.get("cu_seqlens"), mask.get("cu_seqlens_k")
+    )
     rows = np.arange(n_q)
     s = scale * (qh @ np.swapaxes(kh, -1, -2))
     spec = SimpleNamespace(**{f: mask.get(f) for f in scoremods.names()})
@@ -149,8 +155,9 @@ def backward_case(cupy, comm, dtype, layout, causal, mask=None, **kw):
     cu_q = mask.get("cu_seqlens")
     full_out = ringmpi.gather(to_host(cupy, out, dtype), len(q), comm, layout, cu_seqlens=cu_q)
     stats = {}
-    grads = ring_attention_backward(dl, ql, kl, vl, out, lse, comm, causal=causal,
-                                    layout=layout, stats=stats, **mask)  # fmt: skip
+    grads = ring_attention_backward(
+        dl, ql, kl, vl, out, lse, comm, causal=causal, layout=layout, stats=stats, **mask
+    )
     assert_all(comm, stats.get("backend") == "gpu", f"{tag}: backward backend")
     want = attention_backward(dout, q, k, v, causal, **mask)
     other = dense_backward(dout, q, k, v, causal, **mask)

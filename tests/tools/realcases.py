@@ -46,8 +46,9 @@ def to_tile(cupy, x: np.ndarray, dtype: str):
     return r, cupy.asarray(r)
 
 
-def forward_long(cupy, dtype: str, d: int, *, rows: int = 16, keys: int = 65536, steps=1,
-                 seed: int = 0) -> None:  # fmt: skip
+def forward_long(
+    cupy, dtype: str, d: int, *, rows: int = 16, keys: int = 65536, steps=1, seed: int = 0
+) -> None:
     """Last ``rows`` queries (causal) x ``keys`` keys, the keys in ``steps`` tile calls.
 
     Parameters
@@ -108,9 +109,19 @@ def backward_long(cupy, dtype: str, d: int, sq: int, sk: int, *, seed: int = 0) 
     grads = [cupy.zeros(t[0].shape, acc_t) for t in tiles[:3]]
     pos_q, pos_k = np.arange(sq, dtype=np.int64), np.arange(sk, dtype=np.int64)
     scale = 1 / np.sqrt(d)
-    gpu.backward_tile(qa, tiles[1][1], tiles[2][1], doa, cupy.asarray(lse_a),
-                      cupy.asarray(delta_a), pos_q, pos_k, *grads, scale=scale,
-                      causal=False)  # fmt: skip
+    gpu.backward_tile(
+        qa,
+        tiles[1][1],
+        tiles[2][1],
+        doa,
+        cupy.asarray(lse_a),
+        cupy.asarray(delta_a),
+        pos_q,
+        pos_k,
+        *grads,
+        scale=scale,
+        causal=False,
+    )
     got = [seq_major(cupy.asnumpy(g)) for g in grads]
     # what the 16-bit P and dS move, and what the rounded lse and delta move (the peer
     # computes its own): |P| |K|, |P|^T |Q| products of the dense float64 problem

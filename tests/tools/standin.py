@@ -34,8 +34,13 @@ def clear_caches() -> None:
     """Forget every per-process GPU cache of ringmpi (device facts, kernels, plans, tuning)."""
     from ringmpi.gpu import backward, device, kernel_args, loader, tile, tune
 
-    for f in (device.props, device.check_arch, tile._function, backward._function,
-              loader._function):  # fmt: skip
+    for f in (
+        device.props,
+        device.check_arch,
+        tile._function,
+        backward._function,
+        loader._function,
+    ):
         f.cache_clear()
     kernel_args.clear_caches()
     loader.last_path.clear()

@@ -28,8 +28,11 @@ LOG2E = 1.4426950408889634
 _STORAGE = {"half_t": "float16", "bf16_t": "uint16", "float": "float32", "double": "float64"}
 # the kernels' C types -> numpy: scalars by value, pointees of pointer parameters
 _SCALAR = {"int": np.int32, "unsigned": np.uint32, "float": np.float32, "double": np.float64}
-_POINTEE = {**{k: np.dtype(v) for k, v in _STORAGE.items()}, "longlong": np.dtype(np.int64),
-            "int": np.dtype(np.int32)}  # fmt: skip
+_POINTEE = {
+    **{k: np.dtype(v) for k, v in _STORAGE.items()},
+    "longlong": np.dtype(np.int64),
+    "int": np.dtype(np.int32),
+}
 _KERNEL = re.compile(
     r"template\s*<([^>]*)>\s*__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
     r"(\w+)\s*\(([^)]*)\)\s*\{"
@@ -96,16 +99,22 @@ def check_signature(expr: str, args) -> None:
     targs = _targs(expr)
     _need(len(targs) == len(tparams), expr, f"template arguments {targs} for {tparams}")
     sub = dict(zip(tparams, targs))
-    _need(len(args) == len(params), expr,
-          f"{len(args)} arguments for the {len(params)} parameters of {name}")  # fmt: skip
+    _need(
+        len(args) == len(params),
+        expr,
+        f"{len(args)} arguments for the {len(params)} parameters of {name}",
+    )
     for (typ, pname), a in zip(params, args):
         base = typ.rstrip("*")
         base = sub.get(base, base)
         if typ.endswith("*"):
             if _null(a):
                 continue
-            _need(type(a).__module__.split(".")[0] == "cupy", expr,
-                  f"{pname} ({typ}) is not a device array or a null pointer")  # fmt: skip
+            _need(
+                type(a).__module__.split(".")[0] == "cupy",
+                expr,
+                f"{pname} ({typ}) is not a device array or a null pointer",
+            )
             want = _POINTEE.get(base)
             _need(want is not None, expr, f"{pname}: unknown pointee type {base}")
             _need(a._a.dtype == want, expr, f"{pname} has dtype {a._a.dtype}, kernel reads {base}")
@@ -113,8 +122,11 @@ def check_signature(expr: str, args) -> None:
         else:
             want = _SCALAR.get(base)
             _need(want is not None, expr, f"{pname}: unknown scalar type {base}")
-            _need(type(a) is want, expr,
-                  f"{pname} must be {want.__name__} ({base}), got {type(a).__name__}")  # fmt: skip
+            _need(
+                type(a) is want,
+                expr,
+                f"{pname} must be {want.__name__} ({base}), got {type(a).__name__}",
+            )
 
 
 class LaunchError(AssertionError):
@@ -147,8 +159,10 @@ def _rows_arg(lo, hi, expr: str, sq: int):
     if isinstance(lo, np.uint64) and isinstance(hi, np.uint64):
         _need(int(lo) == 0 and int(hi) == 0, expr, "row bounds: a non-null raw pointer")
         return None
-    return (_dev(lo, expr, "row_lo", np.int64, (sq,)).copy(),
-            _dev(hi, expr, "row_hi", np.int64, (sq,)).copy())  # fmt: skip
+    return (
+        _dev(lo, expr, "row_lo", np.int64, (sq,)).copy(),
+        _dev(hi, expr, "row_hi", np.int64, (sq,)).copy(),
+    )
 
 
 def _visible(q_pos, k_pos, rows, causal: bool) -> np.ndarray:
@@ -281,9 +295,19 @@ def _forward(expr, grid, block, args, smem):
     from ringmpi.cpu import numpy_tile
 
     numpy_tile.forward_tile(
-        _decode(qa, d, storage), _decode(ka, d, storage), _decode(va, d, storage), q_pos,
-        k_pos, acc_a, m_a, l_a, scale=scale, causal=causal, bounds=rows, **mod_kw,
-    )  # fmt: skip
+        _decode(qa, d, storage),
+        _decode(ka, d, storage),
+        _decode(va, d, storage),
+        q_pos,
+        k_pos,
+        acc_a,
+        m_a,
+        l_a,
+        scale=scale,
+        causal=causal,
+        bounds=rows,
+        **mod_kw,
+    )
 
 
 def _backward(expr, grid, block, args, smem):
@@ -331,15 +355,27 @@ def _backward(expr, grid, block, args, smem):
     from ringmpi.cpu import numpy_tile
 
     numpy_tile.backward_tile(
-        dec[0], dec[1], dec[2], dec[3], lse_a, delta_a, q_pos, k_pos, dq_a, dk_a, dv_a,
-        scale=float(scale), causal=causal, bounds=rows, **mod_kw,
-    )  # fmt: skip
+        dec[0],
+        dec[1],
+        dec[2],
+        dec[3],
+        lse_a,
+        delta_a,
+        q_pos,
+        k_pos,
+        dq_a,
+        dk_a,
+        dv_a,
+        scale=float(scale),
+        causal=causal,
+        bounds=rows,
+        **mod_kw,
+    )
 
 
 def install(cupy) -> None:
     """Register the CPU implementations with the stand-in ``cupy`` module."""
     for name in ("attn_fwd_mma", "attn_fwd_mma2", "attn_fwd_simt"):
         cupy.register(name, _forward)
-    for name in ("attn_bwd_dkdv_mma", "attn_bwd_dq_mma", "attn_bwd_dkdv_simt",
-                 "attn_bwd_dq_simt"):  # fmt: skip
+    for name in ("attn_bwd_dkdv_mma", "attn_bwd_dq_mma", "attn_bwd_dkdv_simt", "attn_bwd_dq_simt"):
         cupy.register(name, _backward)

@@ -171,8 +171,18 @@ class LiteDataset:
     :func:`check_storage` / :func:`trusted` accept it like an ``h5py.Dataset``.
     """
 
-    __slots__ = ("id", "name", "shape", "ndim", "dtype", "dtype_name", "chunks", "size", "file",
-                 "dcpl")  # fmt: skip
+    __slots__ = (
+        "id",
+        "name",
+        "shape",
+        "ndim",
+        "dtype",
+        "dtype_name",
+        "chunks",
+        "size",
+        "file",
+        "dcpl",
+    )
 
     def __init__(self, dsid, name: str, filename: str) -> None:
         from types import SimpleNamespace
@@ -512,10 +522,13 @@ def walk_links(f, below: Optional[list] = None) -> tuple:
         where = "/" + (prefix + name).decode("utf-8", "replace")
         if kind == h5l.TYPE_EXTERNAL:
             target = f.id.links.get_val(prefix + name)
-            fname, path = (x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
-                           for x in target)  # fmt: skip
-            why.append(f"'{where}' is an external link to {fname}:{path}: "
-                       "inputs are read only from themselves")  # fmt: skip
+            fname, path = (
+                x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in target
+            )
+            why.append(
+                f"'{where}' is an external link to {fname}:{path}: "
+                "inputs are read only from themselves"
+            )
         else:
             why.append(f"'{where}' is a user-defined link: inputs are read only from themselves")
         return 1

@@ -205,8 +205,13 @@ class Reader:
                     fspace.select_none()
                     for s0, cnt, step, _ in part:
                         st = step if cnt > 1 else 1
-                        fspace.select_hyperslab((s0,) + zeros, (cnt,) + ones, (st,) + ones,
-                                                (1,) + rest, op=h5s.SELECT_OR)  # fmt: skip
+                        fspace.select_hyperslab(
+                            (s0,) + zeros,
+                            (cnt,) + ones,
+                            (st,) + ones,
+                            (1,) + rest,
+                            op=h5s.SELECT_OR,
+                        )
                     lo = a + part[0][3]
                     out = dest[lo : a + part[-1][3] + part[-1][1]]
                     into = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)

@@ -194,10 +194,18 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
         seqs = [SeqInfo(f"b={i}", "", i, list(lq[""]), kl(""), x_kv=xkv) for i in range(batch)]
     else:
         seqs = [
-            SeqInfo(g or "seq", g, None, lq[g], kl(g), *cus[g], "x_kv" in first_info[g],
-                    storage=tuple(at[g]) if all(a is not None for a in at[g]) else None)
+            SeqInfo(
+                g or "seq",
+                g,
+                None,
+                lq[g],
+                kl(g),
+                *cus[g],
+                "x_kv" in first_info[g],
+                storage=tuple(at[g]) if all(a is not None for a in at[g]) else None,
+            )
             for g in names
-        ]  # fmt: skip
+        ]
     if not seqs:
         fail(files[0], "batch axis has no sequence")
     for s in seqs:
@@ -254,9 +262,12 @@ def make_plan(
             if n < nranks:
                 fail(plan.files[0], f"sequence {s.name} has {n} tokens, fewer than {nranks} ranks")
         if rope and plan.mode != "features":
-            fail(plan.files[0], "--rope rotates the projected q and k of features inputs (x + "
-                 "--weights); this input holds q, k, v, taken as already rotated: rotate them "
-                 "with ringmpi.rope.apply_rope before writing, or give features")  # fmt: skip
+            fail(
+                plan.files[0],
+                "--rope rotates the projected q and k of features inputs (x + "
+                "--weights); this input holds q, k, v, taken as already rotated: rotate them "
+                "with ringmpi.rope.apply_rope before writing, or give features",
+            )
         if rope and plan.head_dim % 2:
             fail(plan.weights, f"--rope needs an even head dimension, D={plan.head_dim}")
         if comm is None or comm.Get_size() == 1:
@@ -386,13 +397,19 @@ def of_group(files, metas, index: int, g: str, per_file: list) -> tuple:
     n_q, n_k = sum(a for a, _ in per_file), sum(b for _, b in per_file)
     check_offsets(files[0], where, "cu_seqlens", cu, n_q)
     if cu_k is None and n_k != n_q:
-        fail(files[0], f"{where}q has {n_q} tokens, k/v {n_k}: packed cross-attention needs "
-                       "'cu_seqlens_k' (key/value offsets) beside 'cu_seqlens'")  # fmt: skip
+        fail(
+            files[0],
+            f"{where}q has {n_q} tokens, k/v {n_k}: packed cross-attention needs "
+            "'cu_seqlens_k' (key/value offsets) beside 'cu_seqlens'",
+        )
     if cu_k is not None:
         check_offsets(files[0], where, "cu_seqlens_k", cu_k, n_k)
         if len(cu_k) != len(cu):
-            fail(files[0], f"{where}'cu_seqlens' has {len(cu) - 1} sequences but "
-                           f"'cu_seqlens_k' has {len(cu_k) - 1}")  # fmt: skip
+            fail(
+                files[0],
+                f"{where}'cu_seqlens' has {len(cu) - 1} sequences but "
+                f"'cu_seqlens_k' has {len(cu_k) - 1}",
+            )
     return cu, cu_k
 
 

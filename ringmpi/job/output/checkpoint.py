@@ -97,8 +97,9 @@ def save(path: str, header: dict, arrays: tuple) -> None:
         The state, all of one dtype (device arrays are copied to the host).
     """
     arrays = tuple(_host(a) for a in arrays)
-    head = dict(header, format=FORMAT, shapes=[list(a.shape) for a in arrays],
-                dtype=str(arrays[0].dtype))  # fmt: skip
+    head = dict(
+        header, format=FORMAT, shapes=[list(a.shape) for a in arrays], dtype=str(arrays[0].dtype)
+    )
     text = json.dumps(head, sort_keys=True).encode()
     fd, tmp = exclusive_temp(path, 0o600)
     try:
@@ -212,8 +213,16 @@ class Checkpoints:
         Sequences an earlier run completed: checkpoints of theirs left behind go.
     """
 
-    def __init__(self, parts: str, ring, meta: dict, every_s: Optional[float], resume: bool,
-                 todo=(), finished=()):  # fmt: skip
+    def __init__(
+        self,
+        parts: str,
+        ring,
+        meta: dict,
+        every_s: Optional[float],
+        resume: bool,
+        todo=(),
+        finished=(),
+    ):
         if every_s is not None and not 0 <= float(every_s) < float("inf"):
             raise InputError(f"--checkpoint-every must be a number of seconds >= 0, not {every_s}")
         self.parts, self.ring = parts, ring
@@ -275,9 +284,15 @@ class Checkpoints:
             This rank's state shapes; ``dtype`` the accumulation dtype.
         """
         self.seq, self.count = i, 0
-        self.expect = dict(sequence=i, name=name, rank=self.rank, ring_size=self.size,
-                           run=self.digest, shapes=[list(s) for s in shapes],
-                           dtype=str(dtype))  # fmt: skip
+        self.expect = dict(
+            sequence=i,
+            name=name,
+            rank=self.rank,
+            ring_size=self.size,
+            run=self.digest,
+            shapes=[list(s) for s in shapes],
+            dtype=str(dtype),
+        )
         found = {}
         if self.resume:
             for slot in (0, 1):

@@ -494,15 +494,18 @@ def _sources(ctx, i: int, where: dict, starts: dict):
     if members not in starts:
         seqs = [ctx.plan.sequences[j] for j in members]
         per = [counts(s.length, size, ctx.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
-        starts[members] = np.concatenate([np.zeros((1, size), np.int64),
-                                          np.cumsum(per, axis=0)])  # fmt: skip
+        starts[members] = np.concatenate([np.zeros((1, size), np.int64), np.cumsum(per, axis=0)])
     rows, k = starts[members], members.index(i)
     seq = ctx.plan.sequences[i]
     rel = vds_name(os.path.basename(ctx.parts))
     for r in range(size):
         pos = positions(seq.length, r, size, ctx.layout, cu_seqlens=seq.cu_seqlens)
-        yield (f"{rel}/{part_name(members[0], r)}", int(rows[-1, r]), int(rows[k, r]),
-               local_runs(pos))  # fmt: skip
+        yield (
+            f"{rel}/{part_name(members[0], r)}",
+            int(rows[-1, r]),
+            int(rows[k, r]),
+            local_runs(pos),
+        )
 
 
 def write_vds(
@@ -583,12 +586,30 @@ def _fill_vds(ctx, tmp, h5py, plan, h, d, dt, lt, where: dict) -> None:
             for fname, n, row0, rns in _sources(ctx, i, where, starts):
                 for g0, cnt, step, o in rns:
                     # out (S, H, D) <- rows [o, o + cnt) of the part's out (n, H, D)
-                    maps_o.append((bi + (g0, 0, 0), one + (cnt, 1, 1), one + (step, 1, 1),
-                                   one + (1, h, d), fname, (n, h, d), (row0 + o, 0, 0),
-                                   (cnt, h, d)))  # fmt: skip
-                    maps_l.append((bi + (0, g0), one + (1, cnt), one + (1, step),
-                                   one + (h, 1), fname, (h, n), (0, row0 + o),
-                                   (h, cnt)))  # fmt: skip
+                    maps_o.append(
+                        (
+                            bi + (g0, 0, 0),
+                            one + (cnt, 1, 1),
+                            one + (step, 1, 1),
+                            one + (1, h, d),
+                            fname,
+                            (n, h, d),
+                            (row0 + o, 0, 0),
+                            (cnt, h, d),
+                        )
+                    )
+                    maps_l.append(
+                        (
+                            bi + (0, g0),
+                            one + (1, cnt),
+                            one + (1, step),
+                            one + (h, 1),
+                            fname,
+                            (h, n),
+                            (0, row0 + o),
+                            (h, cnt),
+                        )
+                    )
             if not batch:
                 node = _group(f, h5py, seq.group)
                 o = virtual_dataset(node, "out", (seq.length, h, d), dt, maps_o, cache)

@@ -247,8 +247,12 @@ class OutputStore:
             lse = joined([it[3] for it in items], axis=1)
 
         arrays = {"out": out, "lse": lse, "pos": pos}
-        attrs = {"sequence": self.plan.sequences[first].name, "rank": self.rank,
-                 "nranks": self.size, "layout": self.layout}  # fmt: skip
+        attrs = {
+            "sequence": self.plan.sequences[first].name,
+            "rank": self.rank,
+            "nranks": self.size,
+            "layout": self.layout,
+        }
         if len(items) > 1:
             attrs["sequences"] = [self.plan.sequences[it[0]].name for it in items]
             attrs["rows"] = np.cumsum([0] + [len(it[1]) for it in items]).astype(np.int64)
@@ -329,8 +333,16 @@ class OutputStore:
     # -- end -------------------------------------------------------------------
     def _write_vds(self, where: dict, nranks: Optional[dict] = None) -> None:
         """Rank 0: the virtual-dataset file over the parts (:func:`~.layout.write_vds`)."""
-        write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout, where,
-                  nranks=nranks)  # fmt: skip
+        write_vds(
+            self.path,
+            self.plan,
+            self.attrs,
+            self.parts,
+            self.size,
+            self.layout,
+            where,
+            nranks=nranks,
+        )
 
     @staticmethod
     def _mapping(every) -> tuple:
@@ -356,8 +368,17 @@ class OutputStore:
         ahead = {m[0]: (tuple(m), int(r)) for m, r in batches}
         where, nranks = self._mapping([self.mine, ahead])
         try:
-            tmp = write_vds(self.path, self.plan, self.attrs, self.parts, self.size, self.layout,
-                            where, nranks=nranks, publish=False)  # fmt: skip
+            tmp = write_vds(
+                self.path,
+                self.plan,
+                self.attrs,
+                self.parts,
+                self.size,
+                self.layout,
+                where,
+                nranks=nranks,
+                publish=False,
+            )
         except Exception:  # noqa: BLE001 - rank 0 alone: finish builds it again, collectively
             return  # (and names the error on every rank)
         self.ahead = (tmp, where, nranks)
@@ -415,9 +436,13 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def prepare_parts(
-    path: str, plan: Plan, meta: dict, resume: bool, overwrite: bool,
+    path: str,
+    plan: Plan,
+    meta: dict,
+    resume: bool,
+    overwrite: bool,
     marker_ok: Callable[[dict, int], bool],
-) -> dict:  # fmt: skip
+) -> dict:
     """Rank 0: check, lock and start (or, with ``resume``, reopen) ``path``'s parts folder.
 
     Parameters

@@ -95,8 +95,12 @@ def test_filter_plugins_are_never_loaded(tmp_path):
     # a gzip dataset whose pipeline message is then edited to name filter 40123
     with h5py.File(inp, "w", libver="earliest") as f:
         for n in "qkv":
-            f.create_dataset(n, data=np.full((16, 2, 4), 0.5, np.float32), chunks=(16, 2, 4),
-                             compression="gzip" if n == "q" else None)  # fmt: skip
+            f.create_dataset(
+                n,
+                data=np.full((16, 2, 4), 0.5, np.float32),
+                chunks=(16, 2, 4),
+                compression="gzip" if n == "q" else None,
+            )
     raw = bytearray(inp.read_bytes())
     at = raw.find(b"deflate\0")
     assert at > 8 and raw[at - 8 : at - 6] == (1).to_bytes(2, "little")

@@ -19,9 +19,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"chunks": (4, 2, 8)}, {"chunks": (3, 1, 8), "compression": "gzip", "shuffle": True},
-     {"compact": True}, {"dtype": "f8"}, {"dtype": "f2", "chunks": True}],
-)  # fmt: skip
+    [
+        {},
+        {"chunks": (4, 2, 8)},
+        {"chunks": (3, 1, 8), "compression": "gzip", "shuffle": True},
+        {"compact": True},
+        {"dtype": "f8"},
+        {"dtype": "f2", "chunks": True},
+    ],
+)
 def test_lite_dataset_reads_what_h5py_reads(tmp_path, kw):
     p = str(tmp_path / "x.h5")
     kw = dict(kw)
@@ -43,7 +49,13 @@ def test_lite_dataset_reads_what_h5py_reads(tmp_path, kw):
         gid = h5py.h5g.open(f.id, b"seq")
         lite = inputs.lite_dataset(p, gid, "seq", "q", 3, 1 << 40)
         assert (lite.name, lite.shape, lite.ndim, lite.dtype, lite.chunks, lite.size) == (
-            ds.name, ds.shape, ds.ndim, ds.dtype, ds.chunks, ds.size)  # fmt: skip
+            ds.name,
+            ds.shape,
+            ds.ndim,
+            ds.dtype,
+            ds.chunks,
+            ds.size,
+        )
         assert lite.dtype_name == ds.dtype.name
         for check in (trust.check_layout, trust.check_written):
             assert check(lite) == check(ds) == ""
@@ -58,9 +70,14 @@ def test_lite_dataset_refuses_like_dataset(tmp_path):
         g.create_group("grp")
         g["dangling"] = h5py.SoftLink("/nowhere")
         g.create_dataset("hole", (4, 2, 8), "f4")  # never written
-    cases = {"i": "has dtype int32", "flat": "expected 3 dimensions", "grp": "is not a dataset",
-             "dangling": "missing dataset", "missing": "missing dataset",
-             "hole": "bytes written"}  # fmt: skip
+    cases = {
+        "i": "has dtype int32",
+        "flat": "expected 3 dimensions",
+        "grp": "is not a dataset",
+        "dangling": "missing dataset",
+        "missing": "missing dataset",
+        "hole": "bytes written",
+    }
     with h5py.File(p, "r") as f:
         gid = h5py.h5g.open(f.id, b"seq")
         for name, words in cases.items():
@@ -74,9 +91,12 @@ def test_lite_dataset_refuses_like_dataset(tmp_path):
 def test_metadata_bench_prints_both_ratios(tmp_path):
     js = tmp_path / "m.json"
     script = str(ROOT / "benchmarks" / "metadata_bench.py")
-    r = subprocess.run([sys.executable, script, "--sequences",
-                        "30", "--repeat", "1", "--json", str(js)], capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, script, "--sequences", "30", "--repeat", "1", "--json", str(js)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "plan scan" in r.stdout and "vds index" in r.stdout
     m = json.loads(js.read_text())

@@ -92,9 +92,16 @@ def test_scan_structures(tmp_path, kind):
 @pytest.mark.parametrize("strided", ["hyperslab", "blocks", "auto"])
 def test_reader_reads_exactly_each_ranks_tokens(tmp_path, layout, strided):
     paths = make_data(
-        str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D, shards=3,
-        sequences=2, batch_axis=True, compression="gzip",
-    )  # fmt: skip
+        str(tmp_path / "in.h5"),
+        seq_len=S,
+        heads=H,
+        kv_heads=HKV,
+        head_dim=D,
+        shards=3,
+        sequences=2,
+        batch_axis=True,
+        compression="gzip",
+    )
     plan = scan(paths)
     for size in (1, 2, 3, 5):
         for b, seq in enumerate(plan.sequences):

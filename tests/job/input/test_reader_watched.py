@@ -42,13 +42,29 @@ def _data(d: Path) -> Path:
 
 def _job(tmp_path: Path, ranks: int, env: dict) -> subprocess.Popen:
     inp = _data(tmp_path)
-    cmd = [PY, "-m", "mpi4py", "-m", "ringmpi", "run", str(inp), "-o", str(tmp_path / "out.h5"),
-           "--quiet"]  # fmt: skip
+    cmd = [
+        PY,
+        "-m",
+        "mpi4py",
+        "-m",
+        "ringmpi",
+        "run",
+        str(inp),
+        "-o",
+        str(tmp_path / "out.h5"),
+        "--quiet",
+    ]
     if ranks > 1:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
     full = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple:
@@ -297,7 +313,8 @@ def test_abandoned_reads_never_keep_the_process(mode, grace, then, rc, out):
     """A stuck read: exit with the code at interpreter exit, or after the grace if the main
     thread is stuck on h5py's lock itself; a read that finished: a normal exit."""
     t0 = time.monotonic()
-    proc = subprocess.run([PY, "-c", _ABANDON, mode, grace, then], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [PY, "-c", _ABANDON, mode, grace, then], capture_output=True, text=True, timeout=60
+    )
     assert (proc.returncode, proc.stdout.strip()) == (rc, out), proc.stderr
     assert time.monotonic() - t0 < 20

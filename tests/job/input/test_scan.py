@@ -36,8 +36,9 @@ def test_shares_merge_to_the_whole_scan(tmp_path, kind, n):
 def test_a_bad_group_in_any_share_fails(tmp_path):
     import h5py
 
-    files = make_data(str(tmp_path / "g.h5"), sequences=4, seq_len=16, heads=2, kv_heads=1,
-                      head_dim=8)  # fmt: skip
+    files = make_data(
+        str(tmp_path / "g.h5"), sequences=4, seq_len=16, heads=2, kv_heads=1, head_dim=8
+    )
     with h5py.File(files[0], "a") as f:
         del f["seq003"]["k"]
     _scan_files(files, (0, 2))  # seq000, seq002: fine
@@ -49,8 +50,9 @@ def _with_link(tmp_path, where: str):
     """Five groups, plus a group without data, and an external link at ``where``."""
     import h5py
 
-    files = make_data(str(tmp_path / "g.h5"), sequences=5, seq_len=16, heads=2, kv_heads=1,
-                      head_dim=8)  # fmt: skip
+    files = make_data(
+        str(tmp_path / "g.h5"), sequences=5, seq_len=16, heads=2, kv_heads=1, head_dim=8
+    )
     with h5py.File(files[0], "a") as f:
         f.create_group("notes/deeper")
         if where in f:
@@ -59,8 +61,9 @@ def _with_link(tmp_path, where: str):
     return files
 
 
-@pytest.mark.parametrize("where", ["seq003/extra", "seq000/extra", "notes/deeper/x", "notes/y",
-                                   "zzz", "seq004/q"])  # fmt: skip
+@pytest.mark.parametrize(
+    "where", ["seq003/extra", "seq000/extra", "notes/deeper/x", "notes/y", "zzz", "seq004/q"]
+)
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_an_external_link_anywhere_is_refused_by_some_share_and_followed_by_none(
     tmp_path, where, n
@@ -83,8 +86,9 @@ def test_an_external_link_anywhere_is_refused_by_some_share_and_followed_by_none
 def test_the_link_limit_applies_to_the_shares_together(tmp_path, monkeypatch):
     from ringmpi.job.input import files as trust
 
-    files = make_data(str(tmp_path / "g.h5"), sequences=6, seq_len=16, heads=2, kv_heads=1,
-                      head_dim=8)  # fmt: skip
+    files = make_data(
+        str(tmp_path / "g.h5"), sequences=6, seq_len=16, heads=2, kv_heads=1, head_dim=8
+    )
     shares = [_scan_files(files, (r, 2)) for r in range(2)]
     total = sum(s[0]["links"] for s in shares)  # root entries twice, groups' links once
     monkeypatch.setattr(trust, "MAX_LINKS", total - 1)
@@ -101,8 +105,9 @@ def test_a_file_the_shares_walked_is_not_walked_again_until_it_changes(tmp_path,
     from ringmpi.job.input import files as inputs
     from ringmpi.job.input import files as trust
 
-    files = make_data(str(tmp_path / "g.h5"), sequences=4, seq_len=16, heads=2, kv_heads=1,
-                      head_dim=8)  # fmt: skip
+    files = make_data(
+        str(tmp_path / "g.h5"), sequences=4, seq_len=16, heads=2, kv_heads=1, head_dim=8
+    )
     merged = _merge([_scan_files(files, (r, 2)) for r in range(2)], files)
     assert merged[0]["identity"] is not None
     walks = []

@@ -17,8 +17,17 @@ H, HKV, D, F, S = 4, 2, 16, 24, 300
 
 
 def _features(tmp_path, bias=True, dtype="float64"):
-    x, w = make_data(str(tmp_path / "x.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D,
-                     features=F, bias=bias, dtype=dtype, seed=3)  # fmt: skip
+    x, w = make_data(
+        str(tmp_path / "x.h5"),
+        seq_len=S,
+        heads=H,
+        kv_heads=HKV,
+        head_dim=D,
+        features=F,
+        bias=bias,
+        dtype=dtype,
+        seed=3,
+    )
     return x, w
 
 
@@ -60,8 +69,17 @@ def test_job_and_verify_use_the_biases(tmp_path):
 def test_verify_fails_an_output_made_without_the_biases(tmp_path):
     x, w = _features(tmp_path)
     out = str(tmp_path / "out.h5")
-    x0, w0 = make_data(str(tmp_path / "x0.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D,
-                       features=F, bias=False, dtype="float64", seed=3)  # fmt: skip
+    x0, w0 = make_data(
+        str(tmp_path / "x0.h5"),
+        seq_len=S,
+        heads=H,
+        kv_heads=HKV,
+        head_dim=D,
+        features=F,
+        bias=False,
+        dtype="float64",
+        seed=3,
+    )
     run([x0], out, weights=w0, causal=True, quiet=True, output_mode="parts")  # no biases
     res = verify(out, [x], w, max_tokens=S)  # checked against the weights with biases
     assert res["status"] == "failed"
@@ -79,8 +97,11 @@ def _arrays(rng, f=F, torch=False, bias=True):
     shapes = {"wq": (f, H * D), "wk": (f, HKV * D), "wv": (f, HKV * D)}
     out = {n: rng.standard_normal(s[::-1] if torch else s) for n, s in shapes.items()}
     if bias:
-        out.update(bq=rng.standard_normal(H * D), bk=rng.standard_normal(HKV * D),
-                   bv=rng.standard_normal(HKV * D))  # fmt: skip
+        out.update(
+            bq=rng.standard_normal(H * D),
+            bk=rng.standard_normal(HKV * D),
+            bv=rng.standard_normal(HKV * D),
+        )
     return out
 
 

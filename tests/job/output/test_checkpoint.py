@@ -20,8 +20,15 @@ def _state(rng, dtype=np.float32, b=1, h=3, s=40, d=8):
 
 
 def _expect(state, **kw):
-    e = dict(sequence=3, name="seq3", rank=1, ring_size=4, run=C.run_digest(META),
-             shapes=[list(x.shape) for x in state], dtype=str(state[0].dtype))  # fmt: skip
+    e = dict(
+        sequence=3,
+        name="seq3",
+        rank=1,
+        ring_size=4,
+        run=C.run_digest(META),
+        shapes=[list(x.shape) for x in state],
+        dtype=str(state[0].dtype),
+    )
     e.update(kw)
     return e
 
@@ -66,10 +73,15 @@ def test_damaged_and_foreign_files_are_refused(tmp_path):
         assert got is None and why in msg, (what, msg)
     # a valid file made for something else: another run, sequence, rank, ring size, shape
     other = dict(META, causal=False)
-    for key, val in (("run", C.run_digest(other)), ("sequence", 4), ("name", "seq4"),
-                     ("rank", 0), ("ring_size", 8),
-                     ("shapes", [[1, 3, 41, 8], [1, 3, 41], [1, 3, 41]]),
-                     ("dtype", "float64")):  # fmt: skip
+    for key, val in (
+        ("run", C.run_digest(other)),
+        ("sequence", 4),
+        ("name", "seq4"),
+        ("rank", 0),
+        ("ring_size", 8),
+        ("shapes", [[1, 3, 41, 8], [1, 3, 41], [1, 3, 41]]),
+        ("dtype", "float64"),
+    ):
         got, msg = C.load(str(p), _expect(st, **{key: val}))
         assert got is None and f"{key} differs" in msg, (key, msg)
     assert C.load(str(tmp_path / "absent.ckpt"), _expect(st)) == (None, None)
@@ -114,8 +126,9 @@ def _ckpts(tmp_path, every=1e-9, resume=False, todo=(3,), rank=1, size=4, finish
         def Barrier(self):
             pass
 
-    return C.Checkpoints(str(tmp_path), FakeRing(), META, every, resume, todo=list(todo),
-                         finished=finished)  # fmt: skip
+    return C.Checkpoints(
+        str(tmp_path), FakeRing(), META, every, resume, todo=list(todo), finished=finished
+    )
 
 
 def test_saves_alternate_slots_and_resume_takes_the_latest(tmp_path, capsys):
@@ -135,8 +148,9 @@ def test_saves_alternate_slots_and_resume_takes_the_latest(tmp_path, capsys):
     got = again.start(3, "seq3", shapes, dt)
     assert got[0] == 3 and all(a.tobytes() == b.tobytes() for a, b in zip(got[1:], states[3]))
     # the next save goes to the other slot: the one resumed from stays until it is replaced
-    slot_of_3 = [s for s in (0, 1) if C.load(str(tmp_path / C.ckpt_name(3, 1, s)),
-                                                again.expect)[0][0] == 3][0]  # fmt: skip
+    slot_of_3 = [
+        s for s in (0, 1) if C.load(str(tmp_path / C.ckpt_name(3, 1, s)), again.expect)[0][0] == 3
+    ][0]
     again.on_state(3, *states[3])
     assert C.load(str(tmp_path / C.ckpt_name(3, 1, slot_of_3)), again.expect)[0][0] == 3
     again.finish(3)

@@ -34,8 +34,9 @@ RESUME = "resuming at ring step {s}/4 from a checkpoint"
 def job(tmp_path_factory):
     """The input, an uninterrupted run's digests and the run arguments."""
     d = tmp_path_factory.mktemp("ckpt")
-    inp = make_data(str(d / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D,
-                    values="realistic", seed=11)  # fmt: skip
+    inp = make_data(
+        str(d / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D, values="realistic", seed=11
+    )
     os.mkdir(d / "want")
     out = str(d / "want" / "out.h5")
     args = ["run", *inp, "--causal", "--layout", "zigzag", "--device", "cpu"]
@@ -61,8 +62,17 @@ def _killed(job, name: str, step: int = 2, extra=()) -> str:
     """A run killed after ring step ``step`` of its one sequence, checkpointing every step."""
     os.mkdir(job["dir"] / name)
     out = str(job["dir"] / name / "out.h5")  # the same name as the reference run's
-    rc, _, se, _ = launch(P, *job["args"], "-o", out, "--checkpoint-every", "1e-9", "--quiet",
-                          *extra, env={"RINGMPI_TEST_KILL_AT_STEP": f"0:{step}"})  # fmt: skip
+    rc, _, se, _ = launch(
+        P,
+        *job["args"],
+        "-o",
+        out,
+        "--checkpoint-every",
+        "1e-9",
+        "--quiet",
+        *extra,
+        env={"RINGMPI_TEST_KILL_AT_STEP": f"0:{step}"},
+    )
     assert rc != 0, se
     assert not os.path.exists(out)
     names = sorted(os.path.basename(p) for p in glob.glob(out + ".parts/*.ckpt"))
@@ -73,8 +83,17 @@ def _killed(job, name: str, step: int = 2, extra=()) -> str:
 
 def _resume(job, out: str) -> tuple:
     summary = out + ".json"
-    rc, so, se, _ = launch(P, *job["args"], "-o", out, "--checkpoint-every", "1e-9", "--resume",
-                           "--summary-json", summary)  # fmt: skip
+    rc, so, se, _ = launch(
+        P,
+        *job["args"],
+        "-o",
+        out,
+        "--checkpoint-every",
+        "1e-9",
+        "--resume",
+        "--summary-json",
+        summary,
+    )
     assert rc == 0, se
     with open(summary) as fh:
         timing = json.load(fh)["timings"]
@@ -133,8 +152,16 @@ def test_damaged_and_foreign_checkpoints_are_recomputed(job):
 
 def test_two_rings_resume_their_own_sequences(tmp_path):
     """--ring-size 2 on 4 ranks: the ring of sequence 0 is killed after step 1 of 2 and resumes."""
-    inp = make_data(str(tmp_path / "in.h5"), seq_len=601, heads=H, kv_heads=HKV, head_dim=D,
-                    sequences=2, values="realistic", seed=12)  # fmt: skip
+    inp = make_data(
+        str(tmp_path / "in.h5"),
+        seq_len=601,
+        heads=H,
+        kv_heads=HKV,
+        head_dim=D,
+        sequences=2,
+        values="realistic",
+        seed=12,
+    )
     args = ["run", *inp, "--causal", "--device", "cpu", "--ring-size", "2"]
     outs = {}
     for name in ("want", "killed"):
@@ -143,8 +170,9 @@ def test_two_rings_resume_their_own_sequences(tmp_path):
     rc, _, se, _ = launch(P, *args, "-o", outs["want"], "--quiet")
     assert rc == 0, se
     env = {"RINGMPI_TEST_KILL_AT_STEP": "0:1"}
-    rc, _, se, _ = launch(P, *args, "-o", outs["killed"], "--checkpoint-every", "1e-9",
-                          "--quiet", env=env)  # fmt: skip
+    rc, _, se, _ = launch(
+        P, *args, "-o", outs["killed"], "--checkpoint-every", "1e-9", "--quiet", env=env
+    )
     assert rc != 0, se
     held = glob.glob(outs["killed"] + ".parts/s000000.r*.c0.ckpt")
     assert sorted(os.path.basename(p) for p in held) == [C.ckpt_name(0, r, 0) for r in (0, 1)]
@@ -159,8 +187,15 @@ def test_sigterm_mid_sequence_then_resume(job):
     """SIGTERM to every rank after step 3 of 4 (a wall-time limit): exit 143, then resume at 3/4."""
     os.mkdir(job["dir"] / "term")
     out = str(job["dir"] / "term" / "out.h5")
-    rc, _, se, _ = launch(P, *job["args"], "-o", out, "--checkpoint-every", "1e-9",
-                          env={"RINGMPI_TEST_KILL_AT_STEP": "0:3:TERM"})  # fmt: skip
+    rc, _, se, _ = launch(
+        P,
+        *job["args"],
+        "-o",
+        out,
+        "--checkpoint-every",
+        "1e-9",
+        env={"RINGMPI_TEST_KILL_AT_STEP": "0:3:TERM"},
+    )
     assert rc == 143, se
     assert "interrupted (SIGTERM) at sequence 1/1" in se, se
     assert not os.path.exists(out)

@@ -27,8 +27,14 @@ def _arrays(n: int, dtype, h: int = 3, d: int = 5, seed: int = 0) -> dict:
     return {"out": out, "lse": lse, "pos": np.arange(7, 7 + n, dtype=np.int64)}
 
 
-ATTRS = {"sequence": "seq00001", "rank": 2, "nranks": 3, "layout": "zigzag",
-         "sequences": ["seq00001", "seq00002"], "rows": np.array([0, 4, 9])}  # fmt: skip
+ATTRS = {
+    "sequence": "seq00001",
+    "rank": 2,
+    "nranks": 3,
+    "layout": "zigzag",
+    "sequences": ["seq00001", "seq00002"],
+    "rows": np.array([0, 4, 9]),
+}
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

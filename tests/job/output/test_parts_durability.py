@@ -18,8 +18,9 @@ S, H, HKV, D = 16, 2, 1, 8
 
 
 def _store(tmp_path, n=3):
-    paths = make_data(str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D,
-                      sequences=n)  # fmt: skip
+    paths = make_data(
+        str(tmp_path / "in.h5"), seq_len=S, heads=H, kv_heads=HKV, head_dim=D, sequences=n
+    )
     plan = scan(paths)
     meta = fingerprint(plan, "zigzag", True, None, 1)
     st = OutputStore(str(tmp_path / "out.h5"), None, plan, meta)
@@ -56,9 +57,16 @@ def test_batches_are_synced_together_and_before_the_output(tmp_path, monkeypatch
     assert synced == [] and len(st.unsynced) == 6  # 3 parts + 3 markers, none synced yet
     st.finish()
     # every part and marker, then the folder, before the output was written
-    assert sorted(synced[:6]) == sorted(["s000000.r00000.h5", "s000001.r00000.h5",
-                                         "s000002.r00000.h5", "s000000.done", "s000001.done",
-                                         "s000002.done"])  # fmt: skip
+    assert sorted(synced[:6]) == sorted(
+        [
+            "s000000.r00000.h5",
+            "s000001.r00000.h5",
+            "s000002.r00000.h5",
+            "s000000.done",
+            "s000001.done",
+            "s000002.done",
+        ]
+    )
     assert synced[6] == "out.h5.parts" and st.unsynced == []
     with h5py.File(st.path, "r") as f:
         for i, (o, lse) in enumerate(outs):
@@ -118,8 +126,11 @@ def test_keep_freed_sets_and_restores_malloc(monkeypatch):
     assert calls == [(heap._M_TRIM_THRESHOLD, 2**31 - 1), (heap._M_MMAP_MAX, 0)]
     keep.restore()
     assert not keep.active
-    assert calls[2:] == [(heap._M_MMAP_MAX, 65536), (heap._M_TRIM_THRESHOLD, 128 * 1024),
-                         ("trim", 0)]  # fmt: skip
+    assert calls[2:] == [
+        (heap._M_MMAP_MAX, 65536),
+        (heap._M_TRIM_THRESHOLD, 128 * 1024),
+        ("trim", 0),
+    ]
     keep.restore()  # twice: nothing more
     assert len(calls) == 5
 

@@ -52,8 +52,11 @@ def _mpio() -> tuple:
     )
     res = subprocess.run(
         [F.MPIEXEC, "-n", "1", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=120, env=F._env(None),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=F._env(None),
+    )
     for ln in res.stdout.splitlines():
         if ln.startswith("MPIO "):
             return ln[5] == "1", ln[7:]
@@ -107,16 +110,31 @@ def _run(p, inp, out, *extra, env=None):
 
 
 def _inputs(tmp, batch: bool, seqs: int = 3, seq_len: int = 203):
-    return make_data(str(tmp / "in.h5"), seq_len=seq_len, heads=4, kv_heads=2, head_dim=16,
-                     sequences=seqs, batch_axis=batch, seed=5)  # fmt: skip
+    return make_data(
+        str(tmp / "in.h5"),
+        seq_len=seq_len,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        sequences=seqs,
+        batch_axis=batch,
+        seed=5,
+    )
 
 
-CASES = [(2, "zigzag", False), (3, "zigzag", True), (2, "striped", True), (3, "striped", False),
-         (2, "contiguous", False), (3, "contiguous", True)]  # fmt: skip
+CASES = [
+    (2, "zigzag", False),
+    (3, "zigzag", True),
+    (2, "striped", True),
+    (3, "striped", False),
+    (2, "contiguous", False),
+    (3, "contiguous", True),
+]
 
 
-@pytest.mark.parametrize("p,layout,batch", CASES, ids=[f"P{p}-{lay}-{'batch' if b else 'groups'}"
-                                                        for p, lay, b in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    "p,layout,batch", CASES, ids=[f"P{p}-{lay}-{'batch' if b else 'groups'}" for p, lay, b in CASES]
+)
 def test_single_equals_parts(mpio, tmp_path, p, layout, batch):
     inp = _inputs(tmp_path, batch)
     common = ["--layout", layout, "--causal"]
@@ -197,8 +215,16 @@ def test_single_resume_after_kill(mpio, tmp_path, p, how):
     done = sorted(x.name for x in partsdir.glob("*.done"))
     assert done == ["s000000.done", "s000001.done"], done
     assert (partsdir / "single.h5.tmp").exists()
-    res = _run(p, inp, out, "--output-mode", "single", "--resume", "--summary-json",
-               str(tmp_path / "s.json"))  # fmt: skip
+    res = _run(
+        p,
+        inp,
+        out,
+        "--output-mode",
+        "single",
+        "--resume",
+        "--summary-json",
+        str(tmp_path / "s.json"),
+    )
     assert res.rc == 0, res.err
     import json
 
@@ -226,8 +252,16 @@ def test_single_damaged_marked_sequence_is_rewritten(mpio, tmp_path):
     with open(tmp, "r+b") as fh:
         fh.seek(off + 4 * 17)
         fh.write(b"\x00\x00\xc0\x7f")  # a NaN in rank 0's first run of sequence 0
-    res = _run(2, inp, out, "--output-mode", "single", "--resume", "--summary-json",
-               str(tmp_path / "s.json"))  # fmt: skip
+    res = _run(
+        2,
+        inp,
+        out,
+        "--output-mode",
+        "single",
+        "--resume",
+        "--summary-json",
+        str(tmp_path / "s.json"),
+    )
     assert res.rc == 0, res.err
     import json
 
@@ -291,12 +325,24 @@ def test_single_on_a_full_disk_aborts_without_hanging(mpio, tmp_path, compress):
     """A write that fails on one rank inside a collective HDF5 call (the others wait in it):
     one line, non-zero exit in seconds, nothing under the final name. RLIMIT_FSIZE stands
     in for the full disk (EFBIG instead of ENOSPC); the output is ~1.3 MiB, the limit 256 KiB."""
-    inp = make_data(str(tmp_path / "in.h5"), seq_len=1024, heads=4, kv_heads=2, head_dim=32,
-                    sequences=5, seed=2)  # fmt: skip
+    inp = make_data(
+        str(tmp_path / "in.h5"), seq_len=1024, heads=4, kv_heads=2, head_dim=32, sequences=5, seed=2
+    )
     out = tmp_path / "out.h5"
     extra = ["--compress", compress] if compress else []
-    res = F.run_cli(2, "run", *inp, "-o", str(out), "--quiet", "--output-mode", "single", *extra,
-                    timeout=120, fsize=256 << 10)  # fmt: skip
+    res = F.run_cli(
+        2,
+        "run",
+        *inp,
+        "-o",
+        str(out),
+        "--quiet",
+        "--output-mode",
+        "single",
+        *extra,
+        timeout=120,
+        fsize=256 << 10,
+    )
     assert not res.hang, f"hang: {res.err[-2000:]}"
     assert res.rc != 0 and res.secs < 60, (res.rc, res.secs, res.err[-2000:])
     assert "ringmpi: error on rank" in res.err and "aborting the job" in res.err, res.err[-2000:]

@@ -36,9 +36,25 @@ STANDIN = True  # ringmpi's tests check this: results from here are not from a G
 
 inf, nan, pi, e, newaxis = _np.inf, _np.nan, _np.pi, _np.e, _np.newaxis
 bool_ = _np.bool_
-for _n in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-           "float16", "float32", "float64", "complex64", "complex128", "dtype", "finfo",
-           "iinfo", "intp"):  # fmt: skip
+for _n in (
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "dtype",
+    "finfo",
+    "iinfo",
+    "intp",
+):
     globals()[_n] = getattr(_np, _n)
 
 _UPLOADS = ("asarray", "array", "ascontiguousarray", "asanyarray")
@@ -73,8 +89,18 @@ def get_default_pinned_memory_pool():
     return _POOL
 
 
-__all__ = ["ndarray", "asnumpy", "get_array_module", "cuda", "random", "RawKernel",
-           "RawModule", "register", "launches", "STANDIN"]  # fmt: skip
+__all__ = [
+    "ndarray",
+    "asnumpy",
+    "get_array_module",
+    "cuda",
+    "random",
+    "RawKernel",
+    "RawModule",
+    "register",
+    "launches",
+    "STANDIN",
+]
 del _n
 
 
@@ -87,8 +113,9 @@ def _register_standin_kernels() -> None:
 
     if os.environ.get("CUPY_STANDIN_KERNELS") != "1":
         return
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-                        "standin_kernels.py")  # fmt: skip
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "standin_kernels.py"
+    )
     spec = importlib.util.spec_from_file_location("ringmpi_standin_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod

@@ -129,8 +129,13 @@ class ndarray:
                 "RINGMPI_CUDA_AWARE is not 1 (a staged ring must send host buffers)"
             )
         a = self._a
-        return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
-                "strides": None if a.flags.c_contiguous else a.strides, "version": 3}  # fmt: skip
+        return {
+            "shape": a.shape,
+            "typestr": a.dtype.str,
+            "data": (a.ctypes.data, False),
+            "strides": None if a.flags.c_contiguous else a.strides,
+            "version": 3,
+        }
 
     @property
     def data(self) -> MemoryPointer:
@@ -200,13 +205,26 @@ class ndarray:
 
 def _make_ops():
     binary = {
-        "add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
-        "floordiv": np.floor_divide, "mod": np.remainder, "pow": np.power,
-        "matmul": np.matmul, "and": np.bitwise_and, "or": np.bitwise_or,
-        "xor": np.bitwise_xor, "lshift": np.left_shift, "rshift": np.right_shift,
-        "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
-        "eq": np.equal, "ne": np.not_equal,
-    }  # fmt: skip
+        "add": np.add,
+        "sub": np.subtract,
+        "mul": np.multiply,
+        "truediv": np.true_divide,
+        "floordiv": np.floor_divide,
+        "mod": np.remainder,
+        "pow": np.power,
+        "matmul": np.matmul,
+        "and": np.bitwise_and,
+        "or": np.bitwise_or,
+        "xor": np.bitwise_xor,
+        "lshift": np.left_shift,
+        "rshift": np.right_shift,
+        "lt": np.less,
+        "le": np.less_equal,
+        "gt": np.greater,
+        "ge": np.greater_equal,
+        "eq": np.equal,
+        "ne": np.not_equal,
+    }
     for name, uf in binary.items():
 
         def fwd(self, other, uf=uf):
@@ -223,8 +241,12 @@ def _make_ops():
         if name not in ("lt", "le", "gt", "ge", "eq", "ne"):
             setattr(ndarray, f"__r{name}__", rev)
             setattr(ndarray, f"__i{name}__", inplace)
-    for name, uf in {"neg": np.negative, "pos": np.positive, "abs": np.absolute,
-                     "invert": np.invert}.items():  # fmt: skip
+    for name, uf in {
+        "neg": np.negative,
+        "pos": np.positive,
+        "abs": np.absolute,
+        "invert": np.invert,
+    }.items():
         setattr(ndarray, f"__{name}__", lambda self, uf=uf: uf(self))
 
 

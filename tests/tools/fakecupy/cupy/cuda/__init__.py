@@ -16,8 +16,17 @@ import time
 from .._core import MemoryPointer
 from . import runtime
 
-__all__ = ["Device", "Stream", "Event", "get_current_stream", "get_elapsed_time",
-           "alloc_pinned_memory", "PinnedMemoryPointer", "MemoryPointer", "runtime"]  # fmt: skip
+__all__ = [
+    "Device",
+    "Stream",
+    "Event",
+    "get_current_stream",
+    "get_elapsed_time",
+    "alloc_pinned_memory",
+    "PinnedMemoryPointer",
+    "MemoryPointer",
+    "runtime",
+]
 
 _current_device = [0]
 pinned_allocations = [0]  # how many pinned buffers were allocated (tests count them)
@@ -116,8 +125,9 @@ def get_current_stream(device_id=None) -> Stream:
 class Event:
     """An event on a stand-in stream: complete once the work before it ran."""
 
-    def __init__(self, block: bool = False, disable_timing: bool = False,
-                 interprocess: bool = False):  # fmt: skip
+    def __init__(
+        self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
+    ):
         self.stream = None
         self.seq = 0
         self.queries = 0

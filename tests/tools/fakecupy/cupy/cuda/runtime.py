@@ -5,9 +5,20 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["CUDARuntimeError", "getDeviceCount", "getDeviceProperties", "runtimeGetVersion",
-           "memcpyAsync", "deviceSynchronize", "memcpyHostToDevice", "memcpyDeviceToHost",
-           "memcpyDeviceToDevice", "memcpyHostToHost", "memcpyDefault", "PROPS"]  # fmt: skip
+__all__ = [
+    "CUDARuntimeError",
+    "getDeviceCount",
+    "getDeviceProperties",
+    "runtimeGetVersion",
+    "memcpyAsync",
+    "deviceSynchronize",
+    "memcpyHostToDevice",
+    "memcpyDeviceToHost",
+    "memcpyDeviceToDevice",
+    "memcpyHostToHost",
+    "memcpyDefault",
+    "PROPS",
+]
 
 memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost = 0, 1, 2
 memcpyDeviceToDevice, memcpyDefault = 3, 4
