@@ -5,7 +5,7 @@
 // The score-modifier math (the slots, RingMods, ring_mods_load, ring_modify,
 // ring_modify_d and the softcap / ALiBi helpers under them) is RING_HD: __host__
 // __device__ under nvcc / NVRTC, plain inline C++ under a host compiler, so
-// tests/test_gpu_header.py compiles it with g++ and checks it against numpy (the
+// tests/gpu/test_header.py compiles it with g++ and checks it against numpy (the
 // only part of the CUDA arithmetic that runs without a GPU). Everything else here
 // is device code, compiled only by nvcc / NVRTC.
 //

@@ -126,7 +126,7 @@ def verify(
         Query rows per head checked in a longer sequence (0: skip those). The
         default, :func:`default_sample_rows`, is S / 128 within [256, 2048]: the
         check then costs a fixed share of the run's work (~2 x rows / S of its
-        flops, in numpy; measured at S = 65,536, H = 12, P = 2: see docs/batch-job.md).
+        flops, in numpy; measured at S = 65,536, H = 12, P = 2: see docs/performance.md).
     seed : int
         Seed of the row sample.
     quiet : bool

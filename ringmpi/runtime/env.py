@@ -162,7 +162,7 @@ _VARS = [
         "30",
         _seconds,
         "`ringmpi run` fsyncs its part files and markers at most this often (and before the "
-        "output is renamed into place); `0`: after every batch (docs/job.md: what a crash "
+        "output is renamed into place); `0`: after every batch (docs/batch-job.md: what a crash "
         "can lose)",
     ),
     Var(
