@@ -21,7 +21,14 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["visible_pairs", "FORWARD_PER_PAIR", "BACKWARD_PER_PAIR", "flops", "kv_bytes"]
+__all__ = [
+    "visible_pairs",
+    "mask_pairs",
+    "FORWARD_PER_PAIR",
+    "BACKWARD_PER_PAIR",
+    "flops",
+    "kv_bytes",
+]
 
 FORWARD_PER_PAIR = 4  # x D per query head: s = q.k (2 D) and acc += p v (2 D)
 BACKWARD_PER_PAIR = 10  # x D per query head: s, dP = dO.v, dV, dQ, dK (2 D each)
@@ -53,6 +60,22 @@ def visible_pairs(
     lo, hi = (np.asarray(b, dtype=np.int64) for b in bounds)
     n = np.searchsorted(ks, hi, side="right") - np.searchsorted(ks, lo, side="left")
     return int(np.maximum(n, 0).sum())
+
+
+def mask_pairs(mask, block: int = 1 << 20) -> int:
+    """Number of (query, key) pairs a whole :class:`ringmpi.mask.Mask` leaves visible.
+
+    O(nq) time and memory per ``block`` query rows: the count of a whole sequence
+    (what :func:`visible_pairs` gives summed over every tile call of a ring).
+    """
+    if mask.plain:
+        n = mask.nq
+        return n * (n + 1) // 2 if mask.causal else n * n
+    total = 0
+    for a in range(0, mask.nq, block):
+        lo, hi = mask.bounds(np.arange(a, min(mask.nq, a + block), dtype=np.int64))
+        total += int(np.maximum(hi - lo + 1, 0).sum())
+    return total
 
 
 def flops(pairs: float, d: int, heads: int, batch: int = 1, backward: bool = False) -> float:

@@ -30,6 +30,21 @@ def test_visible_pairs_counts_the_dense_mask(causal, kw):
     assert cost.visible_pairs(q_pos[:0], k_pos, causal) == 0
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "nk, kw",
+    [(260, {}), (260, dict(window=(20, 5))), (260, dict(cu_seqlens=CU, window=(30, -1))),
+     (300, {}), (300, dict(cu_seqlens=CU, cu_seqlens_k=np.array([0, 50, 51, 230, 300])))],
+)  # fmt: skip
+def test_mask_pairs_counts_the_whole_dense_mask(causal, nk, kw):
+    """cost.mask_pairs (the job's count of a whole sequence) equals the dense count,
+    in one block and in blocks of 7 query rows; self-, cross-, packed attention."""
+    mask = make_mask(260, nk, causal, **kw)
+    want = _dense_pairs(mask, np.arange(260), np.arange(nk))
+    assert want > 0
+    assert cost.mask_pairs(mask) == want and cost.mask_pairs(mask, block=7) == want
+
+
 def test_flops_and_bytes():
     assert cost.flops(10, 64, 8, batch=2) == 4 * 10 * 64 * 8 * 2
     assert cost.flops(10, 64, 8, backward=True) == 10 * 10 * 64 * 8

@@ -18,6 +18,7 @@ from typing import Optional, TextIO
 
 import numpy as np
 
+from .. import cost
 from .output.parts import FORMAT
 from .resources import rank_bytes, resident_bytes, seq_counts
 
@@ -152,24 +153,17 @@ def measure_rate(plan, dev: str) -> float:
     return best
 
 
-def visible_pairs(seq, causal: bool, window=None, block: int = 1 << 20) -> int:
-    """Number of (query, key) pairs the mask leaves visible in ``seq``: O(S_q) time, blocked."""
+def visible_pairs(seq, causal: bool, window=None) -> int:
+    """Number of (query, key) pairs the mask leaves visible in sequence ``seq`` of a plan."""
     from ..mask import make_mask
 
     mask = make_mask(seq.length, seq.length_k, causal, window, seq.cu_seqlens, seq.cu_seqlens_k)
-    if mask.plain:
-        n = seq.length
-        return n * (n + 1) // 2 if causal else n * n
-    total = 0
-    for a in range(0, seq.length, block):
-        lo, hi = mask.bounds(np.arange(a, min(seq.length, a + block), dtype=np.int64))
-        total += int(np.maximum(hi - lo + 1, 0).sum())
-    return total
+    return cost.mask_pairs(mask)
 
 
 def _flops(plan, causal: bool, seqs: list, window=None) -> float:
     """Model flops of the sequences: 4 D H per visible (query, key) pair of the mask."""
-    per = 4.0 * plan.head_dim * plan.heads
+    per = float(cost.FORWARD_PER_PAIR * plan.head_dim * plan.heads)
     return sum(per * visible_pairs(s, causal, window) for s in seqs)
 
 

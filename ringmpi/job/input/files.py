@@ -454,10 +454,6 @@ VDS_ENV = "RINGMPI_ALLOW_VDS"
 _plugins_off = False
 
 
-class _Refused(Exception):
-    """Internal: carries the one-line reason to the caller, which names the file."""
-
-
 def disable_plugins() -> None:
     """Remove every HDF5 plugin search path of this process, so no filter plugin is loaded."""
     global _plugins_off
