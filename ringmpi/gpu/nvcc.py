@@ -7,7 +7,7 @@ instantiation the GPU tiles may launch (so nvcc compiles each one), and is compi
 with ``nvcc -arch=<arch> -c -Werror all-warnings``. Needs nvcc (``$NVCC``, ``PATH``,
 ``$CUDA_HOME``/``$CUDA_PATH``, ``/usr/local/cuda*``), no GPU. ``python -m
 ringmpi.gpu.nvcc [sm_90 ...]`` prints the verdict per module; exit 1 on an error or a
-warning.
+warning. A passing verdict is kept for its exact input (:mod:`ringmpi.gpu.verdicts`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Optional
 
+from . import verdicts
 from .nvrtc import sources
 from .sources import OPTIONS, source
 
@@ -58,10 +59,14 @@ def compile_module(files, names: Sequence[str], arch: str, nvcc: str, timeout: i
     nvcc : str
         The nvcc executable.
     """
+    text = source(files) + instantiations(names)
+    digest = verdicts.key("nvcc", _identity(nvcc), text, OPTIONS, arch)
+    if verdicts.load(digest) is not None:
+        return True, ""
     with tempfile.TemporaryDirectory(prefix="ringmpi_nvcc.") as tmp:
         src = os.path.join(tmp, "module.cu")
         with open(src, "x") as f:  # a fresh private directory: O_EXCL
-            f.write(source(files) + instantiations(names))
+            f.write(text)
         cmd = [
             nvcc,
             *OPTIONS,
@@ -75,7 +80,16 @@ def compile_module(files, names: Sequence[str], arch: str, nvcc: str, timeout: i
         ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out = (res.stdout + res.stderr).strip()
-        return res.returncode == 0 and not out, out
+        ok = res.returncode == 0 and not out
+        if ok:
+            verdicts.store(digest, {"arch": arch})
+        return ok, out
+
+
+def _identity(nvcc: str) -> str:
+    """The compiler a verdict depends on: its real path and ``nvcc --version``."""
+    res = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    return f"{os.path.realpath(nvcc)}\n{res.stdout}"
 
 
 def check(archs: Sequence[str] = ARCHS) -> dict:

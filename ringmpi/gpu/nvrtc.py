@@ -260,9 +260,24 @@ def sources() -> dict:
 
 
 def _compile_job(job: tuple) -> CompileResult:
+    """One (arch, file) program: the verdict kept for this exact input, else a compile."""
+    from . import verdicts
+
     arch, files, names = job
     name = files if isinstance(files, str) else "+".join(files)
-    return compile_source(source(files), names, arch, filename=name)
+    code = source(files)
+    ver = ".".join(map(str, version()))
+    digest = verdicts.key("nvrtc", ver, code, OPTIONS, arch, names, name)
+    kept = verdicts.load(digest)
+    if kept is not None:
+        try:
+            return CompileResult(**kept)
+        except TypeError:  # another layout: compile
+            pass
+    res = compile_source(code, names, arch, filename=name)
+    if res.ok:
+        verdicts.store(digest, {k: v for k, v in vars(res).items() if k != "cubin"})
+    return res
 
 
 def _merge(arch: str, parts: list) -> CompileResult:
@@ -279,7 +294,9 @@ def check(archs: Sequence[str] = ARCHS, files: Optional[dict] = None) -> dict:
 
     ``files`` maps kernel file -> name expressions (default :func:`sources`). The
     (arch, file) programs compile concurrently in threads (NVRTC calls release
-    the GIL), and the results of one arch are merged into one CompileResult.
+    the GIL), and the results of one arch are merged into one CompileResult. A
+    program whose exact input passed before is not compiled again: its verdict is
+    read back (:mod:`ringmpi.gpu.verdicts`).
     """
     from concurrent.futures import ThreadPoolExecutor
 

@@ -246,6 +246,14 @@ _VARS = [
     ),
     Var("RINGMPI_SKIP_NVRTC", "0", _flag, "`1` skips the NVRTC compile tests", tests=True),
     Var(
+        "RINGMPI_CHECK_CACHE",
+        "1",
+        _flag,
+        "`0`: the NVRTC and nvcc compile checks compile every kernel again instead of reusing "
+        "the passing verdicts kept for unchanged sources (`checks/` of the kernel cache)",
+        tests=True,
+    ),
+    Var(
         "RINGMPI_REQUIRE_CXX",
         "0",
         _flag,
