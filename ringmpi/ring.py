@@ -46,6 +46,10 @@ ABANDON_S = 2.0
 # transfers that neither completed nor cancelled in time: kept referenced (with their
 # buffers) so MPI never writes into freed memory; MPI_Finalize must not run with them
 _ABANDONED: list = []
+# communicators of abandoned rings, never freed: a peer that stopped at another step may
+# have sent to this ring a message nobody will receive; freed, its context id could go to
+# a later communicator, whose receives would then match that stale message
+KEPT_COMMS: list = []
 
 
 def abandoned() -> int:
@@ -184,13 +188,16 @@ class Ring:
         they get ``ABANDON_S`` seconds: three quarters to complete (a peer that
         stopped in the same step finishes its side), then they are cancelled;
         what is still in flight after that is kept referenced (see
-        :func:`abandoned`) rather than waited for.
+        :func:`abandoned`) rather than waited for. An abandoned ring's communicator
+        is kept, not freed (a peer may have sent it a message no one receives).
         """
-        if abandon and self.requests:
-            settled = settle(self.requests)
+        if abandon:
+            settled = settle(self.requests) if self.requests else True
             self.requests = []
-            if not settled:
-                return  # the communicator stays: its transfers are not finished
+            if settled and self.cart != MPI.COMM_NULL:
+                KEPT_COMMS.append(self.cart)  # not freed: see KEPT_COMMS
+                self.cart = MPI.COMM_NULL
+            return
         self.wait()
         if self.cart != MPI.COMM_NULL:
             self.cart.Free()

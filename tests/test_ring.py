@@ -149,6 +149,13 @@ def test_free_abandon_alone_is_bounded(comm, kind, aware, cupy, monkeypatch):
     assert_all(comm, took < ring_mod.ABANDON_S + 1.0, f"{kind}: free(abandon) took {took:.1f} s")
     assert_all(comm, not ring.requests, f"{kind}: requests kept on the ring")
     comm.Barrier()
+    # rank 0's message to rank 1 was never received: a later ring must not get it
+    for _ in range(3):
+        ring, xp = make(kind, aware, comm, cupy, monkeypatch)
+        got = exchange(ring, xp, comm, 16)
+        ring.free()
+        want = expected((comm.rank - 1) % comm.size, 16)
+        assert_all(comm, np.array_equal(got, want), f"{kind}: a later ring got stale data")
 
 
 def test_staged_ring_waits_for_its_copy(cupy, monkeypatch):

@@ -351,6 +351,15 @@ class GpuRing:
                 _KEEP.append(self._slots)  # MPI may still write into a pinned buffer
                 self._slots = [[None, None, None], [None, None, None]]
                 return  # the communicator stays: its transfers are not finished
+        if abandon:
+            from ..ring import KEPT_COMMS
+
+            self._copy.synchronize()
+            if self._own and self.cart != self._MPI.COMM_NULL:
+                KEPT_COMMS.append(self.cart)  # not freed: see ringmpi.ring.KEPT_COMMS
+                self.cart = self._MPI.COMM_NULL
+            self._slots = [[None, None, None], [None, None, None]]
+            return
         self.wait()
         self._copy.synchronize()
         if self._own and self.cart != self._MPI.COMM_NULL:

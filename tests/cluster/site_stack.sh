@@ -17,6 +17,7 @@
 #                 tile's real-value tests under each OpenBLAS kernel the CPU runs)
 #   SITE_TIMEOUT  seconds per suite (default 1800)
 #   SITE_PYTEST   extra pytest arguments, e.g. "-x" or a test file
+#   SITE_JOBS     pytest-xdist workers of the serial suite (default auto: one per core)
 #   SITE_BLAS     openblas (default) or reference: the libblas.so.3 numpy loads
 # Missing Debian packages are installed with apt-get (root, or sudo without a password).
 set -euo pipefail
@@ -57,12 +58,12 @@ fi
 
 # -- 2. the venv -------------------------------------------------------------------------
 stamp=$VENV/.site-installed
-if [[ ! -f $stamp || setup.cfg -nt $stamp || pyproject.toml -nt $stamp ]]; then
+if [[ ! -f $stamp || setup.cfg -nt $stamp || pyproject.toml -nt $stamp || $0 -nt $stamp ]]; then
   log "building $VENV from $SYSPY"
   [[ -x $VENV/bin/python ]] || "$SYSPY" -m venv --system-site-packages "$VENV"
   "$VENV/bin/python" -m pip install -q --no-deps -e .
   # test tools only; numpy, mpi4py and h5py must stay Debian's (checked below)
-  "$VENV/bin/python" -m pip install -q pytest pytest-mpi pytest-timeout psutil
+  "$VENV/bin/python" -m pip install -q pytest pytest-mpi pytest-timeout pytest-xdist psutil
   touch "$stamp"
 fi
 # the tests start `mpiexec` from beside sys.executable: make that Open MPI's
@@ -135,7 +136,8 @@ run() {  # run NAME CMD...: one suite, timed; its last line goes to the summary
 }
 for stage in $STAGES; do
   case $stage in
-    serial) run "serial" "$PY" -m pytest -q -p no:cacheprovider -rfEs "${EXTRA[@]}" tests ;;
+    serial) run "serial" "$PY" -m pytest -q -p no:cacheprovider -rfEs -n "${SITE_JOBS:-auto}" \
+              "${EXTRA[@]}" tests ;;
     mpi)
       for p in $RANKS; do
         run "multi-rank P=$p" "$OMPI_EXEC" --oversubscribe -n "$p" "$PY" -m mpi4py \
