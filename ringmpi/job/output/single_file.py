@@ -245,15 +245,15 @@ class SingleFileStore(OutputStore):
     def _intact(self, i: int, marker: dict) -> bool:
         """Does this rank's part of marked sequence ``i`` read back with the marker's CRC32?"""
         try:
-            n, crc_pos, crc = marker["ranks"][self.rank]
+            n, crc_pos, crc_data = marker["ranks"][self.rank]
         except (KeyError, IndexError, TypeError, ValueError):
-            n = crc_pos = crc = None
+            n = crc_pos = crc_data = None
         pos = np.sort(self._my_positions(i))
         node, lead = self._where(i)
         with watch(f"reading back sequence {i} collectively"):
             out = collective_io(node["out"], lead, pos, len(lead), None)
             lse = collective_io(node["lse"], lead, pos, len(lead) + 1, None)
-        return n == len(pos) and crc_pos == crc(pos) and crc == crc(out, lse)
+        return n == len(pos) and crc_pos == crc(pos) and crc_data == crc(out, lse)
 
     # -- one sequence ----------------------------------------------------------------------
     def _run_io(self, fn, what: str, *args):
