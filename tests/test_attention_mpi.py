@@ -5,7 +5,7 @@ import pytest
 
 import ringmpi
 from ringmpi.reference import attention
-from ringmpi.testing import assert_all, dense, random_qkv
+from ringmpi.testing import assert_all, dense, once, random_qkv
 
 pytestmark = pytest.mark.mpi
 
@@ -25,7 +25,7 @@ def shapes(size):
 def run_case(comm, rng, n, h, hkv, d, batch, dtype, causal, layout):
     q, k, v = comm.bcast(random_qkv(rng, n, h, hkv, d, batch) if comm.rank == 0 else None)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    ref, ref_lse = attention(q, k, v, causal=causal)
+    ref, ref_lse = once(comm, attention, q, k, v, causal=causal)
     loc = [ringmpi.shard(x, comm, layout) for x in (q, k, v)]
     out, lse = ringmpi.ring_attention(*loc, comm, causal=causal, layout=layout, return_lse=True)
     return q, k, v, ref, ref_lse, loc, out, lse
@@ -56,7 +56,7 @@ def test_matches_reference(comm, layout, causal, dtype, kernel, monkeypatch):
             tol = 1e-12 * max(1.0, np.abs(ref).max())
             ltol = 1e-12 * max(1.0, np.abs(ref_lse).max())
         else:
-            d_out, d_lse = dense(q, k, v, causal)
+            d_out, d_lse = once(comm, dense, q, k, v, causal)
             tol = 2 * np.abs(d_out - ref).max() + 1e-6
             ltol = 2 * np.abs(d_lse - ref_lse).max() + 1e-6
         assert_all(comm, err <= tol, f"{case}: max err {err:.3g} > tol {tol:.3g}")
@@ -71,7 +71,7 @@ def test_float16_computed_in_float32(comm, layout):
     )
     assert_all(comm, out.dtype == np.float16 and lse.dtype == np.float32, "dtypes")
     full = ringmpi.gather(out, 333, comm, layout).astype(np.float64)
-    d_out, _ = dense(q, k, v, True)
+    d_out, _ = once(comm, dense, q, k, v, True)
     # float32 arithmetic, then one rounding to float16 (half an ulp: 2**-11 relative)
     tol = 2 * np.abs(d_out - ref).max() + 1e-6 + 2.0**-11 * np.abs(ref).max()
     err = np.abs(full - ref).max()
@@ -93,13 +93,13 @@ def test_large_logits_stay_finite(comm):
     rng = np.random.default_rng(5)
     q, k, v = comm.bcast(random_qkv(rng, 257, 2, 1, 64, dtype=np.float64))
     q = q * 100
-    ref, ref_lse = attention(q, k, v, causal=True)
+    ref, ref_lse = once(comm, attention, q, k, v, causal=True)
     loc = [ringmpi.shard(x.astype(np.float32), comm) for x in (q, k, v)]
     out, lse = ringmpi.ring_attention(*loc, comm, causal=True, return_lse=True)
     ok = np.isfinite(out).all() and np.isfinite(lse).all()
     assert_all(comm, ok, "non-finite output for logits scaled by 100")
     full = ringmpi.gather(out, 257, comm)
-    d_out, _ = dense(q, k, v, True)
+    d_out, _ = once(comm, dense, q, k, v, True)
     err, tol = np.abs(full - ref).max(), 2 * np.abs(d_out - ref).max() + 1e-6
     assert_all(comm, err <= tol, f"err {err:.3g} > {tol:.3g}")
 

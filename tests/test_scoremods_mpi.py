@@ -19,6 +19,7 @@ from ringmpi.testing import (
     dense,
     dense_backward,
     lse_budget,
+    once,
     raises_everywhere,
     random_qkv,
 )
@@ -63,16 +64,18 @@ def _check(comm, q, k, v, dout, causal, layout, mods, **kw):
     gq = dict(**cut, cu_seqlens=mask.get("cu_seqlens"))
     full = ringmpi.gather(out, nq, comm, layout, **gq)
     full_lse = ringmpi.gather(lse, nq, comm, layout, axis=-1, **gq)
-    ref, ref_lse = attention(q, k, v, causal, **mask, **mods)
+    ref, ref_lse = once(comm, attention, q, k, v, causal, **mask, **mods)
     f32 = q.dtype != np.float64
-    peer = dense(q, k, v, causal, **mask, **mods) if f32 else (None, None)
+    peer = once(comm, dense, q, k, v, causal, **mask, **mods) if f32 else (None, None)
     assert_close(comm, full, ref, peer[0], f"{tag} out")
     assert_close(comm, full_lse, ref_lse, peer[1], f"{tag} lse")
     g = ringmpi.ring_attention_backward(
         dl, ql, kl, vl, out, lse, comm, causal=causal, layout=layout, **kw, **mods
     )
-    want = attention_backward(dout, q, k, v, causal, **mask, **mods)
-    other = dense_backward(dout, q, k, v, causal, **mask, **mods) if f32 else (None,) * 4
+    want = once(comm, attention_backward, dout, q, k, v, causal, **mask, **mods)
+    other = (
+        once(comm, dense_backward, dout, q, k, v, causal, **mask, **mods) if f32 else (None,) * 4
+    )
     assert_all(comm, len(g) == len(want), f"{tag}: {len(g)} gradients, want {len(want)}")
     cuts = (gq, dict(**cut, cu_seqlens=cu_k), dict(**cut, cu_seqlens=cu_k))
     for gi, w, o, name, n, c in zip(g, want, other, "qkv", (nq, nk, nk), cuts):
@@ -125,7 +128,7 @@ def test_decode(comm):
     parts = np.array_split(np.arange(4099), comm.size)[comm.rank]
     mods = dict(softcap=MODS["softcap"], sinks=MODS["sinks"])
     out, lse = ringmpi.decode_attention(q, k[parts], v[parts], comm, return_lse=True, **mods)
-    ref, ref_lse = attention(q, k, v, **mods)
+    ref, ref_lse = once(comm, attention, q, k, v, **mods)
     assert_close(comm, out, ref, None, "decode out")
     assert_close(comm, lse, ref_lse, None, "decode lse")
     raises_everywhere(
@@ -224,8 +227,8 @@ def test_cpu_backend_applies_or_refuses(comm, monkeypatch, kernel):
     out, lse = ringmpi.ring_attention(
         ql, kl, vl, comm, causal=True, return_lse=True, sinks=MODS["sinks"]
     )
-    ref_out, ref_lse = attention(q, k, v, True, sinks=MODS["sinks"])
-    peer = dense(q, k, v, True, sinks=MODS["sinks"])
+    ref_out, ref_lse = once(comm, attention, q, k, v, True, sinks=MODS["sinks"])
+    peer = once(comm, dense, q, k, v, True, sinks=MODS["sinks"])
     assert_close(comm, ringmpi.gather(out, 331, comm), ref_out, peer[0], f"{be.name} sinks out")
     assert_close(comm, ringmpi.gather(lse, 331, comm, axis=-1), ref_lse, peer[1], "sinks lse")
 
