@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import softmax
+from . import scoremods, softmax
 from .arguments import agree
 from .backend import is_cupy
 from .runtime.watchdog import watch
@@ -29,8 +29,10 @@ from .spec import AttentionSpec, spec_keywords
 __all__ = ["decode_attention"]
 
 
-#: the score modifiers decode applies itself (the others are refused on every rank)
-DECODE_MODIFIERS = ("softcap", "sinks")
+#: the score modifiers decode applies: every tile modifier of the registry that needs no
+#: token positions, and the sinks (folded in once after the merge); the others
+#: (alibi_slopes) are refused on every rank
+DECODE_MODIFIERS = tuple(m.field for m in scoremods.MODS if not m.positions) + ("sinks",)
 
 
 @spec_keywords
@@ -78,8 +80,8 @@ def decode_attention(
         comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention", decode=DECODE_MODIFIERS
     )
     be, d, sc = args.backend, q.shape[-1], args.scale
-    cap = args.spec.softcap
-    out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype, cap)  # (B, H, Sq, D), (B, H, Sq)
+    mods = scoremods.of_spec({f: getattr(args.spec, f) for f in DECODE_MODIFIERS[:-1]}, q.shape[-2])
+    out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype, mods)  # (B, H, Sq, D), (B, H, Sq)
     if is_cupy(out):
         out, lse = out.get(), lse.get()
     sq = out.shape[2]
@@ -100,7 +102,7 @@ def decode_attention(
     return (out, lse) if return_lse else out
 
 
-def _partial(xp, q, k, v, scale: float, acc_dtype, softcap: Optional[float] = None):
+def _partial(xp, q, k, v, scale: float, acc_dtype, mods: Optional[scoremods.TileMods] = None):
     """This rank's normalised attention of q against its cache shard, and the lse.
 
     Computed straight from the (B?, S, H, D) layout: the cache is read once, in
@@ -121,8 +123,8 @@ def _partial(xp, q, k, v, scale: float, acc_dtype, softcap: Optional[float] = No
     kt = k4.astype(acc_dtype, copy=False).transpose(0, 2, 3, 1)  # (B, Hkv, D, Sk), a view
     vv = v4.astype(acc_dtype, copy=False).transpose(0, 2, 1, 3)  # (B, Hkv, Sk, D), a view
     s = qg @ kt  # (B, Hkv, G*Sq, Sk)
-    if softcap is not None:
-        s = acc_dtype.type(softcap) * xp.tanh(s / acc_dtype.type(softcap))
+    # the registry's math, on the scores' heads (Hkv, G); no position modifier comes here
+    scoremods.apply(s.reshape(b, hkv, g, sq, sk), mods, None, None, (hkv, g), xp=xp)
     m = s.max(axis=-1, keepdims=True)
     s -= m
     xp.exp(s, out=s)

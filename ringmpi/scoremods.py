@@ -262,7 +262,7 @@ def tile_keywords(spec, heads, qa: Callable) -> dict:
     return kw
 
 
-def apply(s: np.ndarray, mods: Optional[TileMods], rows_qa, k_pos, head_shape: tuple):
+def apply(s: np.ndarray, mods: Optional[TileMods], rows_qa, k_pos, head_shape: tuple, xp=np):
     """Apply ``mods`` to the scores ``s`` in place; the derivative factor or None.
 
     Parameters
@@ -278,6 +278,9 @@ def apply(s: np.ndarray, mods: Optional[TileMods], rows_qa, k_pos, head_shape: t
         The keys' positions.
     head_shape : tuple
         How the heads axis is laid out in ``s`` (e.g. (Hkv, G) or (H,) or ()).
+    xp : module
+        ``s``'s array module (CuPy for decode on a GPU: the modifiers without
+        positions use numpy's ufuncs, which CuPy arrays take).
 
     Returns the product of the modifiers' derivatives d s'/d s (broadcastable to
     ``s``), or None where it is 1 everywhere.
@@ -295,6 +298,8 @@ def apply(s: np.ndarray, mods: Optional[TileMods], rows_qa, k_pos, head_shape: t
     factor = None
     for m in mods.active():
         p = mods.params[:, m.slot].reshape(tuple(head_shape) + (1, 1))
+        if xp is not np:  # CuPy scores (decode): the parameters on the device
+            p = xp.asarray(p)
         f = m.numpy(s, p, dist)
         if f is not None:
             factor = f if factor is None else factor * f

@@ -11,6 +11,7 @@ from ringmpi.testing import (
     dense,
     dense_backward,
     lse_budget,
+    once,
     raises_everywhere,
     random_qkv,
 )
@@ -46,13 +47,13 @@ def test_head_parallel_forward_backward(comm, rng, causal, dtype):
         grads = ringmpi.ring_attention_backward(sl[3], *sl[:3], out, lse, comm, causal=causal, **kw)
         full = ringmpi.gather(out, n, comm, **kw)
         full_lse = ringmpi.gather(lse, n, comm, axis=-1, **kw)
-        ref, ref_lse = attention(q, k, v, causal)
+        ref, ref_lse = once(comm, attention, q, k, v, causal)
         case = f"U={u} Hkv={hkv} {layout} causal={causal} {np.dtype(dtype)}"
-        peer = None if dtype == np.float64 else dense(q, k, v, causal)
+        peer = None if dtype == np.float64 else once(comm, dense, q, k, v, causal)
         assert_close(comm, full, ref, None if peer is None else peer[0], f"{case} out")
         assert_close(comm, full_lse, ref_lse, None if peer is None else peer[1], f"{case} lse")
-        want = attention_backward(dout, q, k, v, causal)
-        other = None if dtype == np.float64 else dense_backward(dout, q, k, v, causal)
+        want = once(comm, attention_backward, dout, q, k, v, causal)
+        other = None if dtype == np.float64 else once(comm, dense_backward, dout, q, k, v, causal)
         for name, g, w, o in zip("qkv", grads, want, other or (None,) * 3):
             got = ringmpi.gather(g, n, comm, **kw)
             assert_all(comm, g.dtype == dtype, f"{case} d{name} dtype {g.dtype}")
@@ -68,7 +69,7 @@ def test_head_parallel_batched(comm, rng):
     sl = [ringmpi.shard(x, comm, layout="zigzag", head_parallel=u) for x in (q, k, v)]
     out = ringmpi.ring_attention(*sl, comm, causal=True, head_parallel=u)
     full = ringmpi.gather(out, n, comm, head_parallel=u)
-    assert_close(comm, full, attention(q, k, v, True)[0], None, "batched out")
+    assert_close(comm, full, once(comm, attention, q, k, v, True)[0], None, "batched out")
 
 
 def test_head_parallel_bad_arguments(comm, rng):
@@ -152,13 +153,13 @@ def test_head_parallel_with_masks(comm, layout):
             dl, ql, kl, vl, out, lse, comm, causal=causal, **kw, **mask
         )
         tag = f"{name} U={u} {layout}"
-        ref, ref_lse = attention(q, k, v, causal, **mask)
+        ref, ref_lse = once(comm, attention, q, k, v, causal, **mask)
         assert_close(
             comm, ringmpi.gather(out, nq, comm, cu_seqlens=cu_q, **kw), ref, None, f"{tag} out"
         )
         full_lse = ringmpi.gather(lse, nq, comm, axis=-1, cu_seqlens=cu_q, **kw)
         assert_close(comm, full_lse, ref_lse, None, f"{tag} lse")
-        want = attention_backward(dout, q, k, v, causal, **mask)
+        want = once(comm, attention_backward, dout, q, k, v, causal, **mask)
         for g, w, nm, n, cu in zip(grads, want, "qkv", (nq, nk, nk), (cu_q, cu_k, cu_k)):
             got = ringmpi.gather(g, n, comm, cu_seqlens=cu, **kw)
             assert_close(comm, got, w, None, f"{tag} d{nm}")
@@ -202,4 +203,10 @@ def test_head_parallel_ticks_and_stats(comm, rng):
     assert_all(comm, st["flops"] > 0 and st["backend"] in st["tile"], f"stats {st}")
     ringmpi.ring_attention_backward(sl[0], *sl, out, lse, comm, causal=True, stats=st_b, **kw)
     assert_all(comm, st_b["steps"] == ring and st_b["alltoall_bytes"] > 0, f"stats {st_b}")
-    assert_close(comm, ringmpi.gather(out, n, comm, **kw), attention(q, k, v, True)[0], None, "out")
+    assert_close(
+        comm,
+        ringmpi.gather(out, n, comm, **kw),
+        once(comm, attention, q, k, v, True)[0],
+        None,
+        "out",
+    )
