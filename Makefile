@@ -28,7 +28,8 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 TEST_TIMEOUT ?= 1200
-RANKS ?= 1 2 3 4
+# P = 1 runs inside test-serial (--with-mpi: the multi-rank tests on a communicator of one)
+RANKS ?= 2 3 4
 # built pages: inside the (private) virtual environment, not a shared /tmp
 DOCS_OUT ?= $(VENV)/docs-html
 
@@ -68,11 +69,12 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check ringmpi tests data jobs benchmarks
 	$(VENV)/bin/shellcheck -x jobs/*.sh jobs/slurm.sbatch .ci/run tests/cluster/*.sh
 
-# single-rank tests on every core (pytest-xdist; PYTEST_JOBS=0 runs them in this process)
+# single-rank tests on every core (pytest-xdist; PYTEST_JOBS=0 runs them in this process),
+# the multi-rank tests among them at P = 1 (each worker is an MPI singleton)
 PYTEST_JOBS ?= auto
 XDIST = $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS))
 test-serial: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --with-mpi tests
 
 # Each rank runs pytest under `python -m mpi4py`, so an exception on one rank
 # aborts the whole job instead of leaving the others waiting; timeout bounds it.

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Callable
 
+from ..job.output import MODES as OUTPUT_MODES
 from ..job.resources import parse_size
 from ..spec import AttentionSpec, cli_fields
 
@@ -404,7 +405,7 @@ def add_run_command(sub, fmt) -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--output-mode",
-        choices=("auto", "parts", "single"),
+        choices=OUTPUT_MODES,
         default="auto",
         help="parts: per-rank part files + a virtual-dataset OUTPUT; single: one OUTPUT "
         "written collectively by all ranks (parallel HDF5: h5py built with MPI, one ring); "

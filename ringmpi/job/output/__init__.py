@@ -106,11 +106,11 @@ def resolve_mode(mode: str, comm, nrings: int) -> str:
 def make_store(mode: str, path: str, comm, plan, meta: dict, **kw):
     """The output store of ``--output-mode`` ``mode`` (``"parts"`` or ``"single"``).
 
-    Both stores import this package (its modes and their check), so they are
-    imported here, when a job asks for one.
+    Both stores import this package (its modes and their check), so the one a
+    job asks for is imported here, and only that one.
     """
-    from .parts import OutputStore
-    from .single_file import SingleFileStore
-
-    cls = SingleFileStore if mode == "single" else OutputStore
+    if mode == "single":
+        from .single_file import SingleFileStore as cls
+    else:
+        from .parts import OutputStore as cls
     return cls(path, comm, plan, meta, **kw)
