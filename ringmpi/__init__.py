@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "AttentionSpec": "spec",
     "LAYOUTS": "layout",
+    "Slices": "slices",
     "decode_attention": "decode",
     "gather": "layout",
     "grid": "parallel",

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import scoremods
 from .mask import make_mask
+from .slices import Slices
 
 __all__ = ["attention", "attention_backward"]
 
@@ -52,8 +53,27 @@ def _modifiers(h: int, modifiers: dict, sinks):
     return scoremods.of_spec(modifiers, h), sink
 
 
-def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None)):
-    """Probabilities, lse and the modifiers' d s'/d s (or None) of rows row0.. vs all keys."""
+def _explicit(mask, nq: int, nk: int, causal, window, cu_seqlens):
+    """An explicit mask as a bool (nq, nk) array (True: visible), or None; ValueError if bad."""
+    if mask is None:
+        return None
+    if causal or window is not None or cu_seqlens is not None:
+        raise ValueError("mask is the whole mask: leave causal, window and cu_seqlens unset")
+    if isinstance(mask, Slices):
+        return mask.to_dense(nq, nk)
+    dense = np.asarray(mask)
+    if dense.dtype != bool or dense.shape != (nq, nk):
+        raise ValueError(
+            f"mask must be a Slices or a bool ({nq}, {nk}) array, got {dense.dtype} {dense.shape}"
+        )
+    return dense
+
+
+def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None), dense=None):
+    """Probabilities, lse and the modifiers' d s'/d s (or None) of rows row0.. vs all keys.
+
+    ``dense``: an explicit bool (nq, nk) mask of all rows, replacing ``mask``'s ranges.
+    """
     tm, sinks = mods
     s = qh.dtype.type(scale) * (qh @ np.swapaxes(kh, -1, -2))
     n_q, n_k = s.shape[-2:]
@@ -62,7 +82,9 @@ def _probs(qh, kh, scale, mask, row0: int = 0, mods=(None, None)):
     if tm is not None:
         qa = mask.alibi_positions(rows)
         dmod = scoremods.apply(s, tm, qa, np.arange(n_k), (s.shape[-3],))
-    if mask.causal or not mask.plain:
+    if dense is not None:
+        s = np.where(dense[row0 : row0 + n_q], s, -np.inf)
+    elif mask.causal or not mask.plain:
         lo, hi = mask.bounds(rows)
         j = np.arange(n_k)[None, :]
         s = np.where((lo[:, None] <= j) & (j <= hi[:, None]), s, -np.inf)
@@ -93,6 +115,7 @@ def attention(
     cu_seqlens=None,
     cu_seqlens_k=None,
     sinks=None,
+    mask=None,
     **modifiers,
 ):
     """Dense softmax attention, computed in ``dtype``, with the masks of ``ring_attention``.
@@ -115,6 +138,10 @@ def attention(
         bottom-right).
     sinks : float array (H,), optional
         Per-head sink logits added to each row's softmax denominator.
+    mask : bool array (Sq, Sk) or ringmpi.Slices, optional
+        An explicit mask, True where query i sees key j (a :class:`ringmpi.slices.Slices`
+        becomes :meth:`~ringmpi.slices.Slices.to_dense`); the whole mask, without
+        causal, window or cu_seqlens (issue 41).
     **modifiers
         The score modifiers by spec field name (:mod:`ringmpi.scoremods`):
         ``softcap`` (float > 0: scores become softcap * tanh(score / softcap)),
@@ -129,12 +156,13 @@ def attention(
     """
     qh, kh, vh, scale, _ = _prepare(q, k, v, scale, dtype)
     mods = _modifiers(qh.shape[-3], modifiers, sinks)
+    dense = _explicit(mask, qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens)
     mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     s_len = qh.shape[-2]
     step = s_len if not block else int(block)
     outs, lses = [], []
     for a in range(0, max(s_len, 1), max(step, 1)):
-        p, lse, _ = _probs(qh[..., a : a + step, :], kh, scale, mask, row0=a, mods=mods)
+        p, lse, _ = _probs(qh[..., a : a + step, :], kh, scale, mask, a, mods, dense)
         outs.append(p @ vh)
         lses.append(lse)
     out = np.concatenate(outs, axis=-2) if len(outs) > 1 else outs[0]
@@ -155,6 +183,7 @@ def attention_backward(
     cu_seqlens=None,
     cu_seqlens_k=None,
     sinks=None,
+    mask=None,
     **modifiers,
 ):
     """Dense gradients of ``attention(q, k, v)[0]`` against ``dout``, computed in ``dtype``.
@@ -164,8 +193,8 @@ def attention_backward(
     Under GQA the gradient of a K/V head sums over the query heads that share it.
     With ``softcap`` dS is multiplied by 1 - tanh^2(x / c); with ``sinks``
     (P includes the sink's share, of value 0) dsinks_h = -sum_i P_i,sink delta_i
-    over every batch and row. ``alibi_slopes``, ``softcap`` and ``sinks`` as
-    in :func:`attention`.
+    over every batch and row. ``alibi_slopes``, ``softcap``, ``sinks`` and an
+    explicit ``mask`` as in :func:`attention`.
 
     Returns
     -------
@@ -174,9 +203,10 @@ def attention_backward(
     """
     qh, kh, vh, scale, group = _prepare(q, k, v, scale, dtype)
     mods = _modifiers(qh.shape[-3], modifiers, sinks)
+    dense = _explicit(mask, qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens)
     mask = make_mask(qh.shape[-2], kh.shape[-2], causal, window, cu_seqlens, cu_seqlens_k)
     do = np.moveaxis(np.asarray(dout, dtype=dtype), -3, -2)
-    p, lse, dmod = _probs(qh, kh, scale, mask, mods=mods)
+    p, lse, dmod = _probs(qh, kh, scale, mask, mods=mods, dense=dense)
     o = p @ vh
     delta = np.sum(do * o, axis=-1, keepdims=True)
     dv = np.swapaxes(p, -1, -2) @ do

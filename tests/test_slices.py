@@ -1,0 +1,152 @@
+"""ringmpi.slices: the value type, its normal form, the builders, and how the mask code uses it."""
+
+import pickle
+
+import numpy as np
+import pytest
+from tools.slicecases import KINDS, builder_cases, dense_of, random_slices
+
+import ringmpi
+from ringmpi.mask import make_mask
+from ringmpi.slices import Slices, block_sparse, global_local, prefix_lm, shared_prefix
+
+
+def test_each_kind_follows_its_definition():
+    # a 4 x 6 slice (Lk - Lq = 2) at an offset, so that alignment errors show
+    for kind in KINDS:
+        s = Slices([(3, 7, 10, 16, kind)])
+        got = s.to_dense(9, 17)[3:7, 10:16].astype(int)
+        want = {
+            "full": np.ones((4, 6), int),
+            "causal": np.array([[j <= i + 2 for j in range(6)] for i in range(4)], int),
+            "inv_causal": np.array([[j >= i for j in range(6)] for i in range(4)], int),
+            "bi_causal": np.array([[i <= j <= i + 2 for j in range(6)] for i in range(4)], int),
+        }[kind]
+        assert (got == want).all(), kind
+        assert s.to_dense(9, 17).sum() == want.sum()  # nothing outside the rectangle
+
+
+def test_causal_with_fewer_keys_hides_the_first_rows():
+    d = Slices([(0, 5, 0, 3, "causal")]).to_dense(5, 3)
+    assert not d[:2].any() and d[2:].sum() == 1 + 2 + 3
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_normal_form_is_the_union(seed):
+    rng = np.random.default_rng(seed)
+    nq, nk = int(rng.integers(1, 60)), int(rng.integers(1, 60))
+    raw = random_slices(rng, nq, nk, int(rng.integers(0, 9)))
+    s = Slices(raw)
+    want = dense_of(raw, nq, nk)
+    assert (s.to_dense(nq, nk) == want).all()
+    lo, hi = s.row_intervals(np.arange(nq))
+    assert lo.shape == hi.shape and lo.shape[1] == nq and lo.dtype == np.int64
+    got = np.zeros_like(want)
+    j = np.arange(nk)
+    for t in range(lo.shape[0]):
+        got |= (lo[t][:, None] <= j) & (j <= hi[t][:, None])
+        real = lo[t] <= hi[t]
+        if t:  # sorted, disjoint and not touching the previous interval; padding only at the end
+            prev_real = lo[t - 1] <= hi[t - 1]
+            assert (lo[t][real] > hi[t - 1][real] + 1).all() and prev_real[real].all()
+    assert (got == want).all()
+    assert s.pairs(nq) == want.sum()
+    # any order of the rows, any subset
+    perm = rng.permutation(nq)[: max(1, nq // 2)]
+    lo_p, hi_p = s.row_intervals(perm)
+    nrows = len(perm)
+    layers = lo_p.shape[0]
+    assert layers <= lo.shape[0]
+    assert (lo_p == lo[:layers, perm]).all() and (hi_p == hi[:layers, perm]).all() or nrows == 0
+
+
+def test_overlaps_count_once_and_touching_intervals_merge():
+    s = Slices([(0, 4, 0, 5, "full"), (0, 4, 3, 8, "full"), (0, 4, 8, 9, "full")])
+    lo, hi = s.row_intervals(np.arange(4))
+    assert lo.tolist() == [[0] * 4] and hi.tolist() == [[8] * 4]
+    assert s.pairs() == 4 * 9
+    lo, hi = Slices([(0, 2, 0, 2, "full"), (0, 2, 5, 6, "full")]).row_intervals([0, 1, 7])
+    assert lo.tolist() == [[0, 0, 0], [5, 5, 0]] and hi.tolist() == [[1, 1, -1], [5, 5, -1]]
+    assert Slices().row_intervals([0, 1])[0].shape == (0, 2)
+
+
+@pytest.mark.parametrize("n", [1, 17, 100])
+def test_builders_match_their_rules(n):
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    for name, s, rule in builder_cases(n):
+        want = np.broadcast_to(rule(i, j), (n, n))
+        assert (s.to_dense(n, n) == want).all(), name
+        assert (dense_of(s, n, n) == want).all(), name
+        assert s.pairs(n) == want.sum(), name
+        assert s.extent[0] <= n and s.extent[1] <= n, name
+
+
+def test_block_sparse_random_is_seeded_and_keeps_the_diagonal():
+    a, b = block_sparse(100, 10, seed=3), block_sparse(100, 10, seed=3)
+    assert a == b and a != block_sparse(100, 10, seed=4)
+    d = a.to_dense(100, 100)
+    assert d[np.arange(100), np.arange(100)].all()
+    assert 0.1 < d.mean() < 0.6
+    assert block_sparse(100, 10, density=0.0, seed=1).pairs() == 10 * 100
+    c = block_sparse(95, 10, seed=3, causal=True).to_dense(95, 95)
+    assert not np.triu(c, 1).any() and c[np.arange(95), np.arange(95)].all()
+
+
+def test_existing_masks_are_special_cases():
+    n = 50
+    assert (Slices([(0, n, 0, n, "causal")]).to_dense(n, n) == np.tril(np.ones((n, n), bool))).all()
+    i = np.arange(n)
+    j = np.arange(n)[None, :]
+    for window, causal in (((4, 2), False), ((6, 0), True), ((-1, 3), False), ((5, -1), False)):
+        lo, hi = make_mask(n, n, causal, window).bounds(i)
+        want = (lo[:, None] <= j) & (j <= hi[:, None])
+        got = global_local(n, window, 0, causal=causal).to_dense(n, n)
+        assert (got == want).all(), window
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ([(0, 1, 0, 1)], "a slice is"),
+        ([(0, 1, 0, 1, "diag")], "kind must be one of"),
+        ([(0, 1.5, 0, 1, "full")], "integers"),
+        ([(True, 1, 0, 1, "full")], "integers"),
+        ([(2, 1, 0, 1, "full")], "q_start <= q_end"),
+        ([(0, 1, -1, 1, "full")], "0 <= k_start"),
+        (5, "iterable of slices"),
+        ([7], "a slice is"),
+    ],
+)
+def test_bad_slices_are_refused(bad, words):
+    with pytest.raises(ValueError, match=words):
+        Slices(bad)
+
+
+def test_builder_arguments_are_checked():
+    for call, words in (
+        (lambda: prefix_lm(10, 11), "prefix=11"),
+        (lambda: prefix_lm(-1, 0), "n must be"),
+        (lambda: global_local(10, 3, 11), "global_tokens=11"),
+        (lambda: global_local(10, (1, 2, 3), 0), "window must be"),
+        (lambda: global_local(10, (-2, 0), 0), "window must be"),
+        (lambda: shared_prefix(3, 4), "answer_lens"),
+        (lambda: shared_prefix(3, [2, -1]), "answer length"),
+        (lambda: block_sparse(10, 0), "block must be"),
+        (lambda: block_sparse(10, 3, np.ones((3, 3), bool)), r"bool \(4, 4\)"),
+        (lambda: block_sparse(10, 3, density=2), "density"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            call()
+
+
+def test_value_type():
+    s = Slices([(2, 4, 0, 4, "causal"), (0, 2, 0, 2, 0), (0, 2, 0, 2, "full")])
+    assert len(s) == 2 and s.slices[0] == (0, 2, 0, 2, "full")  # sorted, duplicates once
+    assert s == Slices(list(reversed(list(s)))) and hash(s) == hash(Slices(s))
+    assert Slices(s.table()) == s and Slices(s.table().tolist()) == s
+    assert pickle.loads(pickle.dumps(s)) == s
+    assert eval(repr(s), {"Slices": Slices}) == s
+    assert s.extent == (4, 4)
+    with pytest.raises(ValueError, match="reaches beyond"):
+        s.check(4, 3)
+    assert ringmpi.Slices is Slices
