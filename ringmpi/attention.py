@@ -49,6 +49,7 @@ def ring_attention(
     window: Optional[tuple] = None,
     cu_seqlens=None,
     cu_seqlens_k=None,
+    slices=None,
     on_tick: Optional[Callable[[int], None]] = None,
     spec: Optional[AttentionSpec] = None,
     **modifiers,
@@ -101,6 +102,10 @@ def ring_attention(
         Key/value offsets for cross-attention with packed sequences (default
         ``cu_seqlens``). q may hold a different total length than k/v
         (cross-attention, each cut by the same layout over its own length).
+    slices : ringmpi.Slices, optional
+        The whole mask as a union of slices of global positions (issue 41;
+        :mod:`ringmpi.slices`), the same on every rank; leave ``causal``, ``window``
+        and the offsets at their defaults. Numpy arrays only (the CPU tiles).
     head_parallel : int
         U > 1 runs heads x ring on P = U x R ranks (:mod:`ringmpi.parallel`): an
         all-to-all inside each group of U consecutive ranks turns sequence shards
@@ -109,8 +114,8 @@ def ring_attention(
     {modifiers}
     spec : ringmpi.spec.AttentionSpec, optional
         All of causal, layout, scale, head_parallel, window, cu_seqlens,
-        cu_seqlens_k and the score modifiers as one value (then leave those
-        keywords at their defaults).
+        cu_seqlens_k, slices and the score modifiers as one value (then leave
+        those keywords at their defaults).
 
     Returns
     -------
@@ -134,6 +139,7 @@ def ring_attention(
         window=window,
         cu_seqlens=cu_seqlens,
         cu_seqlens_k=cu_seqlens_k,
+        slices=slices,
         head_parallel=head_parallel,
         **modifiers,
     )
@@ -244,7 +250,7 @@ def _loop(
             if plan.compute[step]:
                 t0 = time.perf_counter()
                 k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k)
-                tile_flops += be.forward_tile(
+                tile_flops += plan.tile_at(be.forward_tile, step)(
                     qi,
                     kb,
                     vb,
@@ -259,7 +265,7 @@ def _loop(
                     **masked,
                 )
                 compute_s += time.perf_counter() - t0
-                pairs = cost.visible_pairs(plan.q_pos, k_pos, args.causal, plan.bounds)
+                pairs = plan.pairs(step, k_pos, args.causal)
                 flops += cost.flops(pairs, d, h, b)
                 computed += 1
             if on_state is not None:

@@ -62,6 +62,7 @@ def ring_attention_backward(
     window: Optional[tuple] = None,
     cu_seqlens=None,
     cu_seqlens_k=None,
+    slices=None,
     spec: Optional[AttentionSpec] = None,
     **modifiers,
 ):
@@ -81,7 +82,7 @@ def ring_attention_backward(
         The log-sum-exp ``ring_attention(..., return_lse=True)`` returned.
     comm : mpi4py.MPI.Comm, optional
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
-    causal, layout, scale, head_parallel, window, cu_seqlens, cu_seqlens_k
+    causal, layout, scale, head_parallel, window, cu_seqlens, cu_seqlens_k, slices
         Exactly as given to the forward call, and so are the score modifiers:
     {modifiers}
     check_finite : bool
@@ -121,6 +122,7 @@ def ring_attention_backward(
         window=window,
         cu_seqlens=cu_seqlens,
         cu_seqlens_k=cu_seqlens_k,
+        slices=slices,
         head_parallel=head_parallel,
         **modifiers,
     )
@@ -244,7 +246,7 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                         mine[...] = 0
                     t0 = time.perf_counter()
                     k_pos = positions(args.nk, src, size, layout, cu_seqlens=args.mask.cu_k)
-                    tile_flops += be.backward_tile(
+                    tile_flops += plan.tile_at(be.backward_tile, step)(
                         qa,
                         kb,
                         vb,
@@ -263,7 +265,7 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                     )
                     compute_s += time.perf_counter() - t0
                     computed += 1
-                    pairs = cost.visible_pairs(plan.q_pos, k_pos, causal, plan.bounds)
+                    pairs = plan.pairs(step, k_pos, causal)
                     flops += cost.flops(pairs, d, h, b, backward=True)
                 if plan.nsteps == 1:
                     continue  # our own block only: its accumulator is already home

@@ -68,6 +68,8 @@ def mask_pairs(mask, block: int = 1 << 20) -> int:
     O(nq) time and memory per ``block`` query rows: the count of a whole sequence
     (what :func:`visible_pairs` gives summed over every tile call of a ring).
     """
+    if getattr(mask, "slices", None) is not None:  # a union of slices: overlaps counted once
+        return mask.slices.pairs(mask.nq)
     if mask.plain:
         n = mask.nq
         return n * (n + 1) // 2 if mask.causal else n * n

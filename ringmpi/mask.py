@@ -16,6 +16,14 @@ cross-attention; iq itself when Lq = Lk):
     window (left, right):      iq + Lk - Lq - left <= j - cu_k[s] <= iq + Lk - Lq + right
 
 with -1 meaning unbounded on that side; under ``causal`` the right bound is 0.
+
+A union of slices (:class:`ringmpi.slices.Slices`, issue 41) may give a query
+several disjoint ranges. Such a mask is cut into layers, layer t holding the
+t-th range of every query (:meth:`Mask.layers`); the loops run the same
+single-range tiles once per layer that sees the block, all folding into one
+online-softmax state (the layers of a row are disjoint key sets, so the state
+is exactly that of their union), and the backward sums the layers' gradients,
+every one computed with the row's global lse.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ from typing import Optional
 
 import numpy as np
 
-from . import scoremods
+from . import cost, scoremods
 from .layout import check_cu_seqlens, positions
+from .slices import Slices
 from .spec import AttentionSpec
 
 __all__ = [
@@ -49,14 +58,22 @@ class Mask:
     window: Optional[tuple]
     cu_q: Optional[np.ndarray]
     cu_k: Optional[np.ndarray]
+    slices: Optional[Slices] = None  # the whole mask when set (no causal, window or offsets)
 
     @property
     def plain(self) -> bool:
         """True when the tiles' own ``causal`` flag says it all (self-attention, one sequence)."""
-        return self.window is None and self.cu_q is None and self.nq == self.nk
+        return (
+            self.window is None and self.cu_q is None and self.nq == self.nk and self.slices is None
+        )
 
     def bounds(self, q_pos: np.ndarray) -> tuple:
-        """(lo, hi): int64 arrays of the first and last visible key position of each query."""
+        """(lo, hi): int64 arrays of the first and last visible key position of each query.
+
+        Only for single-range masks; a union of slices has :meth:`layers` (ValueError here).
+        """
+        if self.slices is not None:
+            raise ValueError("a mask of slices may give a query several key ranges: use layers()")
         q_pos = np.asarray(q_pos, dtype=np.int64)
         cu_q = self.cu_q if self.cu_q is not None else np.array([0, self.nq], dtype=np.int64)
         cu_k = self.cu_k if self.cu_k is not None else np.array([0, self.nk], dtype=np.int64)
@@ -76,6 +93,19 @@ class Mask:
             if right >= 0:
                 hi = np.minimum(hi, diag + right)
         return k0 + lo, k0 + hi
+
+    def layers(self, q_pos: np.ndarray) -> list:
+        """[(lo, hi), ...]: the queries' visible keys as layers of one range per query.
+
+        One layer, :meth:`bounds`, for the single-range masks; for slices, layer t
+        holds the t-th of each query's sorted disjoint ranges (lo > hi where a
+        query has fewer), :meth:`ringmpi.slices.Slices.row_intervals`; no layer
+        when none of these queries sees a key.
+        """
+        if self.slices is None:
+            return [self.bounds(q_pos)]
+        lo, hi = self.slices.row_intervals(q_pos)
+        return list(zip(lo, hi))
 
     def alibi_positions(self, q_pos: np.ndarray) -> np.ndarray:
         """ALiBi query positions in key coordinates: int64 (Sq,) for the tiles' ``alibi``.
@@ -111,7 +141,9 @@ def mask_of(spec: AttentionSpec, nq: int, nk: int) -> Mask:
     if s.cu_seqlens is not None:
         cu_q = check_cu_seqlens(s.cu_seqlens, nq)
         cu_k = check_cu_seqlens(s.cu_seqlens_k or s.cu_seqlens, nk)
-    return Mask(int(nq), int(nk), s.causal, s.window, cu_q, cu_k)
+    if s.slices is not None:
+        s.slices.check(nq, nk)
+    return Mask(int(nq), int(nk), s.causal, s.window, cu_q, cu_k, s.slices)
 
 
 def make_mask(nq: int, nk: int, causal: bool, window=None, cu_seqlens=None, cu_seqlens_k=None):
@@ -140,12 +172,41 @@ class StepPlan:
         Ring steps to run: after the last step any rank needs, no block moves.
     compute : list of bool
         Per step, whether this rank's queries see any key of the block it holds.
+    layers : list of (lo, hi), optional
+        A mask of slices: this rank's layers (:meth:`Mask.layers`); ``bounds`` is None.
+    layer_steps : list of list of int, optional
+        A mask of slices: per step, the layers that see a key of the block.
     """
 
     q_pos: np.ndarray
     bounds: Optional[tuple]
     nsteps: int
     compute: list
+    layers: Optional[list] = None
+    layer_steps: Optional[list] = None
+
+    def tile_at(self, tile, step: int):
+        """The tile to call at ``step``: ``tile`` itself, or for a mask of slices a tile that
+        calls ``tile`` once per layer seeing the block (``bounds=`` that layer's ranges;
+        returns the summed flops). The layers' keys are disjoint per row: forward they fold
+        into one online-softmax state, backward their gradients (each with the row's
+        global lse) add up.
+        """
+        if self.layers is None:
+            return tile
+        layers = [self.layers[t] for t in self.layer_steps[step]]
+
+        def run(*args, **kwargs):
+            return sum(tile(*args, bounds=b, **kwargs) for b in layers)
+
+        return run
+
+    def pairs(self, step: int, k_pos: np.ndarray, causal: bool) -> int:
+        """Visible (query, key) pairs of this rank's queries and the block of ``step``."""
+        if self.layers is None:
+            return cost.visible_pairs(self.q_pos, k_pos, causal, self.bounds)
+        lay = [self.layers[t] for t in self.layer_steps[step]]
+        return sum(cost.visible_pairs(self.q_pos, k_pos, False, b) for b in lay)
 
 
 def plan_steps(mask: Mask, rank: int, size: int, layout: str) -> StepPlan:
@@ -164,6 +225,8 @@ def plan_steps(mask: Mask, rank: int, size: int, layout: str) -> StepPlan:
     k_all = [
         np.sort(positions(mask.nk, r, size, layout, cu_seqlens=mask.cu_k)) for r in range(size)
     ]
+    if mask.slices is not None:
+        return _plan_layers(mask, rank, size, layout, q_pos, k_all)
     last, mine = 0, []
     for r in range(size):
         pos = q_pos if r == rank else positions(mask.nq, r, size, layout, cu_seqlens=mask.cu_q)
@@ -174,6 +237,24 @@ def plan_steps(mask: Mask, rank: int, size: int, layout: str) -> StepPlan:
         if r == rank:
             mine, bounds = need, (lo, hi)
     return StepPlan(q_pos, bounds, last + 1, mine[: last + 1])
+
+
+def _plan_layers(mask: Mask, rank: int, size: int, layout: str, q_pos, k_all) -> StepPlan:
+    """:func:`plan_steps` for a mask of slices: which layers see which steps' blocks."""
+    last, mine, layers = 0, [], []
+    for r in range(size):
+        pos = q_pos if r == rank else positions(mask.nq, r, size, layout)
+        lay = mask.layers(pos)
+        need = [
+            [t for t, (lo, hi) in enumerate(lay) if mask.visible(lo, hi, k_all[(r - s) % size])]
+            for s in range(size)
+        ]
+        if any(need):
+            last = max(last, max(s for s, x in enumerate(need) if x))
+        if r == rank:
+            mine, layers = need, lay
+    mine = mine[: last + 1]
+    return StepPlan(q_pos, None, last + 1, [bool(x) for x in mine], layers, mine)
 
 
 def tile_modifiers(spec: AttentionSpec, mask: Mask, q_pos: np.ndarray, heads=slice(None)) -> dict:

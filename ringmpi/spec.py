@@ -33,6 +33,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .layout import check_layout
+from .slices import Slices
 
 __all__ = [
     "AttentionSpec",
@@ -236,6 +237,9 @@ class AttentionSpec:
         Offsets of packed query sequences; tokens attend only within their sequence.
     cu_seqlens_k : tuple of int (n_seq + 1,) or None
         Offsets of packed key/value sequences (cross-attention; default ``cu_seqlens``).
+    slices : ringmpi.slices.Slices or None
+        The whole mask as a union of slices (issue 41); then ``causal``, ``window``
+        and the offsets stay at their defaults.
     scale : float or None
         Score scale; None means 1/sqrt(D) (:meth:`scale_for`).
     layout : {"zigzag", "striped", "contiguous"}
@@ -271,6 +275,7 @@ class AttentionSpec:
     # from the inputs (the job reads them per sequence), not flags
     cu_seqlens: Optional[tuple] = None
     cu_seqlens_k: Optional[tuple] = None
+    slices: Optional[Slices] = None
     scale: Optional[float] = field(
         default=None, metadata=_flag("score scale (default 1/sqrt(D))", type=parse_scale)
     )
@@ -358,11 +363,20 @@ class AttentionSpec:
             raise ValueError(
                 f"cu_seqlens has {len(cu_q) - 1} sequences but cu_seqlens_k has {len(cu_k) - 1}"
             )
+        try:
+            slices = Slices.of(self.slices)
+        except ValueError as e:
+            raise ValueError(f"slices: {e}") from None
+        if slices is not None and (self.causal or self.window is not None or cu_q is not None):
+            raise ValueError(
+                "slices is the whole mask: leave causal, window and cu_seqlens at their defaults"
+            )
         return AttentionSpec(
             causal=bool(self.causal),
             window=check_window(self.window),
             cu_seqlens=cu_q,
             cu_seqlens_k=cu_k,
+            slices=slices,
             scale=check_scale(self.scale),
             layout=check_layout(self.layout),
             head_parallel=check_head_parallel(self.head_parallel),
@@ -392,6 +406,8 @@ class AttentionSpec:
             v = getattr(s, f.name)
             if v is None:
                 continue
+            if isinstance(v, Slices):  # an int64 (n, 5) table, the kinds by code
+                v = v.table()
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 

@@ -134,3 +134,20 @@ def test_supports_lists_every_reason():
     assert be.supports(spec, np.float32, 65, tiles=False) == []  # decode runs no tile
     gpu_like = dataclasses.replace(be, xp=object())
     assert "head_parallel" in gpu_like.supports(spec, np.float32, 8)[0]
+
+
+def test_gpu_backend_refuses_slices_with_the_reason():
+    """The CUDA tiles do not take a mask of slices yet: refused up front, never run."""
+    from tools import standin
+
+    spec = AttentionSpec(slices=ringmpi.slices.prefix_lm(8, 2)).validate()
+    assert backend.select(np.zeros(1)).supports(spec, np.float32, 16) == []
+    with standin.installed() as cupy:
+        be = backend.select(cupy.zeros((2, 2), dtype=np.float32))
+        assert be.name == "gpu"
+        why = be.supports(spec, np.float32, 16)
+        assert len(why) == 1 and why[0].startswith("slices (") and "CUDA" in why[0], why
+        assert be.supports(spec.__class__(), np.float32, 16) == []
+        q = cupy.asarray(np.ones((8, 2, 16), dtype=np.float32))
+        with pytest.raises(ValueError, match="gpu backend cannot run this call: slices"):
+            ringmpi.ring_attention(q, q, q, SELF, slices=spec.slices)

@@ -7,8 +7,10 @@ import pytest
 from tools.slicecases import KINDS, builder_cases, dense_of, random_slices
 
 import ringmpi
-from ringmpi.mask import make_mask
+from ringmpi import cost
+from ringmpi.mask import make_mask, mask_of, plan_steps
 from ringmpi.slices import Slices, block_sparse, global_local, prefix_lm, shared_prefix
+from ringmpi.spec import AttentionSpec
 
 
 def test_each_kind_follows_its_definition():
@@ -150,3 +152,72 @@ def test_value_type():
     with pytest.raises(ValueError, match="reaches beyond"):
         s.check(4, 3)
     assert ringmpi.Slices is Slices
+
+
+def test_spec_takes_slices_alone():
+    s = prefix_lm(20, 5)
+    spec = AttentionSpec(slices=list(s)).validate()
+    assert spec.slices == s and spec.validate() == spec
+    back = AttentionSpec.from_attrs(spec.to_attrs())
+    assert back == spec
+    for other in (dict(causal=True), dict(window=(3, 0)), dict(cu_seqlens=[0, 20])):
+        with pytest.raises(ValueError, match="slices is the whole mask"):
+            AttentionSpec(slices=s, **other).validate()
+    with pytest.raises(ValueError, match="slices: .*kind"):
+        AttentionSpec(slices=[(0, 1, 0, 1, "x")]).validate()
+    with pytest.raises(ValueError, match="reaches beyond"):
+        mask_of(spec, 19, 20)
+
+
+def test_mask_of_slices_has_layers_not_bounds():
+    s = Slices([(0, 10, 0, 2, "full"), (0, 5, 5, 10, "bi_causal")])
+    mask = mask_of(AttentionSpec(slices=s), 10, 10)
+    assert not mask.plain
+    with pytest.raises(ValueError, match="use layers"):
+        mask.bounds(np.arange(10))
+    layers = mask.layers(np.arange(10))
+    assert len(layers) == 2
+    assert cost.mask_pairs(mask) == s.pairs(10) == dense_of(s, 10, 10).sum()
+
+
+def test_plan_skips_steps_and_layers_nobody_needs():
+    n, size = 120, 4
+    # a causal window of 10 under the contiguous layout: each rank needs its own block
+    # and the previous one only
+    s = global_local(n, (10, 0), 0, causal=True)
+    mask = mask_of(AttentionSpec(slices=s), n, n)
+    total = 0
+    for rank in range(size):
+        plan = plan_steps(mask, rank, size, "contiguous")
+        assert plan.nsteps == 2 and plan.bounds is None
+        assert plan.compute == [True, rank > 0]
+        for step in range(plan.nsteps):
+            src = (rank - step) % size
+            k_pos = ringmpi.positions(n, src, size, "contiguous")
+            used = plan.layer_steps[step]
+            assert all(mask.visible(*plan.layers[t], np.sort(k_pos)) for t in used)
+            total += plan.pairs(step, k_pos, False)
+    assert total == s.pairs(n)
+    # only rank 0's queries see a key, of its own block: one step, no message
+    own = Slices([(0, 30, 0, 30, "full")])
+    for rank in range(size):
+        plan = plan_steps(mask_of(AttentionSpec(slices=own), n, n), rank, size, "contiguous")
+        assert plan.nsteps == 1 and plan.compute == [rank == 0]
+
+
+def test_tile_at_calls_once_per_visible_layer():
+    s = Slices([(0, 8, 0, 2, "full"), (0, 8, 6, 8, "full")])
+    plan = plan_steps(mask_of(AttentionSpec(slices=s), 8, 8), 0, 1, "contiguous")
+    calls = []
+
+    def tile(*args, bounds=None, **kw):
+        calls.append((bounds[0].tolist(), bounds[1].tolist()))
+        return 1
+
+    assert plan.tile_at(tile, 0)("q", scale=1.0) == 2
+    assert calls == [([0] * 8, [1] * 8), ([6] * 8, [7] * 8)]
+    assert plan.pairs(0, np.arange(8), False) == 8 * 4
+    # the single-range masks keep their own path: the tile itself, unwrapped
+    for spec in (AttentionSpec(causal=True), AttentionSpec(window=(3, 0))):
+        plan = plan_steps(mask_of(spec, 8, 8), 0, 1, "zigzag")
+        assert plan.tile_at(tile, 0) is tile and plan.layers is None
