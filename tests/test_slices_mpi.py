@@ -156,3 +156,23 @@ def test_bad_slices_raise_on_every_rank(comm):
         raises_everywhere(
             comm, lambda: ringmpi.ring_attention(ql, ql, ql, comm, slices=mine), "slices"
         )
+
+
+@pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
+def test_slices_with_heads_x_ring_and_a_batch(comm, layout):
+    """head_parallel = P (the ring is one group) and a batch axis, forward and backward."""
+    u, n = comm.size, 90
+    raw = random_slices(np.random.default_rng(3), n, n, 5)
+    s, mask = sl.Slices(raw), dense_of(raw, n, n)
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, n, 2 * u, u, 8, batch=2, realistic=True)
+    dout = rng.standard_normal(q.shape)
+    cut = [ringmpi.shard(x, comm, layout, head_parallel=u) for x in (q, k, v, dout)]
+    kw = dict(layout=layout, slices=s, head_parallel=u)
+    out, lse = ringmpi.ring_attention(*cut[:3], comm, return_lse=True, **kw)
+    grads = ringmpi.ring_attention_backward(cut[3], *cut[:3], out, lse, comm, **kw)
+    ref, _ = once(comm, attention, q, k, v, mask=mask)
+    want = once(comm, attention_backward, dout, q, k, v, mask=mask)
+    for got, w, nm in zip((out, *grads), (ref, *want), ("out", "dq", "dk", "dv")):
+        full = ringmpi.gather(got, n, comm, layout, head_parallel=u)
+        assert_close(comm, full, w, None, f"{layout} heads x ring {nm}")
