@@ -190,37 +190,50 @@ class Slices:
         """
         q_pos = np.asarray(q_pos, dtype=np.int64).reshape(-1)
         n = len(q_pos)
-        rows = [s for s in self if s.q_start < s.q_end and s.k_start < s.k_end]
-        if not rows or n == 0:
-            return np.zeros((0, n), np.int64), np.zeros((0, n), np.int64)
-        lo, hi = (np.stack(x) for x in zip(*(s.bounds(q_pos) for s in rows)))  # (S, n)
-        empty = lo > hi
-        big = np.iinfo(np.int64).max
-        lo = np.where(empty, big, lo)
-        order = np.argsort(lo, axis=0, kind="stable")
-        lo = np.take_along_axis(lo, order, axis=0)
-        hi = np.take_along_axis(np.where(empty, -1, hi), order, axis=0)
-        # sweep the slices in order of their start, one row per column: extend the
-        # current interval while the next one overlaps or touches it, else emit it
-        out_lo = np.zeros_like(lo)
-        out_hi = np.full_like(hi, -1)
-        count = np.zeros(n, np.int64)
-        cur_lo, cur_hi = lo[0].copy(), hi[0].copy()
-        col = np.arange(n)
-        for t in range(1, len(rows)):
-            real = lo[t] != big
-            new = real & (lo[t] > cur_hi + 1)
-            out_lo[count[new], col[new]] = cur_lo[new]
-            out_hi[count[new], col[new]] = cur_hi[new]
-            count += new
-            cur_lo = np.where(new, lo[t], cur_lo)
-            cur_hi = np.where(new, hi[t], np.where(real, np.maximum(cur_hi, hi[t]), cur_hi))
-        real = cur_lo != big
-        out_lo[count[real], col[real]] = cur_lo[real]
-        out_hi[count[real], col[real]] = cur_hi[real]
-        count += real
-        depth = int(count.max(initial=0))
-        return np.ascontiguousarray(out_lo[:depth]), np.ascontiguousarray(out_hi[:depth])
+        t = self.table()
+        t = t[(t[:, 0] < t[:, 1]) & (t[:, 2] < t[:, 3])]
+        none = np.zeros((0, n), np.int64)
+        if n == 0 or len(t) == 0:
+            return none, none.copy()
+        # one entry per (slice, covered row): work O(entries), no loop over slices
+        order = np.argsort(q_pos, kind="stable")
+        sq = q_pos[order]
+        first = np.searchsorted(sq, t[:, 0])
+        cnt = np.searchsorted(sq, t[:, 1]) - first
+        sid = np.repeat(np.arange(len(t)), cnt)
+        at = np.arange(int(cnt.sum())) + np.repeat(first - np.cumsum(cnt) + cnt, cnt)
+        row, pos = order[at], sq[at]
+        q0, q1, k0, k1, kind = t[sid].T
+        iq, lq, lk = pos - q0, q1 - q0, k1 - k0
+        lo = np.where((kind == 2) | (kind == 3), iq, 0)  # inv_causal, bi_causal
+        hi = np.where((kind == 1) | (kind == 3), np.minimum(lk - 1, iq + lk - lq), lk - 1)
+        keep = np.maximum(lo, 0) <= hi
+        row, lo, hi = row[keep], np.maximum(lo, 0)[keep] + k0[keep], hi[keep] + k0[keep]
+        if len(row) == 0:
+            return none, none.copy()
+        o = np.lexsort((lo, row))  # by row, then by start
+        row, lo, hi = row[o], lo[o], hi[o]
+        # the running end of each row's intervals (a max that restarts at each row), and a
+        # new interval wherever the next start lies beyond it + 1 (overlapping or touching
+        # intervals merge)
+        span = int(hi.max()) + 2
+        reach = np.maximum.accumulate(hi + row * span) - row * span
+        start = np.ones(len(row), bool)
+        start[1:] = (row[1:] != row[:-1]) | (lo[1:] > reach[:-1] + 1)
+        at = np.flatnonzero(start)
+        g_row, g_lo = row[at], lo[at]
+        g_hi = reach[np.append(at[1:] - 1, len(row) - 1)]
+        # layer: the interval's rank within its row
+        k = np.arange(len(g_row))
+        new_row = np.ones(len(g_row), bool)
+        new_row[1:] = g_row[1:] != g_row[:-1]
+        layer = k - np.maximum.accumulate(np.where(new_row, k, 0))
+        depth = int(layer.max()) + 1
+        out_lo = np.zeros((depth, n), np.int64)
+        out_hi = np.full((depth, n), -1, np.int64)
+        out_lo[layer, g_row] = g_lo
+        out_hi[layer, g_row] = g_hi
+        return out_lo, out_hi
 
     def to_dense(self, nq: int, nk: int) -> np.ndarray:
         """The explicit mask: a bool (nq, nk) array, True where query i sees key j."""
