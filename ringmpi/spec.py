@@ -397,7 +397,8 @@ class AttentionSpec:
     def to_attrs(self) -> dict:
         """The spec as HDF5/JSON-friendly attributes (None fields left out).
 
-        ``window`` and the offsets become lists of ints; :meth:`from_attrs` reads
+        ``window`` and the offsets become lists of ints, ``slices`` a list of rows
+        of five ints (:meth:`ringmpi.slices.Slices.table`); :meth:`from_attrs` reads
         them back (from a dict or an ``h5py`` attribute set) to an equal spec.
         """
         s = self.validate()
@@ -406,8 +407,8 @@ class AttentionSpec:
             v = getattr(s, f.name)
             if v is None:
                 continue
-            if isinstance(v, Slices):  # an int64 (n, 5) table, the kinds by code
-                v = v.table()
+            if isinstance(v, Slices):  # rows (q_start, q_end, k_start, k_end, kind code)
+                v = v.table().tolist()
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 

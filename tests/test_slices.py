@@ -221,3 +221,16 @@ def test_tile_at_calls_once_per_visible_layer():
     for spec in (AttentionSpec(causal=True), AttentionSpec(window=(3, 0))):
         plan = plan_steps(mask_of(spec, 8, 8), 0, 1, "zigzag")
         assert plan.tile_at(tile, 0) is tile and plan.layers is None
+
+
+def test_spec_attributes_are_json_and_hdf5_friendly(tmp_path):
+    import json
+
+    h5py = pytest.importorskip("h5py")
+    spec = AttentionSpec(slices=shared_prefix(4, [2, 3])).validate()
+    attrs = spec.to_attrs()
+    assert AttentionSpec.from_attrs(json.loads(json.dumps(attrs))) == spec
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f.attrs.update(attrs)
+    with h5py.File(tmp_path / "a.h5", "r") as f:
+        assert AttentionSpec.from_attrs(f.attrs) == spec
