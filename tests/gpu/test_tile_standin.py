@@ -153,6 +153,41 @@ def test_padding_reaches_the_kernel_as_16_byte_rows(cupy):
         assert bool(cupy.isfinite(acc).all()) and float(l.min()) > 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_packed_kernel_keeps_the_state_in_natural_units(cupy, monkeypatch, dtype):
+    """attn_fwd_mma2 takes the natural scale and stores m as attn_fwd_mma does (issue 39).
+
+    The stand-in reads the scale's unit from the kernel's parameter name (``scale_log2``
+    would be a base-2 kernel, whose m went back through m log2(e) ln 2 and moved lse by
+    about an ulp): the packed and the unpacked tensor-core kernels must leave the
+    same (acc, m, l) bits, and the packed kernel's m store has no base-2 conversion.
+    """
+    from ringmpi import gpu, softmax
+    from ringmpi.gpu import configs, sources, tile
+
+    rng = np.random.default_rng(39)
+    shapes = [(1, 4, 70, 64), (1, 2, 90, 64), (1, 2, 90, 64)]
+    q, k, v = (gpucases.to_device(cupy, x, dtype) for x in gpucases.data(rng, shapes))
+    pos_q, pos_k = np.arange(70, dtype=np.int64) + 20, np.arange(90, dtype=np.int64)
+    states = {}
+    for kern in configs.forward_candidates(STORAGE[dtype], 64, 232448):
+        monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
+        acc, m, l = softmax.init_state(q.shape, np.float32, cupy)
+        gpu.forward_tile(q, k, v, pos_q, pos_k, acc, m, l, scale=0.125 * 1.1, causal=True)
+        assert cupy.launches[-1][0] == kern.expr
+        states[kern.name] = [x.get() for x in (acc, m, l)]
+    assert {"m64n64", "m128n64"} <= set(states), list(states)
+    for name, st in states.items():
+        for what, a, b in zip("acc m l".split(), st, states["m64n64"]):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} {what} vs m64n64")
+    names = [n for _, n in standin_kernels.signatures()["attn_fwd_mma2"][1]]
+    assert names[names.index("causal") - 1] == "scale", names
+    code = sources.source(sources.FORWARD_FILE)
+    body = code[code.index("attn_fwd_mma2(") : code.index("attn_fwd_simt(")]
+    stores = [ln for ln in body.splitlines() if "m_state[row_of" in ln and "] =" in ln]
+    assert stores and not any("RING_LN2" in ln or "LOG2E" in ln for ln in stores), stores
+
+
 def test_a_bad_launch_is_refused(cupy):
     """The stand-in's launch checks can fail: unpadded rows, missing shared-memory opt-in."""
     from tools.standin_kernels import LaunchError

@@ -81,6 +81,11 @@ def signatures() -> dict:
     return out
 
 
+def _param_names(expr: str) -> list:
+    """The parameter names of kernel ``expr`` in kernels/*.cu, in order."""
+    return [name for _, name in signatures()[expr.split("<")[0].strip()][1]]
+
+
 def _null(x) -> bool:
     return isinstance(x, np.uint64) and int(x) == 0
 
@@ -286,10 +291,14 @@ def _forward(expr, grid, block, args, smem):
         order = _dev(order, expr, "order", np.int32, (nqb,))
         _need(np.array_equal(np.sort(order), np.arange(nqb)), expr, "order is no permutation")
         _need(grid == (nqb * bsz * hkv,), expr, f"grid {grid}, expected ({nqb * bsz * hkv},)")
-        scale = float(scale) / LOG2E
     else:
         _need(grid == (nqb, h, bsz), expr, f"grid {grid}, expected {(nqb, h, bsz)}")
-        scale = float(scale)
+    # the scale's unit is the parameter's name: natural (scale), or base 2 (scale_log2:
+    # scores times log2(e), whose state the kernel would have to convert back)
+    names = _param_names(expr)
+    scale = float(scale)
+    if names[names.index("causal") - 1] == "scale_log2":
+        scale /= LOG2E
     _padding_zero(expr, d, q=qa, k=ka, v=va)
     _check_plan(expr, env, _visible(q_pos, k_pos, rows, causal), kern.bm, kern.bn, g)
     from ringmpi.cpu import numpy_tile
