@@ -211,6 +211,39 @@ def test_a_bad_launch_is_refused(cupy):
             raw((1,), (kern.threads,), args, shared_mem=kern.smem)
 
 
+def test_the_launch_limit_counts_static_shared_memory(cupy, smem, monkeypatch):
+    """Dynamic shared memory fits the opt-in limit less the kernel's static (issue 39).
+
+    attn_fwd_mma2 has 5,120 B of static shared memory (its per-row arrays): on a
+    device whose limit holds its dynamic shared memory but not both, the stand-in
+    refuses the opt-in as cuFuncSetAttribute does, and the choice skips it.
+    """
+    from ringmpi import gpu, softmax
+    from ringmpi.gpu import configs, loader, tile
+
+    kern = next(c for c in configs.forward_all("bf16_t", 64) if c.name == "m128n64")
+    assert kern.static == 5120 and kern.smem > 48 * 1024
+    smem(kern.smem + kern.static - 1)
+    raw = loader.get_function(tile.KERNEL_FILE, kern.expr, tile.kernel_names())
+    assert raw.shared_size_bytes == kern.static
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError, match="5120 B static"):
+        raw.max_dynamic_shared_size_bytes = kern.smem
+    assert kern not in configs.forward_candidates("bf16_t", 64, kern.smem + kern.static - 1)
+    monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
+    with pytest.raises(configs.NoConfigError, match="m128n64"):
+        tile.chosen("bf16_t", 64, True, 0)
+    monkeypatch.delenv(tile.CONFIG_ENV)
+    q, k, v = (cupy.zeros((1, 2, 40, 64), dtype=np.uint16) for _ in range(3))
+    acc, m, l = softmax.init_state(q.shape, np.float32, cupy)
+    pos = np.arange(40, dtype=np.int64)
+    gpu.forward_tile(q, k, v, pos, pos, acc, m, l, scale=0.125, causal=True)
+    assert cupy.launches[-1][0] != kern.expr  # another configuration ran
+    smem(kern.total)  # exactly enough: the opt-in and the launch go through
+    monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
+    gpu.forward_tile(q, k, v, pos, pos, acc, m, l, scale=0.125, causal=True)
+    assert cupy.launches[-1][0] == kern.expr
+
+
 def test_configuration_choice_follows_the_device(cupy, smem, monkeypatch):
     from ringmpi.gpu import configs, device, tile
 

@@ -20,7 +20,14 @@ import re
 
 import numpy as np
 
-__all__ = ["install", "configs_by_expr", "geometry", "signatures", "check_signature"]
+__all__ = [
+    "install",
+    "configs_by_expr",
+    "geometry",
+    "signatures",
+    "check_signature",
+    "static_smem",
+]
 
 geometry: list = []  # (expression, D, ld) of every launch checked here, in order
 
@@ -385,6 +392,12 @@ def _backward(expr, grid, block, args, smem):
 def install(cupy) -> None:
     """Register the CPU implementations with the stand-in ``cupy`` module."""
     for name in ("attn_fwd_mma", "attn_fwd_mma2", "attn_fwd_simt"):
-        cupy.register(name, _forward)
+        cupy.register(name, _forward, static_smem)
     for name in ("attn_bwd_dkdv_mma", "attn_bwd_dq_mma", "attn_bwd_dkdv_simt", "attn_bwd_dq_simt"):
-        cupy.register(name, _backward)
+        cupy.register(name, _backward, static_smem)
+
+
+def static_smem(expr: str) -> int:
+    """Static shared memory of instantiation ``expr`` in bytes (the configuration's, which
+    tests/gpu/test_nvrtc.py checks against ptxas for every instantiation)."""
+    return configs_by_expr()[expr].static
