@@ -97,9 +97,9 @@
 # Results: $GPU_CHECK_OUT (else a new temporary folder): gpu_check.log (everything),
 # one log per stage, junit XML per test stage (NAME.xml; NAME.rankR.xml, one per rank,
 # under mpiexec), gpu_bench.json, summary.txt (the verdict table), kernel_cache/.
-# Exit status: 0 every stage passed; 1 a stage failed or timed out; 2 no GPU (CuPy, driver
-# or device missing); 3 no MPI (no libmpi for mpi4py, or no mpiexec); 4 setup impossible
-# (no python3, an unwritable output folder).
+# Exit status: 0 no stage failed (a skip says why); 1 a stage failed or timed out; 2 no
+# GPU (CuPy, driver or device missing); 3 no MPI (no libmpi for mpi4py, or no mpiexec);
+# 4 setup impossible (no python3, an unwritable output folder).
 #   Settings: PYTHON, MPIEXEC, GPU_CHECK_OUT, GPU_CHECK_BUDGET, GPU_CHECK_STAGES,
 #   GPU_CHECK_WHEELS (default .whl), GPU_CHECK_CACHE (the kernel cache, kept between runs;
 #   default $GPU_CHECK_OUT/kernel_cache), GPU_CHECK_K (pytest -k expression for the test
@@ -232,7 +232,7 @@ finish() {  # print and save the verdict table, then exit with the run's status
             printf '%-8s %-7s %s\n' "$s" "${verdict[$s]:-SKIP}" "${reason[$s]:-not reached}"
         done
         case $status in
-            0) echo "gpu_check: PASS (every stage)" ;;
+            0) echo "gpu_check: PASS (no stage failed; skips are in the table)" ;;
             2) echo "gpu_check: NO GPU (exit 2)" ;;
             3) echo "gpu_check: NO MPI (exit 3)" ;;
             *) echo "gpu_check: FAILED (exit $status)" ;;
