@@ -309,8 +309,10 @@ __global__ void __launch_bounds__(128, 1)
 //     fragment loaded from shared memory feeds two MMAs;
 //   * Q, K and V fragments all come through ldmatrix (x4: four 8x8 matrices
 //     per instruction) instead of 32-bit shared loads;
-//   * scores are scaled by scale * log2(e) once (scale_log2) and the online
-//     softmax runs in base 2 (ex2.approx); m is stored back in natural units;
+//   * scores, m and the modifiers are in natural units, as in attn_fwd_mma
+//     (exponentials as exp2(x log2(e) - m log2(e)), one FFMA each), so m is
+//     stored with the bits of a natural-unit score: no base-2 round trip
+//     (m log2(e) ln 2) moves lse against the other kernels;
 //   * rows are packed over the G = H / Hkv query heads that share one K/V
 //     head: packed row r of (b, hk) is position r / G of query head
 //     hk * G + r % G, so every K/V block loaded serves all G heads;
@@ -331,7 +333,7 @@ __global__ void __launch_bounds__(128, 1)
                   const long long* __restrict__ k_pos, const long long* __restrict__ bounds,
                   const long long* __restrict__ row_lo, const long long* __restrict__ row_hi,
                   const int* __restrict__ order, int B, int H, int Hkv, int Sq, int Sk, int D,
-                  int ld, float scale_log2, int causal, unsigned mods,
+                  int ld, float scale, int causal, unsigned mods,
                   const double* __restrict__ mparam, const long long* __restrict__ mpos) {
   constexpr int BM = 128, NTHREADS = 128, MT = 2;
   constexpr int LDS = HD + 8;  // smem row stride: 8 rows of an ldmatrix hit 8 distinct 16 B banks
@@ -342,9 +344,9 @@ __global__ void __launch_bounds__(128, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ long long rlo_s[BM], rhi_s[BM];  // visible key range of each packed row
   __shared__ long long qa_s[BM];              // modifier position (mpos) of each packed row
-  __shared__ RingMods<float> md_s[BM];        // its head's modifier parameters, base 2
-  __shared__ float m_in[BM];     // the max each row came in with (base 2)
-  __shared__ float m_st[BM];     // the max the stored acc, l are scaled to (base 2)
+  __shared__ RingMods<float> md_s[BM];        // its head's modifier parameters
+  __shared__ float m_in[BM];     // the max each row came in with
+  __shared__ float m_st[BM];     // the max the stored acc, l are scaled to
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [BM][LDS]
   T* Ks = Qs + BM * LDS;                   // [2][BN][LDS]
   T* Vs = Ks + 2 * BN * LDS;               // [2][BN][LDS]
@@ -388,10 +390,9 @@ __global__ void __launch_bounds__(128, 1)
     if (ok) row_range(row_lo, row_hi, q_pos, causal, (r0 + r) / G, lo, hi);
     rlo_s[r] = lo;
     rhi_s[r] = hi;
-    m_in[r] = m_st[r] = ok ? m_state[row_of(r0 + r)] * RING_LOG2E : neg_inf<float>();
+    m_in[r] = m_st[r] = ok ? m_state[row_of(r0 + r)] : neg_inf<float>();
     qa_s[r] = (ok && ring_mods_pos(mods)) ? mpos[(r0 + r) / G] : 0;
-    // modifiers in base 2: on x log2(e), with score-linear parameters times log2(e)
-    md_s[r] = ring_mods_load(mods, mparam, hk * G + (r0 + r) % G, RING_LOG2E);
+    md_s[r] = ring_mods_load(mods, mparam, hk * G + (r0 + r) % G, 1.f);
   }
   auto load_kv = [&](int st, int kblock) {
     T* kd = Ks + st * BN * LDS;
@@ -410,7 +411,7 @@ __global__ void __launch_bounds__(128, 1)
   cp_commit();
 
   // this thread's rows: local row lr(mt, r) = warp * 32 + mt * 16 + r * 8 + gr
-  // (c0/c1 of m-tile mt are row r = 0, c2/c3 row r = 1). m is kept in base 2.
+  // (c0/c1 of m-tile mt are row r = 0, c2/c3 row r = 1).
   float o[MT][NTO][4];
   float mrow[MT][2], lrow[MT][2];
   __syncthreads();  // rlo_s, rhi_s, qa_s, md_s, m_in, m_st
@@ -441,7 +442,8 @@ __global__ void __launch_bounds__(128, 1)
         if (r0 + lr < rows) {
           const long long ri = row_of(r0 + lr);
           // stored state relative to the current max; a row that was empty has acc = l = 0
-          const float beta = (ms == neg_inf<float>()) ? 0.f : fast_exp2(ms - mf);
+          const float beta =
+              (ms == neg_inf<float>()) ? 0.f : fast_exp2(ms * RING_LOG2E - mf * RING_LOG2E);
           if (tg == 0) l_state[ri] = l_state[ri] * beta + l;
 #pragma unroll
           for (int nt = 0; nt < NTO; ++nt) {
@@ -505,7 +507,7 @@ __global__ void __launch_bounds__(128, 1)
       }
     }
 
-    // base-2 scores; mask keys past Sk and, where the block plan says so, the
+    // scaled scores; mask keys past Sk and, where the block plan says so, the
     // keys outside each row's [lo, hi]
     const int k0 = kb * BN;
     const bool need_mask = !block_full(bounds, nqb, qb, klo[kb], khi[kb]);
@@ -521,7 +523,7 @@ __global__ void __launch_bounds__(128, 1)
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            float x = s[mt][nt][2 * r + e] * scale_log2;
+            float x = s[mt][nt][2 * r + e] * scale;
             if (mods) {
               const int lr = warp * 32 + mt * 16 + r * 8 + gr;
               x = ring_modify(mods, md_s[lr], x, qa_s[lr], kp);
@@ -537,7 +539,7 @@ __global__ void __launch_bounds__(128, 1)
       }
     }
 
-    // online softmax, base 2, per row
+    // online softmax per row
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -549,13 +551,14 @@ __global__ void __launch_bounds__(128, 1)
         mx = maxa(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = maxa(mrow[mt][r], mx);
         const float m_use = (m_new == neg_inf<float>()) ? 0.f : m_new;
-        const float alpha = fast_exp2(mrow[mt][r] - m_use);
+        const float ms = m_use * RING_LOG2E;
+        const float alpha = fast_exp2(mrow[mt][r] * RING_LOG2E - ms);
         float rsum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NTS; ++nt) {
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float p = fast_exp2(s[mt][nt][e] - m_use);
+            const float p = fast_exp2(s[mt][nt][e] * RING_LOG2E - ms);
             s[mt][nt][e] = p;
             rsum += p;
           }
@@ -610,8 +613,8 @@ __global__ void __launch_bounds__(128, 1)
     for (int r = 0; r < 2; ++r) {
       const int lr = warp * 32 + mt * 16 + r * 8 + gr;
       const float mi = m_in[lr], mf = mrow[mt][r];
-      // an unchanged max keeps its stored bits (no base-2 round trip)
-      if (r0 + lr < rows && tg == 0 && mf != mi) m_state[row_of(r0 + lr)] = mf * RING_LN2;
+      // natural units: the max is one scaled score's bits, as the other kernels store
+      if (r0 + lr < rows && tg == 0 && mf != mi) m_state[row_of(r0 + lr)] = mf;
     }
   }
 }

@@ -201,6 +201,7 @@ NOT_MODULES = {
     "tests/test_job_scripts.py",
     "tests/test_stress.py",
     "tests/test_throughput_bench.py",
+    "tests/gpu/test_gpu_check.py",
 }
 
 

@@ -72,7 +72,7 @@ def chosen(storage: str, d: int, dev: int) -> tuple:
 @functools.cache
 def _function(kern: configs.Config, dev: int):
     fn = loader.get_function(KERNEL_FILES, kern.expr, kernel_names())
-    if kern.smem > 48 * 1024:  # opt in to more than the default 48 KiB
+    if kern.total > 48 * 1024:  # opt in: dynamic and static over the default 48 KiB
         fn.max_dynamic_shared_size_bytes = kern.smem
     return fn
 

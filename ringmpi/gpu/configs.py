@@ -29,6 +29,7 @@ __all__ = [
     "select_backward",
     "backward_names",
     "NoConfigError",
+    "fits",
 ]
 
 MAX_D = 256
@@ -57,6 +58,11 @@ class Config:
         Threads per CTA.
     smem : int
         Dynamic shared memory per CTA in bytes.
+    static : int
+        Static shared memory of the kernel (its ``__shared__`` arrays) in bytes, as
+        ptxas reports it (tests/gpu/test_nvrtc.py checks every instantiation). A
+        launch fits a device when ``smem + static`` is within its opt-in limit
+        (:func:`fits`), and needs the opt-in when that is over 48 KiB.
     mma : bool
         Tensor-core kernel: rows must be 16-byte aligned (padded to ``ld``).
     packed : bool
@@ -73,6 +79,23 @@ class Config:
     smem: int
     mma: bool
     packed: bool = False
+    static: int = 0
+
+    @property
+    def total(self) -> int:
+        """Shared memory per CTA, dynamic and static, in bytes."""
+        return self.smem + self.static
+
+
+def fits(c: Config, smem_limit: int) -> bool:
+    """Whether ``c`` fits a device whose opt-in limit per block is ``smem_limit`` bytes."""
+    return c.total <= smem_limit
+
+
+def _static(*nbytes: int) -> int:
+    """Static shared memory of a kernel's ``__shared__`` variables of ``nbytes`` each: ptxas
+    places each at a 16-byte boundary (a RingMods<float> of 8 B takes 16)."""
+    return sum(-(-n // 16) * 16 for n in nbytes)
 
 
 def _acc(storage: str) -> str:
@@ -89,14 +112,19 @@ def _pad(d: int, dims: tuple) -> int:
 def _mma64(storage: str, hd: int) -> Config:
     # 4 warps x 16 query rows, 64-key blocks; Q + double-buffered K and V, 16-bit
     smem = (64 + 4 * 64) * (hd + 8) * 2
-    return Config("m64n64", f"attn_fwd_mma<{storage}, {hd}>", 64, 64, 128, smem, True)
+    static = _static(64 * 8, 64 * 8, 64 * 8, 8)  # rlo_s, rhi_s, qa_s[64]; md
+    return Config(
+        "m64n64", f"attn_fwd_mma<{storage}, {hd}>", 64, 64, 128, smem, True, static=static
+    )
 
 
 def _mma128(storage: str, hd: int, bn: int) -> Config:
     # 4 warps x 32 query rows (GQA heads packed), bn-key blocks, all fragments via ldmatrix
     smem = (128 + 4 * bn) * (hd + 8) * 2
     expr = f"attn_fwd_mma2<{storage}, {hd}, {bn}>"
-    return Config(f"m128n{bn}", expr, 128, bn, 128, smem, True, packed=True)
+    # rlo_s, rhi_s, qa_s, md_s (RingMods<float>), m_in, m_st: [128] each
+    static = _static(128 * 8, 128 * 8, 128 * 8, 128 * 8, 128 * 4, 128 * 4)
+    return Config(f"m128n{bn}", expr, 128, bn, 128, smem, True, packed=True, static=static)
 
 
 # key blocks of the 128-row kernel per head dim: HD 96 and 128 with 64-key blocks spill
@@ -121,7 +149,7 @@ def _simt(storage: str, dmax: int, bm: int, bn: int) -> Config:
     size = 8 if acc == "double" else 4
     smem = ((bm + 2 * bn) * (dmax + 1) + bm * (bn + 1)) * size
     expr = f"attn_fwd_simt<{storage}, {acc}, {dmax}, {bm}, {bn}>"
-    return Config(f"simt{bm}x{bn}", expr, bm, bn, 256, smem, False)
+    return Config(f"simt{bm}x{bn}", expr, bm, bn, 256, smem, False, static=_static(2 * size))
 
 
 def forward_all(storage: str, d: int) -> list:
@@ -139,7 +167,7 @@ def forward_all(storage: str, d: int) -> list:
 
 def forward_candidates(storage: str, d: int, smem_limit: int) -> list:
     """The forward configurations for (storage, D) that fit ``smem_limit`` bytes per block."""
-    return [c for c in forward_all(storage, d) if c.smem <= smem_limit]
+    return [c for c in forward_all(storage, d) if fits(c, smem_limit)]
 
 
 def select_forward(storage: str, d: int, smem_limit: int, name: str = "") -> Config:
@@ -161,7 +189,7 @@ def select_forward(storage: str, d: int, smem_limit: int, name: str = "") -> Con
             f"{smem_limit} B of shared memory per block; valid: {valid}"
         )
     if not fits:
-        need = min(c.smem for c in forward_all(storage, d))
+        need = min(c.total for c in forward_all(storage, d))
         raise NoConfigError(
             f"GPU tile: no {storage} D={d} configuration fits {smem_limit} B of shared memory "
             f"per block (the smallest needs {need} B)"
@@ -191,9 +219,8 @@ def _bwd_mma(storage: str, hd: int) -> tuple:
     dq = []
     for bn in (64, 32):
         smem = (2 * 64 + 4 * bn) * (hd + 8) * 2
-        dq.append(
-            Config(f"mma_n{bn}", f"attn_bwd_dq_mma<{storage}, {hd}, {bn}>", 64, bn, 128, smem, True)
-        )
+        expr = f"attn_bwd_dq_mma<{storage}, {hd}, {bn}>"
+        dq.append(Config(f"mma_n{bn}", expr, 64, bn, 128, smem, True, static=_static(8)))  # md
     return dkdv, dq
 
 
@@ -214,9 +241,15 @@ def _bwd_simt(storage: str, dmax: int) -> tuple:
     for bm, bn in _BWD_SIMT_TILES[(acc, dmax)]:
         tmpl = f"<{storage}, {acc}, {dmax}, {bm}, {bn}>"
         smem = bm * 16 + ((2 * bn + 2 * bm) * (dmax + 1) + 2 * bn * (bm + 1) + 2 * bm) * size
-        dkdv.append(Config(f"simt{bm}x{bn}", "attn_bwd_dkdv_simt" + tmpl, bm, bn, 256, smem, False))
+        expr = "attn_bwd_dkdv_simt" + tmpl
+        dkdv.append(
+            Config(f"simt{bm}x{bn}", expr, bm, bn, 256, smem, False, static=_static(2 * size))
+        )
         smem = ((2 * bm + 2 * bn) * (dmax + 1) + bm * (bn + 1)) * size
-        dq.append(Config(f"simt{bm}x{bn}", "attn_bwd_dq_simt" + tmpl, bm, bn, 256, smem, False))
+        expr = "attn_bwd_dq_simt" + tmpl
+        dq.append(
+            Config(f"simt{bm}x{bn}", expr, bm, bn, 256, smem, False, static=_static(2 * size))
+        )
     return dkdv, dq
 
 
@@ -241,13 +274,13 @@ def select_backward(storage: str, d: int, smem_limit: int) -> tuple:
     """
     out = []
     for what, lst in zip(("dK/dV", "dQ"), backward_all(storage, d)):
-        fits = [c for c in lst if c.smem <= smem_limit]
-        if not fits:
+        ok = [c for c in lst if fits(c, smem_limit)]
+        if not ok:
             raise NoConfigError(
                 f"GPU backward tile: no {storage} D={d} {what} configuration fits {smem_limit} B "
-                f"of shared memory per block (the smallest needs {min(c.smem for c in lst)} B)"
+                f"of shared memory per block (the smallest needs {min(c.total for c in lst)} B)"
             )
-        out.append(fits[0])
+        out.append(ok[0])
     return tuple(out)
 
 

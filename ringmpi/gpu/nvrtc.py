@@ -180,10 +180,17 @@ _RE_SPILL = re.compile(
     r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
 )
 _RE_REGS = re.compile(r"Used (\d+) registers")
+_RE_SMEM = re.compile(r"(\d+) bytes smem")
+# what parse_ptxas reports: part of a kept verdict's key (a verdict kept before holds less)
+_RESOURCES = "registers stack spill_stores spill_loads smem"
 
 
 def parse_ptxas(log: str) -> dict:
-    """Per-function resources from a ``ptxas -v`` log: registers, stack, spills."""
+    """Per-function resources from a ``ptxas -v`` log: registers, stack, spills, smem.
+
+    ``smem`` is the static shared memory in bytes (the ``__shared__`` arrays): a
+    launch may use at most the device's opt-in limit minus it dynamically.
+    """
     out, cur = {}, None
     for line in log.splitlines():
         m = _RE_FUNC.search(line)
@@ -199,6 +206,8 @@ def parse_ptxas(log: str) -> dict:
         m = _RE_REGS.search(line)
         if m:
             cur["registers"] = int(m.group(1))
+            m = _RE_SMEM.search(line)
+            cur["smem"] = int(m.group(1)) if m else 0
     return out
 
 
@@ -267,7 +276,7 @@ def _compile_job(job: tuple) -> CompileResult:
     name = files if isinstance(files, str) else "+".join(files)
     code = source(files)
     ver = ".".join(map(str, version()))
-    digest = verdicts.key("nvrtc", ver, code, OPTIONS, arch, names, name)
+    digest = verdicts.key("nvrtc", ver, code, OPTIONS, arch, names, name, _RESOURCES)
     kept = verdicts.load(digest)
     if kept is not None:
         try:
@@ -325,7 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(
                 f"  {expr:45s} regs {r.get('registers', '?'):>3}  "
                 f"spill st/ld {r.get('spill_stores', '?')}/{r.get('spill_loads', '?')} B  "
-                f"stack {r.get('stack', '?')} B"
+                f"stack {r.get('stack', '?')} B  static smem {r.get('smem', '?')} B"
             )
     return status
 

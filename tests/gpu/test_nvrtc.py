@@ -71,6 +71,48 @@ def test_no_register_spills(results, arch):
 
 
 @needs_nvrtc
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("arch", nvrtc.ARCHS)
+def test_static_shared_memory_is_what_ptxas_reports(results, arch):
+    """Each configuration's static shared memory equals ptxas's (issue 39).
+
+    The choice by shared memory (configs.fits: dynamic + static within the device's
+    opt-in limit) and the CuPy stand-in's launch checks use these numbers.
+    """
+    res = results[arch]
+    assert res.ok, res.log
+    byexpr = {}
+    for storage in configs.STORAGES:
+        for d in range(1, configs.MAX_D + 1):
+            for c in configs.forward_all(storage, d):
+                byexpr[c.expr] = c
+            for lst in configs.backward_all(storage, d):
+                byexpr.update((c.expr, c) for c in lst)
+    assert set(byexpr) == set(res.lowered)
+    wrong = {}
+    for expr, c in byexpr.items():
+        got = res.resources[res.lowered[expr]].get("smem")
+        if got != c.static:
+            wrong[expr] = (c.static, got)
+    assert not wrong, f"{arch}: (configs' static, ptxas smem): {wrong}"
+
+
+@pytest.mark.parametrize("arch", list(LIMITS))
+def test_every_selection_fits_with_its_static_shared_memory(arch):
+    limit = LIMITS[arch]
+    for storage in configs.STORAGES:
+        for d in range(1, configs.MAX_D + 1):
+            assert configs.select_forward(storage, d, limit).total <= limit
+            try:
+                chosen = configs.select_backward(storage, d, limit)
+            except configs.NoConfigError:
+                continue
+            assert all(c.total <= limit for c in chosen)
+    assert configs.fits(configs.Config("x", "x", 1, 1, 1, 100, False, static=20), 120)
+    assert not configs.fits(configs.Config("x", "x", 1, 1, 1, 100, False, static=21), 120)
+
+
+@needs_nvrtc
 def test_compile_error_is_reported():
     res = nvrtc.compile_source("__global__ void f() { undefined_thing(); }", (), "sm_80")
     assert not res.ok and "undefined_thing" in res.log
@@ -144,9 +186,9 @@ def test_selection_uses_the_largest_tiles_that_fit():
         assert configs.select_forward(storage, d, LIMITS["sm_80"]).smem == big
         small = configs.select_forward(storage, d, LIMITS["sm_86"])
         assert small.smem < LIMITS["sm_86"] < big
-    # fp64 D = 256 needs 100,864 B: it fits sm_86 (just), not a 64 KiB device
+    # fp64 D = 256 needs 100,864 B (+ 16 B static): it fits sm_86 (just), not a 64 KiB device
     assert configs.select_forward("double", 256, LIMITS["sm_86"]).smem == 100_864
-    with pytest.raises(configs.NoConfigError, match="smallest needs 100864 B"):
+    with pytest.raises(configs.NoConfigError, match="smallest needs 100880 B"):
         configs.select_forward("double", 256, 65_536)
     # lower limits pick smaller tiles, never an oversized one
     for limit in (65_536, 80_000):

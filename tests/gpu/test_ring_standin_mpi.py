@@ -96,3 +96,43 @@ def test_backward_modifiers(comm, cupy, layout, dtype, case):
     """Backward with softcap / ALiBi / both under masks (GPU path, stand-in) vs float64."""
     _, n, nk, causal, mask = case
     gpucases.backward_case(cupy, comm, dtype, layout, causal, mask=mask, n=n, nk=nk, d=64)
+
+
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserved", "not-reserved"])
+def test_staged_start_does_not_wait_for_the_producer(cupy, monkeypatch, reserve):
+    """Staged start() returns before the send buffer's producer ran, once reserve()d.
+
+    The stand-in's producer is a copy queued on the current stream (it runs only when
+    waited for); allocating pinned memory synchronises the device, as on a GPU. With
+    the buffers reserved, start() allocates nothing and the producer is still queued
+    after it; without, the first start() allocates and so waits for the producer:
+    the overlap tests/gpu/test_tile_device.py measures would fail on a correct ring
+    (issue 39). Either way the right data arrives.
+    """
+    from mpi4py import MPI
+
+    from ringmpi import gpu
+
+    monkeypatch.setenv("RINGMPI_CUDA_AWARE", "0")
+    ring = gpu.GpuRing(MPI.COMM_SELF)  # a ring of one: sends to itself
+    assert not ring.cuda_aware
+    runtime = cupy.cuda.runtime
+    try:
+        send = cupy.zeros(1 << 12, dtype=cupy.float32)
+        recv = cupy.empty_like(send)
+        if reserve:
+            ring.reserve(send.nbytes)
+        src = np.full(send.size, 7.0, dtype=np.float32)
+        producer = cupy.cuda.Stream(non_blocking=True)
+        with producer:
+            h2d = runtime.memcpyHostToDevice
+            runtime.memcpyAsync(send.data.ptr, src.ctypes.data, send.nbytes, h2d, producer.ptr)
+            before = cupy.cuda.pinned_allocations[0]
+            ring.start(send, recv)
+            waited = producer.ran == producer.enqueued
+            allocated = cupy.cuda.pinned_allocations[0] - before
+            ring.wait()
+        assert bool((recv == 7.0).all()), "received stale data"
+        assert waited == (not reserve) and (allocated == 0) == reserve, (waited, allocated)
+    finally:
+        ring.free()

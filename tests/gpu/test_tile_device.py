@@ -344,7 +344,12 @@ extern "C" __global__ void spin_fill(float* x, int n, float val, long long cycle
 
 @pytest.mark.parametrize("aware", [False, True])
 def test_staged_start_does_not_wait_for_the_kernel(aware):
-    """Staged: start() returns while the producing kernel still runs; the data is still right."""
+    """Staged: start() returns while the producing kernel still runs; the data is still right.
+
+    The pinned buffers are reserved first: allocating pinned memory synchronises the
+    device (GpuRing's docstring), so a first allocation inside start() would wait for
+    the kernel on a correct ring (issue 39).
+    """
     from mpi4py import MPI
 
     if aware and not gpu.cuda_aware():
@@ -355,6 +360,7 @@ def test_staged_start_does_not_wait_for_the_kernel(aware):
     try:
         send = cupy.zeros(1 << 20, dtype=cupy.float32)
         recv = cupy.empty_like(send)
+        ring.reserve(send.nbytes)  # pinned buffers now, not inside the timed start
         for it in range(3):
             rate = device.props(device.current())["clockRate"] * 1e3  # Hz
             spin(

@@ -153,6 +153,41 @@ def test_padding_reaches_the_kernel_as_16_byte_rows(cupy):
         assert bool(cupy.isfinite(acc).all()) and float(l.min()) > 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_packed_kernel_keeps_the_state_in_natural_units(cupy, monkeypatch, dtype):
+    """attn_fwd_mma2 takes the natural scale and stores m as attn_fwd_mma does (issue 39).
+
+    The stand-in reads the scale's unit from the kernel's parameter name (``scale_log2``
+    would be a base-2 kernel, whose m went back through m log2(e) ln 2 and moved lse by
+    about an ulp): the packed and the unpacked tensor-core kernels must leave the
+    same (acc, m, l) bits, and the packed kernel's m store has no base-2 conversion.
+    """
+    from ringmpi import gpu, softmax
+    from ringmpi.gpu import configs, sources, tile
+
+    rng = np.random.default_rng(39)
+    shapes = [(1, 4, 70, 64), (1, 2, 90, 64), (1, 2, 90, 64)]
+    q, k, v = (gpucases.to_device(cupy, x, dtype) for x in gpucases.data(rng, shapes))
+    pos_q, pos_k = np.arange(70, dtype=np.int64) + 20, np.arange(90, dtype=np.int64)
+    states = {}
+    for kern in configs.forward_candidates(STORAGE[dtype], 64, 232448):
+        monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
+        acc, m, l = softmax.init_state(q.shape, np.float32, cupy)
+        gpu.forward_tile(q, k, v, pos_q, pos_k, acc, m, l, scale=0.125 * 1.1, causal=True)
+        assert cupy.launches[-1][0] == kern.expr
+        states[kern.name] = [x.get() for x in (acc, m, l)]
+    assert {"m64n64", "m128n64"} <= set(states), list(states)
+    for name, st in states.items():
+        for what, a, b in zip("acc m l".split(), st, states["m64n64"]):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} {what} vs m64n64")
+    names = [n for _, n in standin_kernels.signatures()["attn_fwd_mma2"][1]]
+    assert names[names.index("causal") - 1] == "scale", names
+    code = sources.source(sources.FORWARD_FILE)
+    body = code[code.index("attn_fwd_mma2(") : code.index("attn_fwd_simt(")]
+    stores = [ln for ln in body.splitlines() if "m_state[row_of" in ln and "] =" in ln]
+    assert stores and not any("RING_LN2" in ln or "LOG2E" in ln for ln in stores), stores
+
+
 def test_a_bad_launch_is_refused(cupy):
     """The stand-in's launch checks can fail: unpadded rows, missing shared-memory opt-in."""
     from tools.standin_kernels import LaunchError
@@ -174,6 +209,39 @@ def test_a_bad_launch_is_refused(cupy):
         raw.max_dynamic_shared_size_bytes = 48 * 1024
         with pytest.raises(cupy.cuda.runtime.CUDARuntimeError, match="shared memory"):
             raw((1,), (kern.threads,), args, shared_mem=kern.smem)
+
+
+def test_the_launch_limit_counts_static_shared_memory(cupy, smem, monkeypatch):
+    """Dynamic shared memory fits the opt-in limit less the kernel's static (issue 39).
+
+    attn_fwd_mma2 has 5,120 B of static shared memory (its per-row arrays): on a
+    device whose limit holds its dynamic shared memory but not both, the stand-in
+    refuses the opt-in as cuFuncSetAttribute does, and the choice skips it.
+    """
+    from ringmpi import gpu, softmax
+    from ringmpi.gpu import configs, loader, tile
+
+    kern = next(c for c in configs.forward_all("bf16_t", 64) if c.name == "m128n64")
+    assert kern.static == 5120 and kern.smem > 48 * 1024
+    smem(kern.smem + kern.static - 1)
+    raw = loader.get_function(tile.KERNEL_FILE, kern.expr, tile.kernel_names())
+    assert raw.shared_size_bytes == kern.static
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError, match="5120 B static"):
+        raw.max_dynamic_shared_size_bytes = kern.smem
+    assert kern not in configs.forward_candidates("bf16_t", 64, kern.smem + kern.static - 1)
+    monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
+    with pytest.raises(configs.NoConfigError, match="m128n64"):
+        tile.chosen("bf16_t", 64, True, 0)
+    monkeypatch.delenv(tile.CONFIG_ENV)
+    q, k, v = (cupy.zeros((1, 2, 40, 64), dtype=np.uint16) for _ in range(3))
+    acc, m, l = softmax.init_state(q.shape, np.float32, cupy)
+    pos = np.arange(40, dtype=np.int64)
+    gpu.forward_tile(q, k, v, pos, pos, acc, m, l, scale=0.125, causal=True)
+    assert cupy.launches[-1][0] != kern.expr  # another configuration ran
+    smem(kern.total)  # exactly enough: the opt-in and the launch go through
+    monkeypatch.setenv(tile.CONFIG_ENV, kern.name)
+    gpu.forward_tile(q, k, v, pos, pos, acc, m, l, scale=0.125, causal=True)
+    assert cupy.launches[-1][0] == kern.expr
 
 
 def test_configuration_choice_follows_the_device(cupy, smem, monkeypatch):

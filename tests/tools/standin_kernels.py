@@ -20,7 +20,14 @@ import re
 
 import numpy as np
 
-__all__ = ["install", "configs_by_expr", "geometry", "signatures", "check_signature"]
+__all__ = [
+    "install",
+    "configs_by_expr",
+    "geometry",
+    "signatures",
+    "check_signature",
+    "static_smem",
+]
 
 geometry: list = []  # (expression, D, ld) of every launch checked here, in order
 
@@ -79,6 +86,11 @@ def signatures() -> dict:
                 params.append(("".join(words[:-1]), words[-1]))
             out[m.group(2)] = (tparams, params)
     return out
+
+
+def _param_names(expr: str) -> list:
+    """The parameter names of kernel ``expr`` in kernels/*.cu, in order."""
+    return [name for _, name in signatures()[expr.split("<")[0].strip()][1]]
 
 
 def _null(x) -> bool:
@@ -286,10 +298,14 @@ def _forward(expr, grid, block, args, smem):
         order = _dev(order, expr, "order", np.int32, (nqb,))
         _need(np.array_equal(np.sort(order), np.arange(nqb)), expr, "order is no permutation")
         _need(grid == (nqb * bsz * hkv,), expr, f"grid {grid}, expected ({nqb * bsz * hkv},)")
-        scale = float(scale) / LOG2E
     else:
         _need(grid == (nqb, h, bsz), expr, f"grid {grid}, expected {(nqb, h, bsz)}")
-        scale = float(scale)
+    # the scale's unit is the parameter's name: natural (scale), or base 2 (scale_log2:
+    # scores times log2(e), whose state the kernel would have to convert back)
+    names = _param_names(expr)
+    scale = float(scale)
+    if names[names.index("causal") - 1] == "scale_log2":
+        scale /= LOG2E
     _padding_zero(expr, d, q=qa, k=ka, v=va)
     _check_plan(expr, env, _visible(q_pos, k_pos, rows, causal), kern.bm, kern.bn, g)
     from ringmpi.cpu import numpy_tile
@@ -376,6 +392,12 @@ def _backward(expr, grid, block, args, smem):
 def install(cupy) -> None:
     """Register the CPU implementations with the stand-in ``cupy`` module."""
     for name in ("attn_fwd_mma", "attn_fwd_mma2", "attn_fwd_simt"):
-        cupy.register(name, _forward)
+        cupy.register(name, _forward, static_smem)
     for name in ("attn_bwd_dkdv_mma", "attn_bwd_dq_mma", "attn_bwd_dkdv_simt", "attn_bwd_dq_simt"):
-        cupy.register(name, _backward)
+        cupy.register(name, _backward, static_smem)
+
+
+def static_smem(expr: str) -> int:
+    """Static shared memory of instantiation ``expr`` in bytes (the configuration's, which
+    tests/gpu/test_nvrtc.py checks against ptxas for every instantiation)."""
+    return configs_by_expr()[expr].static

@@ -4,8 +4,12 @@ Streams: the default stream (``ptr`` 0) runs everything at once. On another
 stream (``Stream(non_blocking=True)``) a ``memcpyAsync`` is queued and runs when
 an event recorded after it on that stream is synchronised, when the stream is
 synchronised or waited for, or at the second ``Event.done`` query (the first one
-reports False: the copy is "still in flight"). Kernels and array operations run
-at once whatever the stream.
+reports False: the copy is "still in flight"). ``wait_event`` by a stream that is
+not the current one is queued: what precedes the event on its stream runs just
+before the waiting stream's next work (the current stream waits at once: its
+kernels and array operations run at once).
+Allocating pinned memory synchronises the device, as cudaHostAlloc does. Kernels
+and array operations run at once whatever the stream.
 """
 
 from __future__ import annotations
@@ -94,9 +98,16 @@ class Stream:
         self.run_until(self.enqueued)
 
     def wait_event(self, event) -> None:
-        # work queued here later must follow the event: run what precedes it now
-        if event.stream is not None:
-            event.stream.run_until(event.seq)
+        # work queued here later follows the event. The current stream's kernels and
+        # array operations run at once, so its wait runs what precedes the event now;
+        # another stream queues the wait before its next (copy) work
+        if event.stream is None:
+            return
+        src, seq = event.stream, event.seq
+        if self is get_current_stream() or self.ptr == 0:
+            src.run_until(seq)
+        else:
+            self.enqueue(lambda: src.run_until(seq))
 
     @property
     def done(self) -> bool:
@@ -182,5 +193,7 @@ class PinnedMemoryPointer(bytearray):
 
 
 def alloc_pinned_memory(nbytes: int) -> PinnedMemoryPointer:
+    """Page-locked memory; as cudaHostAlloc, the allocation synchronises the device."""
+    Device().synchronize()
     pinned_allocations[0] += 1
     return PinnedMemoryPointer(int(nbytes))
