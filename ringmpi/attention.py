@@ -249,7 +249,7 @@ def _loop(
 
             if plan.compute[step]:
                 t0 = time.perf_counter()
-                k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k)
+                k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k, mask=mask)
                 tile_flops += plan.tile_at(be.forward_tile, step)(
                     qi,
                     kb,
