@@ -27,6 +27,7 @@ __all__ = [
     "row_pairs",
     "rank_pairs",
     "imbalance",
+    "imbalances",
     "FORWARD_PER_PAIR",
     "BACKWARD_PER_PAIR",
     "flops",
@@ -128,6 +129,23 @@ def imbalance(mask, size: int, layout: str) -> float:
     per = rank_pairs(mask, size, layout)
     total = int(per.sum())
     return 1.0 if total == 0 else float(per.max()) * size / total
+
+
+def imbalances(mask, size: int) -> dict:
+    """{layout: :func:`imbalance`} for every layout that can hold ``mask`` (issue 41).
+
+    The mask-free layouts always; ``balanced`` for self-attention masks.
+    """
+    from .layout import LAYOUTS, MASK_LAYOUTS
+
+    same = mask.nq == mask.nk and (
+        (mask.cu_q is None and mask.cu_k is None)
+        or (
+            mask.cu_q is not None and mask.cu_k is not None and np.array_equal(mask.cu_q, mask.cu_k)
+        )
+    )
+    names = LAYOUTS + (MASK_LAYOUTS if same else ())
+    return {lay: imbalance(mask, size, lay) for lay in names}
 
 
 def flops(pairs: float, d: int, heads: int, batch: int = 1, backward: bool = False) -> float:
