@@ -254,7 +254,7 @@ def balanced_map(mask, size: int, block: int = BALANCED_BLOCK) -> list:
     """The ``balanced`` layout (issue 41): each rank's tokens, by the mask's visible-pair cost.
 
     The sequence is cut into blocks of ``block`` tokens; a block whose queries see
-    more than 1/(8 size) of all visible pairs is halved until it does not (or holds
+    more than 1/(32 size) of all visible pairs is halved until it does not (or holds
     one token), so no block is too heavy to balance. Blocks go, heaviest first
     (ties: the earlier block), to the rank with the fewest pairs so far (ties: the
     fewer tokens, then the lower rank): greedy longest-processing-time, in exact
@@ -291,7 +291,7 @@ def balanced_map(mask, size: int, block: int = BALANCED_BLOCK) -> list:
     while todo:
         a, b = todo.pop()
         c = int(cum[b] - cum[a])
-        if b - a > 1 and c * 8 * size > total:
+        if b - a > 1 and c * 32 * size > total:
             mid = (a + b) // 2
             todo.extend(((mid, b), (a, mid)))
         else:
