@@ -67,7 +67,7 @@ def ring_attention(
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
     causal : bool
         Query at global position i sees keys at positions <= i.
-    layout : {"zigzag", "striped", "contiguous"}
+    layout : {"zigzag", "striped", "contiguous", "balanced"}
         How tokens are spread over ranks; must match how q, k, v were cut.
     scale : float, optional
         Score scale, default 1/sqrt(D).
