@@ -132,20 +132,10 @@ def imbalance(mask, size: int, layout: str) -> float:
 
 
 def imbalances(mask, size: int) -> dict:
-    """{layout: :func:`imbalance`} for every layout that can hold ``mask`` (issue 41).
-
-    The mask-free layouts always; ``balanced`` for self-attention masks.
-    """
+    """{layout: :func:`imbalance`} for every layout (issue 41), the mask-free ones first."""
     from .layout import LAYOUTS, MASK_LAYOUTS
 
-    same = mask.nq == mask.nk and (
-        (mask.cu_q is None and mask.cu_k is None)
-        or (
-            mask.cu_q is not None and mask.cu_k is not None and np.array_equal(mask.cu_q, mask.cu_k)
-        )
-    )
-    names = LAYOUTS + (MASK_LAYOUTS if same else ())
-    return {lay: imbalance(mask, size, lay) for lay in names}
+    return {lay: imbalance(mask, size, lay) for lay in LAYOUTS + MASK_LAYOUTS}
 
 
 def flops(pairs: float, d: int, heads: int, batch: int = 1, backward: bool = False) -> float:

@@ -15,8 +15,9 @@ Three layouts map the N tokens of a sequence onto P ranks:
   (a union of slices, causal, a window, packed sequences). It is computed from
   the mask itself (identical on every rank, no communication), so it needs the
   mask wherever the token map is asked for (``mask=`` of :func:`positions`,
-  ``causal=`` / ``window=`` / ``slices=`` of :func:`shard` and :func:`gather`).
-  Ranks may hold different numbers of tokens.
+  ``causal=`` / ``window=`` / ``slices=`` or ``mask=`` of :func:`shard` and
+  :func:`gather`). Ranks may hold different numbers of tokens. Under
+  cross-attention the queries are dealt so and the keys cut contiguously.
 
 Any N >= 1 works with any P >= 1: chunk sizes differ by at most one token and
 a rank may hold no token at all.
@@ -154,7 +155,7 @@ def positions(
         start = int(sizes[: int(rank) % u].sum())
         return group[start : start + sizes[int(rank) % u]]
     if layout in MASK_LAYOUTS:
-        return balanced_map(_self_mask(mask, n), int(size))[int(rank)].copy()
+        return _balanced(mask, n, cu_seqlens, int(size))[int(rank)].copy()
     if size == 1:  # every layout: the one rank holds the tokens in order
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, n)
@@ -197,7 +198,7 @@ def counts(
         per_group = counts(n, size // u, layout, cu_seqlens=cu_seqlens, mask=mask)
         return np.concatenate([split_sizes(int(c), u) for c in per_group])
     if layout in MASK_LAYOUTS:
-        parts = balanced_map(_self_mask(mask, n), int(size))
+        parts = _balanced(mask, n, cu_seqlens, int(size))
         return np.array([len(p) for p in parts], dtype=np.int64)
     if size == 1:
         if cu_seqlens is not None:
@@ -217,37 +218,54 @@ def counts(
     return s[:size] + s[::-1][:size]
 
 
-def _self_mask(mask, n: int):
-    """``mask`` if the balanced layout can deal ``n`` tokens by it, else one clear ValueError."""
+def _same_offsets(a, b) -> bool:
+    return (a is None and b is None) or (
+        a is not None and b is not None and np.array_equal(np.asarray(a), np.asarray(b))
+    )
+
+
+def _balanced(mask, n: int, cu_seqlens, size: int) -> list:
+    """The ``balanced`` token map of the ``n`` tokens with offsets ``cu_seqlens`` under ``mask``.
+
+    Self-attention (queries and keys the same tokens): :func:`balanced_map`. For
+    cross-attention the queries (n, offsets = the mask's) get :func:`balanced_map`
+    and the keys (n, offsets = the mask's key side) are cut into ``size``
+    contiguous parts: a rank's work is set by its queries, the keys travel. One
+    clear ValueError when the mask is missing or the tokens are neither side.
+    """
     if mask is None:
         raise ValueError(
             "layout 'balanced' is computed from the mask: pass it (shard/gather: causal=, "
-            "window=, slices= and cu_seqlens=, the same as the attention call; positions/"
-            "counts: mask=ringmpi.mask.mask_of(spec, n, n))"
+            "window=, slices= and cu_seqlens=, the same as the attention call, or mask=; "
+            "positions/counts: mask=ringmpi.mask.mask_of(spec, nq, nk))"
         )
-    same_cu = (mask.cu_q is None and mask.cu_k is None) or (
-        mask.cu_q is not None and mask.cu_k is not None and np.array_equal(mask.cu_q, mask.cu_k)
+    n = int(n)
+    if mask.nq == mask.nk and _same_offsets(mask.cu_q, mask.cu_k):  # self-attention
+        if n != mask.nq:
+            raise ValueError(
+                f"layout 'balanced': the mask is over {mask.nq} tokens, the sequence has {n}"
+            )
+        return balanced_map(mask, size)
+    if n == mask.nq and _same_offsets(cu_seqlens, mask.cu_q):
+        return balanced_map(mask, size)
+    if n == mask.nk and _same_offsets(cu_seqlens, mask.cu_k):
+        sizes = split_sizes(n, size)
+        ends = np.cumsum(sizes)
+        return [np.arange(e - c, e, dtype=np.int64) for c, e in zip(sizes, ends)]
+    raise ValueError(
+        f"layout 'balanced': {n} tokens"
+        + ("" if cu_seqlens is None else " with these cu_seqlens")
+        + f" are neither the mask's {mask.nq} queries nor its {mask.nk} keys "
+        "(cut the keys of packed cross-attention with cu_seqlens=cu_seqlens_k)"
     )
-    if mask.nq != mask.nk or not same_cu:
-        raise ValueError(
-            f"layout 'balanced' deals the tokens of self-attention (queries and keys the same "
-            f"tokens); this mask has {mask.nq} queries and {mask.nk} keys"
-            + ("" if same_cu else " in different packed sequences")
-            + ": use zigzag, striped or contiguous for cross-attention"
-        )
-    if int(n) != mask.nq:
-        raise ValueError(
-            f"layout 'balanced': the mask is over {mask.nq} tokens, the sequence has {n}"
-        )
-    return mask
 
 
 _BALANCED_CACHE: dict = {}
 
 
 def _mask_key(mask) -> tuple:
-    cu = None if mask.cu_q is None else tuple(int(x) for x in mask.cu_q)
-    return (mask.nq, mask.nk, bool(mask.causal), mask.window, cu, mask.slices)
+    cu_q, cu_k = (None if c is None else tuple(int(x) for x in c) for c in (mask.cu_q, mask.cu_k))
+    return (mask.nq, mask.nk, bool(mask.causal), mask.window, cu_q, cu_k, mask.slices)
 
 
 def balanced_map(mask, size: int, block: int = BALANCED_BLOCK) -> list:
@@ -264,7 +282,7 @@ def balanced_map(mask, size: int, block: int = BALANCED_BLOCK) -> list:
     Parameters
     ----------
     mask : ringmpi.mask.Mask
-        A self-attention mask (queries and keys the same tokens).
+        The mask; its queries are dealt (for self-attention they are also the keys).
     size : int
         Number of ring positions.
     block : int
@@ -376,6 +394,7 @@ def shard(
     causal=None,
     window=None,
     slices=None,
+    mask=None,
 ):
     """This rank's tokens of a global array that every rank holds.
 
@@ -391,9 +410,13 @@ def shard(
     cu_seqlens : int array, optional
         Packed sequences: the layout applies within each (as in :func:`ringmpi.positions`).
     causal, window, slices :
-        The mask of the attention call, for ``layout="balanced"`` (self-attention:
-        the sequence is queries and keys); give at least one of them (``causal=False``
-        for full attention), exactly as the call will. Ignored by the other layouts.
+        The mask of a self-attention call, for ``layout="balanced"``; give at least
+        one of them (``causal=False`` for full attention), exactly as the call will.
+        Ignored by the other layouts.
+    mask : ringmpi.mask.Mask, optional
+        Instead of those, the whole mask (``ringmpi.mask.mask_of(spec, nq, nk)``):
+        needed for cross-attention, whose queries and keys (``cu_seqlens=`` the key
+        offsets when packed) are cut by the same mask.
 
     Returns
     -------
@@ -413,17 +436,21 @@ def shard(
             "(np.swapaxes(x, -3, -2)) or the heads are taken as tokens",
             stacklevel=2,
         )
-    mask = _shard_mask(layout, n, cu_seqlens, causal, window, slices)
+    mask = _shard_mask(layout, n, cu_seqlens, causal, window, slices, mask)
     idx = positions(
         n, comm.Get_rank(), comm.Get_size(), layout, head_parallel, cu_seqlens, mask=mask
     )
     return x.take(idx, axis=ax)
 
 
-def _shard_mask(layout: str, n: int, cu_seqlens, causal, window, slices):
+def _shard_mask(layout: str, n: int, cu_seqlens, causal, window, slices, mask=None):
     """The mask ``balanced`` deals by (None for the other layouts), from shard's keywords."""
     if check_layout(layout) not in MASK_LAYOUTS:
         return None
+    if mask is not None:
+        if causal is not None or window is not None or slices is not None:
+            raise ValueError("shard/gather: give mask= or causal=/window=/slices=, not both")
+        return mask
     if causal is None and window is None and slices is None and cu_seqlens is None:
         raise ValueError(
             "layout 'balanced' is computed from the mask: give shard/gather the attention "
@@ -448,6 +475,7 @@ def gather(
     causal=None,
     window=None,
     slices=None,
+    mask=None,
 ):
     """The global array in token order, on every rank (inverse of ``shard``).
 
@@ -456,7 +484,7 @@ def gather(
     x_local : numpy array with this rank's tokens on ``axis``
     n : int
         Global sequence length.
-    causal, window, slices :
+    causal, window, slices, mask :
         The mask, for ``layout="balanced"`` (as in :func:`shard`).
 
     Returns
@@ -470,7 +498,7 @@ def gather(
     x_local = np.asarray(x_local.get() if hasattr(x_local, "get") else x_local)
     size = comm.Get_size()
     ax = _token_axis(x_local, axis, "gather")  # the same on every rank: before the collective
-    mask = _shard_mask(layout, n, cu_seqlens, causal, window, slices)  # the same on every rank
+    mask = _shard_mask(layout, n, cu_seqlens, causal, window, slices, mask)  # same everywhere
     parts = comm.allgather(x_local)
     shape = list(x_local.shape)
     shape[ax] = n

@@ -132,12 +132,27 @@ def test_rank_pairs_and_imbalance_count_the_dense_mask(size):
 
 
 def test_imbalance_of_cross_attention_and_of_no_pairs():
-    cross = make_mask(100, 140, True)
-    assert set(cost.imbalances(cross, 4)) == set(ringmpi.LAYOUTS)  # balanced: self-attention only
+    """Cross-attention: each rank's queries against all keys, counted from the dense mask."""
     from ringmpi import slices as sl
     from ringmpi.mask import mask_of
     from ringmpi.spec import AttentionSpec
 
+    for cross in (
+        make_mask(100, 140, True, (20, 3)),
+        make_mask(60, 80, False, None, np.array([0, 25, 60]), np.array([0, 50, 80])),
+    ):
+        dense = _dense_bool(cross)
+        for layout, value in cost.imbalances(cross, 3).items():
+            want = [
+                int(
+                    dense[
+                        ringmpi.positions(cross.nq, r, 3, layout, cu_seqlens=cross.cu_q, mask=cross)
+                    ].sum()
+                )
+                for r in range(3)
+            ]
+            assert cost.rank_pairs(cross, 3, layout).tolist() == want
+            assert value == pytest.approx(max(want) * 3 / sum(want), rel=1e-15)
     empty = mask_of(AttentionSpec(slices=sl.Slices([])), 50, 50)
     assert cost.imbalance(empty, 4, "balanced") == 1.0
 

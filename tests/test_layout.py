@@ -139,18 +139,37 @@ def test_balanced_heads_x_ring_covers_each_token_once():
         )
 
 
-def test_balanced_needs_a_self_attention_mask():
+def test_balanced_needs_the_mask_and_deals_cross_attention_by_its_queries():
+    from ringmpi.layout import balanced_map
     from ringmpi.mask import make_mask
 
     with pytest.raises(ValueError, match="computed from the mask"):
         ringmpi.positions(10, 0, 2, "balanced")
     with pytest.raises(ValueError, match="computed from the mask"):
         counts(10, 2, "balanced")
-    with pytest.raises(ValueError, match="self-attention"):
-        ringmpi.positions(10, 0, 2, "balanced", mask=make_mask(10, 12, True))
-    cu, cu_k = np.array([0, 4, 10]), np.array([0, 6, 10])
-    with pytest.raises(ValueError, match="different packed sequences"):
-        counts(10, 2, "balanced", mask=make_mask(10, 10, True, None, cu, cu_k))
     with pytest.raises(ValueError, match="over 10 tokens"):
         ringmpi.positions(11, 0, 2, "balanced", mask=make_mask(10, 10, True))
+    # cross-attention: queries by their cost, keys in contiguous parts
+    cross = make_mask(100, 140, True)
+    for size in (1, 3, 4):
+        q = [ringmpi.positions(100, r, size, "balanced", mask=cross) for r in range(size)]
+        k = [ringmpi.positions(140, r, size, "balanced", mask=cross) for r in range(size)]
+        assert all(np.array_equal(a, b) for a, b in zip(q, balanced_map(cross, size)))
+        assert all(
+            np.array_equal(a, ringmpi.positions(140, r, size, "contiguous"))
+            for r, a in enumerate(k)
+        )
+    with pytest.raises(ValueError, match="neither the mask's 100 queries nor its 140 keys"):
+        ringmpi.positions(120, 0, 2, "balanced", mask=cross)
+    # packed cross-attention of equal totals: the offsets tell queries from keys
+    cu, cu_k = np.array([0, 4, 10]), np.array([0, 6, 10])
+    packed = make_mask(10, 10, True, None, cu, cu_k)
+    assert np.array_equal(
+        ringmpi.positions(10, 1, 2, "balanced", cu_seqlens=cu_k, mask=packed), np.arange(5, 10)
+    )
+    assert list(counts(10, 2, "balanced", cu_seqlens=cu, mask=packed)) == [
+        len(p) for p in balanced_map(packed, 2)
+    ]
+    with pytest.raises(ValueError, match="neither"):
+        ringmpi.positions(10, 0, 2, "balanced", mask=packed)  # no offsets: neither side
     assert "balanced" in ringmpi.layout.MASK_LAYOUTS and "balanced" not in ringmpi.LAYOUTS

@@ -8,7 +8,7 @@ mask (tests/tools/slicecases.py for slices), computed once per call.
 
 import numpy as np
 import pytest
-from tools.slicecases import builder_cases, dense_of
+from tools.slicecases import builder_cases, dense_of, random_slices
 
 import ringmpi
 from ringmpi import slices as sl
@@ -106,6 +106,49 @@ def test_balanced_with_heads_x_ring(comm):
         assert_close(comm, full, w, None, f"balanced heads x ring {nm}")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_balanced_cross_attention(comm, dtype):
+    """Queries dealt by their cost, keys cut contiguously; shard/gather take mask=."""
+    nq, nk = 75, 181
+    raw = random_slices(np.random.default_rng(6), nq, nk, 6)
+    cu_q, cu_k = np.array([0, 30, 31, nq]), np.array([0, 90, 100, nk])
+    cases = [
+        ("slices 75x181", dict(slices=sl.Slices(raw)), None, dict(mask=dense_of(raw, nq, nk))),
+        ("packed causal", dict(causal=True, cu_seqlens=cu_q, cu_seqlens_k=cu_k), cu_k, None),
+    ]
+    for i, (name, kw, kv_cu, ref_kw) in enumerate(cases):
+        ref_kw = kw if ref_kw is None else ref_kw
+        mask = mask_of(AttentionSpec(**kw), nq, nk)
+        q_cu = kw.get("cu_seqlens")
+        rng = np.random.default_rng(30 + i)
+        q, k, v = random_qkv(rng, nq, 4, 2, 16, nk=nk, dtype=dtype, realistic=True)
+        dout = rng.standard_normal(q.shape).astype(dtype)
+        ql, dl = (ringmpi.shard(x, comm, "balanced", cu_seqlens=q_cu, mask=mask) for x in (q, dout))
+        kl, vl = (ringmpi.shard(x, comm, "balanced", cu_seqlens=kv_cu, mask=mask) for x in (k, v))
+        out, lse = ringmpi.ring_attention(
+            ql, kl, vl, comm, layout="balanced", return_lse=True, **kw
+        )
+        grads = ringmpi.ring_attention_backward(
+            dl, ql, kl, vl, out, lse, comm, layout="balanced", **kw
+        )
+        tag = f"cross {name} balanced {np.dtype(dtype)} P={comm.size}"
+        got = ringmpi.gather(out, nq, comm, "balanced", cu_seqlens=q_cu, mask=mask)
+        got_lse = ringmpi.gather(lse, nq, comm, "balanced", -1, cu_seqlens=q_cu, mask=mask)
+        ref, ref_lse = once(comm, attention, q, k, v, **ref_kw)
+        f32 = dtype != np.float64
+        peer = once(comm, dense, q, k, v, **ref_kw) if f32 else (None, None)
+        assert_close(comm, got, ref, peer[0], f"{tag} out")
+        assert_close(comm, got_lse, ref_lse, peer[1], f"{tag} lse")
+        want = once(comm, attention_backward, dout, q, k, v, **ref_kw)
+        other = once(comm, dense_backward, dout, q, k, v, **ref_kw) if f32 else (None,) * 3
+        for g, w, o, nm, n, cu in zip(
+            grads, want, other, "qkv", (nq, nk, nk), (q_cu, kv_cu, kv_cu)
+        ):
+            full = ringmpi.gather(g, n, comm, "balanced", cu_seqlens=cu, mask=mask)
+            extra = lse_budget(got_lse, ref_lse, w) if f32 else 0.0
+            assert_close(comm, full, w, o, f"{tag} d{nm}", factor=3.0, extra=extra)
+
+
 def test_balanced_bad_input_raises_on_every_rank(comm):
     n = 30 * comm.size
     x = np.ones((n, 2, 4))
@@ -122,11 +165,10 @@ def test_balanced_bad_input_raises_on_every_rank(comm):
             lambda: ringmpi.ring_attention(ql, ql, ql, comm, layout="balanced", causal=True),
             "layout='balanced'",
         )
-    # cross-attention: the balanced layout deals self-attention only
-    k = ringmpi.shard(np.ones((2 * n, 2, 4)), comm, "contiguous")
-    qc = ringmpi.shard(x, comm, "contiguous")
     raises_everywhere(
         comm,
-        lambda: ringmpi.ring_attention(qc, k, k, comm, layout="balanced"),
-        "self-attention",
+        lambda: ringmpi.shard(
+            x, comm, "balanced", causal=True, mask=mask_of(AttentionSpec(), n, n)
+        ),
+        "not both",
     )
