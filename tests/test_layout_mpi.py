@@ -81,8 +81,10 @@ def _run(comm, rng, case, dtype, n=N):
     assert_all(comm, fwd == 4 * pairs, f"{tag}: flops {fwd}, want {4 * pairs}")
 
 
+@pytest.mark.parametrize("kernel", ["auto", "numpy"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_balanced_matches_the_dense_reference(comm, dtype):
+def test_balanced_matches_the_dense_reference(comm, dtype, kernel, monkeypatch):
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", kernel)  # auto: the fused tiles where they build
     for i, case in enumerate(_cases(N)):
         _run(comm, np.random.default_rng(20 + i), case, dtype)
 
