@@ -175,3 +175,9 @@ def test_balanced_layout_reaches_1_1_on_the_builders(size):
     # the unbalanced baseline the layout fixes: global tokens pile work on the first rank
     gl = mask_of(AttentionSpec(slices=sl.global_local(n, (256, 256), 64)), n, n)
     assert cost.imbalance(gl, size, "contiguous") > 1.2
+    # every 8th token sees all keys (a strided summary token): striped piles them on rank 0
+    strided = sl.Slices(
+        [(i, i + 1, 0, n, "full") for i in range(0, n, 8)] + [(0, n, 0, n, "bi_causal")]
+    )
+    mask = mask_of(AttentionSpec(slices=strided), n, n)
+    assert cost.imbalance(mask, size, "balanced") <= 1.1 < 3 < cost.imbalance(mask, size, "striped")
