@@ -212,7 +212,7 @@ def _counts(views: list, size: int, spec, mask, what: str) -> dict:
         ("s_local", "q", mask.nq, mask.cu_q),
         ("s_local_k", "k/v", mask.nk, mask.cu_k),
     ):
-        expected = [int(c) for c in counts(total, size, layout, u, cu_seqlens=cu)]
+        expected = [int(c) for c in counts(total, size, layout, u, cu_seqlens=cu, mask=mask)]
         for r in range(size):
             if views[r][key] != expected[r]:
                 how = f"layout={layout!r}" + (f", head_parallel={u}" if u > 1 else "")

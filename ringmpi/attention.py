@@ -67,7 +67,7 @@ def ring_attention(
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
     causal : bool
         Query at global position i sees keys at positions <= i.
-    layout : {"zigzag", "striped", "contiguous"}
+    layout : {"zigzag", "striped", "contiguous", "balanced"}
         How tokens are spread over ranks; must match how q, k, v were cut.
     scale : float, optional
         Score scale, default 1/sqrt(D).
@@ -249,7 +249,7 @@ def _loop(
 
             if plan.compute[step]:
                 t0 = time.perf_counter()
-                k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k)
+                k_pos = positions(args.nk, src, size, layout, cu_seqlens=mask.cu_k, mask=mask)
                 tile_flops += plan.tile_at(be.forward_tile, step)(
                     qi,
                     kb,

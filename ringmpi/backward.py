@@ -245,7 +245,9 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                     if step > 0:
                         mine[...] = 0
                     t0 = time.perf_counter()
-                    k_pos = positions(args.nk, src, size, layout, cu_seqlens=args.mask.cu_k)
+                    k_pos = positions(
+                        args.nk, src, size, layout, cu_seqlens=args.mask.cu_k, mask=args.mask
+                    )
                     tile_flops += plan.tile_at(be.backward_tile, step)(
                         qa,
                         kb,

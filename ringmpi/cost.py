@@ -24,6 +24,10 @@ import numpy as np
 __all__ = [
     "visible_pairs",
     "mask_pairs",
+    "row_pairs",
+    "rank_pairs",
+    "imbalance",
+    "imbalances",
     "FORWARD_PER_PAIR",
     "BACKWARD_PER_PAIR",
     "flops",
@@ -78,6 +82,60 @@ def mask_pairs(mask, block: int = 1 << 20) -> int:
         lo, hi = mask.bounds(np.arange(a, min(mask.nq, a + block), dtype=np.int64))
         total += int(np.maximum(hi - lo + 1, 0).sum())
     return total
+
+
+def row_pairs(mask, q_pos: np.ndarray, block: int = 1 << 16) -> np.ndarray:
+    """Visible keys of each query in ``q_pos`` under ``mask``: int64 (len(q_pos),).
+
+    The sum of the lengths of the query's key ranges (:meth:`ringmpi.mask.Mask.layers`:
+    disjoint, so each pair counts once), ``block`` queries at a time.
+    """
+    q_pos = np.asarray(q_pos, dtype=np.int64)
+    out = np.zeros(len(q_pos), dtype=np.int64)
+    for a in range(0, len(q_pos), block):
+        for lo, hi in mask.layers(q_pos[a : a + block]):
+            out[a : a + block] += np.maximum(np.asarray(hi) - np.asarray(lo) + 1, 0)
+    return out
+
+
+def rank_pairs(mask, size: int, layout: str) -> np.ndarray:
+    """Visible pairs each of ``size`` ranks scores under ``layout``: int64 (size,) (issue 41).
+
+    A rank scores its own queries against every key (the keys travel), so its work
+    is the visible keys of the queries the layout gives it; the entries sum to
+    :func:`mask_pairs`.
+    """
+    from .layout import positions
+
+    return np.array(
+        [
+            int(
+                row_pairs(
+                    mask, positions(mask.nq, r, size, layout, cu_seqlens=mask.cu_q, mask=mask)
+                ).sum()
+            )
+            for r in range(size)
+        ],
+        dtype=np.int64,
+    )
+
+
+def imbalance(mask, size: int, layout: str) -> float:
+    """The slowest rank's visible pairs over the mean of all ranks (1.0: perfectly even).
+
+    The work model of :func:`rank_pairs` (pairs, no timing); 1.0 for a mask with
+    no visible pair.
+    """
+    per = rank_pairs(mask, size, layout)
+    total = int(per.sum())
+    return 1.0 if total == 0 else float(per.max()) * size / total
+
+
+def imbalances(mask, size: int) -> dict:
+    """{layout: :func:`imbalance`} for every layout (issue 41), the mask-free ones first."""
+    from .layout import LAYOUTS, MASK_LAYOUTS
+
+    return {lay: imbalance(mask, size, lay) for lay in LAYOUTS + MASK_LAYOUTS}
 
 
 def flops(pairs: float, d: int, heads: int, batch: int = 1, backward: bool = False) -> float:

@@ -9,6 +9,15 @@ Three layouts map the N tokens of a sequence onto P ranks:
   work is balanced.
 * ``striped``: token t lives on rank t mod P; every rank sees the same mix of
   early and late tokens.
+* ``balanced`` (issue 41): blocks of tokens are dealt to the ranks by the work
+  the mask gives their queries (visible pairs), greedy longest-processing-time
+  first, so every rank scores about the same number of pairs under any mask
+  (a union of slices, causal, a window, packed sequences). It is computed from
+  the mask itself (identical on every rank, no communication), so it needs the
+  mask wherever the token map is asked for (``mask=`` of :func:`positions`,
+  ``causal=`` / ``window=`` / ``slices=`` or ``mask=`` of :func:`shard` and
+  :func:`gather`). Ranks may hold different numbers of tokens. Under
+  cross-attention the queries are dealt so and the keys cut contiguously.
 
 Any N >= 1 works with any P >= 1: chunk sizes differ by at most one token and
 a rank may hold no token at all.
@@ -30,6 +39,9 @@ if TYPE_CHECKING:  # mpi4py.MPI is imported on use: token maps need no MPI
 
 __all__ = [
     "LAYOUTS",
+    "MASK_LAYOUTS",
+    "BALANCED_BLOCK",
+    "balanced_map",
     "positions",
     "counts",
     "split_sizes",
@@ -40,13 +52,17 @@ __all__ = [
     "local_runs",
 ]
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
+LAYOUTS = ("contiguous", "zigzag", "striped")  # the layouts that need no mask
+MASK_LAYOUTS = ("balanced",)  # the layouts computed from the mask (issue 41)
+BALANCED_BLOCK = 64  # tokens per block the balanced layout deals (heavy blocks are split)
 
 
 def check_layout(layout: str) -> str:
     """Return ``layout`` if it names a known layout, else raise ValueError."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if layout not in LAYOUTS + MASK_LAYOUTS:
+        raise ValueError(
+            f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS + MASK_LAYOUTS)}"
+        )
     return layout
 
 
@@ -97,6 +113,7 @@ def positions(
     layout: str = "zigzag",
     head_parallel: int = 1,
     cu_seqlens=None,
+    mask=None,
 ) -> np.ndarray:
     """Global token indices held by ``rank``, in the order the rank stores them.
 
@@ -106,7 +123,7 @@ def positions(
         Global sequence length (>= 0).
     rank, size : int
         This rank and the number of ranks.
-    layout : {"contiguous", "zigzag", "striped"}
+    layout : {"contiguous", "zigzag", "striped", "balanced"}
         Token layout.
     head_parallel : int
         U > 1: ranks form size/U groups of U consecutive ranks (rank = r * U + u);
@@ -116,7 +133,11 @@ def positions(
         :func:`ringmpi.ring_attention`'s ``head_parallel``).
     cu_seqlens : int array, optional
         Offsets [0, n1, n1+n2, ..., n] of packed sequences: the layout applies
-        within each sequence (positions are still global).
+        within each sequence (positions are still global). Ignored by
+        ``balanced``, which takes them from ``mask``.
+    mask : ringmpi.mask.Mask, optional
+        The call's mask (:func:`ringmpi.mask.mask_of`); needed by ``balanced``
+        (ValueError without it), ignored by the other layouts.
 
     Returns
     -------
@@ -127,10 +148,14 @@ def positions(
     check_layout(layout)
     u = _head_parallel(size, head_parallel)
     if u > 1:
-        group = positions(n, int(rank) // u, int(size) // u, layout, cu_seqlens=cu_seqlens)
+        group = positions(
+            n, int(rank) // u, int(size) // u, layout, cu_seqlens=cu_seqlens, mask=mask
+        )
         sizes = split_sizes(len(group), u)
         start = int(sizes[: int(rank) % u].sum())
         return group[start : start + sizes[int(rank) % u]]
+    if layout in MASK_LAYOUTS:
+        return _balanced(mask, n, cu_seqlens, int(size))[int(rank)].copy()
     if size == 1:  # every layout: the one rank holds the tokens in order
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, n)
@@ -158,15 +183,23 @@ def positions(
 
 
 def counts(
-    n: int, size: int, layout: str = "zigzag", head_parallel: int = 1, cu_seqlens=None
+    n: int,
+    size: int,
+    layout: str = "zigzag",
+    head_parallel: int = 1,
+    cu_seqlens=None,
+    mask=None,
 ) -> np.ndarray:
-    """Number of tokens each rank holds: int64 array of shape (size,)."""
+    """Number of tokens each rank holds: int64 array of shape (size,) (``mask`` as in positions)."""
     _check_args(n, 0, size)
     check_layout(layout)
     u = _head_parallel(size, head_parallel)
     if u > 1:
-        per_group = counts(n, size // u, layout, cu_seqlens=cu_seqlens)
+        per_group = counts(n, size // u, layout, cu_seqlens=cu_seqlens, mask=mask)
         return np.concatenate([split_sizes(int(c), u) for c in per_group])
+    if layout in MASK_LAYOUTS:
+        parts = _balanced(mask, n, cu_seqlens, int(size))
+        return np.array([len(p) for p in parts], dtype=np.int64)
     if size == 1:
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, n)
@@ -183,6 +216,122 @@ def counts(
         return split_sizes(n, size)
     s = split_sizes(n, 2 * size)
     return s[:size] + s[::-1][:size]
+
+
+def _same_offsets(a, b) -> bool:
+    return (a is None and b is None) or (
+        a is not None and b is not None and np.array_equal(np.asarray(a), np.asarray(b))
+    )
+
+
+def _balanced(mask, n: int, cu_seqlens, size: int) -> list:
+    """The ``balanced`` token map of the ``n`` tokens with offsets ``cu_seqlens`` under ``mask``.
+
+    Self-attention (queries and keys the same tokens): :func:`balanced_map`. For
+    cross-attention the queries (n, offsets = the mask's) get :func:`balanced_map`
+    and the keys (n, offsets = the mask's key side) are cut into ``size``
+    contiguous parts: a rank's work is set by its queries, the keys travel. One
+    clear ValueError when the mask is missing or the tokens are neither side.
+    """
+    if mask is None:
+        raise ValueError(
+            "layout 'balanced' is computed from the mask: pass it (shard/gather: causal=, "
+            "window=, slices= and cu_seqlens=, the same as the attention call, or mask=; "
+            "positions/counts: mask=ringmpi.mask.mask_of(spec, nq, nk))"
+        )
+    n = int(n)
+    if mask.nq == mask.nk and _same_offsets(mask.cu_q, mask.cu_k):  # self-attention
+        if n != mask.nq:
+            raise ValueError(
+                f"layout 'balanced': the mask is over {mask.nq} tokens, the sequence has {n}"
+            )
+        return balanced_map(mask, size)
+    if n == mask.nq and _same_offsets(cu_seqlens, mask.cu_q):
+        return balanced_map(mask, size)
+    if n == mask.nk and _same_offsets(cu_seqlens, mask.cu_k):
+        sizes = split_sizes(n, size)
+        ends = np.cumsum(sizes)
+        return [np.arange(e - c, e, dtype=np.int64) for c, e in zip(sizes, ends)]
+    raise ValueError(
+        f"layout 'balanced': {n} tokens"
+        + ("" if cu_seqlens is None else " with these cu_seqlens")
+        + f" are neither the mask's {mask.nq} queries nor its {mask.nk} keys "
+        "(cut the keys of packed cross-attention with cu_seqlens=cu_seqlens_k)"
+    )
+
+
+_BALANCED_CACHE: dict = {}
+
+
+def _mask_key(mask) -> tuple:
+    cu_q, cu_k = (None if c is None else tuple(int(x) for x in c) for c in (mask.cu_q, mask.cu_k))
+    return (mask.nq, mask.nk, bool(mask.causal), mask.window, cu_q, cu_k, mask.slices)
+
+
+def balanced_map(mask, size: int, block: int = BALANCED_BLOCK) -> list:
+    """The ``balanced`` layout (issue 41): each rank's tokens, by the mask's visible-pair cost.
+
+    The sequence is cut into blocks of ``block`` tokens; a block whose queries see
+    more than 1/(32 size) of all visible pairs is halved until it does not (or holds
+    one token), so no block is too heavy to balance. Blocks go, heaviest first
+    (ties: the earlier block), to the rank with the fewest pairs so far (ties: the
+    fewer tokens, then the lower rank): greedy longest-processing-time, in exact
+    integer arithmetic, so every rank computes the same map from the agreed mask.
+    Each rank stores its tokens in increasing position order.
+
+    Parameters
+    ----------
+    mask : ringmpi.mask.Mask
+        The mask; its queries are dealt (for self-attention they are also the keys).
+    size : int
+        Number of ring positions.
+    block : int
+        Tokens per block before heavy blocks are split.
+
+    Returns
+    -------
+    list of ``size`` int64 arrays of global positions (some may be empty).
+    """
+    import heapq
+
+    from .cost import row_pairs
+
+    if int(block) != block or block < 1:
+        raise ValueError(f"balanced layout: block must be a positive integer, got {block!r}")
+    key = (int(size), int(block), _mask_key(mask))
+    if key in _BALANCED_CACHE:
+        return _BALANCED_CACHE[key]
+    n = mask.nq
+    cum = np.concatenate(([0], np.cumsum(row_pairs(mask, np.arange(n, dtype=np.int64)))))
+    total = int(cum[-1])
+    todo = [(a, min(a + block, n)) for a in range(0, n, block)][::-1]
+    blocks = []  # (cost, start, stop)
+    while todo:
+        a, b = todo.pop()
+        c = int(cum[b] - cum[a])
+        if b - a > 1 and c * 32 * size > total:
+            mid = (a + b) // 2
+            todo.extend(((mid, b), (a, mid)))
+        else:
+            blocks.append((c, a, b))
+    blocks.sort(key=lambda x: (-x[0], x[1]))
+    heap = [(0, 0, r) for r in range(size)]  # (pairs, tokens, rank)
+    owned: list = [[] for _ in range(size)]
+    for c, a, b in blocks:
+        load, tok, r = heapq.heappop(heap)
+        owned[r].append((a, b))
+        heapq.heappush(heap, (load + c, tok + b - a, r))
+    out = []
+    for blk in owned:
+        blk.sort()
+        parts = [np.arange(a, b, dtype=np.int64) for a, b in blk]
+        pos = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        pos.flags.writeable = False  # shared through the cache
+        out.append(pos)
+    if len(_BALANCED_CACHE) >= 16:
+        _BALANCED_CACHE.pop(next(iter(_BALANCED_CACHE)))
+    _BALANCED_CACHE[key] = out
+    return out
 
 
 def runs(pos: np.ndarray) -> list[tuple[int, int]]:
@@ -241,6 +390,11 @@ def shard(
     axis: int = -3,
     head_parallel: int = 1,
     cu_seqlens=None,
+    *,
+    causal=None,
+    window=None,
+    slices=None,
+    mask=None,
 ):
     """This rank's tokens of a global array that every rank holds.
 
@@ -250,11 +404,19 @@ def shard(
         The whole sequence; ``axis`` is the token axis (default -3: (S, H, D)).
     comm : mpi4py.MPI.Comm, optional
         Default MPI.COMM_WORLD.
-    layout : {"zigzag", "striped", "contiguous"}
+    layout : {"zigzag", "striped", "contiguous", "balanced"}
     head_parallel : int
         As in :func:`ringmpi.positions`.
     cu_seqlens : int array, optional
         Packed sequences: the layout applies within each (as in :func:`ringmpi.positions`).
+    causal, window, slices :
+        The mask of a self-attention call, for ``layout="balanced"``; give at least
+        one of them (``causal=False`` for full attention), exactly as the call will.
+        Ignored by the other layouts.
+    mask : ringmpi.mask.Mask, optional
+        Instead of those, the whole mask (``ringmpi.mask.mask_of(spec, nq, nk)``):
+        needed for cross-attention, whose queries and keys (``cu_seqlens=`` the key
+        offsets when packed) are cut by the same mask.
 
     Returns
     -------
@@ -274,8 +436,31 @@ def shard(
             "(np.swapaxes(x, -3, -2)) or the heads are taken as tokens",
             stacklevel=2,
         )
-    idx = positions(n, comm.Get_rank(), comm.Get_size(), layout, head_parallel, cu_seqlens)
+    mask = _shard_mask(layout, n, cu_seqlens, causal, window, slices, mask)
+    idx = positions(
+        n, comm.Get_rank(), comm.Get_size(), layout, head_parallel, cu_seqlens, mask=mask
+    )
     return x.take(idx, axis=ax)
+
+
+def _shard_mask(layout: str, n: int, cu_seqlens, causal, window, slices, mask=None):
+    """The mask ``balanced`` deals by (None for the other layouts), from shard's keywords."""
+    if check_layout(layout) not in MASK_LAYOUTS:
+        return None
+    if mask is not None:
+        if causal is not None or window is not None or slices is not None:
+            raise ValueError("shard/gather: give mask= or causal=/window=/slices=, not both")
+        return mask
+    if causal is None and window is None and slices is None and cu_seqlens is None:
+        raise ValueError(
+            "layout 'balanced' is computed from the mask: give shard/gather the attention "
+            "call's causal=, window=, slices= and cu_seqlens= (causal=False for full attention)"
+        )
+    from .mask import mask_of
+    from .spec import AttentionSpec
+
+    spec = AttentionSpec(causal=bool(causal), window=window, cu_seqlens=cu_seqlens, slices=slices)
+    return mask_of(spec, n, n)
 
 
 def gather(
@@ -286,6 +471,11 @@ def gather(
     axis: int = -3,
     head_parallel: int = 1,
     cu_seqlens=None,
+    *,
+    causal=None,
+    window=None,
+    slices=None,
+    mask=None,
 ):
     """The global array in token order, on every rank (inverse of ``shard``).
 
@@ -294,6 +484,8 @@ def gather(
     x_local : numpy array with this rank's tokens on ``axis``
     n : int
         Global sequence length.
+    causal, window, slices, mask :
+        The mask, for ``layout="balanced"`` (as in :func:`shard`).
 
     Returns
     -------
@@ -306,12 +498,13 @@ def gather(
     x_local = np.asarray(x_local.get() if hasattr(x_local, "get") else x_local)
     size = comm.Get_size()
     ax = _token_axis(x_local, axis, "gather")  # the same on every rank: before the collective
+    mask = _shard_mask(layout, n, cu_seqlens, causal, window, slices, mask)  # same everywhere
     parts = comm.allgather(x_local)
     shape = list(x_local.shape)
     shape[ax] = n
     out = np.empty(shape, dtype=x_local.dtype)
     for r, part in enumerate(parts):
-        idx = positions(n, r, size, layout, head_parallel, cu_seqlens)
+        idx = positions(n, r, size, layout, head_parallel, cu_seqlens, mask=mask)
         if part.shape[ax] != len(idx):
             raise ValueError(
                 f"gather: rank {r} holds {part.shape[ax]} tokens, layout {layout!r} "

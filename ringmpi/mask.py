@@ -219,17 +219,22 @@ def plan_steps(mask: Mask, rank: int, size: int, layout: str) -> StepPlan:
     distance to the next ranks' blocks), the ring stops early: fewer steps and
     fewer messages.
     """
-    q_pos = positions(mask.nq, rank, size, layout, cu_seqlens=mask.cu_q)
+    q_pos = positions(mask.nq, rank, size, layout, cu_seqlens=mask.cu_q, mask=mask)
     if mask.plain:
         return StepPlan(q_pos, None, size, [True] * size)
     k_all = [
-        np.sort(positions(mask.nk, r, size, layout, cu_seqlens=mask.cu_k)) for r in range(size)
+        np.sort(positions(mask.nk, r, size, layout, cu_seqlens=mask.cu_k, mask=mask))
+        for r in range(size)
     ]
     if mask.slices is not None:
         return _plan_layers(mask, rank, size, layout, q_pos, k_all)
     last, mine = 0, []
     for r in range(size):
-        pos = q_pos if r == rank else positions(mask.nq, r, size, layout, cu_seqlens=mask.cu_q)
+        pos = (
+            q_pos
+            if r == rank
+            else positions(mask.nq, r, size, layout, cu_seqlens=mask.cu_q, mask=mask)
+        )
         lo, hi = mask.bounds(pos)
         need = [mask.visible(lo, hi, k_all[(r - s) % size]) for s in range(size)]
         if any(need):
@@ -243,7 +248,7 @@ def _plan_layers(mask: Mask, rank: int, size: int, layout: str, q_pos, k_all) ->
     """:func:`plan_steps` for a mask of slices: which layers see which steps' blocks."""
     last, mine, layers = 0, [], []
     for r in range(size):
-        pos = q_pos if r == rank else positions(mask.nq, r, size, layout)
+        pos = q_pos if r == rank else positions(mask.nq, r, size, layout, mask=mask)
         lay = mask.layers(pos)
         need = [
             [t for t, (lo, hi) in enumerate(lay) if mask.visible(lo, hi, k_all[(r - s) % size])]

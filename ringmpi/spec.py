@@ -242,7 +242,7 @@ class AttentionSpec:
         and the offsets stay at their defaults.
     scale : float or None
         Score scale; None means 1/sqrt(D) (:meth:`scale_for`).
-    layout : {"zigzag", "striped", "contiguous"}
+    layout : {"zigzag", "striped", "contiguous", "balanced"}
         How tokens are spread over the ranks.
     head_parallel : int
         U > 1: heads x ring on P = U x R ranks (:mod:`ringmpi.parallel`).

@@ -73,3 +73,111 @@ def test_stats_flops_agree_across_cpu_backends(monkeypatch):
     pairs = _dense_pairs(make_mask(260, 260, True, (40, 0), CU), np.arange(260), np.arange(260))
     assert got["numpy"][:2] == got["fused"][:2] == (4 * pairs * 16 * 4, 10 * pairs * 16 * 4)
     assert got["numpy"][2] != got["fused"][2]  # what made stats["flops"] backend-dependent
+
+
+# ----------------------------------------------------------------------
+# per-rank work and imbalance of the layouts (issue 41), counted from dense masks
+
+
+def _dense_bool(mask):
+    """bool (nq, nk) of a Mask: slices from their definition, the rest from bounds."""
+    from tools.slicecases import dense_of
+
+    if mask.slices is not None:
+        return dense_of(mask.slices, mask.nq, mask.nk)
+    lo, hi = mask.bounds(np.arange(mask.nq))
+    j = np.arange(mask.nk)[None, :]
+    return (j >= lo[:, None]) & (j <= hi[:, None])
+
+
+def _masks(n):
+    from ringmpi import slices as sl
+    from ringmpi.mask import mask_of
+    from ringmpi.spec import AttentionSpec
+
+    out = [
+        make_mask(n, n, True),
+        make_mask(n, n, True, (20, 0)),
+        make_mask(n, n, False, (30, 5), cu_seqlens=np.array([0, 37, 38, 200, n])),
+    ]
+    for s in (
+        sl.global_local(n, (7, 3), 5),
+        sl.global_local(n, 11, 5, causal=True),
+        sl.prefix_lm(n, n // 3),
+        sl.shared_prefix(n // 4, [n // 4, n // 8, n - n // 4 - n // 4 - n // 8]),
+        sl.block_sparse(n, 16, density=0.3, seed=1, causal=True),
+    ):
+        out.append(mask_of(AttentionSpec(slices=s), n, n))
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_rank_pairs_and_imbalance_count_the_dense_mask(size):
+    n = 260
+    for mask in _masks(n):
+        dense = _dense_bool(mask)
+        assert cost.row_pairs(mask, np.arange(n)).tolist() == dense.sum(axis=1).tolist()
+        imb = cost.imbalances(mask, size)
+        assert set(imb) == set(ringmpi.LAYOUTS) | {"balanced"}
+        for layout in imb:
+            rows = [
+                ringmpi.positions(n, r, size, layout, cu_seqlens=mask.cu_q, mask=mask)
+                for r in range(size)
+            ]
+            want = [int(dense[p].sum()) for p in rows]  # each rank: its queries' visible keys
+            got = cost.rank_pairs(mask, size, layout)
+            assert got.tolist() == want, (layout, size)
+            assert sum(want) == cost.mask_pairs(mask)
+            assert imb[layout] == pytest.approx(max(want) * size / sum(want), rel=1e-15)
+
+
+def test_imbalance_of_cross_attention_and_of_no_pairs():
+    """Cross-attention: each rank's queries against all keys, counted from the dense mask."""
+    from ringmpi import slices as sl
+    from ringmpi.mask import mask_of
+    from ringmpi.spec import AttentionSpec
+
+    for cross in (
+        make_mask(100, 140, True, (20, 3)),
+        make_mask(60, 80, False, None, np.array([0, 25, 60]), np.array([0, 50, 80])),
+    ):
+        dense = _dense_bool(cross)
+        for layout, value in cost.imbalances(cross, 3).items():
+            want = [
+                int(
+                    dense[
+                        ringmpi.positions(cross.nq, r, 3, layout, cu_seqlens=cross.cu_q, mask=cross)
+                    ].sum()
+                )
+                for r in range(3)
+            ]
+            assert cost.rank_pairs(cross, 3, layout).tolist() == want
+            assert value == pytest.approx(max(want) * 3 / sum(want), rel=1e-15)
+    empty = mask_of(AttentionSpec(slices=sl.Slices([])), 50, 50)
+    assert cost.imbalance(empty, 4, "balanced") == 1.0
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_balanced_layout_reaches_1_1_on_the_builders(size):
+    """Counted, not timed: the greedy's slowest rank within 10% of the mean."""
+    from ringmpi import slices as sl
+    from ringmpi.mask import mask_of
+    from ringmpi.spec import AttentionSpec
+
+    n = 8192
+    for s in (
+        sl.global_local(n, (256, 256), 64),
+        sl.global_local(n, 256, 64, causal=True),
+        sl.shared_prefix(n // 4, [n // 8, n // 4, n // 8, n // 4]),
+    ):
+        mask = mask_of(AttentionSpec(slices=s), n, n)
+        assert cost.imbalance(mask, size, "balanced") <= 1.1
+    # the unbalanced baseline the layout fixes: global tokens pile work on the first rank
+    gl = mask_of(AttentionSpec(slices=sl.global_local(n, (256, 256), 64)), n, n)
+    assert cost.imbalance(gl, size, "contiguous") > 1.2
+    # every 8th token sees all keys (a strided summary token): striped piles them on rank 0
+    strided = sl.Slices(
+        [(i, i + 1, 0, n, "full") for i in range(0, n, 8)] + [(0, n, 0, n, "bi_causal")]
+    )
+    mask = mask_of(AttentionSpec(slices=strided), n, n)
+    assert cost.imbalance(mask, size, "balanced") <= 1.1 < 3 < cost.imbalance(mask, size, "striped")

@@ -18,6 +18,7 @@ CU = (0, 3, 260, 261, 400)
         AttentionSpec(causal=True, layout="striped", scale=0.125),
         AttentionSpec(window=(64, 0), cu_seqlens=CU, head_parallel=2),
         AttentionSpec(cu_seqlens=CU, cu_seqlens_k=(0, 5, 300, 301, 500), layout="contiguous"),
+        AttentionSpec(causal=True, layout="balanced"),  # issue 41: dealt by the mask's cost
     ],
 )
 def test_attrs_round_trip(tmp_path, spec):

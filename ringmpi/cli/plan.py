@@ -12,6 +12,7 @@ plus the fixed cost of agreeing on arguments and finalising. Rates come from
 ``--measure`` (the tile kernel and a ping-pong timed here) or are given.
 
     ringmpi plan --seq-len 1048576 --heads 32 --kv-heads 8 --head-dim 128 --ranks 64 --causal
+    ringmpi plan --seq-len 65536 --heads 8 --head-dim 64 --ranks 8 --slices global_local:256:64
     mpiexec -n 2 python -m mpi4py -m ringmpi plan --seq-len 65536 --heads 8 --head-dim 64 --measure
 """
 
@@ -26,8 +27,17 @@ from typing import Optional
 import numpy as np
 
 from .. import cost
+from ..spec import parse_window
 
-__all__ = ["predict", "recommend", "measure_compute", "measure_link", "main"]
+__all__ = [
+    "predict",
+    "recommend",
+    "measure_compute",
+    "measure_link",
+    "plan_mask",
+    "parse_slices",
+    "main",
+]
 
 DEFAULT_GFLOPS = 100.0  # per rank, when neither measured nor given
 DEFAULT_LINK_GBPS = 10.0
@@ -228,6 +238,59 @@ def measure_link(comm, nbytes: int = 8 << 20, repeat: int = 5) -> Optional[tuple
     return nbytes * 8 / max(t_big - lat, 1e-9) / 1e9, lat
 
 
+BUILDERS = {  # --slices NAME:ARGS -> the builder's arguments (issue 41)
+    "global_local": "global_local:WINDOW[:GLOBAL_TOKENS] (WINDOW: W or L/R)",
+    "prefix_lm": "prefix_lm:PREFIX",
+    "shared_prefix": "shared_prefix:PROMPT:A1,A2,...",
+    "block_sparse": "block_sparse:BLOCK[:DENSITY[:SEED]]",
+}
+
+
+def parse_slices(text: str, n: int, causal: bool = False):
+    """``--slices NAME:ARGS``: the :class:`ringmpi.Slices` of a builder over ``n`` tokens.
+
+    ``causal`` goes to the builders that take it (global_local, block_sparse).
+    ValueError naming the accepted forms when ``text`` is not one of them, or when
+    the mask does not cover exactly ``n`` tokens.
+    """
+    from .. import slices as sl
+
+    name, _, rest = str(text).partition(":")
+    args = rest.split(":") if rest else []
+    forms = "; ".join(BUILDERS.values())
+    try:
+        if name == "global_local" and 1 <= len(args) <= 2:
+            w = tuple(int(x) for x in args[0].split("/"))
+            window = w[0] if len(w) == 1 else w
+            g = int(args[1]) if len(args) > 1 else 0
+            s = sl.global_local(n, window, g, causal=causal)
+        elif name == "prefix_lm" and len(args) == 1:
+            s = sl.prefix_lm(n, int(args[0]))
+        elif name == "shared_prefix" and len(args) == 2:
+            s = sl.shared_prefix(int(args[0]), [int(a) for a in args[1].split(",")])
+            if int(args[0]) + sum(int(a) for a in args[1].split(",")) != n:
+                raise ValueError(f"prompt and answers must add up to --seq-len {n}")
+        elif name == "block_sparse" and 1 <= len(args) <= 3:
+            density = float(args[1]) if len(args) > 1 else 0.25
+            seed = int(args[2]) if len(args) > 2 else 0
+            s = sl.block_sparse(n, int(args[0]), density=density, seed=seed, causal=causal)
+        else:
+            raise ValueError(f"not one of the forms {forms}")
+    except ValueError as e:
+        raise ValueError(f"--slices {text!r}: {e}") from None
+    return s
+
+
+def plan_mask(n: int, causal: bool = False, window=None, slices=None):
+    """The :class:`ringmpi.mask.Mask` of self-attention over ``n`` tokens the planner rates."""
+    from ..mask import mask_of
+    from ..spec import AttentionSpec
+
+    if slices is not None:
+        causal = False  # the builder took it
+    return mask_of(AttentionSpec(causal=causal, window=window, slices=slices), n, n)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ringmpi plan",
@@ -250,6 +313,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-per-rank", help="memory budget per rank, e.g. 16G")
     p.add_argument("--sequences", type=int, default=1, help="sequences in the job (default 1)")
     p.add_argument("--causal", action="store_true")
+    p.add_argument(
+        "--window",
+        type=parse_window,
+        help="sliding window LEFT[,RIGHT] (-1: unbounded), for the layouts' imbalance",
+    )
+    p.add_argument(
+        "--slices",
+        metavar="NAME:ARGS",
+        help="a mask of slices by its builder, for the layouts' imbalance: "
+        + "; ".join(BUILDERS.values())
+        + " (--causal: the builder's causal variant)",
+    )
     p.add_argument("--gflops", type=float, help="tile rate per rank, GFLOP/s")
     p.add_argument("--link-gbps", type=float, help="link bandwidth per rank, Gbit/s")
     p.add_argument(
@@ -263,8 +338,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     """``ringmpi plan``: print the prediction and the recommendation."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     from ..job.resources import parse_size
+
+    try:
+        sl = None if args.slices is None else parse_slices(args.slices, args.seq_len, args.causal)
+        if sl is not None and args.window is not None:
+            raise ValueError("--slices is the whole mask: leave out --window")
+        mask = plan_mask(args.seq_len, args.causal, args.window, sl)
+    except ValueError as e:
+        parser.error(str(e))
 
     hkv = args.kv_heads or args.heads
     dt = "float16" if args.dtype == "bfloat16" else args.dtype
@@ -297,8 +381,9 @@ def main(argv: Optional[list] = None) -> int:
     )
     if comm is not None and comm.Get_rank() != 0:
         return 0
+    imb = cost.imbalances(mask, rec["ring_size"])
     if args.json:
-        print(json.dumps({"rates": rates, "recommendation": rec}, indent=1))
+        print(json.dumps({"rates": rates, "recommendation": rec, "imbalance": imb}, indent=1))
         return 0
     r = rec["per_ring"]
     print(
@@ -323,6 +408,12 @@ def main(argv: Optional[list] = None) -> int:
         f"tokens per rank)"
     )
     print(f"  predicted: {r['step_s'] * 1e3:.2f} ms per step, {r['time_s']:.3f} s per call")
+    what = "mask " + (args.slices or ("causal" if args.causal else "full"))
+    what += f" window {args.window}" if args.window is not None else ""
+    print(
+        f"  imbalance ({what}; slowest rank's visible pairs / mean, ring of "
+        f"{rec['ring_size']}): " + ", ".join(f"{k} {v:.3f}" for k, v in imb.items())
+    )
     print(
         f"  recommendation: {rec['rings']} ring(s) of {rec['ring_size']} on {rec['ranks']} "
         f"ranks, layout {rec['layout']}, head_parallel {rec['head_parallel']}; "

@@ -17,3 +17,33 @@ def test_recommendation_rules():
     pr = plan.predict(4096, 4, 4, 64, ranks=8, gflops=100.0, link_gbps=0.1)
     assert not pr["hidden"] and pr["step_s"] == pr["transfer_s_per_step"]
     assert plan.predict(4096, 4, 4, 64, ranks=2, gflops=100.0, link_gbps=1000.0)["hidden"]
+
+
+def test_plan_prints_the_layouts_imbalance_for_its_mask(capsys):
+    """issue 41: --causal, --window and --slices NAME:ARGS rate every layout's balance."""
+    import json
+
+    import pytest
+
+    from ringmpi import cost
+    from ringmpi import slices as sl
+
+    base = ["--seq-len", "4096", "--heads", "4", "--head-dim", "64", "--ranks", "4"]
+    assert plan.main([*base, "--slices", "global_local:64:32"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if "imbalance" in x][0]
+    want = cost.imbalances(plan.plan_mask(4096, slices=sl.global_local(4096, 64, 32)), 4)
+    for layout, value in want.items():
+        assert f"{layout} {value:.3f}" in line
+    assert want["balanced"] <= 1.1 < want["contiguous"]
+    assert plan.main([*base, "--causal", "--window", "100,0", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["imbalance"]
+    assert got == cost.imbalances(plan.plan_mask(4096, True, (100, 0)), 4)
+    s = plan.parse_slices("shared_prefix:1024:1024,2048", 4096)
+    assert s == sl.shared_prefix(1024, [1024, 2048])
+    assert plan.parse_slices("block_sparse:64:0.5:3", 4096, causal=True) == sl.block_sparse(
+        4096, 64, density=0.5, seed=3, causal=True
+    )
+    for bad in ("prefix_lm", "diagonal:3", "shared_prefix:10:20", "global_local:x"):
+        with pytest.raises(SystemExit):
+            plan.main([*base, "--slices", bad])
+        assert "--slices" in capsys.readouterr().err
