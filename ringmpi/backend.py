@@ -55,8 +55,20 @@ class Backend:
     # (every tile applies every registered modifier through the one parameter block)
     forward_mods: tuple = scoremods.names()
     backward_mods: tuple = scoremods.names()
+    # why the tiles cannot take keys and values of different widths (Dk != Dv, issue 42);
+    # empty: they can (forward, backward)
+    widths_missing: str = ""
 
-    def supports(self, spec, dtype, d: int, *, backward: bool = False, tiles: bool = True) -> list:
+    def supports(
+        self,
+        spec,
+        dtype,
+        d: int,
+        *,
+        backward: bool = False,
+        tiles: bool = True,
+        dv: Optional[int] = None,
+    ) -> list:
         """The reasons this backend cannot run a call (empty: it can).
 
         Parameters
@@ -66,11 +78,13 @@ class Backend:
         dtype : dtype
             The dtype of q, k and v.
         d : int
-            The head dim D.
+            The head dim D (the key width Dk).
         backward : bool
             The call is a backward pass.
         tiles : bool
             The call runs the tiles (False: decode, plain array operations).
+        dv : int, optional
+            The value width Dv (default: ``d``).
         """
         why = []
         try:
@@ -81,6 +95,8 @@ class Backend:
             why.append(f"dtype {name} (it takes {', '.join(self.dtypes)})")
         if tiles and self.max_d and not 1 <= d <= self.max_d:
             why.append(f"head dim D={d} (its tiles take 1..{self.max_d})")
+        if tiles and dv is not None and dv != d and self.widths_missing:
+            why.append(f"key width Dk={d} != value width Dv={dv} ({self.widths_missing})")
         if backward and self.backward_tile is None:
             why.append(self.backward_missing)
         if tiles:
@@ -150,8 +166,11 @@ _ISA = {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _strict(tile: Callable, name: str, state: tuple) -> Callable:
-    """``tile`` refusing the arrays it would silently hand to the numpy tile."""
+def _strict(tile: Callable, name: str, state: tuple, widths: str = "") -> Callable:
+    """``tile`` refusing the arrays it would silently hand to the numpy tile.
+
+    ``widths``: why the tile cannot take keys and values of different widths ("": it can).
+    """
 
     def run(*args, **kwargs):
         dt = args[0].dtype
@@ -161,6 +180,11 @@ def _strict(tile: Callable, name: str, state: tuple) -> Callable:
             raise TypeError(
                 f"{name}: takes float32/float64 q and C-contiguous state of the same dtype "
                 f"(got {dt}); convert with Backend.tile_dtype instead of a silent numpy fallback"
+            )
+        if widths and args[1].shape[-1] != args[2].shape[-1]:
+            raise ValueError(
+                f"{name}: key width Dk={args[1].shape[-1]} != value width "
+                f"Dv={args[2].shape[-1]} ({widths})"
             )
         return tile(*args, **kwargs)
 
@@ -179,13 +203,14 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
     from .cpu import fused_backward
 
     cd = numpy_tile.compute_dtype
-    fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7))
+    widths = "the fused C tiles take Dk == Dv only"
+    fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7), widths)
     notes = [f"forward: fused C ({fused.isa()})"]
     # the modifiers each build applies (its slots): the others are refused up front
     fmods = scoremods.fields_of(fused.LOADER.default().mods)
     bmods = scoremods.names()  # (the numpy backward tile applies every one)
     if fused_backward.available():
-        bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10))
+        bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10), widths)
         notes.append(f"backward: fused C ({_ISA.get(fused_backward.simd_width(), '?')})")
         bmods = scoremods.fields_of(fused_backward.LOADER.default().mods)
         missing = ""
@@ -208,6 +233,7 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         backward_missing=missing or "no backward tile",
         forward_mods=fmods,
         backward_mods=bmods,
+        widths_missing=widths,
     )
 
 
@@ -231,6 +257,7 @@ def _gpu_backend() -> Backend:
         decode=_gpu_decode,
         max_d=MAX_D,
         notes=("forward and backward: CUDA tiles",),
+        widths_missing="the CUDA tiles are instantiated for one head dim D = Dk = Dv",
     )
 
 
@@ -248,14 +275,23 @@ def _gpu_cast_out(out, dtype):
     return out.astype(dtype, order="C", copy=False)
 
 
-def select(x) -> Backend:
-    """Backend for array ``x``: GPU for CuPy arrays, otherwise a CPU tile."""
+def select(x, widths: Optional[tuple] = None) -> Backend:
+    """Backend for array ``x``: GPU for CuPy arrays, otherwise a CPU tile.
+
+    ``widths`` (Dk, Dv): the key and value widths of the call. Where they differ and
+    the fused C tiles cannot take that, ``RINGMPI_CPU_KERNEL=auto`` picks the numpy
+    tiles and says why in :meth:`Backend.describe`; ``fused`` keeps the fused backend,
+    whose :meth:`Backend.supports` then refuses the call with the reason.
+    """
     if is_cupy(x):
         return _gpu_backend()
     choice = env.get("RINGMPI_CPU_KERNEL")
     if choice != "numpy":
         fused = _fused_backend(forced=choice == "fused")
         if fused is not None:
+            differ = widths is not None and widths[0] != widths[1]
+            if differ and fused.widths_missing and choice != "fused":
+                return _numpy_backend(f"fused C tiles: {fused.widths_missing}")
             return fused
         if choice == "fused":
             raise RuntimeError("RINGMPI_CPU_KERNEL=fused but the fused CPU tile is unavailable")
