@@ -55,9 +55,10 @@ class Backend:
     # (every tile applies every registered modifier through the one parameter block)
     forward_mods: tuple = scoremods.names()
     backward_mods: tuple = scoremods.names()
-    # why the tiles cannot take keys and values of different widths (Dk != Dv, issue 42);
-    # empty: they can (forward, backward)
+    # why the forward / backward tiles cannot take keys and values of different widths
+    # (Dk != Dv, issue 42); empty: they can
     widths_missing: str = ""
+    backward_widths_missing: str = ""
 
     def supports(
         self,
@@ -95,8 +96,9 @@ class Backend:
             why.append(f"dtype {name} (it takes {', '.join(self.dtypes)})")
         if tiles and self.max_d and not 1 <= d <= self.max_d:
             why.append(f"head dim D={d} (its tiles take 1..{self.max_d})")
-        if tiles and dv is not None and dv != d and self.widths_missing:
-            why.append(f"key width Dk={d} != value width Dv={dv} ({self.widths_missing})")
+        widths = self.backward_widths_missing if backward else self.widths_missing
+        if tiles and dv is not None and dv != d and widths:
+            why.append(f"key width Dk={d} != value width Dv={dv} ({widths})")
         if backward and self.backward_tile is None:
             why.append(self.backward_missing)
         if tiles:
@@ -193,7 +195,10 @@ def _strict(tile: Callable, name: str, state: tuple, widths: str = "") -> Callab
     return run
 
 
-def _fused_backend(forced: bool) -> Optional[Backend]:
+def _fused_backend(forced: bool, differ: bool = False) -> Optional[Backend]:
+    """The fused C backend (None where it cannot load); ``differ``: the call's keys and
+    values differ in width, which its backward tile cannot take yet (``auto`` then gives
+    that pass to the numpy tile and says so; ``fused`` refuses it in :meth:`supports`)."""
     try:
         from .cpu import fused
     except ImportError:
@@ -203,17 +208,24 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
     from .cpu import fused_backward
 
     cd = numpy_tile.compute_dtype
-    widths = "the fused C tiles take Dk == Dv only"
-    fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7), widths)
+    # a build from before the value width (benchmarks' baselines) takes Dk == Dv only
+    fwd_widths = "" if fused.LOADER.default().widths else "this fused C build takes Dk == Dv only"
+    fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7), fwd_widths)
     notes = [f"forward: fused C ({fused.isa()})"]
     # the modifiers each build applies (its slots): the others are refused up front
     fmods = scoremods.fields_of(fused.LOADER.default().mods)
     bmods = scoremods.names()  # (the numpy backward tile applies every one)
-    if fused_backward.available():
-        bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10), widths)
+    bwd_widths = ""
+    if fused_backward.available() and (forced or not differ):
+        bwd_widths = fused_backward.WIDTHS_MISSING
+        bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10), bwd_widths)
         notes.append(f"backward: fused C ({_ISA.get(fused_backward.simd_width(), '?')})")
         bmods = scoremods.fields_of(fused_backward.LOADER.default().mods)
         missing = ""
+    elif fused_backward.available():  # auto, Dk != Dv: the numpy backward tile, said so
+        missing = ""
+        bwd = numpy_tile.backward_tile
+        notes.append(f"backward: numpy tile ({fused_backward.WIDTHS_MISSING})")
     else:
         reason = str(fused_backward.unavailable_reason()).strip().splitlines()[0]
         missing = f"the fused backward tile is unavailable ({reason})"
@@ -233,7 +245,8 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         backward_missing=missing or "no backward tile",
         forward_mods=fmods,
         backward_mods=bmods,
-        widths_missing=widths,
+        widths_missing=fwd_widths,
+        backward_widths_missing=bwd_widths,
     )
 
 
@@ -258,6 +271,7 @@ def _gpu_backend() -> Backend:
         max_d=MAX_D,
         notes=("forward and backward: CUDA tiles",),
         widths_missing="the CUDA tiles are instantiated for one head dim D = Dk = Dv",
+        backward_widths_missing="the CUDA tiles are instantiated for one head dim D = Dk = Dv",
     )
 
 
@@ -279,17 +293,17 @@ def select(x, widths: Optional[tuple] = None) -> Backend:
     """Backend for array ``x``: GPU for CuPy arrays, otherwise a CPU tile.
 
     ``widths`` (Dk, Dv): the key and value widths of the call. Where they differ and
-    the fused C tiles cannot take that, ``RINGMPI_CPU_KERNEL=auto`` picks the numpy
-    tiles and says why in :meth:`Backend.describe`; ``fused`` keeps the fused backend,
-    whose :meth:`Backend.supports` then refuses the call with the reason.
+    a fused C tile cannot take that, ``RINGMPI_CPU_KERNEL=auto`` gives that pass to
+    the numpy tile and says why in :meth:`Backend.describe`; ``fused`` keeps the fused
+    tiles, and :meth:`Backend.supports` refuses the pass they cannot run, with the reason.
     """
     if is_cupy(x):
         return _gpu_backend()
     choice = env.get("RINGMPI_CPU_KERNEL")
     if choice != "numpy":
-        fused = _fused_backend(forced=choice == "fused")
+        differ = widths is not None and widths[0] != widths[1]
+        fused = _fused_backend(forced=choice == "fused", differ=differ)
         if fused is not None:
-            differ = widths is not None and widths[0] != widths[1]
             if differ and fused.widths_missing and choice != "fused":
                 return _numpy_backend(f"fused C tiles: {fused.widths_missing}")
             return fused

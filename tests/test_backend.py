@@ -134,3 +134,50 @@ def test_supports_lists_every_reason():
     assert be.supports(spec, np.float32, 65, tiles=False) == []  # decode runs no tile
     gpu_like = dataclasses.replace(be, xp=object())
     assert "head_parallel" in gpu_like.supports(spec, np.float32, 8)[0]
+
+
+def _widths_qkv(dtype=np.float64):
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((90, 4, 40)).astype(dtype)
+    k = (0.5 + rng.standard_normal((90, 2, 40))).astype(dtype)
+    v = (1.0 + 0.1 * rng.standard_normal((90, 2, 24))).astype(dtype)
+    return q, k, v
+
+
+def test_value_width_fused_forward_numpy_backward_under_auto(monkeypatch):
+    """Dk != Dv (issue 42), RINGMPI_CPU_KERNEL=auto: the fused forward runs it, the backward
+    goes to the numpy tile and stats["tile"] says why; both exact against the reference."""
+    _fused()
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "auto")
+    q, k, v = _widths_qkv()
+    st, bst = {}, {}
+    out, lse = ringmpi.ring_attention(q, k, v, SELF, causal=True, return_lse=True, stats=st)
+    assert (
+        st["tile"].startswith("fused: forward: fused C (") and "backward: numpy tile" in st["tile"]
+    )
+    ref, ref_lse = attention(q, k, v, True)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-12)
+    dout = 0.2 + 0.1 * np.random.default_rng(5).standard_normal(out.shape)
+    grads = ringmpi.ring_attention_backward(dout, q, k, v, out, lse, SELF, causal=True, stats=bst)
+    assert "backward: numpy tile (the fused C backward tile takes Dk == Dv only)" in bst["tile"]
+    for g, w in zip(grads, attention_backward(dout, q, k, v, True)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-11)
+    # equal widths keep both fused tiles
+    assert "backward: fused C" in backend.select(q, (40, 40)).describe()
+
+
+def test_value_width_under_fused_refuses_the_backward(monkeypatch):
+    """RINGMPI_CPU_KERNEL=fused: the forward runs Dk != Dv, the backward is refused on every
+    rank with the reason (never handed to another tile silently)."""
+    _fused()
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
+    q, k, v = _widths_qkv(np.float32)
+    be = backend.select(q, (40, 24))
+    spec = AttentionSpec().validate()
+    assert be.supports(spec, np.float32, 40, dv=24) == []
+    why = be.supports(spec, np.float32, 40, backward=True, dv=24)
+    assert len(why) == 1 and "Dk=40 != value width Dv=24" in why[0], why
+    out, lse = ringmpi.ring_attention(q, k, v, SELF, return_lse=True)
+    with pytest.raises(ValueError, match="fused backend cannot run this call: key width Dk=40"):
+        ringmpi.ring_attention_backward(out, q, k, v, out, lse, SELF)

@@ -52,7 +52,12 @@ __all__ = [
     "BLOCK_Q",
     "BLOCK_K",
     "CHUNK_PAIRS",
+    "WIDTHS_MISSING",
 ]
+
+#: why this backward tile refuses keys and values of different widths (Dk != Dv, issue 42):
+#: its packing and products take one head dim; ``Backend.supports`` names it ("" once it can)
+WIDTHS_MISSING = "the fused C backward tile takes Dk == Dv only"
 
 #: query rows per block (rounded up to whole register strips): the reduction length of the
 #: dK/dV products; the block's P and dS (BLOCK_Q x BLOCK_K) stay in L2
