@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heads", type=int, default=8, help="query heads H (default 8)")
     m.add_argument("--kv-heads", type=int, default=2, help="key/value heads Hkv (default 2)")
     m.add_argument("--head-dim", type=int, default=64, help="head dimension D (default 64)")
+    m.add_argument(
+        "--value-dim",
+        type=int,
+        default=None,
+        help="width Dv of v (default: the head dimension; e.g. 192 / 128 for multi-head latent "
+        "attention)",
+    )
     m.add_argument("--sequences", type=int, default=1, help="number of sequences (default 1)")
     m.add_argument("--batch-axis", action="store_true", help="leading batch axis instead of groups")
     m.add_argument("--shards", type=int, default=1, help="split the sequence axis over N files")

@@ -190,7 +190,7 @@ class SequenceLoop:
         nks = [len(rd.positions_k(s)) for s in seqs]
         dt, h, hkv, d = np.dtype(plan.dtype), plan.heads, plan.kv_heads, plan.head_dim
         q = np.empty((h, sum(ns), d), dt).transpose(1, 0, 2)
-        k, v = (np.empty((hkv, sum(nks), d), dt).transpose(1, 0, 2) for _ in range(2))
+        k, v = (np.empty((hkv, sum(nks), w), dt).transpose(1, 0, 2) for w in (d, plan.dv))
         a = ak = 0
         intos = []
         for n, nk in zip(ns, nks):

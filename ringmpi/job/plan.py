@@ -114,6 +114,14 @@ class Plan:
     # per file: the (device, inode), (size, mtime, ctime) whose every link the ranks walked
     # together, or None (ringmpi.job.input.files.links_known)
     walked: list = field(default_factory=list)
+    # the value width Dv (v and out; multi-head latent attention: it may differ from the
+    # key width head_dim); 0 means head_dim
+    value_dim: int = 0
+
+    @property
+    def dv(self) -> int:
+        """The value width: ``value_dim``, or ``head_dim`` where not set."""
+        return self.value_dim or self.head_dim
 
     @property
     def batch_size(self) -> int:

@@ -543,7 +543,7 @@ def write_vds(
     import h5py
 
     ctx = _Parts(plan, attrs, parts, size, layout, nranks or {})
-    h, d = plan.heads, plan.head_dim
+    h, d = plan.heads, plan.dv  # out has the value width
     dt = np.dtype(plan.dtype)
     lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
     # a new file (never a planted name); built ahead, it waits in the parts folder

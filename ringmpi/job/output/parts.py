@@ -587,7 +587,9 @@ def fingerprint(
         "nranks": nranks,
         "ring_size": nranks if ring_size is None else int(ring_size),
         "dtype": plan.dtype,
-        "geometry": [plan.heads, plan.kv_heads, plan.head_dim],
+        # (H, Hkv, D), and Dv where the values' width differs (issue 42)
+        "geometry": [plan.heads, plan.kv_heads, plan.head_dim]
+        + ([plan.dv] if plan.dv != plan.head_dim else []),
         "sequences": [[s.name, s.length] for s in plan.sequences],
     }
 

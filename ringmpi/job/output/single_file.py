@@ -122,7 +122,7 @@ class SingleFileStore(OutputStore):
         import h5py
 
         plan = self.plan
-        h, d = plan.heads, plan.head_dim
+        h, d = plan.heads, plan.dv  # out has the value width
         dt = np.dtype(plan.dtype)
         lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
         fapl_kw = {"driver": "mpio", "comm": self.comm, "libver": "earliest"}
