@@ -197,8 +197,9 @@ def _strict(tile: Callable, name: str, state: tuple, widths: str = "") -> Callab
 
 def _fused_backend(forced: bool, differ: bool = False) -> Optional[Backend]:
     """The fused C backend (None where it cannot load); ``differ``: the call's keys and
-    values differ in width, which its backward tile cannot take yet (``auto`` then gives
-    that pass to the numpy tile and says so; ``fused`` refuses it in :meth:`supports`)."""
+    values differ in width. Where a backward build cannot take that
+    (``fused_backward.WIDTHS_MISSING``, a build from before the value width), ``auto``
+    gives that pass to the numpy tile and says so; ``fused`` refuses it in :meth:`supports`."""
     try:
         from .cpu import fused
     except ImportError:
@@ -216,8 +217,13 @@ def _fused_backend(forced: bool, differ: bool = False) -> Optional[Backend]:
     fmods = scoremods.fields_of(fused.LOADER.default().mods)
     bmods = scoremods.names()  # (the numpy backward tile applies every one)
     bwd_widths = ""
-    if fused_backward.available() and (forced or not differ):
-        bwd_widths = fused_backward.WIDTHS_MISSING
+    if fused_backward.available():
+        bwd_widths = fused_backward.WIDTHS_MISSING or (
+            ""
+            if fused_backward.LOADER.default().widths
+            else "this fused C backward build takes Dk == Dv only"
+        )
+    if fused_backward.available() and (forced or not differ or not bwd_widths):
         bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10), bwd_widths)
         notes.append(f"backward: fused C ({_ISA.get(fused_backward.simd_width(), '?')})")
         bmods = scoremods.fields_of(fused_backward.LOADER.default().mods)
@@ -225,7 +231,8 @@ def _fused_backend(forced: bool, differ: bool = False) -> Optional[Backend]:
     elif fused_backward.available():  # auto, Dk != Dv: the numpy backward tile, said so
         missing = ""
         bwd = numpy_tile.backward_tile
-        notes.append(f"backward: numpy tile ({fused_backward.WIDTHS_MISSING})")
+        notes.append(f"backward: numpy tile ({bwd_widths})")
+        bwd_widths = ""
     else:
         reason = str(fused_backward.unavailable_reason()).strip().splitlines()[0]
         missing = f"the fused backward tile is unavailable ({reason})"

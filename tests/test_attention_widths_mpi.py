@@ -162,10 +162,13 @@ def _mask_kw(mask: dict) -> dict:
     )
 
 
+@pytest.mark.parametrize("kernel", ["auto", "numpy"])
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_widths_match_reference(comm, layout, dtype):
-    """Every case, forward and backward, against the dense float64 reference."""
+def test_widths_match_reference(comm, layout, dtype, kernel, monkeypatch):
+    """Every case, forward and backward, against the dense float64 reference; auto: the
+    fused C tiles where they build, numpy: the specification."""
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", kernel)
     for i, case in enumerate(CASES):
         _check(comm, case, layout, dtype, 200 + i)
 

@@ -50,12 +50,21 @@ GPU_DTYPES = ("float16", "bfloat16", *DTYPES)
 #: (backend.py: backward_mods=()); once they do, these cases run and must conform.
 MAY_REFUSE = {("gpu", "backward", "softcap"), ("gpu", "backward", "alibi_slopes")}
 #: (backend, direction) whose tiles may refuse keys and values of different widths (issue 42):
-#: the CUDA kernels are instantiated for one head dim; the fused C backward takes one D
-MAY_REFUSE_WIDTHS = {("gpu", "forward"), ("gpu", "backward"), ("fused", "backward")}
+#: the CUDA kernels are instantiated for one head dim
+MAY_REFUSE_WIDTHS = {("gpu", "forward"), ("gpu", "backward")}
 
 #: (variant, direction, case, mod, dtype) -> reason: known disagreements with the spec
-#: (strict xfail: they fail the suite once fixed, so the entry gets removed). None known.
-KNOWN = {}
+#: (strict xfail: they fail the suite once fixed, so the entry gets removed).
+_WIDE_DQ = (
+    "fused backward dq 2.76e-05 from the numpy tile's (bound 2e-05) at Dk=192, Dv=128 with "
+    "sink keys; not the widths: the same case at Dk=Dv=192 gives 4.99e-05, at 128 2.89e-05 "
+    "(the 2e-05 bound was set at D <= 64); dq stays within the dense rule (2.16e-05 from the "
+    "float64 reference, the dense float32 peer 3.02e-05)"
+)
+KNOWN = {
+    (f"fused-{isa}", "bwd", "widths_cross", "plain", "float32"): _WIDE_DQ
+    for isa in ("avx512", "avx2", "scalar")
+}
 
 
 @pytest.fixture(scope="module")
