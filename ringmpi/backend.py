@@ -336,6 +336,9 @@ def _fused_reason() -> str:
 #
 #     q      (B, H,   Sq, D)   tile dtype
 #     k, v   (B, Hkv, Sk, D)   same dtype; query head h reads K/V head h // (H // Hkv)
+#                              (v, and with it acc, dout and dv below, may have another
+#                              last axis Dv than q and k: keys and values of different
+#                              widths, multi-head latent attention)
 #     q_pos  (Sq,)             int64 global token positions (numpy, host)
 #     k_pos  (Sk,)             int64 global token positions (numpy, host)
 #
@@ -353,7 +356,8 @@ def _fused_reason() -> str:
 # and ``progress`` (called between blocks so MPI can progress a pending
 # exchange; an exception it raises stops the tile and propagates). Both return
 # the flops of their matrix products over the blocks actually computed: 4 * pairs
-# * D per head forward, 10 * pairs * D backward. Rows with no visible key keep
+# * D per head forward, 10 * pairs * D backward (2 * pairs * (Dk + Dv) and
+# 2 * pairs * (3 Dk + 2 Dv) where the widths differ). Rows with no visible key keep
 # l = 0 (forward) and get no gradient (backward, lse = -inf).
 #
 # Masks beyond causal (windows, packed sequences, cross-attention; built by

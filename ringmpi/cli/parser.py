@@ -239,10 +239,11 @@ MAX_TOKENS = 4096  # = ringmpi.job.verify.MAX_TOKENS (not imported: keeps --help
 SAMPLE_ROWS = 2048  # = ringmpi.job.verify.SAMPLE_ROWS
 
 SCHEMA = """input schema (full contract: data/README.md):
-  q (S, H, D), k and v (S, Hkv, D), H % Hkv == 0, float16/32/64, token-major (not (H, S, D));
+  q (S, H, D), k (S, Hkv, D), v (S, Hkv, Dv; Dv = D or not), H % Hkv == 0, float16/32/64,
+  token-major (not (H, S, D));
   several sequences: a batch axis q (B, S, H, D), or one group per sequence; or x + --weights
   packed sequences: integer cu_seqlens (n+1,) beside q; cross-attention: k/v of another length
-output: out (S, H, D) and lse (H, S) per sequence: virtual datasets over OUTPUT.parts/, or
+output: out (S, H, Dv) and lse (H, S) per sequence: virtual datasets over OUTPUT.parts/, or
   one file written by all ranks where h5py has MPI (--output-mode)
 """
 
