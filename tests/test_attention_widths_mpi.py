@@ -243,3 +243,39 @@ def test_bad_widths_raise_on_every_rank(comm):
     v_odd = vl[..., :4] if comm.size > 1 and comm.rank == 1 else vl
     if comm.size > 1:
         raises_everywhere(comm, lambda: ringmpi.ring_attention(ql, kl, v_odd, comm), "kv shape")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_score_modifiers_and_sinks_with_other_widths(comm, dtype):
+    """softcap, ALiBi and sinks with Dk = 40, Dv = 24 (GQA 4/2, causal window, zigzag),
+    forward and backward (dsinks too) against the dense float64 reference."""
+    rng = np.random.default_rng(9)
+    n = 61 * comm.size + 3
+    q, k, v = comm.bcast(random_qkv(rng, n, 4, 2, 40, realistic=True, dv=24))
+    dout = comm.bcast(0.2 + 0.1 * rng.standard_normal((n, 4, 24)))
+    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+    kw = dict(
+        causal=True,
+        window=(50, 0),
+        softcap=8.0,
+        alibi_slopes=(0.25, 0.0625, 0.0, 0.015625),
+        sinks=(1.5, -0.5, 3.0, 0.0),
+    )
+    loc = [ringmpi.shard(x, comm, "zigzag") for x in (q, k, v, dout)]
+    out, lse = ringmpi.ring_attention(*loc[:3], comm, return_lse=True, **kw)
+    grads = ringmpi.ring_attention_backward(loc[3], *loc[:3], out, lse, comm, **kw)
+    full = ringmpi.gather(out, n, comm)
+    full_lse = ringmpi.gather(lse, n, comm, axis=-1)
+    ref, ref_lse = attention(q, k, v, **kw)
+    low = dtype != np.float64
+    peer = dense(q, k, v, **kw) if low else (None, None)
+    assert_close(comm, full, ref, peer[0], "modifiers out")
+    assert_close(comm, full_lse, ref_lse, peer[1], "modifiers lse", extra=_scale_ulp(q, k, low))
+    want = attention_backward(dout, q, k, v, **kw)
+    other = dense_backward(dout, q, k, v, **kw) if low else (None,) * 4
+    for g, w, o, nm in zip(grads, want, other, ("dq", "dk", "dv", "dsinks")):
+        got = g if nm == "dsinks" else ringmpi.gather(g, n, comm)
+        extra = 0.0 if o is None else lse_budget(full_lse, ref_lse, w)
+        if o is not None and nm == "dq":
+            extra += _delta_budget(dout, full, ref, k)
+        assert_close(comm, got, w, o, f"modifiers {nm}", factor=3.0, extra=extra)
