@@ -279,3 +279,22 @@ def test_score_modifiers_and_sinks_with_other_widths(comm, dtype):
         if o is not None and nm == "dq":
             extra += _delta_budget(dout, full, ref, k)
         assert_close(comm, got, w, o, f"modifiers {nm}", factor=3.0, extra=extra)
+
+
+def test_heads_x_ring_with_other_widths(comm):
+    """Heads x ring (head_parallel=2) carries q, k (Dk) and v, out, dout (Dv) through its
+    all-to-alls: forward and backward against the dense float64 reference."""
+    if comm.size % 2:
+        pytest.skip("head_parallel=2 needs an even number of ranks")
+    rng = np.random.default_rng(12)
+    q, k, v = comm.bcast(random_qkv(rng, 97, 4, 2, 40, realistic=True, dv=24))
+    dout = comm.bcast(0.2 + 0.1 * rng.standard_normal((97, 4, 24)))
+    kw = dict(layout="zigzag", head_parallel=2)
+    loc = [ringmpi.shard(x, comm, **kw) for x in (q, k, v, dout)]
+    out, lse = ringmpi.ring_attention(*loc[:3], comm, causal=True, return_lse=True, **kw)
+    grads = ringmpi.ring_attention_backward(loc[3], *loc[:3], out, lse, comm, causal=True, **kw)
+    assert_close(
+        comm, ringmpi.gather(out, 97, comm, **kw), attention(q, k, v, True)[0], None, "out"
+    )
+    for g, w, nm in zip(grads, attention_backward(dout, q, k, v, True), "qkv"):
+        assert_close(comm, ringmpi.gather(g, 97, comm, **kw), w, None, f"d{nm}")
