@@ -14,7 +14,7 @@ import numpy as np
 
 from ..collective import CollectiveError
 
-__all__ = ["InputError", "fail", "SeqInfo", "Plan"]
+__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width"]
 
 
 class InputError(CollectiveError):
@@ -121,9 +121,15 @@ class Plan:
     @property
     def dv(self) -> int:
         """The value width: ``value_dim``, or ``head_dim`` where not set."""
-        return self.value_dim or self.head_dim
+        return value_width(self)
 
     @property
     def batch_size(self) -> int:
         """Length of the batch axis (0 unless structure == "batch")."""
         return len(self.sequences) if self.structure == "batch" else 0
+
+
+def value_width(plan) -> int:
+    """The value width Dv of a plan (or of a stand-in with heads, head_dim, ...): its
+    ``value_dim``, or ``head_dim`` where that is not set (keys and values of one width)."""
+    return getattr(plan, "value_dim", 0) or plan.head_dim

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import cost
 from .output.parts import FORMAT
+from .plan import value_width
 from .resources import rank_bytes, resident_bytes, seq_counts
 
 __all__ = [
@@ -94,7 +95,7 @@ def provenance(
         "heads": int(plan.heads),
         "kv_heads": int(plan.kv_heads),
         "head_dim": int(plan.head_dim),
-        **({"value_dim": int(plan.dv)} if plan.dv != plan.head_dim else {}),
+        **({"value_dim": int(value_width(plan))} if value_width(plan) != plan.head_dim else {}),
         "sequences": len(plan.sequences),
         "tokens": int(sum(s.length for s in plan.sequences)),
         "window": [int(x) for x in (window if window is not None else (-1, -1))],
@@ -143,7 +144,7 @@ def measure_rate(plan, dev: str) -> float:
     sq, sk = 256, 1024
     q = rng.standard_normal((1, plan.heads, sq, plan.head_dim)).astype(dt)
     k = rng.standard_normal((1, plan.kv_heads, sk, plan.head_dim)).astype(dt)
-    dv = plan.dv  # values of another width (MLA): their own array
+    dv = value_width(plan)  # values of another width (MLA): their own array
     v = k if dv == plan.head_dim else rng.standard_normal((1, plan.kv_heads, sk, dv)).astype(dt)
     if dv != plan.head_dim:  # the tiles the job runs for these widths
         be = select(np.empty(0, plan.dtype), (plan.head_dim, dv))
@@ -168,7 +169,7 @@ def visible_pairs(seq, causal: bool, window=None) -> int:
 
 def _flops(plan, causal: bool, seqs: list, window=None) -> float:
     """Model flops of the sequences: 4 D H (2 (Dk + Dv) H) per visible pair of the mask."""
-    per = float(cost.flops(1, plan.head_dim, plan.heads, dv=getattr(plan, "dv", None)))
+    per = float(cost.flops(1, plan.head_dim, plan.heads, dv=value_width(plan)))
     return sum(per * visible_pairs(s, causal, window) for s in seqs)
 
 
@@ -238,8 +239,8 @@ def start_line(
         f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
         + (
             f"D={plan.head_dim}"
-            if plan.dv == plan.head_dim
-            else f"Dk={plan.head_dim}, Dv={plan.dv}"
+            if value_width(plan) == plan.head_dim
+            else f"Dk={plan.head_dim}, Dv={value_width(plan)}"
         )
         + f", {plan.dtype}), {size} rank(s)"
         + _rings_text(size, ring, rings, units)

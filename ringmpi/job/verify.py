@@ -56,7 +56,7 @@ from ..runtime import interrupt
 from ..spec import AttentionSpec
 from ..testing import EPS
 from .input.scan import make_plan
-from .plan import InputError, Plan
+from .plan import InputError, Plan, value_width
 from .report import LOG_EVERY, duration
 
 __all__ = [
@@ -385,7 +385,7 @@ def read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
             cut = {
                 n: slice(head * wd, (head + 1) * wd)
                 for n in names
-                for wd in [plan.dv if n == "v" else plan.head_dim]
+                for wd in [value_width(plan) if n == "v" else plan.head_dim]
             }
             w = {n: np.asarray(f["w" + n][:, cut[n]], np.float64) for n in names}
             bias = {n: np.asarray(f["b" + n][cut[n]], np.float64) for n in names if "b" + n in f}

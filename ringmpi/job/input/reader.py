@@ -33,7 +33,7 @@ import numpy as np
 from ...layout import local_runs, positions
 from ...rope import apply_rope, positions_in_sequence
 from ...runtime import direct_io, faults
-from ..plan import Plan, SeqInfo, fail
+from ..plan import Plan, SeqInfo, fail, value_width
 from .files import open_input
 
 __all__ = ["Reader", "in_background", "abandon", "UNION_RUNS", "RawReads"]
@@ -309,7 +309,7 @@ class Reader:
         faults.read(self.rank)
         pos, pos_k = self.positions(seq), self.positions_k(seq)
         n, nk, h, hkv, d = len(pos), len(pos_k), plan.heads, plan.kv_heads, plan.head_dim
-        dv = plan.dv  # the value width (Dv may differ from Dk = d)
+        dv = value_width(plan)  # the value width (Dv may differ from Dk = d)
         dt = np.dtype(plan.dtype)
         if plan.mode == "features":
             x = np.empty((n, plan.features), dt)
