@@ -3,14 +3,16 @@
  * Loaded by ringmpi/cpu/fused_backward.py (compiled on first use, cached on disk). Same
  * semantics as ringmpi.cpu.numpy_tile.backward_tile, the specification. Internal layout, head-major:
  *
- *   q, dout (B, H, Sq, D)     k, v (B, Hkv, Sk, D)     query head h reads K/V head h / (H/Hkv)
+ *   q (B, H, Sq, D), dout (B, H, Sq, Dv)   k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv)
+ *                             query head h reads K/V head h / (H/Hkv); Dv: the value width,
+ *                             which may differ from the key width D
  *   lse, delta (B, H, Sq)     saved log-sum-exp (-inf: row saw no key) and rowsum(dout * out)
  *   qpos (Sq,), kpos (Sk,)    int64 global token positions; causal: key j visible to query i
  *                             iff kpos[j] <= qpos[i]
  *   qlo, qhi (Sq,) or NULL    int64 per-row bounds (windows, packed sequences, cross): key j
  *                             visible to query i iff qlo[i] <= kpos[j] <= qhi[i] (causal is
  *                             then ignored: the bounds include it); qlo > qhi: no visible key
- *   dq (B, H, Sq, D), dk, dv (B, Hkv, Sk, D)   accumulators, updated in place
+ *   dq (B, H, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv)   accumulators, in place
  *
  * For one head, with Qs = scale Q:
  *
@@ -108,6 +110,9 @@ int rm_backward_simd_width_bytes(void) { return rm_simd_bytes(); }
  * takes (mods, mparam, mpos) as rm_backward_tile's last arguments. */
 unsigned rm_backward_mods(void) { return RM_MODS_ALL; }
 
+/* This build takes the value width Dv as rm_backward_tile's last argument. */
+int rm_backward_widths(void) { return 1; }
+
 #else
 /* ============================================================ type-generic part ==== */
 #include "cpu_simd_type.h" /* RM_T, RM_V, V_* and FN of this RM_BITS; rm_tanh, modifiers */
@@ -117,13 +122,13 @@ unsigned rm_backward_mods(void) { return RM_MODS_ALL; }
 #define KW (NK * RM_W) /* keys per packed panel */
 #define TW (NV * RM_W) /* columns of D per register tile in the dQ, dK, dV products */
 
-/* Pack keys [a, a + nk) of one K/V head: K^T and V^T panels kt, vt (np, D, KW), zero past
- * nk; K rows kr (nk, Dp), zero past D. */
+/* Pack keys [a, a + nk) of one K/V head: K^T panels kt (np, D, KW) and V^T panels vt
+ * (np, Dv, KW), zero past nk; K rows kr (nk, Dp), zero past D. */
 static void FN(rb_pack)(const RM_T *restrict k, const RM_T *restrict v, int64_t a, int64_t nk,
-                        int64_t D, int64_t Dp, RM_T *restrict kt, RM_T *restrict vt,
-                        RM_T *restrict kr) {
+                        int64_t D, int64_t Dv, int64_t Dp, RM_T *restrict kt,
+                        RM_T *restrict vt, RM_T *restrict kr) {
     FN(rm_pack_panels)(k + a * D, nk, D, KW, kt);
-    FN(rm_pack_panels)(v + a * D, nk, D, KW, vt);
+    FN(rm_pack_panels)(v + a * Dv, nk, Dv, KW, vt);
     FN(rm_pack_rows)(k + a * D, nk, D, Dp, kr);
 }
 
@@ -140,9 +145,10 @@ static void FN(rb_pack)(const RM_T *restrict k, const RM_T *restrict v, int64_t 
  * (result -2). Score modifiers (ringmpi.scoremods; kernels/cpu_simd_type.h): mods, the bits
  * of the active slots (0: none), mparam (H, RM_NMODS) their parameters per query head (NULL
  * when mods is 0), mpos (Sq,) the rows' positions in key coordinates (NULL unless a
- * position slot is active); dS gains the product of their derivatives d s'/d s. Returns
- * the flops of the computed blocks (10 nq nk D per block pair with a visible pair and query
- * head), or -1 when out of memory. */
+ * position slot is active); dS gains the product of their derivatives d s'/d s. Dv: the
+ * width of v, dout and dv (D: that of q, k, dq, dk). Returns the flops of the computed blocks
+ * (2 nq nk (3 D + 2 Dv) per block pair with a visible pair and query head: 10 nq nk D for
+ * Dv = D), or -1 when out of memory. */
 int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const RM_T *dout,
                              const RM_T *lse, const RM_T *delta, const int64_t *qpos,
                              const int64_t *kpos, RM_T *dq, RM_T *dk, RM_T *dv, int64_t B,
@@ -151,7 +157,7 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                              int64_t nkcuts, const int64_t *qlo, const int64_t *qhi,
                              double scale, int causal, int64_t bq, int64_t bk,
                              int (*progress)(void), int64_t chunk, unsigned mods,
-                             const double *mparam, const int64_t *mpos) {
+                             const double *mparam, const int64_t *mpos, int64_t Dv) {
     if (Sq <= 0 || Sk <= 0 || B <= 0 || H <= 0) return 0;
     if (!qlo || !qhi) qlo = qhi = NULL; /* bounds come in pairs */
     const rm_vis vis = {qlo, qhi, qpos, qlo ? 0 : causal};
@@ -159,6 +165,7 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
     const int mask = bounded || causal; /* some pair may be hidden */
     const int64_t G = H / Hkv;
     const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
+    const int64_t Dvp = (Dv + RM_W - 1) / RM_W * RM_W; /* dO rows, dV accumulators */
     bq = bq < 1 ? R : (bq + R - 1) / R * R;
     bk = bk < 1 ? KW : (bk + KW - 1) / KW * KW;
     /* score buffers: columns for whole panels and for whole R-key tiles of the dK/dV
@@ -170,12 +177,12 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
     rm_range *qr = malloc(sizeof(rm_range) * (size_t)Sq);
     int64_t *ksort = malloc(sizeof(int64_t) * (size_t)Sk);
     RM_T *kt = rm_zalloc(sizeof(RM_T) * (size_t)(bk * D));
-    RM_T *vt = rm_zalloc(sizeof(RM_T) * (size_t)(bk * D));
+    RM_T *vt = rm_zalloc(sizeof(RM_T) * (size_t)(bk * Dv));
     RM_T *kr = rm_zalloc(sizeof(RM_T) * (size_t)(ld * Dp));
     RM_T *dkb = rm_zalloc(sizeof(RM_T) * (size_t)(ld * Dp));
-    RM_T *dvb = rm_zalloc(sizeof(RM_T) * (size_t)(ld * Dp));
+    RM_T *dvb = rm_zalloc(sizeof(RM_T) * (size_t)(ld * Dvp));
     RM_T *qs = rm_zalloc(sizeof(RM_T) * (size_t)(bq * Dp));
-    RM_T *dob = rm_zalloc(sizeof(RM_T) * (size_t)(bq * Dp));
+    RM_T *dob = rm_zalloc(sizeof(RM_T) * (size_t)(bq * Dvp));
     RM_T *pb = rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld));
     RM_T *dsb = rm_zalloc(sizeof(RM_T) * (size_t)(bq * ld));
     RM_T *lb = rm_zalloc(sizeof(RM_T) * (size_t)bq);
@@ -202,7 +209,8 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
     int64_t work = 0; /* (row, key) pairs since the last progress call */
     for (int64_t b = 0; b < B; b++) {
         for (int64_t hk = 0; hk < Hkv; hk++) {
-            const int64_t kvo = (b * Hkv + hk) * Sk * D;
+            const int64_t kvo = (b * Hkv + hk) * Sk * D; /* k, dk; v, dv at vo */
+            const int64_t vo = (b * Hkv + hk) * Sk * Dv;
             for (int64_t t = 0; t < nkb; t++) {
                 const rm_block K = kb[t];
                 const int64_t ka = K.a, nk = K.b - K.a;
@@ -212,14 +220,14 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                 for (int64_t iq = 0; iq < nqb && !live; iq++)
                     live = !rm_hidden(&qr[iq], K.lo, K.hi);
                 if (!live) continue; /* no row sees any key of the block */
-                FN(rb_pack)(k + kvo, v + kvo, ka, nk, D, Dp, kt, vt, kr);
+                FN(rb_pack)(k + kvo, v + vo, ka, nk, D, Dv, Dp, kt, vt, kr);
                 memset(dkb, 0, sizeof(RM_T) * (size_t)(nkr * Dp));
-                memset(dvb, 0, sizeof(RM_T) * (size_t)(nkr * Dp));
+                memset(dvb, 0, sizeof(RM_T) * (size_t)(nkr * Dvp));
                 int held = 0; /* query blocks summed in dkb, dvb since they were last added */
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const RM_T *qh = q + (b * H + h) * Sq * D;
-                    const RM_T *doh = dout + (b * H + h) * Sq * D;
+                    const RM_T *doh = dout + (b * H + h) * Sq * Dv;
                     const RM_T *lh = lse + (b * H + h) * Sq;
                     const RM_T *dh = delta + (b * H + h) * Sq;
                     RM_T *dqh = dq + (b * H + h) * Sq * D;
@@ -237,21 +245,22 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                         /* scaled queries, dO, lse (-inf -> +inf: p = 0) and delta; padded
                          * rows are zero with lse +inf, so their P and dS are 0 */
                         for (int64_t i = 0; i < nqp; i++) {
-                            RM_T *qrow = qs + i * Dp, *dr = dob + i * Dp;
+                            RM_T *qrow = qs + i * Dp, *dr = dob + i * Dvp;
                             if (i < nq) {
                                 const RM_T *qsrc = qh + (qa + i) * D;
                                 for (int64_t d = 0; d < D; d++) qrow[d] = qsrc[d] * sc;
-                                memcpy(dr, doh + (qa + i) * D, (size_t)D * sizeof(RM_T));
+                                memcpy(dr, doh + (qa + i) * Dv, (size_t)Dv * sizeof(RM_T));
                                 const RM_T l = lh[qa + i];
                                 lb[i] = l == -INFINITY ? INFINITY : l;
                                 deb[i] = dh[qa + i];
                             } else {
                                 memset(qrow, 0, (size_t)D * sizeof(RM_T));
-                                memset(dr, 0, (size_t)D * sizeof(RM_T));
+                                memset(dr, 0, (size_t)Dv * sizeof(RM_T));
                                 lb[i] = INFINITY;
                                 deb[i] = 0;
                             }
-                            for (int64_t d = D; d < Dp; d++) qrow[d] = dr[d] = 0;
+                            for (int64_t d = D; d < Dp; d++) qrow[d] = 0;
+                            for (int64_t d = Dv; d < Dvp; d++) dr[d] = 0;
                         }
                         int64_t bmin = nk, bmax = 0; /* keys any strip of the block computed */
                         for (int64_t r0 = 0; r0 < nqp; r0 += R) {
@@ -308,8 +317,8 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                                 for (int64_t j = 0; j < jb[r]; j++) row[j] = 0;
                                 for (int64_t j = je[r]; j < ld; j++) row[j] = 0;
                             }
-                            FN(rb_strip)(dob + r0 * Dp, Dp, vt + p0 * D * KW, np, D, deb + r0, 1,
-                                         ps + p0 * KW, dss + p0 * KW, ld);
+                            FN(rb_strip)(dob + r0 * Dvp, Dvp, vt + p0 * Dv * KW, np, Dv, deb + r0,
+                                         1, ps + p0 * KW, dss + p0 * KW, ld);
                             if (dch) /* dS through the modifiers: times d s'/d s */
                                 for (int r = 0; r < R; r++) {
                                     RM_T *drow = dss + r * ld;
@@ -331,14 +340,14 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                         const int64_t j0 = bmin / R * R;
                         const int64_t j1 = (bmax + R - 1) / R * R < nkr ? (bmax + R - 1) / R * R
                                                                        : nkr;
-                        FN(rb_outer)(pb + j0, ld, dob, Dp, nq, j1 - j0, Dp, dvb + j0 * Dp);
+                        FN(rb_outer)(pb + j0, ld, dob, Dvp, nq, j1 - j0, Dvp, dvb + j0 * Dvp);
                         FN(rb_outer)(dsb + j0, ld, qs, Dp, nq, j1 - j0, Dp, dkb + j0 * Dp);
                         if (++held == RB_FLUSH) {
-                            FN(rb_flush)(dk + kvo + ka * D, dv + kvo + ka * D, dkb, dvb, nk, nkr,
-                                         D, Dp);
+                            FN(rb_flush)(dk + kvo + ka * D, dv + vo + ka * Dv, dkb, dvb, nk, nkr,
+                                         D, Dp, Dv, Dvp);
                             held = 0;
                         }
-                        flops += 10 * nq * nk * D;
+                        flops += 2 * nq * nk * (3 * D + 2 * Dv);
                         work += nq * nk;
                         if (progress && chunk > 0 && work >= chunk) {
                             work = 0;
@@ -349,7 +358,9 @@ int64_t FN(rm_backward_tile)(const RM_T *q, const RM_T *k, const RM_T *v, const 
                         }
                     }
                 }
-                if (held) FN(rb_flush)(dk + kvo + ka * D, dv + kvo + ka * D, dkb, dvb, nk, nkr, D, Dp);
+                if (held)
+                    FN(rb_flush)(dk + kvo + ka * D, dv + vo + ka * Dv, dkb, dvb, nk, nkr, D, Dp,
+                                 Dv, Dvp);
             }
         }
     }

@@ -95,15 +95,17 @@ static inline void FN(rb_axpy)(RM_T *restrict dst, const RM_T *restrict src, int
     for (; d < n; d++) dst[d] += s * src[d];
 }
 
-/* dk, dv rows [0, nk) (row stride D) += dkb, dvb (row stride Dp); then dkb, dvb = 0. */
+/* dk rows [0, nk) (row stride D) += dkb (row stride Dp), dv rows (row stride Dv) += dvb
+ * (row stride Dvp); then dkb, dvb = 0. */
 static void FN(rb_flush)(RM_T *restrict dk, RM_T *restrict dv, RM_T *restrict dkb,
-                         RM_T *restrict dvb, int64_t nk, int64_t nkr, int64_t D, int64_t Dp) {
+                         RM_T *restrict dvb, int64_t nk, int64_t nkr, int64_t D, int64_t Dp,
+                         int64_t Dv, int64_t Dvp) {
     for (int64_t j = 0; j < nk; j++) {
         FN(rb_axpy)(dk + j * D, dkb + j * Dp, D, (RM_T)1);
-        FN(rb_axpy)(dv + j * D, dvb + j * Dp, D, (RM_T)1);
+        FN(rb_axpy)(dv + j * Dv, dvb + j * Dvp, Dv, (RM_T)1);
     }
     memset(dkb, 0, sizeof(RM_T) * (size_t)(nkr * Dp));
-    memset(dvb, 0, sizeof(RM_T) * (size_t)(nkr * Dp));
+    memset(dvb, 0, sizeof(RM_T) * (size_t)(nkr * Dvp));
 }
 
 /* dq rows [0, nrows) (row stride D) += sc * dS (R x nk, row stride ld) K (nk x Dp). */

@@ -73,7 +73,8 @@
 
 /* Arguments of rm_forward_tile_f32/_f64 (mirrored by fused._TileArgs; rm_tile_args_size lets
  * the loader check the layout). Arrays are C-contiguous, of the function's element type:
- *   q (B, H, Sq, D), k and v (B, Hkv, Sk, D), acc (B, H, Sq, D), m and l (B, H, Sq);
+ *   q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), acc (B, H, Sq, Dv), m and l
+ *   (B, H, Sq) (Dv: the value width, which may differ from the key width D);
  *   qpos (Sq,), kpos (Sk,) int64 positions; qcuts (nqcuts,), kcuts (nkcuts,): ascending
  *   indices where runs of evenly spaced positions start (may be empty).
  * Query rows [q0, q1) are folded; bq, bk: block sizes (query rows, keys); progress (may be
@@ -101,6 +102,7 @@ typedef struct {
     uint32_t mods;        /* bits of the active score modifiers (0: none) */
     const double *mparam; /* (H, RM_NMODS) their parameters, or NULL */
     const int64_t *mpos;  /* (Sq,) the rows' positions in key coordinates, or NULL */
+    int64_t Dv;           /* the value width: v, acc (D: the key width of q and k) */
 } rm_tile_args;
 
 int64_t rm_tile_args_size(void) { return (int64_t)sizeof(rm_tile_args); }
@@ -137,11 +139,11 @@ unsigned rm_tile_mods(void) { return RM_MODS_ALL; }
 _Static_assert(KW % (NS * RM_W) == 0, "a K panel must span whole 64-byte row-sum groups");
 
 /* Pack keys [a, b) of one K/V head: K^T panels kt (npanel, D, KW), zero padded past b;
- * V rows vp (b - a, Dp), zero padded past D. */
+ * V rows vp (b - a, Dp), zero padded past Dv (the value width). */
 static void FN(rm_pack)(const RM_T *k, const RM_T *v, int64_t a, int64_t b, int64_t D,
-                        int64_t Dp, RM_T *kt, RM_T *vp) {
+                        int64_t Dv, int64_t Dp, RM_T *kt, RM_T *vp) {
     FN(rm_pack_panels)(k + a * D, b - a, D, KW, kt);
-    FN(rm_pack_rows)(v + a * D, b - a, D, Dp, vp);
+    FN(rm_pack_rows)(v + a * Dv, b - a, Dv, Dp, vp);
 }
 
 /* the strip operations: S = Qs K^T (rm_qk), the online softmax (rm_softmax), O += P V
@@ -173,20 +175,22 @@ void FN(rm_tanh_array)(const RM_T *x, RM_T *y, int64_t n) {
  * increase each row's visible keys are one interval, found by arithmetic when they are
  * consecutive, else by binary search (rm_span); otherwise by a scan,
  * then masked per row (interval fill) or per element.
- * Returns the flops of the scored pairs: 4 D nr (j1 - j0) per computed strip of nr real rows
- * and head (4 nq nk D per block when nothing is masked); every visible pair is counted, so
- * this is at least 4 D times the visible pairs. -1 when out of memory. */
+ * Returns the flops of the scored pairs: 2 (D + Dv) nr (j1 - j0) per computed strip of nr
+ * real rows and head (4 nq nk D per block when nothing is masked and Dv = D); every visible
+ * pair is counted, so this is at least 2 (D + Dv) times the visible pairs. -1 when out of
+ * memory. */
 static int64_t FN(rm_tile)(const rm_tile_args *a) {
     const RM_T *q = a->q, *k = a->k, *v = a->v;
     RM_T *acc = a->acc, *m = a->m, *l = a->l;
     const int64_t *qpos = a->qpos, *kpos = a->kpos;
     const int64_t B = a->B, H = a->H, Hkv = a->Hkv, Sq = a->Sq, Sk = a->Sk, D = a->D;
+    const int64_t Dv = a->Dv; /* the value width: v, acc and the P.V columns */
     const int64_t q0 = a->q0, q1 = a->q1;
     int64_t bq = a->bq, bk = a->bk;
     if (q1 <= q0 || Sk == 0) return 0;
     const rm_vis vis = {a->lo, a->hi, qpos, a->lo ? 0 : (int)a->causal};
     const int64_t G = H / Hkv;
-    const int64_t Dp = (D + RM_W - 1) / RM_W * RM_W;
+    const int64_t Dp = (Dv + RM_W - 1) / RM_W * RM_W; /* V rows and O, padded to vectors */
     bk = (bk + KW - 1) / KW * KW;
     bq = (bq + RM_R - 1) / RM_R * RM_R;
     rm_block *qb = malloc(sizeof(rm_block) * (size_t)(q1 - q0 + 1));
@@ -251,17 +255,17 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
     for (int64_t b = 0; b < B; b++) {
         for (int64_t hk = 0; hk < Hkv; hk++) {
             const RM_T *kh = k + (b * Hkv + hk) * Sk * D;
-            const RM_T *vh = v + (b * Hkv + hk) * Sk * D;
+            const RM_T *vh = v + (b * Hkv + hk) * Sk * Dv;
             for (int64_t t = 0; t < nkb; t++)
                 if (need[t])
-                    FN(rm_pack)(kh, vh, kb[t].a, kb[t].b, D, Dp, kt + koff[t] * D,
+                    FN(rm_pack)(kh, vh, kb[t].a, kb[t].b, D, Dv, Dp, kt + koff[t] * D,
                                 vp + koff[t] * Dp);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t h = hk * G + g;
                 const RM_T *qh = q + (b * H + h) * Sq * D;
                 /* the head's score modifiers; with any, the maxima are recomputed */
                 const FN(rm_mods) hm = FN(rm_mods_load)(a->mods, a->mparam, h);
-                RM_T *ah = acc + (b * H + h) * Sq * D;
+                RM_T *ah = acc + (b * H + h) * Sq * Dv;
                 RM_T *mh = m + (b * H + h) * Sq;
                 RM_T *lh = l + (b * H + h) * Sq;
                 for (int64_t iq = 0; iq < nqb; iq++) {
@@ -274,8 +278,8 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                         if (i < nq) {
                             const RM_T *qrow = qh + (qa + i) * D;
                             for (int64_t d = 0; d < D; d++) qs[i * D + d] = qrow[d] * sc;
-                            memcpy(ob + i * Dp, ah + (qa + i) * D, (size_t)D * sizeof(RM_T));
-                            for (int64_t d = D; d < Dp; d++) ob[i * Dp + d] = 0;
+                            memcpy(ob + i * Dp, ah + (qa + i) * Dv, (size_t)Dv * sizeof(RM_T));
+                            for (int64_t d = Dv; d < Dp; d++) ob[i * Dp + d] = 0;
                             mb[i] = mh[qa + i];
                             lb[i] = lh[qa + i];
                         } else {
@@ -369,15 +373,15 @@ static int64_t FN(rm_tile)(const rm_tile_args *a) {
                                            ob + r0 * Dp, oc + r0 * Dp, Dp, rmax, have_max);
                             FN(rm_pv)(sb, bk, vpb + base * Dp, use, Dp, ob + r0 * Dp,
                                       oc + r0 * Dp);
-                            flops += 4 * nr * (j1 - j0) * D;
+                            flops += 2 * nr * (j1 - j0) * (D + Dv);
                         }
                     }
                     /* the state goes back with its compensation applied (o - c: one
                      * rounding); a NaN difference (inf - inf) keeps o itself */
                     for (int64_t i = 0; i < nq; i++) {
                         const RM_T *orow = ob + i * Dp, *crow = oc + i * Dp;
-                        RM_T *arow = ah + (qa + i) * D;
-                        for (int64_t d = 0; d < D; d++) {
+                        RM_T *arow = ah + (qa + i) * Dv;
+                        for (int64_t d = 0; d < Dv; d++) {
                             const RM_T x = orow[d] - crow[d];
                             arow[d] = x == x ? x : orow[d];
                         }

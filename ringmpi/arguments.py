@@ -41,7 +41,7 @@ class RingArgs:
     layout : str
     causal : bool
     scale : float
-        The score scale in use (1/sqrt(D) unless given).
+        The score scale in use (1/sqrt(Dk), Dk the key width, unless given).
     batched : bool
         Whether the inputs have a leading batch axis.
     in_dtype, tile_dtype, acc_dtype
@@ -86,12 +86,22 @@ def _shape_errors(q, k, v) -> Optional[str]:
             return f"{name} has ndim={x.ndim} but q has ndim={q.ndim}"
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
-    if k.shape != v.shape:
-        return f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}"
+    # keys and values may differ in width (Dk != Dv: multi-head latent attention, issue 42),
+    # in nothing else
+    if k.shape[:-1] != v.shape[:-1]:
+        return (
+            f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ before the last "
+            "axis (only the widths Dk and Dv may differ)"
+        )
     if q.shape[-1] != k.shape[-1]:
-        return f"head dim differs: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}"
+        return (
+            f"head dim differs: q has D={q.shape[-1]}, k has D={k.shape[-1]} (queries and keys "
+            "share the key width; only v may be narrower or wider)"
+        )
     if q.shape[-1] < 1:
         return "head dim D must be >= 1"
+    if v.shape[-1] < 1:
+        return "value width Dv must be >= 1"
     h, hkv = q.shape[-2], k.shape[-2]
     if hkv < 1 or h % hkv:
         return f"H={h} query heads is not a multiple of Hkv={hkv} key/value heads"
@@ -113,10 +123,14 @@ def _nonfinite(xp, arrays: dict) -> Optional[str]:
     return None
 
 
-def _extra_errors(be, q, dout, out, lse, check_finite: bool) -> Optional[str]:
-    """This rank's complaint about the backward's dout, out and lse (q is checked already)."""
+def _extra_errors(be, q, dv: int, dout, out, lse, check_finite: bool) -> Optional[str]:
+    """This rank's complaint about the backward's dout, out and lse (q is checked already).
+
+    ``dv`` is the value width: out and dout are q's shape with Dv last.
+    """
     shape = tuple(q.shape)
     want_lse = shape[:-3] + (shape[-2], shape[-3])
+    shape = shape[:-1] + (int(dv),)
     for name, x, want in (("dout", dout, shape), ("out", out, shape), ("lse", lse, want_lse)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             return f"{name} must be an array, got {type(x).__name__}"
@@ -177,7 +191,14 @@ def _view(comm, spec, arrays: dict, be, check_finite: bool, decode) -> dict:
                     err = err or f"{name} {why}"
     if err is None:
         backward = "dout" in arrays
-        why = be.supports(spec, q.dtype, int(q.shape[-1]), backward=backward, tiles=not decode)
+        why = be.supports(
+            spec,
+            q.dtype,
+            int(q.shape[-1]),
+            backward=backward,
+            tiles=not decode,
+            dv=int(v.shape[-1]),
+        )
         if why:
             err = f"the {be.name} backend cannot run this call: {'; '.join(why)}"
     if err is None and spec.head_parallel > 1:
@@ -185,7 +206,9 @@ def _view(comm, spec, arrays: dict, be, check_finite: bool, decode) -> dict:
     if err is None and check_finite:
         err = _nonfinite(be.xp, {"q": q, "k": k, "v": v})
     if err is None and "dout" in arrays:
-        err = _extra_errors(be, q, arrays["dout"], arrays["out"], arrays["lse"], check_finite)
+        err = _extra_errors(
+            be, q, v.shape[-1], arrays["dout"], arrays["out"], arrays["lse"], check_finite
+        )
     if err is not None:
         return {"error": err}
     q_rest = tuple(q.shape) if decode else tuple(q.shape[:-3]) + tuple(q.shape[-2:])
@@ -195,7 +218,7 @@ def _view(comm, spec, arrays: dict, be, check_finite: bool, decode) -> dict:
         "s_local_k": int(k.shape[-3]),
         "ndim": q.ndim,
         "q shape": q_rest,
-        "kv shape": tuple(k.shape[:-3]) + tuple(k.shape[-2:]),
+        "kv shape": tuple(k.shape[:-3]) + tuple(k.shape[-2:]) + (int(v.shape[-1]),),
         "dtype": str(q.dtype),
         "tile dtype": str(be.xp.dtype(be.tile_dtype(q.dtype))),
         "device": "gpu" if be.name == "gpu" else "cpu",
@@ -243,8 +266,9 @@ def agree(
     spec : ringmpi.spec.AttentionSpec
         The options, validated here (a bad field raises on every rank).
     arrays : dict of arrays
-        ``q`` (B?, S_local, H, D), ``k`` and ``v`` (B?, S_local_k, Hkv, D); for the
-        backward also ``dout`` and ``out`` (shape of q) and ``lse`` (B?, H, S_local).
+        ``q`` (B?, S_local, H, Dk), ``k`` (B?, S_local_k, Hkv, Dk) and ``v``
+        (B?, S_local_k, Hkv, Dv); for the backward also ``dout`` and ``out``
+        (B?, S_local, H, Dv) and ``lse`` (B?, H, S_local).
     what : str
         The caller's name, the prefix of every error message.
     check_finite : bool
@@ -264,8 +288,10 @@ def agree(
         The same message on every rank: the first rank's local problem, a field
         the ranks disagree on, or token counts the layout does not give.
     """
-    q = arrays["q"]
-    be: Backend = select(q)
+    q, v = arrays["q"], arrays["v"]
+    shapes = getattr(q, "shape", None), getattr(v, "shape", None)
+    widths = (shapes[0][-1], shapes[1][-1]) if all(s for s in shapes) else None
+    be: Backend = select(q, widths)
     view = _view(comm, spec, arrays, be, check_finite, decode)
     views = agree_views(comm, view, what, _SAME + _FIELDS)
     first, size, rank = views[0], comm.Get_size(), comm.Get_rank()

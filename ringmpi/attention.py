@@ -7,7 +7,9 @@ already posted the exchange that brings the next one, so the transfer runs
 while the tile kernel works. After P steps every query has met every key.
 
 Per step a rank computes 4 * Sq * Sk * D * H flops (fewer under a causal mask,
-whose fully masked tiles are skipped) and sends 2 * Sk * Hkv * D elements.
+whose fully masked tiles are skipped) and sends 2 * Sk * Hkv * D elements; with
+keys and values of different widths, 2 * Sq * Sk * (Dk + Dv) * H flops and
+Sk * Hkv * (Dk + Dv) elements.
 """
 
 from __future__ import annotations
@@ -58,11 +60,15 @@ def ring_attention(
 
     Parameters
     ----------
-    q : array (S_local, H, D) or (B, S_local, H, D)
+    q : array (S_local, H, Dk) or (B, S_local, H, Dk)
         This rank's queries, laid out as ``ringmpi.shard(..., layout=layout)``.
         numpy arrays run on the CPU, CuPy arrays on the GPU.
-    k, v : array (S_local, Hkv, D) or (B, S_local, Hkv, D)
-        This rank's keys and values; H % Hkv == 0 (grouped-query attention).
+    k : array (S_local, Hkv, Dk) or (B, S_local, Hkv, Dk)
+    v : array (S_local, Hkv, Dv) or (B, S_local, Hkv, Dv)
+        This rank's keys and values; H % Hkv == 0 (grouped-query attention). The
+        value width Dv may differ from the key width Dk (multi-head latent
+        attention, e.g. Dk = 192, Dv = 128, or one latent head with Dk = 576,
+        Dv = 512); K and V still travel the ring in one message.
     comm : mpi4py.MPI.Comm, optional
         The ranks holding the sequence, in ring order. Default MPI.COMM_WORLD.
     causal : bool
@@ -70,7 +76,7 @@ def ring_attention(
     layout : {"zigzag", "striped", "contiguous", "balanced"}
         How tokens are spread over ranks; must match how q, k, v were cut.
     scale : float, optional
-        Score scale, default 1/sqrt(D).
+        Score scale, default 1/sqrt(Dk).
     return_lse : bool
         Also return the log-sum-exp of the scores, (..., H, S_local).
     check_finite : bool
@@ -119,7 +125,7 @@ def ring_attention(
 
     Returns
     -------
-    out : array, shape and dtype of q
+    out : array (..., S_local, H, Dv), the dtype of q
     lse : array (..., H, S_local), float32 (float64 for float64 inputs); only
         with ``return_lse=True``.
 
@@ -213,11 +219,11 @@ def _batched(x):
 def _loop(
     comm, args: RingArgs, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None, start=None
 ) -> tuple:
-    """The forward ring over ``comm``: (out (B, S, H, D) in the accumulation dtype, lse, stats).
+    """The forward ring over ``comm``: (out (B, S, H, Dv) in the accumulation dtype, lse, stats).
 
     Parameters
     ----------
-    qi : (B, H, S, D) ; ki, vi : (B, Hkv, S_k, D)
+    qi : (B, H, S, Dk) ; ki : (B, Hkv, S_k, Dk) ; vi : (B, Hkv, S_k, Dv)
         This ring position's queries and K/V block, in the tile layout and dtype.
     heads : slice
         The query heads of ``qi`` among the call's (heads x ring), for per-head options.
@@ -229,12 +235,13 @@ def _loop(
     plan = plan_steps(mask, rank, size, layout)
     masked = {} if plan.bounds is None else {"bounds": plan.bounds}
     masked.update(tile_modifiers(args.spec, mask, plan.q_pos, heads))
-    acc, m, l = softmax.init_state(qi.shape, args.acc_dtype, be.xp)
+    b, h, _, d = qi.shape
+    dv = vi.shape[-1]  # the value width: acc and out have it (Dv may differ from Dk)
+    acc, m, l = softmax.init_state((b, h, qi.shape[2], dv), args.acc_dtype, be.xp)
     seam = start is not None or on_state is not None  # the same on every rank (documented)
     first = _resume_from(comm, start, plan.nsteps, (acc, m, l)) if seam else 0
     if first:
         acc, m, l = (be.xp.array(x, copy=True) for x in start[1:])  # the caller's stay as they are
-    b, h, _, d = qi.shape
     flops, tile_flops, compute_s, computed = 0, 0, 0.0, 0
     kv_ring = KVRing(comm, be, ki, vi, args.counts_k, plan.nsteps, first=first)
     with interrupt.catching(), kv_ring as kv:
@@ -266,7 +273,7 @@ def _loop(
                 )
                 compute_s += time.perf_counter() - t0
                 pairs = plan.pairs(step, k_pos, args.causal)
-                flops += cost.flops(pairs, d, h, b)
+                flops += cost.flops(pairs, d, h, b, dv=dv)
                 computed += 1
             if on_state is not None:
                 on_state(step + 1, acc, m, l)

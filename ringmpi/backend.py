@@ -57,8 +57,21 @@ class Backend:
     backward_mods: tuple = scoremods.names()
     # why the backend refuses a mask of slices (issue 41; "" = it runs them)
     slices_missing: str = ""
+    # why the forward / backward tiles cannot take keys and values of different widths
+    # (Dk != Dv, issue 42); empty: they can
+    widths_missing: str = ""
+    backward_widths_missing: str = ""
 
-    def supports(self, spec, dtype, d: int, *, backward: bool = False, tiles: bool = True) -> list:
+    def supports(
+        self,
+        spec,
+        dtype,
+        d: int,
+        *,
+        backward: bool = False,
+        tiles: bool = True,
+        dv: Optional[int] = None,
+    ) -> list:
         """The reasons this backend cannot run a call (empty: it can).
 
         Parameters
@@ -68,11 +81,13 @@ class Backend:
         dtype : dtype
             The dtype of q, k and v.
         d : int
-            The head dim D.
+            The head dim D (the key width Dk).
         backward : bool
             The call is a backward pass.
         tiles : bool
             The call runs the tiles (False: decode, plain array operations).
+        dv : int, optional
+            The value width Dv (default: ``d``).
         """
         why = []
         try:
@@ -83,6 +98,9 @@ class Backend:
             why.append(f"dtype {name} (it takes {', '.join(self.dtypes)})")
         if tiles and self.max_d and not 1 <= d <= self.max_d:
             why.append(f"head dim D={d} (its tiles take 1..{self.max_d})")
+        widths = self.backward_widths_missing if backward else self.widths_missing
+        if tiles and dv is not None and dv != d and widths:
+            why.append(f"key width Dk={d} != value width Dv={dv} ({widths})")
         if backward and self.backward_tile is None:
             why.append(self.backward_missing)
         if tiles:
@@ -154,8 +172,11 @@ _ISA = {64: "avx512", 32: "avx2", 16: "sse/neon", 0: "scalar"}
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _strict(tile: Callable, name: str, state: tuple) -> Callable:
-    """``tile`` refusing the arrays it would silently hand to the numpy tile."""
+def _strict(tile: Callable, name: str, state: tuple, widths: str = "") -> Callable:
+    """``tile`` refusing the arrays it would silently hand to the numpy tile.
+
+    ``widths``: why the tile cannot take keys and values of different widths ("": it can).
+    """
 
     def run(*args, **kwargs):
         dt = args[0].dtype
@@ -166,6 +187,11 @@ def _strict(tile: Callable, name: str, state: tuple) -> Callable:
                 f"{name}: takes float32/float64 q and C-contiguous state of the same dtype "
                 f"(got {dt}); convert with Backend.tile_dtype instead of a silent numpy fallback"
             )
+        if widths and args[1].shape[-1] != args[2].shape[-1]:
+            raise ValueError(
+                f"{name}: key width Dk={args[1].shape[-1]} != value width "
+                f"Dv={args[2].shape[-1]} ({widths})"
+            )
         return tile(*args, **kwargs)
 
     run.__name__ = run.__qualname__ = getattr(tile, "__name__", "tile")
@@ -173,7 +199,11 @@ def _strict(tile: Callable, name: str, state: tuple) -> Callable:
     return run
 
 
-def _fused_backend(forced: bool) -> Optional[Backend]:
+def _fused_backend(forced: bool, differ: bool = False) -> Optional[Backend]:
+    """The fused C backend (None where it cannot load); ``differ``: the call's keys and
+    values differ in width. Where a backward build cannot take that
+    (``fused_backward.WIDTHS_MISSING``, a build from before the value width), ``auto``
+    gives that pass to the numpy tile and says so; ``fused`` refuses it in :meth:`supports`."""
     try:
         from .cpu import fused
     except ImportError:
@@ -183,16 +213,30 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
     from .cpu import fused_backward
 
     cd = numpy_tile.compute_dtype
-    fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7))
+    # a build from before the value width (benchmarks' baselines) takes Dk == Dv only
+    fwd_widths = "" if fused.LOADER.default().widths else "this fused C build takes Dk == Dv only"
+    fwd = _strict(fused.forward_tile, "fused forward tile", (5, 6, 7), fwd_widths)
     notes = [f"forward: fused C ({fused.isa()})"]
     # the modifiers each build applies (its slots): the others are refused up front
     fmods = scoremods.fields_of(fused.LOADER.default().mods)
     bmods = scoremods.names()  # (the numpy backward tile applies every one)
+    bwd_widths = ""
     if fused_backward.available():
-        bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10))
+        bwd_widths = fused_backward.WIDTHS_MISSING or (
+            ""
+            if fused_backward.LOADER.default().widths
+            else "this fused C backward build takes Dk == Dv only"
+        )
+    if fused_backward.available() and (forced or not differ or not bwd_widths):
+        bwd = _strict(fused_backward.backward_tile, "fused backward tile", (8, 9, 10), bwd_widths)
         notes.append(f"backward: fused C ({_ISA.get(fused_backward.simd_width(), '?')})")
         bmods = scoremods.fields_of(fused_backward.LOADER.default().mods)
         missing = ""
+    elif fused_backward.available():  # auto, Dk != Dv: the numpy backward tile, said so
+        missing = ""
+        bwd = numpy_tile.backward_tile
+        notes.append(f"backward: numpy tile ({bwd_widths})")
+        bwd_widths = ""
     else:
         reason = str(fused_backward.unavailable_reason()).strip().splitlines()[0]
         missing = f"the fused backward tile is unavailable ({reason})"
@@ -212,6 +256,8 @@ def _fused_backend(forced: bool) -> Optional[Backend]:
         backward_missing=missing or "no backward tile",
         forward_mods=fmods,
         backward_mods=bmods,
+        widths_missing=fwd_widths,
+        backward_widths_missing=bwd_widths,
     )
 
 
@@ -236,6 +282,8 @@ def _gpu_backend() -> Backend:
         max_d=MAX_D,
         notes=("forward and backward: CUDA tiles",),
         slices_missing="a mask of slices is not yet tested on the CUDA tiles",
+        widths_missing="the CUDA tiles are instantiated for one head dim D = Dk = Dv",
+        backward_widths_missing="the CUDA tiles are instantiated for one head dim D = Dk = Dv",
     )
 
 
@@ -253,14 +301,23 @@ def _gpu_cast_out(out, dtype):
     return out.astype(dtype, order="C", copy=False)
 
 
-def select(x) -> Backend:
-    """Backend for array ``x``: GPU for CuPy arrays, otherwise a CPU tile."""
+def select(x, widths: Optional[tuple] = None) -> Backend:
+    """Backend for array ``x``: GPU for CuPy arrays, otherwise a CPU tile.
+
+    ``widths`` (Dk, Dv): the key and value widths of the call. Where they differ and
+    a fused C tile cannot take that, ``RINGMPI_CPU_KERNEL=auto`` gives that pass to
+    the numpy tile and says why in :meth:`Backend.describe`; ``fused`` keeps the fused
+    tiles, and :meth:`Backend.supports` refuses the pass they cannot run, with the reason.
+    """
     if is_cupy(x):
         return _gpu_backend()
     choice = env.get("RINGMPI_CPU_KERNEL")
     if choice != "numpy":
-        fused = _fused_backend(forced=choice == "fused")
+        differ = widths is not None and widths[0] != widths[1]
+        fused = _fused_backend(forced=choice == "fused", differ=differ)
         if fused is not None:
+            if differ and fused.widths_missing and choice != "fused":
+                return _numpy_backend(f"fused C tiles: {fused.widths_missing}")
             return fused
         if choice == "fused":
             raise RuntimeError("RINGMPI_CPU_KERNEL=fused but the fused CPU tile is unavailable")
@@ -284,6 +341,9 @@ def _fused_reason() -> str:
 #
 #     q      (B, H,   Sq, D)   tile dtype
 #     k, v   (B, Hkv, Sk, D)   same dtype; query head h reads K/V head h // (H // Hkv)
+#                              (v, and with it acc, dout and dv below, may have another
+#                              last axis Dv than q and k: keys and values of different
+#                              widths, multi-head latent attention)
 #     q_pos  (Sq,)             int64 global token positions (numpy, host)
 #     k_pos  (Sk,)             int64 global token positions (numpy, host)
 #
@@ -301,7 +361,8 @@ def _fused_reason() -> str:
 # and ``progress`` (called between blocks so MPI can progress a pending
 # exchange; an exception it raises stops the tile and propagates). Both return
 # the flops of their matrix products over the blocks actually computed: 4 * pairs
-# * D per head forward, 10 * pairs * D backward. Rows with no visible key keep
+# * D per head forward, 10 * pairs * D backward (2 * pairs * (Dk + Dv) and
+# 2 * pairs * (3 Dk + 2 Dv) where the widths differ). Rows with no visible key keep
 # l = 0 (forward) and get no gradient (backward, lse = -inf).
 #
 # Masks beyond causal (windows, packed sequences, cross-attention; built by

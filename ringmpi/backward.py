@@ -17,7 +17,9 @@ end: accumulation is float32 (float64 for float64 inputs).
 Per step a rank computes 10 * Sq * Sk * D * H flops (five matrix products;
 causal tiles that are fully masked are skipped) and sends 2 * Sk * Hkv * D
 input-dtype elements (K/V) plus 2 * Sk * Hkv * D accumulation-dtype elements
-(dK/dV). The tile comes from the backend (:attr:`ringmpi.backend.Backend.backward_tile`).
+(dK/dV). With keys and values of different widths (issue 42) the products
+take 2 * (3 Dk + 2 Dv) flops per pair and head and a block is Sk * Hkv * (Dk + Dv)
+elements. The tile comes from the backend (:attr:`ringmpi.backend.Backend.backward_tile`).
 """
 
 from __future__ import annotations
@@ -70,13 +72,15 @@ def ring_attention_backward(
 
     Parameters
     ----------
-    dout : array (S_local, H, D) or (B, S_local, H, D)
+    dout : array (S_local, H, Dv) or (B, S_local, H, Dv)
         Gradient of the loss with respect to this rank's attention output.
-    q : array (S_local, H, D) or (B, S_local, H, D)
+    q : array (S_local, H, Dk) or (B, S_local, H, Dk)
         This rank's queries, laid out as ``ringmpi.shard(..., layout=layout)``.
-    k, v : array (S_local, Hkv, D) or (B, S_local, Hkv, D)
-        This rank's keys and values; H % Hkv == 0.
-    out : array, shape of q
+    k : array (S_local, Hkv, Dk) or (B, S_local, Hkv, Dk)
+    v : array (S_local, Hkv, Dv) or (B, S_local, Hkv, Dv)
+        This rank's keys and values; H % Hkv == 0; the value width Dv may differ from
+        the key width Dk (multi-head latent attention).
+    out : array, shape of dout
         The output ``ring_attention`` returned for these inputs.
     lse : array (H, S_local) or (B, H, S_local)
         The log-sum-exp ``ring_attention(..., return_lse=True)`` returned.
@@ -196,9 +200,9 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
 
     Parameters
     ----------
-    qa, do : (B, H, S, D)
+    qa : (B, H, S, Dk) ; do : (B, H, S, Dv)
         Queries and dO in the accumulation dtype.
-    ki, vi : (B, Hkv, S_k, D)
+    ki : (B, Hkv, S_k, Dk) ; vi : (B, Hkv, S_k, Dv)
         This ring position's K/V block in the tile dtype.
     lse_i, delta : (B, H, S)
         The forward's log-sum-exp and the row sums of dO * O.
@@ -207,7 +211,7 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
 
     Returns
     -------
-    dq : (B, H, S, D) ; dk, dv : (B, Hkv, S_k, D) ; stats : dict
+    dq : (B, H, S, Dk) ; dk : (B, Hkv, S_k, Dk) ; dv : (B, Hkv, S_k, Dv) ; stats : dict
     """
     be, acc, layout, causal = args.backend, args.acc_dtype, args.layout, args.causal
     xp = be.xp
@@ -219,9 +223,10 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
     dq = xp.zeros(qa.shape, dtype=acc)
 
     # dK/dV accumulators: two travelling buffers and one scratch for this
-    # rank's contribution, each (2, B, Hkv, count, D) when viewed
+    # rank's contribution, each (B, Hkv, count, Dk) then (B, Hkv, count, Dv) when viewed
     b, hkv, _, d = ki.shape
-    dsize = 2 * b * hkv * max(cnt) * d
+    dv_width = vi.shape[-1]
+    dsize = b * hkv * max(cnt) * (d + dv_width)
     d_bufs = [xp.zeros(dsize, dtype=acc), xp.zeros(dsize, dtype=acc)]
     scratch = xp.empty(dsize, dtype=acc) if plan.nsteps > 1 else None
     h = qa.shape[1]
@@ -240,10 +245,12 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                 # step 0 starts the accumulator of our own block; later steps write
                 # into scratch while the block's accumulator is still arriving
                 here = d_bufs[step % 2]
-                mine = kv.view(here if step == 0 else scratch, cnt[src])
+                span = kv.span(cnt[src])
+                mine = here if step == 0 else scratch
+                mine_k, mine_v = kv.parts(mine, cnt[src])
                 if plan.compute[step]:
                     if step > 0:
-                        mine[...] = 0
+                        mine[:span] = 0
                     t0 = time.perf_counter()
                     k_pos = positions(
                         args.nk, src, size, layout, cu_seqlens=args.mask.cu_k, mask=args.mask
@@ -258,8 +265,8 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                         plan.q_pos,
                         k_pos,
                         dq,
-                        mine[0],
-                        mine[1],
+                        mine_k,
+                        mine_v,
                         scale=args.scale,
                         causal=causal,
                         progress=progress,
@@ -268,20 +275,20 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
                     compute_s += time.perf_counter() - t0
                     computed += 1
                     pairs = plan.pairs(step, k_pos, causal)
-                    flops += cost.flops(pairs, d, h, b, backward=True)
+                    flops += cost.flops(pairs, d, h, b, backward=True, dv=dv_width)
                 if plan.nsteps == 1:
                     continue  # our own block only: its accumulator is already home
                 with watch(f"ring step {step}: the dK/dV block from rank {ring_d.prev}"):
                     ring_d.wait()  # the accumulator for src has arrived; our last send is done
                 if step > 0 and plan.compute[step]:
-                    kv.view(here, cnt[src])[...] += mine
+                    here[:span] += mine[:span]
                 nxt_d = d_bufs[(step + 1) % 2]
-                here_n = kv.view(here, cnt[src]).size
+                here_n = span
                 if step + 1 < plan.nsteps:  # pass it on to the next rank
-                    nxt_n = kv.view(nxt_d, cnt[kv.owner(step + 1)]).size
+                    nxt_n = kv.span(cnt[kv.owner(step + 1)])
                     ring_d.start(here[:here_n], nxt_d[:nxt_n], tag=TAG_DKV)
                 else:  # the last hop: every accumulator straight home (next rank after P steps)
-                    home = kv.view(nxt_d, cnt[rank]).size
+                    home = kv.span(cnt[rank])
                     ring_d.start(
                         here[:here_n],
                         nxt_d[:home],
@@ -294,7 +301,7 @@ def _loop(comm, args: RingArgs, qa, ki, vi, do, lse_i, delta, heads=slice(None))
             stopped = False
         finally:
             ring_d.free(abandon=stopped)
-    dkv = kv.view(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
+    dkv = kv.parts(d_bufs[plan.nsteps % 2] if plan.nsteps > 1 else d_bufs[0], cnt[rank])
     stats = dict(
         compute_s=compute_s,
         wait_s=kv.ring.wait_s + ring_d.wait_s,

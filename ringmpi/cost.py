@@ -10,6 +10,10 @@ backend:
     backward: 10 D per visible pair and query head                (five products)
     ring step: 2 Sk Hkv D elements of K/V (backward: the dK/dV accumulators too)
 
+With keys of width Dk and values of width Dv (multi-head latent attention):
+forward 2 (Dk + Dv), backward 2 (3 Dk + 2 Dv) per pair and head, and Sk Hkv
+(Dk + Dv) elements per ring step.
+
 ``stats["flops"]`` of :func:`ringmpi.ring_attention` and of the backward is this
 count; ``stats["tile_flops"]`` is what the tiles reported (>= flops: it includes
 the masked part of the blocks they scored).
@@ -138,16 +142,36 @@ def imbalances(mask, size: int) -> dict:
     return {lay: imbalance(mask, size, lay) for lay in LAYOUTS + MASK_LAYOUTS}
 
 
-def flops(pairs: float, d: int, heads: int, batch: int = 1, backward: bool = False) -> float:
+def flops(
+    pairs: float,
+    d: int,
+    heads: int,
+    batch: int = 1,
+    backward: bool = False,
+    dv: Optional[int] = None,
+) -> float:
     """Model flops of ``pairs`` visible pairs for ``batch`` x ``heads`` query heads of dim ``d``.
 
-    An int when the arguments are ints (what ``stats`` reports), else a float
-    (the planner's averages).
+    ``dv``: the value width where it differs from the key width ``d`` (issue 42):
+    the products over keys (q.k; backward also dQ = dS K, dK = dS^T Q) take 2 d
+    each, those over values (P V; backward dP = dO V^T, dV = P^T dO) 2 dv each, so
+    forward 2 (d + dv) and backward 2 (3 d + 2 dv) per pair and head, which are
+    4 d and 10 d for dv = d. An int when the arguments are ints (what ``stats``
+    reports), else a float (the planner's averages).
     """
-    per = BACKWARD_PER_PAIR if backward else FORWARD_PER_PAIR
-    return per * pairs * d * heads * batch
+    if dv is None or dv == d:
+        per = BACKWARD_PER_PAIR if backward else FORWARD_PER_PAIR
+        return per * pairs * d * heads * batch
+    per_d = 2 * (3 * d + 2 * dv) if backward else 2 * (d + dv)
+    return per_d * pairs * heads * batch
 
 
-def kv_bytes(sk: int, hkv: int, d: int, itemsize: int, batch: int = 1) -> int:
-    """Bytes of one travelling K/V block: 2 Sk Hkv D elements (K and V packed)."""
-    return 2 * batch * sk * hkv * d * itemsize
+def kv_bytes(
+    sk: int, hkv: int, d: int, itemsize: int, batch: int = 1, dv: Optional[int] = None
+) -> int:
+    """Bytes of one travelling K/V block: Sk Hkv (Dk + Dv) elements (K and V packed).
+
+    ``d`` is the key width Dk, ``dv`` the value width (default ``d``: 2 Sk Hkv D).
+    """
+    dv = d if dv is None else dv
+    return batch * sk * hkv * (d + dv) * itemsize

@@ -7,9 +7,9 @@ partials are combined with the online-softmax merge rule
     lse = logaddexp(lse_1, lse_2),  out = exp(lse_1 - lse) out_1 + exp(lse_2 - lse) out_2
 
 by an MPI reduction with a user-defined operator (a tree: log2 P rounds of
-(D + 1) values per row) to rank 0, then broadcast, so every rank ends with the
-same exact output. Cost per rank: 4 Sq Sk_local D H flops and
-2 log2(P) Sq H (D + 1) elements on the wire, against a ring pass's P - 1
+(Dv + 1) values per row) to rank 0, then broadcast, so every rank ends with the
+same exact output. Cost per rank: 2 Sq Sk_local (Dk + Dv) H flops and
+2 log2(P) Sq H (Dv + 1) elements on the wire, against a ring pass's P - 1
 messages of whole cache blocks.
 """
 
@@ -50,22 +50,26 @@ def decode_attention(
 
     Parameters
     ----------
-    q : array (Sq, H, D) or (B, Sq, H, D)
+    q : array (Sq, H, Dk) or (B, Sq, H, Dk)
         The new query tokens, the same on every rank.
-    k, v : array (Sk_local, Hkv, D) or (B, Sk_local, Hkv, D)
+    k : array (Sk_local, Hkv, Dk) or (B, Sk_local, Hkv, Dk)
+    v : array (Sk_local, Hkv, Dv) or (B, Sk_local, Hkv, Dv)
         This rank's part of the cached keys and values, any count (even zero);
-        which cache positions a rank holds does not matter (no mask).
+        which cache positions a rank holds does not matter (no mask). The value
+        width Dv may differ from the key width Dk: a sharded latent cache of
+        absorbed multi-head latent attention is k = the latent and rotary key
+        (Hkv = 1, Dk = 576), v = the latent (Dv = 512).
     comm : mpi4py.MPI.Comm, optional
         Default MPI.COMM_WORLD.
     scale : float, optional
-        Score scale, default 1/sqrt(D).
+        Score scale, default 1/sqrt(Dk).
     return_lse : bool
         Also return the log-sum-exp over the whole cache, (..., H, Sq).
     {modifiers}
 
     Returns
     -------
-    out : array, shape and dtype of q (identical on every rank)
+    out : array (..., Sq, H, Dv), the dtype of q (identical on every rank)
     lse : array (..., H, Sq), float32 (float64 for float64 inputs); with ``return_lse``.
 
     Notes
@@ -79,9 +83,9 @@ def decode_attention(
     args = agree(
         comm, spec, {"q": q, "k": k, "v": v}, what="decode_attention", decode=DECODE_MODIFIERS
     )
-    be, d, sc = args.backend, q.shape[-1], args.scale
+    be, d, sc = args.backend, v.shape[-1], args.scale  # d: the value width (out's last axis)
     mods = scoremods.of_spec({f: getattr(args.spec, f) for f in DECODE_MODIFIERS[:-1]}, q.shape[-2])
-    out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype, mods)  # (B, H, Sq, D), (B, H, Sq)
+    out, lse = _partial(be.xp, q, k, v, sc, args.acc_dtype, mods)  # (B, H, Sq, Dv), (B, H, Sq)
     if is_cupy(out):
         out, lse = out.get(), lse.get()
     sq = out.shape[2]
@@ -111,17 +115,17 @@ def _partial(xp, q, k, v, scale: float, acc_dtype, mods: Optional[scoremods.Tile
     """
     q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
     b, sq, h, d = q4.shape
-    hkv, sk = k4.shape[2], k4.shape[1]
+    hkv, sk, dv = k4.shape[2], k4.shape[1], v4.shape[-1]
     g = h // hkv
     if sk == 0:
-        return xp.zeros((b, h, sq, d), acc_dtype), xp.full((b, h, sq), -xp.inf, acc_dtype)
+        return xp.zeros((b, h, sq, dv), acc_dtype), xp.full((b, h, sq), -xp.inf, acc_dtype)
     qg = xp.ascontiguousarray(
         (q4.astype(acc_dtype) * acc_dtype.type(scale))
         .reshape(b, sq, hkv, g, d)
         .transpose(0, 2, 3, 1, 4)
     ).reshape(b, hkv, g * sq, d)
     kt = k4.astype(acc_dtype, copy=False).transpose(0, 2, 3, 1)  # (B, Hkv, D, Sk), a view
-    vv = v4.astype(acc_dtype, copy=False).transpose(0, 2, 1, 3)  # (B, Hkv, Sk, D), a view
+    vv = v4.astype(acc_dtype, copy=False).transpose(0, 2, 1, 3)  # (B, Hkv, Sk, Dv), a view
     s = qg @ kt  # (B, Hkv, G*Sq, Sk)
     # the registry's math, on the scores' heads (Hkv, G); no position modifier comes here
     scoremods.apply(s.reshape(b, hkv, g, sq, sk), mods, None, None, (hkv, g), xp=xp)
@@ -131,7 +135,7 @@ def _partial(xp, q, k, v, scale: float, acc_dtype, mods: Optional[scoremods.Tile
     lsum = s.sum(axis=-1, keepdims=True)
     out = (s @ vv) / lsum
     lse = (m + xp.log(lsum))[..., 0]
-    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
+    return out.reshape(b, h, sq, dv), lse.reshape(b, h, sq)
 
 
 def _merge(comm, rows: np.ndarray) -> np.ndarray:

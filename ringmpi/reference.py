@@ -5,7 +5,9 @@ low-precision peer that tolerances are measured against. Without ``block`` it
 holds the full N x N score matrix; with ``block=R`` only R query rows' scores
 at a time.
 Shapes follow the package convention: q (S, H, D) or (B, S, H, D); k and v
-(S, Hkv, D) or (B, S, Hkv, D) with H % Hkv == 0; lse (..., H, S).
+(S, Hkv, D) or (B, S, Hkv, D) with H % Hkv == 0; lse (..., H, S). Keys and values
+may differ in width: q and k have Dk, v and the output Dv (multi-head latent
+attention); the scale defaults to 1/sqrt(Dk).
 
 Score modifiers, in this order (FlashAttention's and gpt-oss's conventions):
 with x_ij = scale * q_i.k_j, ``softcap`` c gives s_ij = c * tanh(x_ij / c);
@@ -33,6 +35,11 @@ def _prepare(q, k, v, scale, dtype=np.float64):
     if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError("q, k, v must all be (S, H, D) or (B, S, H, D)")
     h, hkv = q.shape[-2], k.shape[-2]
+    if k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q {q.shape}, k {k.shape}, v {v.shape}: q and k must share the key width Dk, "
+            "k and v every axis but the last"
+        )
     if h % hkv:
         raise ValueError(f"H={h} is not a multiple of Hkv={hkv}")
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -122,12 +129,13 @@ def attention(
 
     Parameters
     ----------
-    q : array (S, H, D) or (B, S, H, D)
-    k, v : array (S, Hkv, D) or (B, S, Hkv, D)
+    q : array (S, H, Dk) or (B, S, H, Dk)
+    k : array (S, Hkv, Dk) or (B, S, Hkv, Dk)
+    v : array (S, Hkv, Dv) or (B, S, Hkv, Dv)
     causal : bool
         Mask key j for query i when j > i (global token order).
     scale : float, optional
-        Score scale, default 1/sqrt(D).
+        Score scale, default 1/sqrt(Dk).
     dtype : numpy dtype
         Arithmetic precision (default float64: the reference).
     block : int, optional
@@ -150,7 +158,7 @@ def attention(
 
     Returns
     -------
-    out : array in ``dtype``, shape of q; a row with no visible key is 0
+    out : array in ``dtype``, (..., S, H, Dv); a row with no visible key is 0
     lse : array (..., H, S) in ``dtype``; -inf for a row with no visible key
         (sink_h with sinks)
     """

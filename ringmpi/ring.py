@@ -232,18 +232,20 @@ class KVRing:
     """K/V blocks travelling the ring; iterate to get each step's block.
 
     ``for step, src, k, v in kv:`` yields, at step s < nsteps, the block rank
-    (rank - s) mod P started with, as (B, Hkv, count, D) views of one packed
-    buffer. Before yielding, the exchange that brings step s+1's block into the
-    other buffer is already posted; after the loop body, the exchange is waited
-    for. Sizes are exact: blocks of different owners may differ by a token or two.
-    Use as a context manager: the communicator is freed on exit, also on error.
+    (rank - s) mod P started with, as (B, Hkv, count, Dk) and (B, Hkv, count, Dv)
+    views of one packed buffer (K first, then V: B Hkv count (Dk + Dv) elements;
+    keys and values may differ in width, issue 42). Before yielding, the exchange
+    that brings step s+1's block into the other buffer is already posted; after the
+    loop body, the exchange is waited for. Sizes are exact: blocks of different
+    owners may differ by a token or two. Use as a context manager: the communicator
+    is freed on exit, also on error.
 
     Parameters
     ----------
     comm : mpi4py.MPI.Comm
     backend : ringmpi.backend.Backend
         Gives the array module and the exchanger (``backend.ring``).
-    k, v : (B, Hkv, S_local, D)
+    k : (B, Hkv, S_local, Dk) ; v : (B, Hkv, S_local, Dv)
         This rank's keys and values in the tile layout (copied into the buffer).
     counts : list of int
         Tokens held by every rank.
@@ -262,17 +264,17 @@ class KVRing:
         self.first = int(first)
         self.counts = counts
         self.bytes_sent = 0
-        self.shape = k.shape
-        b, hkv, s, d = k.shape
+        b, hkv, s, dk = k.shape
+        self.shape = (b, hkv, dk, int(v.shape[-1]))
         self.local = None
         if self.size == 1 and self.first == 0:  # a ring of one: nothing travels, no copy
             self.local, self.bufs, self.ring = (k, v), [], LocalRing()
             return
-        size = 2 * b * hkv * max(counts) * d
+        size = self.span(max(counts))
         self.bufs = [backend.xp.empty(size, dtype=k.dtype) for _ in range(2)]
-        first = self.view(self.bufs[0], s)
-        first[0] = k
-        first[1] = v
+        first_k, first_v = self.parts(self.bufs[0], s)
+        first_k[...] = k
+        first_v[...] = v
         with watch("creating the ring communicator (Create_cart) with the other ranks"):
             self.ring = backend.ring(comm)
         if 0 < self.first < self.nsteps:
@@ -282,19 +284,31 @@ class KVRing:
         """Bring the block of step ``first`` into its buffer: one exchange shifted by ``first``."""
         f = self.first
         src, dst = self.owner(f), (self.rank + f) % self.size
-        n = self.view(self.bufs[0], count).size
+        n = self.span(count)
         if f % 2 == 0:  # step f computes on buffer 0, which holds ours: move ours aside
             self.bufs[1][:n] = self.bufs[0][:n]
         mine, into = self.bufs[(f + 1) % 2][:n], self.bufs[f % 2]
-        self.ring.start(mine, into[: self.view(into, self.counts[src]).size], dest=dst, source=src)
+        self.ring.start(mine, into[: self.span(self.counts[src])], dest=dst, source=src)
         self.bytes_sent += mine.nbytes
         with watch(f"resuming at ring step {f}: the K/V block from rank {src}"):
             self.ring.wait()
 
-    def view(self, buf, count: int):
-        """The first ``count`` tokens' worth of a flat buffer as (2, B, Hkv, count, D)."""
-        b, hkv, _, d = self.shape
-        return buf[: 2 * b * hkv * count * d].reshape(2, b, hkv, count, d)
+    def span(self, count: int) -> int:
+        """Elements of a packed block of ``count`` tokens: B Hkv count (Dk + Dv)."""
+        b, hkv, dk, dv = self.shape
+        return b * hkv * count * (dk + dv)
+
+    def parts(self, buf, count: int) -> tuple:
+        """The first ``count`` tokens' worth of a flat buffer as (K, V) views.
+
+        K (B, Hkv, count, Dk) comes first, then V (B, Hkv, count, Dv); with Dk = Dv
+        the layout is that of one (2, B, Hkv, count, D) array.
+        """
+        b, hkv, dk, dv = self.shape
+        nk = b * hkv * count * dk
+        kpart = buf[:nk].reshape(b, hkv, count, dk)
+        vpart = buf[nk : nk + b * hkv * count * dv].reshape(b, hkv, count, dv)
+        return kpart, vpart
 
     def owner(self, step: int) -> int:
         """Rank whose block this rank holds at ``step``."""
@@ -313,12 +327,12 @@ class KVRing:
             src = self.owner(step)
             cur, nxt = self.bufs[step % 2], self.bufs[(step + 1) % 2]
             if step + 1 < self.nsteps:
-                send = cur[: self.view(cur, self.counts[src]).size]
-                recv = nxt[: self.view(nxt, self.counts[self.owner(step + 1)]).size]
+                send = cur[: self.span(self.counts[src])]
+                recv = nxt[: self.span(self.counts[self.owner(step + 1)])]
                 self.ring.start(send, recv)
                 self.bytes_sent += send.nbytes
-            kv = self.view(cur, self.counts[src])
-            yield step, src, kv[0], kv[1]
+            kb, vb = self.parts(cur, self.counts[src])
+            yield step, src, kb, vb
             with watch(f"ring step {step}: the K/V block from rank {self.ring.prev}"):
                 self.ring.wait()
 

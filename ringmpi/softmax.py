@@ -22,7 +22,7 @@ __all__ = ["init_state", "finalize", "merge", "add_sinks"]
 
 
 def init_state(shape_q: tuple, dtype, xp=np):
-    """Empty state for queries of internal shape (B, H, S, D).
+    """Empty state for queries of internal shape (B, H, S, D), D the output (value) width.
 
     Returns ``acc`` (B, H, S, D) zeros, ``m`` (B, H, S) -inf, ``l`` (B, H, S) zeros.
     """

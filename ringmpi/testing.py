@@ -191,8 +191,9 @@ def random_qkv(
     spreads=None,
     sinks=None,
     nk=None,
+    dv=None,
 ):
-    """Global q (n, h, d), k and v (nk, hkv, d), with a leading batch axis if given.
+    """Global q (n, h, d), k (nk, hkv, d) and v (nk, hkv, dv), with a leading batch axis if given.
 
     Parameters
     ----------
@@ -212,10 +213,13 @@ def random_qkv(
         large-norm "attention sink" keys of trained models.
     nk : int, optional
         Key/value tokens, default n (cross-attention when different).
+    dv : int, optional
+        Value width, default d (keys and values of different widths: multi-head
+        latent attention).
 
     Returns
     -------
-    q : (n, h, d), k, v : (nk, hkv, d), or with the batch axis first.
+    q : (n, h, d), k : (nk, hkv, d), v : (nk, hkv, dv), or with the batch axis first.
     """
     preset = REALISTIC if realistic else {"means": (0.0,) * 3, "spreads": (1.0,) * 3, "sinks": 0}
     means = preset["means"] if means is None else means
@@ -223,7 +227,8 @@ def random_qkv(
     sinks = preset["sinks"] if sinks is None else int(sinks)
     nk = n if nk is None else int(nk)
     lead = () if batch is None else (batch,)
-    shapes = ((*lead, n, h, d), (*lead, nk, hkv, d), (*lead, nk, hkv, d))
+    dv = d if dv is None else int(dv)
+    shapes = ((*lead, n, h, d), (*lead, nk, hkv, d), (*lead, nk, hkv, dv))
     q, k, v = (mu + sd * rng.standard_normal(shp) for mu, sd, shp in zip(means, spreads, shapes))
     if sinks and nk:
         k[..., np.linspace(0, nk - 1, min(sinks, nk)).astype(int), :, :] *= 8.0

@@ -151,3 +151,78 @@ def test_gpu_backend_refuses_slices_with_the_reason():
         q = cupy.asarray(np.ones((8, 2, 16), dtype=np.float32))
         with pytest.raises(ValueError, match="gpu backend cannot run this call: slices"):
             ringmpi.ring_attention(q, q, q, SELF, slices=spec.slices)
+
+
+def _widths_qkv(dtype=np.float64):
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((90, 4, 40)).astype(dtype)
+    k = (0.5 + rng.standard_normal((90, 2, 40))).astype(dtype)
+    v = (1.0 + 0.1 * rng.standard_normal((90, 2, 24))).astype(dtype)
+    return q, k, v
+
+
+def test_value_width_runs_both_fused_tiles(monkeypatch):
+    """Dk != Dv (issue 42): the fused forward and backward tiles run it (stats["tile"] says
+    so), exact against the dense float64 reference."""
+    _fused()
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "auto")
+    q, k, v = _widths_qkv()
+    st, bst = {}, {}
+    out, lse = ringmpi.ring_attention(q, k, v, SELF, causal=True, return_lse=True, stats=st)
+    ref, ref_lse = attention(q, k, v, True)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-12)
+    dout = 0.2 + 0.1 * np.random.default_rng(5).standard_normal(out.shape)
+    grads = ringmpi.ring_attention_backward(dout, q, k, v, out, lse, SELF, causal=True, stats=bst)
+    for stats in (st, bst):
+        assert "forward: fused C" in stats["tile"] and "backward: fused C" in stats["tile"]
+    for g, w in zip(grads, attention_backward(dout, q, k, v, True)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-11)
+
+
+def _backward_without_widths(monkeypatch, kernel):
+    """A fused backward tile that cannot take Dk != Dv (as a build from before them)."""
+    from ringmpi.cpu import fused_backward
+
+    _fused()
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", kernel)
+    monkeypatch.setattr(fused_backward, "WIDTHS_MISSING", "one head dim (test)")
+
+
+def test_backward_without_widths_goes_to_numpy_under_auto(monkeypatch):
+    """auto: that pass goes to the numpy backward tile, and describe()/stats say why."""
+    _backward_without_widths(monkeypatch, "auto")
+    q, k, v = _widths_qkv()
+    assert "backward: fused C" in backend.select(q, (40, 40)).describe()  # equal widths
+    be = backend.select(q, (40, 24))
+    assert be.backward_tile is ringmpi.cpu.numpy_tile.backward_tile
+    assert "backward: numpy tile (one head dim (test))" in be.describe()
+    out, lse = ringmpi.ring_attention(q, k, v, SELF, causal=True, return_lse=True)
+    bst = {}
+    dout = 0.2 + 0.1 * np.random.default_rng(5).standard_normal(out.shape)
+    grads = ringmpi.ring_attention_backward(dout, q, k, v, out, lse, SELF, causal=True, stats=bst)
+    assert "backward: numpy tile (one head dim (test))" in bst["tile"]
+    for g, w in zip(grads, attention_backward(dout, q, k, v, True)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-11)
+
+
+def test_backward_without_widths_under_fused_is_refused(monkeypatch):
+    """fused: the backward is refused on every rank with the reason (never handed to another
+    tile silently); the forward runs."""
+    _backward_without_widths(monkeypatch, "fused")
+    q, k, v = _widths_qkv(np.float32)
+    be = backend.select(q, (40, 24))
+    spec = AttentionSpec().validate()
+    assert be.supports(spec, np.float32, 40, dv=24) == []
+    why = be.supports(spec, np.float32, 40, backward=True, dv=24)
+    assert len(why) == 1 and "Dk=40 != value width Dv=24 (one head dim (test))" in why[0], why
+    out, lse = ringmpi.ring_attention(q, k, v, SELF, return_lse=True)
+    with pytest.raises(ValueError, match="fused backend cannot run this call: key width Dk=40"):
+        ringmpi.ring_attention_backward(out, q, k, v, out, lse, SELF)
+    with pytest.raises(ValueError, match="one head dim"):  # the tile itself refuses too
+        qi, ki, vi = (np.ascontiguousarray(np.moveaxis(x, 0, 1))[None] for x in (q, k, v))
+        g = [np.zeros_like(x) for x in (qi, ki, vi)]
+        lse_i = np.zeros(qi.shape[:3], np.float32)
+        pos = np.arange(qi.shape[2])
+        be.backward_tile(qi, ki, vi, np.zeros((*qi.shape[:3], 24), np.float32), lse_i, lse_i,
+                         pos, pos, *g, scale=1.0, causal=True)  # fmt: skip

@@ -49,10 +49,22 @@ GPU_DTYPES = ("float16", "bfloat16", *DTYPES)
 #: refusal fails the suite. The GPU backward kernels do not apply the score modifiers yet
 #: (backend.py: backward_mods=()); once they do, these cases run and must conform.
 MAY_REFUSE = {("gpu", "backward", "softcap"), ("gpu", "backward", "alibi_slopes")}
+#: (backend, direction) whose tiles may refuse keys and values of different widths (issue 42):
+#: the CUDA kernels are instantiated for one head dim
+MAY_REFUSE_WIDTHS = {("gpu", "forward"), ("gpu", "backward")}
 
 #: (variant, direction, case, mod, dtype) -> reason: known disagreements with the spec
-#: (strict xfail: they fail the suite once fixed, so the entry gets removed). None known.
-KNOWN = {}
+#: (strict xfail: they fail the suite once fixed, so the entry gets removed).
+_WIDE_DQ = (
+    "fused backward dq 2.76e-05 from the numpy tile's (bound 2e-05) at Dk=192, Dv=128 with "
+    "sink keys; not the widths: the same case at Dk=Dv=192 gives 4.99e-05, at 128 2.89e-05 "
+    "(the 2e-05 bound was set at D <= 64); dq stays within the dense rule (2.16e-05 from the "
+    "float64 reference, the dense float32 peer 3.02e-05)"
+)
+KNOWN = {
+    (f"fused-{isa}", "bwd", "widths_cross", "plain", "float32"): _WIDE_DQ
+    for isa in ("avx512", "avx2", "scalar")
+}
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +107,16 @@ def _params(direction: str) -> list:
     return out
 
 
-def _check_refusal(be, which: str, spec, reasons: list) -> None:
-    """Every reason must name an option this backend may refuse in that pass (MAY_REFUSE)."""
+def _check_refusal(be, which: str, spec, reasons: list, widths: bool = False) -> None:
+    """Every reason must name an option this backend may refuse in that pass (MAY_REFUSE;
+    with ``widths``, Dk != Dv for the backends of MAY_REFUSE_WIDTHS)."""
     allowed = [
         f
         for f in scoremods.names()
         if getattr(spec, f) is not None and (be.name, which, f) in MAY_REFUSE
     ]
+    if widths and (be.name, which) in MAY_REFUSE_WIDTHS:
+        allowed.append("value width Dv")
     for r in reasons:
         assert any(f in r for f in allowed), f"{be.name} refuses the {which} pass: {r!r}"
 
@@ -110,12 +125,13 @@ def _applies(var, direction, case, mod, dtype) -> bool:
     """False, after checking the refusal, when the variant refuses the case."""
     spec = conf.spec_of(case, mod)
     which = "backward" if direction == "bwd" else "forward"
+    c = CASES[case]
     reasons = var.be.supports(
-        spec, conf.storage(dtype), CASES[case].d, backward=which == "backward"
+        spec, conf.storage(dtype), c.d, backward=which == "backward", dv=c.width_v
     )
     if not reasons:
         return True
-    _check_refusal(var.be, which, spec, reasons)
+    _check_refusal(var.be, which, spec, reasons, widths=c.width_v != c.d)
     # refused: the tile itself must not answer either (no silent wrong result)
     run = conf.run_backward if direction == "bwd" else conf.run_forward
     with pytest.raises((TypeError, ValueError)):
@@ -202,7 +218,7 @@ def test_forward(var, case, mod, dtype):
     assert case not in ("empty_rows", "empty_packed") or empty.any()
     assert not out[:, empty].any() and (l[..., empty] == 0).all(), f"{tag}: empty rows"
     assert np.isneginf(lse[..., empty]).all() and np.isfinite(lse[..., ~empty]).all()
-    _check_flops(4 * c.b * c.h * c.d, flops, case, mod, dtype, tag)
+    _check_flops(2 * c.b * c.h * (c.d + c.width_v), flops, case, mod, dtype, tag)
 
 
 @pytest.mark.parametrize("var,case,mod,dtype", _params("bwd"), indirect=["var"], scope="module")
@@ -230,7 +246,7 @@ def test_backward(var, case, mod, dtype):
         assert_close(None, g, w, o, f"{tag} {nm} vs dense", factor=3.0, extra=extra)
     empty = _empty_rows(case, mod, dtype)
     assert not dq[:, empty].any(), f"{tag}: gradient on a row that sees no key"
-    _check_flops(10 * c.b * c.h * c.d, flops, case, mod, dtype, tag)
+    _check_flops(2 * c.b * c.h * (3 * c.d + 2 * c.width_v), flops, case, mod, dtype, tag)
 
 
 def test_every_registered_backend_is_covered():

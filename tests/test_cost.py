@@ -49,6 +49,11 @@ def test_flops_and_bytes():
     assert cost.flops(10, 64, 8, batch=2) == 4 * 10 * 64 * 8 * 2
     assert cost.flops(10, 64, 8, backward=True) == 10 * 10 * 64 * 8
     assert cost.kv_bytes(100, 2, 64, 4) == 2 * 100 * 2 * 64 * 4
+    # keys and values of different widths (issue 42): Dk = 192, Dv = 128
+    assert cost.flops(10, 192, 8, dv=128) == 2 * 10 * (192 + 128) * 8
+    assert cost.flops(10, 192, 8, backward=True, dv=128) == 2 * 10 * (3 * 192 + 2 * 128) * 8
+    assert cost.flops(10, 64, 8, dv=64) == cost.flops(10, 64, 8)
+    assert cost.kv_bytes(100, 1, 576, 2, dv=512) == 100 * (576 + 512) * 2
 
 
 def test_stats_flops_agree_across_cpu_backends(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 
 import ringmpi
 from ringmpi.reference import attention
-from ringmpi.testing import assert_all, assert_close, dense, once, raises_everywhere
+from ringmpi.testing import assert_all, assert_close, dense, once, raises_everywhere, random_qkv
 
 pytestmark = pytest.mark.mpi
 
@@ -59,3 +59,29 @@ def test_decode_bad_arguments(comm):
     if comm.size > 1:
         qq = np.ones((3 if comm.rank == 0 else 2, 4, 8))
         raises_everywhere(comm, lambda: ringmpi.decode_attention(qq, kv, kv, comm), "disagree")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("widths", [(576, 512), (40, 24), (8, 64)])
+def test_decode_latent_cache_of_other_widths(comm, dtype, widths):
+    """A sharded cache whose values are narrower or wider than its keys (issue 42): the
+    absorbed MLA latent cache is one K/V head of keys 576 wide (latent + rotary) and
+    values 512 wide (the latent); 16 query heads, realistic values, softcap, the scale
+    of the unabsorbed head width (1/sqrt(192)) as MLA uses."""
+    dk, dv = widths
+    rng = np.random.default_rng(11)  # same on every rank
+    n, h = 301, 16
+    q, k, v = random_qkv(rng, n, h, 1, dk, realistic=True, dv=dv)
+    q = np.ascontiguousarray(q[-2:]).astype(dtype)  # two new tokens
+    k, v = k.astype(dtype), v.astype(dtype)
+    sizes = _shards(n, comm.size, rng)
+    lo = int(sizes[: comm.rank].sum())
+    sl = slice(lo, lo + int(sizes[comm.rank]))
+    kw = dict(scale=192**-0.5, softcap=30.0)
+    out, lse = ringmpi.decode_attention(q, k[sl], v[sl], comm, return_lse=True, **kw)
+    ok = out.shape == (2, h, dv) and out.dtype == dtype
+    assert_all(comm, ok, f"out {out.shape} {out.dtype}")
+    ref, ref_lse = once(comm, attention, q, k, v, **kw)
+    peer = (None, None) if dtype == np.float64 else once(comm, dense, q, k, v, **kw)
+    assert_close(comm, out, ref, peer[0], f"decode {widths} out")
+    assert_close(comm, lse, ref_lse, peer[1], f"decode {widths} lse")

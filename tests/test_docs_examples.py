@@ -49,3 +49,24 @@ def test_example_runs(tmp_path, name, code):
     errs = [float(x) for x in re.findall(r"err\w*.*?([0-9.]+e-?[0-9]+)", res.stdout)]
     assert errs, res.stdout
     assert max(errs) < 1e-4, res.stdout
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec beside this Python")
+def test_absorbed_mla_recipe_at_three_ranks(tmp_path):
+    """docs/mla.md's recipe (absorbed MLA, one latent K/V head of 576 / 512, against the
+    unabsorbed form and the dense float64 reference) at P = 3; test_example_runs runs it
+    at P = 2. The example asserts 1e-12 relative itself and prints both errors."""
+    ((name, code),) = [(n, c) for n, c in BLOCKS if n.startswith("docs/mla.md")]
+    script = tmp_path / "mla.py"
+    script.write_text(code)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [str(MPIEXEC), "-n", "3", sys.executable, "-m", "mpi4py", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    errs = [float(x) for x in re.findall(r"error ([0-9.]+e-?[0-9]+)", res.stdout)]
+    assert len(errs) == 2 and max(errs) < 1e-12, res.stdout
+    absorbed, unabsorbed = (
+        int(x.replace(",", ""))
+        for x in re.search(r"absorbed ([0-9,]+), unabsorbed ([0-9,]+)", res.stdout).groups()
+    )
+    assert unabsorbed * 1088 == absorbed * 8 * 320  # H (192 + 128) vs 576 + 512 per token

@@ -249,6 +249,7 @@ def _cmd_make_data(args) -> int:
                 heads=args.heads,
                 kv_heads=args.kv_heads,
                 head_dim=args.head_dim,
+                value_dim=args.value_dim,
                 sequences=args.sequences,
                 batch_axis=args.batch_axis,
                 shards=args.shards,

@@ -116,6 +116,7 @@ def make_data(
     kv_tokens: Optional[int] = None,
     bias: bool = False,
     values: str = "normal",
+    value_dim: Optional[int] = None,
 ) -> list:
     """Write sample input file(s) and return their paths (weights file last, if any).
 
@@ -151,6 +152,10 @@ def make_data(
         q, k, v standard normal, or shaped like a trained model's activations
         (:data:`VALUES`: k mean 0.5, v mean 1 and spread 0.1), where float32
         rounding errors do not cancel as they do for zero-mean values.
+    value_dim : int, optional
+        Dv, the width of v (wv's columns per head with ``features``), default
+        ``head_dim``: values of another width than the keys (multi-head latent
+        attention, e.g. 192 / 128).
     """
     import h5py
 
@@ -160,6 +165,9 @@ def make_data(
         raise ValueError("bias needs features > 0 (biases belong to the projection weights)")
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    dv = head_dim if value_dim is None else int(value_dim)
+    if dv < 1:
+        raise ValueError(f"value_dim must be >= 1, got {value_dim}")
     cu = cu_k = None
     if packed is not None:
         if batch_axis:
@@ -187,7 +195,7 @@ def make_data(
         widths = {"x": (features,)}
         kv_widths = {"x_kv": (features,)}
     else:
-        widths = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, head_dim)}
+        widths = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, dv)}
         kv_widths = {"k": widths.pop("k"), "v": widths.pop("v")} if kv_tokens is not None else {}
     # (datasets, tokens, random stream): self-attention keeps one stream for q, k, v
     families = [(widths, seq_len, None)]
@@ -231,13 +239,21 @@ def make_data(
         with _removed_on_error(wpath + ".tmp"), h5py.File(wpath + ".tmp", "w") as f:
             f.attrs["num_heads"] = heads
             f.attrs["num_kv_heads"] = kv_heads
-            for name, h in (("wq", heads), ("wk", kv_heads), ("wv", kv_heads)):
-                w = rng.standard_normal((features, h * head_dim)) / np.sqrt(features)
+            for name, h, wd in (
+                ("wq", heads, head_dim),
+                ("wk", kv_heads, head_dim),
+                ("wv", kv_heads, dv),
+            ):
+                w = rng.standard_normal((features, h * wd)) / np.sqrt(features)
                 f.create_dataset(name, data=w.astype(dt))
             if bias:  # a stream of its own: the weights stay those of a file without biases
                 brng = np.random.default_rng([seed, 1 << 20, 1])
-                for name, h in (("bq", heads), ("bk", kv_heads), ("bv", kv_heads)):
-                    b = 0.3 + 0.5 * brng.standard_normal(h * head_dim)
+                for name, h, wd in (
+                    ("bq", heads, head_dim),
+                    ("bk", kv_heads, head_dim),
+                    ("bv", kv_heads, dv),
+                ):
+                    b = 0.3 + 0.5 * brng.standard_normal(h * wd)
                     f.create_dataset(name, data=b.astype(dt))
         os.replace(wpath + ".tmp", wpath)
         paths.append(wpath)

@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heads", type=int, default=8, help="query heads H (default 8)")
     m.add_argument("--kv-heads", type=int, default=2, help="key/value heads Hkv (default 2)")
     m.add_argument("--head-dim", type=int, default=64, help="head dimension D (default 64)")
+    m.add_argument(
+        "--value-dim",
+        type=int,
+        default=None,
+        help="width Dv of v (default: the head dimension; e.g. 192 / 128 for multi-head latent "
+        "attention)",
+    )
     m.add_argument("--sequences", type=int, default=1, help="number of sequences (default 1)")
     m.add_argument("--batch-axis", action="store_true", help="leading batch axis instead of groups")
     m.add_argument("--shards", type=int, default=1, help="split the sequence axis over N files")
@@ -233,10 +240,11 @@ MAX_TOKENS = 4096  # = ringmpi.job.verify.MAX_TOKENS (not imported: keeps --help
 SAMPLE_ROWS = 2048  # = ringmpi.job.verify.SAMPLE_ROWS
 
 SCHEMA = """input schema (full contract: data/README.md):
-  q (S, H, D), k and v (S, Hkv, D), H % Hkv == 0, float16/32/64, token-major (not (H, S, D));
+  q (S, H, D), k (S, Hkv, D), v (S, Hkv, Dv; Dv = D or not), H % Hkv == 0, float16/32/64,
+  token-major (not (H, S, D));
   several sequences: a batch axis q (B, S, H, D), or one group per sequence; or x + --weights
   packed sequences: integer cu_seqlens (n+1,) beside q; cross-attention: k/v of another length
-output: out (S, H, D) and lse (H, S) per sequence: virtual datasets over OUTPUT.parts/, or
+output: out (S, H, Dv) and lse (H, S) per sequence: virtual datasets over OUTPUT.parts/, or
   one file written by all ranks where h5py has MPI (--output-mode)
 """
 

@@ -1,7 +1,9 @@
 """The planner: per-rank memory, flops, bytes and predicted time of a ring, and a recommendation.
 
 Cost model (design notes): per ring step a rank computes 4 Bq Bk D H flops (half on
-average under a balanced causal mask) and sends 2 Bk Hkv D elements. The
+average under a balanced causal mask) and sends 2 Bk Hkv D elements; with keys and
+values of different widths (``--value-dim``), 2 Bq Bk (Dk + Dv) H flops and
+Bk Hkv (Dk + Dv) elements, which leaves the condition below unchanged. The
 exchange of step s + 1 runs while step s computes, so a step takes
 max(compute, transfer) and the exchange hides when
 
@@ -49,12 +51,62 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def memory_per_rank(n_local: int, h: int, hkv: int, d: int, dtype: str) -> int:
-    """Bytes one rank needs for ``n_local`` tokens (the batch job's budget rule)."""
+def memory_per_rank(
+    n_local: int, h: int, hkv: int, d: int, dtype: str, dv: Optional[int] = None
+) -> int:
+    """Bytes one rank needs for ``n_local`` tokens (the batch job's budget rule).
+
+    ``dv``: the value width where it differs from the key width ``d``.
+    """
     from ..job.resources import rank_bytes
 
-    plan = SimpleNamespace(dtype=dtype, heads=h, kv_heads=hkv, head_dim=d, mode="qkv", features=0)
+    plan = SimpleNamespace(
+        dtype=dtype,
+        heads=h,
+        kv_heads=hkv,
+        head_dim=d,
+        value_dim=dv or 0,
+        mode="qkv",
+        features=0,
+    )
     return rank_bytes(plan, n_local, prefetch=False)
+
+
+#: DeepSeek-V2/V3's multi-head latent attention widths: the latent c_kv, the shared rotary
+#: key, the per-head key part from the latent, the per-head value
+MLA_WIDTHS = {"latent": 512, "rope": 64, "nope": 128, "value": 128}
+
+
+def mla_traffic(
+    n: int, h: int, *, ranks: int, dtype: str = "float32", widths: Optional[dict] = None
+) -> dict:
+    """K/V bytes per ring step of multi-head latent attention with ``h`` heads, both forms.
+
+    Unabsorbed: ``h`` K/V heads of keys nope + rope (192) and values ``value`` (128)
+    wide. Absorbed: one latent K/V head of keys latent + rope (576) and values latent
+    (512) wide. Per step a rank sends its block of n / ranks tokens
+    (:func:`ringmpi.cost.kv_bytes`).
+
+    Returns
+    -------
+    dict with the widths of each form, ``unabsorbed_bytes_per_step``,
+    ``absorbed_bytes_per_step`` and their ``ratio``.
+    """
+    w = dict(MLA_WIDTHS, **(widths or {}))
+    e = np.dtype(dtype).itemsize
+    block = n / ranks
+    dk_u, dv_u = w["nope"] + w["rope"], w["value"]
+    dk_a, dv_a = w["latent"] + w["rope"], w["latent"]
+    un = cost.kv_bytes(block, h, dk_u, e, dv=dv_u)
+    ab = cost.kv_bytes(block, 1, dk_a, e, dv=dv_a)
+    return {
+        "heads": h,
+        "unabsorbed": {"kv_heads": h, "dk": dk_u, "dv": dv_u},
+        "absorbed": {"kv_heads": 1, "dk": dk_a, "dv": dv_a},
+        "unabsorbed_bytes_per_step": un,
+        "absorbed_bytes_per_step": ab,
+        "ratio": un / ab,
+    }
 
 
 def predict(
@@ -70,13 +122,18 @@ def predict(
     link_gbps: float = DEFAULT_LINK_GBPS,
     latency_s: float = DEFAULT_LATENCY_S,
     head_parallel: int = 1,
+    dv: Optional[int] = None,
 ) -> dict:
     """Predicted per-rank cost of one ``ring_attention`` call.
 
     Parameters
     ----------
     n, h, hkv, d : int
-        Sequence length, query heads, key/value heads, head dim.
+        Sequence length, query heads, key/value heads, head dim (the key width Dk).
+    dv : int, optional
+        The value width Dv, default ``d`` (multi-head latent attention: 2 Bq Bk (Dk + Dv)
+        flops per head and Bk Hkv (Dk + Dv) elements per step; the block that hides the
+        exchange does not depend on the widths).
     ranks : int
         P (with ``head_parallel=U``: U x R ranks, the ring has R = P / U steps).
     gflops : float
@@ -97,8 +154,8 @@ def predict(
     heads = h / u
     kvh = hkv / u if hkv >= u else 1
     frac = 0.5 if causal else 1.0
-    flops_step = cost.flops(block * block * frac, d, heads)
-    bytes_step = cost.kv_bytes(block, kvh, d, e)
+    flops_step = cost.flops(block * block * frac, d, heads, dv=dv)
+    bytes_step = cost.kv_bytes(block, kvh, d, e, dv=dv)
     rate, link = gflops * 1e9, link_gbps * 1e9 / 8
     compute = flops_step / rate
     transfer = bytes_step / link + latency_s if ring > 1 else 0.0
@@ -110,7 +167,7 @@ def predict(
         "ring_size": ring,
         "head_parallel": u,
         "tokens_per_rank": n / ranks,
-        "memory_bytes": memory_per_rank(int(np.ceil(n / ranks)), h, hkv, d, dtype),
+        "memory_bytes": memory_per_rank(int(np.ceil(n / ranks)), h, hkv, d, dtype, dv),
         "flops_per_step": flops_step,
         "bytes_per_step": bytes_step,
         "compute_s_per_step": compute,
@@ -131,6 +188,7 @@ def recommend(
     ranks: Optional[int] = None,
     memory_per_rank_bytes: Optional[int] = None,
     sequences: int = 1,
+    dv: Optional[int] = None,
     **rates,
 ) -> dict:
     """Ring size, layout and head-parallel degree for ``sequences`` sequences on ``ranks``.
@@ -148,7 +206,7 @@ def recommend(
     budget = memory_per_rank_bytes
 
     def fits(p: int) -> bool:
-        return budget is None or memory_per_rank(-(-n // p), h, hkv, d, dtype) <= budget
+        return budget is None or memory_per_rank(-(-n // p), h, hkv, d, dtype, dv) <= budget
 
     if ranks is None:
         ranks = 1
@@ -162,10 +220,10 @@ def recommend(
         for u in _divisors(r):
             if u > 1 and (h % u or (hkv % u and u % hkv)):
                 continue
-            pr = predict(n, h, hkv, d, ranks=r, head_parallel=u, **rates)
+            pr = predict(n, h, hkv, d, ranks=r, head_parallel=u, dv=dv, **rates)
             options.append((waves * pr["time_s"], r, u, pr))
     if not options:  # nothing fits: the largest ring, and say so
-        pr = predict(n, h, hkv, d, ranks=ranks, **rates)
+        pr = predict(n, h, hkv, d, ranks=ranks, dv=dv, **rates)
         options.append((-(-sequences // 1) * pr["time_s"], ranks, 1, pr))
     job, r, u, best = min(options, key=lambda o: (round(o[0], 9), o[1], o[2]))
     return {
@@ -305,7 +363,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence N")
     p.add_argument("--heads", type=int, required=True, help="query heads H")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default H)")
-    p.add_argument("--head-dim", type=int, required=True, help="head dimension D")
+    p.add_argument("--head-dim", type=int, required=True, help="head dimension D (key width)")
+    p.add_argument(
+        "--value-dim", type=int, default=None, help="value width Dv (default D: Dk = Dv)"
+    )
+    p.add_argument(
+        "--mla-heads",
+        type=int,
+        default=None,
+        help="also print the K/V bytes per ring step of multi-head latent attention with "
+        "this many heads, unabsorbed (H heads, Dk=192, Dv=128) and absorbed (one latent head, "
+        "Dk=576, Dv=512), for this plan's ring",
+    )
     p.add_argument(
         "--dtype", default="float32", choices=("float16", "bfloat16", "float32", "float64")
     )
@@ -377,17 +446,28 @@ def main(argv: Optional[list] = None) -> int:
         ranks=ranks,
         memory_per_rank_bytes=budget,
         sequences=args.sequences,
+        dv=args.value_dim,
         **rates,
     )
+    mla = None
+    if args.mla_heads:
+        ring = rec["ring_size"] // rec["head_parallel"]
+        mla = mla_traffic(args.seq_len, args.mla_heads, ranks=ring, dtype=dt)
     if comm is not None and comm.Get_rank() != 0:
         return 0
     imb = cost.imbalances(mask, rec["ring_size"])
     if args.json:
-        print(json.dumps({"rates": rates, "recommendation": rec, "imbalance": imb}, indent=1))
+        got = {"rates": rates, "recommendation": rec, "imbalance": imb}
+        if mla is not None:
+            got["mla"] = mla
+        print(json.dumps(got, indent=1))
         return 0
     r = rec["per_ring"]
+    widths = f"D={args.head_dim}"
+    if args.value_dim and args.value_dim != args.head_dim:
+        widths = f"Dk={args.head_dim} Dv={args.value_dim}"
     print(
-        f"ringmpi plan: N={args.seq_len:,} H={args.heads} Hkv={hkv} D={args.head_dim} "
+        f"ringmpi plan: N={args.seq_len:,} H={args.heads} Hkv={hkv} {widths} "
         f"{args.dtype}{' causal' if args.causal else ''}"
     )
     print(
@@ -419,4 +499,12 @@ def main(argv: Optional[list] = None) -> int:
         f"ranks, layout {rec['layout']}, head_parallel {rec['head_parallel']}; "
         f"{args.sequences} sequence(s) in ~{rec['job_time_s']:.2f} s"
     )
+    if mla is not None:
+        u, a = mla["unabsorbed"], mla["absorbed"]
+        print(
+            f"  MLA, H={mla['heads']}, K/V per ring step: unabsorbed ({u['kv_heads']} heads, "
+            f"Dk={u['dk']} Dv={u['dv']}) {mla['unabsorbed_bytes_per_step'] / 2**20:.2f} MiB; "
+            f"absorbed (1 latent head, Dk={a['dk']} Dv={a['dv']}) "
+            f"{mla['absorbed_bytes_per_step'] / 2**20:.2f} MiB ({mla['ratio']:.1f}x less)"
+        )
     return 0

@@ -89,10 +89,13 @@ class Kernel(Library):
         # fields up to `hi` only; one from before the modifier seam has three fields of the
         # same size there, which a plain call's zeros (mods 0, NULL) leave off. Both run
         # plain calls only (mods = 0: every modifier refused).
-        if size not in (ctypes.sizeof(TileArgs), TileArgs.mods.offset):
+        # A build from before keys and values of different widths (issue 42) ends at `mpos`:
+        # it runs Dk == Dv only (``widths`` False).
+        if size not in (ctypes.sizeof(TileArgs), TileArgs.Dv.offset, TileArgs.mods.offset):
             raise RuntimeError(f"{self.path}: rm_tile_args does not match loader.TileArgs")
+        self.widths = size == ctypes.sizeof(TileArgs)
         self.mods = 0
-        if size == ctypes.sizeof(TileArgs) and hasattr(lib, "rm_tile_mods"):
+        if size >= TileArgs.Dv.offset and hasattr(lib, "rm_tile_mods"):
             lib.rm_tile_mods.restype = ctypes.c_uint
             self.mods = int(lib.rm_tile_mods())
         p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -154,8 +157,13 @@ class Kernel(Library):
             )
         bsz, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
+        dv = v.shape[-1]  # the value width (acc has it too); d is the key width
         if h % hkv:
             raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
+        if acc.shape[-1] != dv or k.shape[-1] != d:
+            raise ValueError(f"fused tile: q, k {q.shape} {k.shape}, v {v.shape}, acc {acc.shape}")
+        if dv != d and not self.widths:
+            raise ValueError(f"{self.path}: a build without value widths other than D ({dv})")
         if sq == 0 or sk == 0:
             return 0
         q = np.ascontiguousarray(q)
@@ -171,7 +179,9 @@ class Kernel(Library):
         fn = self._lib.rm_forward_tile_f32 if dt == np.float32 else self._lib.rm_forward_tile_f64
         # keys per block: packed K and V blocks (2 * bk * D elements) well within L2; a
         # multiple of 64 (every path's panel width), so all paths cut the same blocks
-        bk = int(min(512, max(64, (BLOCK_K * 64) // max(d, 1) // 64 * 64)))
+        # (of the mean width (Dk + Dv) / 2 when keys and values differ)
+        dm = (d + dv) // 2
+        bk = int(min(512, max(64, (BLOCK_K * 64) // max(dm, 1) // 64 * 64)))
         # The kernel packs each K/V head once and calls back every CHUNK_Q query rows of all
         # heads (the same amount of work as CHUNK_Q rows of every head); an exception raised
         # by progress stops the kernel and is re-raised here.
@@ -208,6 +218,7 @@ class Kernel(Library):
             mods=bits,
             mparam=ptr(mparam),
             mpos=ptr(mpos),
+            Dv=dv,
         )
         f = fn(ctypes.byref(args))
         if errors:
@@ -338,10 +349,10 @@ def forward_tile(
 
     Returns the flops of the (query, key) pairs the kernel scored: per strip of query
     rows (6 on the vector paths, 4 scalar) and key block, the strip's rows times the keys
-    from the first to the last one any of them sees; 4 D per pair and head. So every
-    visible pair is counted and, with no mask, the result is 4 B H Sq Sk D, as the
-    numpy tile's; under a mask it is usually below the numpy tile's count (which counts
-    whole 256 x 256 blocks).
+    from the first to the last one any of them sees; 2 (Dk + Dv) per pair and head (4 D
+    for equal widths). So every visible pair is counted and, with no mask, the result is
+    2 B H Sq Sk (Dk + Dv), as the numpy tile's; under a mask it is usually below the
+    numpy tile's count (which counts whole 256 x 256 blocks).
 
     The score modifiers (``**modifiers``: the tile keywords of :mod:`ringmpi.tile`, packed
     by :func:`ringmpi.scoremods.pack`, which refuses bad values with ValueError and unknown

@@ -52,7 +52,12 @@ __all__ = [
     "BLOCK_Q",
     "BLOCK_K",
     "CHUNK_PAIRS",
+    "WIDTHS_MISSING",
 ]
+
+#: why this backward tile refuses keys and values of different widths (Dk != Dv, issue 42);
+#: "": it takes them (``Backend.supports`` names a non-empty reason)
+WIDTHS_MISSING = ""
 
 #: query rows per block (rounded up to whole register strips): the reduction length of the
 #: dK/dV products; the block's P and dS (BLOCK_Q x BLOCK_K) stay in L2
@@ -91,12 +96,17 @@ class BackwardKernel(Library):
             tail, plain = [ctypes.c_uint, p, p], (0, None, None)
         elif hasattr(lib, "rm_backward_modifiers"):
             tail, plain = [ctypes.c_double, p, p], (0.0, None, None)
+        # A build that takes the value width Dv (issue 42) has it as the last argument.
+        self.widths = hasattr(lib, "rm_backward_widths") and bool(tail)
+        if self.widths:
+            tail = tail + [i64]
         for sfx in ("f32", "f64"):
             fn = getattr(lib, f"rm_backward_tile_{sfx}")
             fn.restype = i64
             fn.argtypes = [p] * 11 + [i64] * 6 + [p, i64, p, i64, p, p, ctypes.c_double]
             fn.argtypes += [ctypes.c_int, i64, i64, PROGRESS, i64] + tail
         lib.ringmpi_mods, lib.ringmpi_plain = self.mods, plain
+        lib.ringmpi_widths = self.widths
 
 
 #: the builds of the backward tile per ISA path and the default one (no stderr line of its
@@ -150,8 +160,10 @@ def spec_flops(
     heads: int,
     d: int,
     bounds: Optional[tuple] = None,
+    dv: Optional[int] = None,
 ) -> int:
-    """Flops the numpy tile reports for these positions: 10 * nq * nk * D per live block pair.
+    """Flops the numpy tile reports for these positions: 10 * nq * nk * D per live block pair
+    (2 * nq * nk * (3 Dk + 2 Dv) with values of another width).
 
     Uses the numpy tile's own blocks (``ringmpi.cpu.numpy_tile`` BLOCK_Q query rows, and
     BLOCK_K keys or fewer under ``bounds``, inside runs of evenly spaced positions) and its
@@ -163,9 +175,11 @@ def spec_flops(
         int64 global token positions.
     causal : bool
     batch, heads, d : int
-        B, query heads H and head dimension D.
+        B, query heads H and head dimension D (the key width).
     bounds : ((Sq,), (Sq,)) int64, optional
         Per-row visible key ranges (they replace ``causal``, as in the numpy tile).
+    dv : int, optional
+        The value width, default ``d``.
 
     Returns
     -------
@@ -195,7 +209,8 @@ def spec_flops(
         live = csum[np.searchsorted(kb[order, 2], qb[:, 3], side="right")]
     else:
         live = np.full(len(nq), nk.sum())
-    return int(10 * batch * heads * d * int(np.dot(nq, live)))
+    per = 10 * d if dv is None or dv == d else 2 * (3 * d + 2 * dv)
+    return int(batch * heads * per * int(np.dot(nq, live)))
 
 
 def backward_tile(
@@ -344,18 +359,21 @@ def backward_tile_with(
         )
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    dvw = v.shape[-1] if v.ndim == 4 else d  # the value width (Dv may differ from Dk = d)
     if hkv == 0 or h % hkv:
         raise ValueError(f"query heads {h} not a multiple of key/value heads {hkv}")
+    if dvw != d and not getattr(lib, "ringmpi_widths", False):
+        raise ValueError(f"{lib._name}: a build without value widths other than D ({dvw})")
     shapes = {
-        "dout": (dout, (bsz, h, sq, d)),
-        "v": (v, (bsz, hkv, sk, d)),
+        "dout": (dout, (bsz, h, sq, dvw)),
+        "v": (v, (bsz, hkv, sk, dvw)),
         "lse": (lse, (bsz, h, sq)),
         "delta": (delta, (bsz, h, sq)),
         "q_pos": (q_pos, (sq,)),
         "k_pos": (k_pos, (sk,)),
         "dq": (dq, (bsz, h, sq, d)),
         "dk": (dk, (bsz, hkv, sk, d)),
-        "dv": (dv, (bsz, hkv, sk, d)),
+        "dv": (dv, (bsz, hkv, sk, dvw)),
     }
     if k.shape[0] != bsz or k.shape[3] != d:
         raise ValueError(f"k has shape {k.shape}, expected ({bsz}, Hkv, Sk, {d})")
@@ -367,6 +385,8 @@ def backward_tile_with(
     check_mods(mods, lib.ringmpi_mods, lib._name)
     bits, mparam, mpos = mod_arrays(mods, h, sq)
     tail = (bits, ptr(mparam), ptr(mpos)) if bits else lib.ringmpi_plain
+    if lib.ringmpi_widths:
+        tail = (*tail, dvw)
     if sq == 0 or sk == 0 or bsz == 0 or d == 0:
         return 0
     q, k, v, dout, lse, delta = (
@@ -376,7 +396,8 @@ def backward_tile_with(
     k_pos = np.ascontiguousarray(k_pos, dtype=np.int64)
     qc, kc = cuts(q_pos), cuts(k_pos)
     fn = lib.rm_backward_tile_f32 if dt == np.float32 else lib.rm_backward_tile_f64
-    bk = int(max(32, min(BLOCK_K, (BLOCK_K * 128) // d)))
+    # keys per block (of the mean width (Dk + Dv) / 2 where keys and values differ)
+    bk = int(max(32, min(BLOCK_K, (BLOCK_K * 128) // ((d + dvw) // 2))))
     cb, errors = progress_callback(progress)
     f = fn(
         ptr(q),
@@ -419,4 +440,4 @@ def backward_tile_with(
     if count == "kernel":
         return int(f)
     masked = None if bounds is None else (lo, hi)
-    return spec_flops(q_pos, k_pos, causal=causal, batch=bsz, heads=h, d=d, bounds=masked)
+    return spec_flops(q_pos, k_pos, causal=causal, batch=bsz, heads=h, d=d, bounds=masked, dv=dvw)

@@ -87,6 +87,7 @@ class TileArgs(ctypes.Structure):
         ("mods", ctypes.c_uint32),
         ("mparam", ctypes.c_void_p),
         ("mpos", ctypes.c_void_p),
+        ("Dv", ctypes.c_int64),
     ]
 
 

@@ -2,6 +2,7 @@
 
 Arrays and arguments follow the tile contract in :mod:`ringmpi.backend`; here q, k,
 v and the state are in the compute dtype (float32, or float64 for float64 inputs).
+Keys and values may differ in width (q, k: Dk; v, acc, dout: Dv).
 
 For one query row with scores s_j = scale * q.k_j over the visible keys, the
 update is the streaming softmax
@@ -132,18 +133,19 @@ def forward_tile(
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (see :mod:`ringmpi.backend`).
 
-    Returns the flops of the two matrix products (4 * pairs * D per head) over
-    the blocks that were not skipped.
+    Returns the flops of the two matrix products (2 * pairs * (Dk + Dv) per head:
+    4 * pairs * D for equal widths) over the blocks that were not skipped.
     """
     bsz, h, sq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     sk = k.shape[2]
+    dv = v.shape[-1]  # the value width (Dv may differ from Dk = d)
     if sq == 0 or sk == 0:
         return 0
     # grouped views: query head h = hkv_index * g + group_index
     q5 = q.reshape(bsz, hkv, g, sq, d)
-    acc5 = acc.reshape(bsz, hkv, g, sq, d)
+    acc5 = acc.reshape(bsz, hkv, g, sq, dv)
     m5 = m.reshape(bsz, hkv, g, sq)
     l5 = l.reshape(bsz, hkv, g, sq)
     kt = np.swapaxes(k, -1, -2)
@@ -186,7 +188,7 @@ def forward_tile(
                 pv = s[..., c - ka : c - ka + PV_CHUNK] @ v[:, :, c : min(c + PV_CHUNK, kb)]
                 ao += pv.reshape(ao.shape)
             mo[...] = m_new
-            flops += 4 * bsz * h * n * (kb - ka) * d
+            flops += 2 * bsz * h * n * (kb - ka) * (d + dv)
             if progress is not None:
                 progress()
         m5[:, :, :, qa:qb] = mo
@@ -216,11 +218,12 @@ def backward_tile(
 ) -> int:
     """Add one K/V block's gradient contributions, in place (see :mod:`ringmpi.backend`).
 
-    Returns the flops of the five matrix products (10 * pairs * D per head) over
-    the blocks that were not skipped.
+    Returns the flops of the five matrix products (2 * pairs * (3 Dk + 2 Dv) per
+    head: 10 * pairs * D for equal widths) over the blocks that were not skipped.
     """
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    dvw = v.shape[-1]  # the value width (Dv may differ from Dk = d)
     g = h // hkv
     if sq == 0 or sk == 0:
         return 0
@@ -228,7 +231,7 @@ def backward_tile(
     # grouped views: query head h = hkv_index * g + group_index, so a (G, n)
     # block of rows flattens to G*n rows that all read the same K/V head
     q5 = q.reshape(bsz, hkv, g, sq, d)
-    do5 = dout.reshape(bsz, hkv, g, sq, d)
+    do5 = dout.reshape(bsz, hkv, g, sq, dvw)
     dq5 = dq.reshape(bsz, hkv, g, sq, d)
     # p = exp(s - lse): a row with lse = -inf saw no key; +inf makes its p zero
     lse4 = np.where(np.isneginf(lse), np.inf, lse).astype(dt).reshape(bsz, hkv, g, sq)
@@ -245,7 +248,7 @@ def backward_tile(
         if not live:
             continue  # every key is hidden from every query of this block
         qs = (q5[:, :, :, qa:qb] * dt(scale)).reshape(bsz, hkv, g * n, d)
-        dob = np.ascontiguousarray(do5[:, :, :, qa:qb]).reshape(bsz, hkv, g * n, d)
+        dob = np.ascontiguousarray(do5[:, :, :, qa:qb]).reshape(bsz, hkv, g * n, dvw)
         lse_b = np.ascontiguousarray(lse4[..., qa:qb]).reshape(bsz, hkv, g * n, 1)
         delta_b = np.ascontiguousarray(delta4[..., qa:qb]).reshape(bsz, hkv, g * n, 1)
         dq_b = np.zeros((bsz, hkv, g * n, d), dtype=dt)
@@ -267,7 +270,7 @@ def backward_tile(
                 ds.reshape(p5.shape)[...] *= dmod
             dq_b += ds @ kk
             dk[:, :, ka:kb] += np.swapaxes(ds, -1, -2) @ qs
-            flops += 10 * bsz * h * n * (kb - ka) * d
+            flops += 2 * bsz * h * n * (kb - ka) * (3 * d + 2 * dvw)
             if progress is not None:
                 progress()
         dq5[:, :, :, qa:qb] += dt(scale) * dq_b.reshape(bsz, hkv, g, n, d)

@@ -35,6 +35,7 @@ from .input.reader import Reader, abandon, in_background
 from .options import JobOptions
 from .output.checkpoint import Checkpoints
 from .output.layout import part_name
+from .plan import value_width
 from .report import Progress, peak_rss, predicted_seconds, start_line, ticks_per_step, utc
 from .resources import check_batch, split
 
@@ -190,7 +191,7 @@ class SequenceLoop:
         nks = [len(rd.positions_k(s)) for s in seqs]
         dt, h, hkv, d = np.dtype(plan.dtype), plan.heads, plan.kv_heads, plan.head_dim
         q = np.empty((h, sum(ns), d), dt).transpose(1, 0, 2)
-        k, v = (np.empty((hkv, sum(nks), d), dt).transpose(1, 0, 2) for _ in range(2))
+        k, v = (np.empty((hkv, sum(nks), w), dt).transpose(1, 0, 2) for w in (d, value_width(plan)))
         a = ak = 0
         intos = []
         for n, nk in zip(ns, nks):

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..collective import CollectiveError
 
-__all__ = ["InputError", "fail", "SeqInfo", "Plan"]
+__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width"]
 
 
 class InputError(CollectiveError):
@@ -114,8 +114,22 @@ class Plan:
     # per file: the (device, inode), (size, mtime, ctime) whose every link the ranks walked
     # together, or None (ringmpi.job.input.files.links_known)
     walked: list = field(default_factory=list)
+    # the value width Dv (v and out; multi-head latent attention: it may differ from the
+    # key width head_dim); 0 means head_dim
+    value_dim: int = 0
+
+    @property
+    def dv(self) -> int:
+        """The value width: ``value_dim``, or ``head_dim`` where not set."""
+        return value_width(self)
 
     @property
     def batch_size(self) -> int:
         """Length of the batch axis (0 unless structure == "batch")."""
         return len(self.sequences) if self.structure == "batch" else 0
+
+
+def value_width(plan) -> int:
+    """The value width Dv of a plan (or of a stand-in with heads, head_dim, ...): its
+    ``value_dim``, or ``head_dim`` where that is not set (keys and values of one width)."""
+    return getattr(plan, "value_dim", 0) or plan.head_dim

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import cost
 from .output.parts import FORMAT
+from .plan import value_width
 from .resources import rank_bytes, resident_bytes, seq_counts
 
 __all__ = [
@@ -94,6 +95,7 @@ def provenance(
         "heads": int(plan.heads),
         "kv_heads": int(plan.kv_heads),
         "head_dim": int(plan.head_dim),
+        **({"value_dim": int(value_width(plan))} if value_width(plan) != plan.head_dim else {}),
         "sequences": len(plan.sequences),
         "tokens": int(sum(s.length for s in plan.sequences)),
         "window": [int(x) for x in (window if window is not None else (-1, -1))],
@@ -142,12 +144,16 @@ def measure_rate(plan, dev: str) -> float:
     sq, sk = 256, 1024
     q = rng.standard_normal((1, plan.heads, sq, plan.head_dim)).astype(dt)
     k = rng.standard_normal((1, plan.kv_heads, sk, plan.head_dim)).astype(dt)
+    dv = value_width(plan)  # values of another width (MLA): their own array
+    v = k if dv == plan.head_dim else rng.standard_normal((1, plan.kv_heads, sk, dv)).astype(dt)
+    if dv != plan.head_dim:  # the tiles the job runs for these widths
+        be = select(np.empty(0, plan.dtype), (plan.head_dim, dv))
     pos_q, pos_k = np.arange(sq, dtype=np.int64) + sk, np.arange(sk, dtype=np.int64)
     best = 0.0
     for _ in range(2):  # the first call may compile or warm the caches
-        acc, m, l = init_state(q.shape, be.acc_dtype(dt), np)
+        acc, m, l = init_state((*q.shape[:-1], dv), be.acc_dtype(dt), np)
         t0 = time.perf_counter()
-        f = be.forward_tile(q, k, k, pos_q, pos_k, acc, m, l, scale=0.1, causal=False)
+        f = be.forward_tile(q, k, v, pos_q, pos_k, acc, m, l, scale=0.1, causal=False)
         t = time.perf_counter() - t0
         best = max(best, f / t if t > 0 else 0.0)
     return best
@@ -162,8 +168,8 @@ def visible_pairs(seq, causal: bool, window=None) -> int:
 
 
 def _flops(plan, causal: bool, seqs: list, window=None) -> float:
-    """Model flops of the sequences: 4 D H per visible (query, key) pair of the mask."""
-    per = float(cost.FORWARD_PER_PAIR * plan.head_dim * plan.heads)
+    """Model flops of the sequences: 4 D H (2 (Dk + Dv) H) per visible pair of the mask."""
+    per = float(cost.flops(1, plan.head_dim, plan.heads, dv=value_width(plan)))
     return sum(per * visible_pairs(s, causal, window) for s in seqs)
 
 
@@ -231,7 +237,12 @@ def start_line(
     where = f"{dev} ({kernel}, {isa})" if dev == "cpu" else dev
     text = (
         f"{len(todo)} sequence(s), {tokens:,} tokens (H={plan.heads}, Hkv={plan.kv_heads}, "
-        f"D={plan.head_dim}, {plan.dtype}), {size} rank(s)"
+        + (
+            f"D={plan.head_dim}"
+            if value_width(plan) == plan.head_dim
+            else f"Dk={plan.head_dim}, Dv={value_width(plan)}"
+        )
+        + f", {plan.dtype}), {size} rank(s)"
         + _rings_text(size, ring, rings, units)
         + f", {layout}{', causal' if causal else ''}"
         + (f", window {tuple(window)}" if window is not None else "")

@@ -82,19 +82,23 @@ def rank_bytes(
     isz = np.dtype(plan.dtype).itemsize
     csz = 8 if plan.dtype == "float64" else 4
     h, hkv, d = plan.heads, plan.kv_heads, plan.head_dim
+    dv = getattr(plan, "value_dim", 0) or d  # the value width (out, acc, v): Dv may differ
     nk = n_local if n_local_k is None else int(n_local_k)
-    q_el, kv_el = n_local * h * d, 2 * nk * hkv * d
-    held = (q_el + kv_el) * isz
+    # q and the state (acc: Dv wide) counted at the mean width, (Dk + Dv) / 2
+    q_el, kv_el = n_local * h * (d + dv) // 2, nk * hkv * (d + dv)
+    held = (n_local * h * d + kv_el) * isz
     kv_factor = RING_KV if ranks > 1 else RING_KV - 1
     copy = 0.0 if isz == csz else COPY  # the job's inputs are head-major already
     ring = (RING_Q - COPY + copy) * q_el * csz + (kv_factor - COPY + copy) * kv_el * csz
     ring += 2 * n_local * h * csz
     ring += 3 * 256 * 1024 * h * csz  # tile scratch (scores, probabilities)
-    write = 3 * q_el * isz + n_local * h * 8  # out (+ image and bytes: compressed parts); lse
+    # out (+ image and bytes: compressed parts); lse
+    write = 3 * n_local * h * dv * isz + n_local * h * 8
     read = 0
     if plan.mode == "features":
         f = plan.features
-        read = (n_local + nk) * f * (isz + 8) + (q_el + kv_el) * 8 + f * (h + 2 * hkv) * d * 8
+        read = (n_local + nk) * f * (isz + 8) + (n_local * h * d + kv_el) * 8
+        read += f * (h * d + hkv * (d + dv)) * 8
     if prefetch:
         return int(2 * held + max(ring, write) + read)
     return int(held + max(ring, write, read))

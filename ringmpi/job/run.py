@@ -39,7 +39,7 @@ from .loop import JobContext, SequenceLoop
 from .options import JobOptions, split_keywords
 from .output import make_store, resolve_mode
 from .output.parts import fingerprint
-from .plan import InputError
+from .plan import InputError, value_width
 from .report import measure_rate, one_process_note, provenance, utc, visible_pairs
 from .resources import (
     BALANCE,
@@ -527,14 +527,18 @@ def deal(
     start and with equal costs this is the round-robin.
     """
     per_flop = 1.0 / RATE.get(device, RATE["cpu"])
-    row = plan.head_dim * np.dtype(plan.dtype).itemsize
+    # a token's q and out (H heads), k and v (Hkv heads): Dk + Dv elements per head
+    row = (plan.head_dim + value_width(plan)) * np.dtype(plan.dtype).itemsize
     costs = []
     for b in batches:
         seqs = [plan.sequences[i] for i in b.members]
         flops = sum(
-            model_flops(visible_pairs(s, causal, window), plan.head_dim, plan.heads) for s in seqs
+            model_flops(
+                visible_pairs(s, causal, window), plan.head_dim, plan.heads, dv=value_width(plan)
+            )
+            for s in seqs
         )
-        nbytes = (b.length * (2 * plan.heads) + b.length_k * 2 * plan.kv_heads) * row
+        nbytes = (b.length * plan.heads + b.length_k * plan.kv_heads) * row
         costs.append(flops * per_flop + nbytes / IO_BYTES_S + len(seqs) * SEQ_S + BATCH_S)
     load = [0.0] * rings
     load[0] = head_start * INDEX_SEQ_S

@@ -56,7 +56,7 @@ from ..runtime import interrupt
 from ..spec import AttentionSpec
 from ..testing import EPS
 from .input.scan import make_plan
-from .plan import InputError, Plan
+from .plan import InputError, Plan, value_width
 from .report import LOG_EVERY, duration
 
 __all__ = [
@@ -381,10 +381,14 @@ def read_head(plan: Plan, seq, head: int, kv: bool, rope=None) -> tuple:
     w = None
     if plan.mode == "features":
         with h5py.File(plan.weights, "r", locking=False) as f:
-            d = plan.head_dim
-            cut = slice(head * d, (head + 1) * d)
-            w = {n: np.asarray(f["w" + n][:, cut], np.float64) for n in names}
-            bias = {n: np.asarray(f["b" + n][cut], np.float64) for n in names if "b" + n in f}
+            # the columns of this head: v's are Dv wide (which may differ from D)
+            cut = {
+                n: slice(head * wd, (head + 1) * wd)
+                for n in names
+                for wd in [value_width(plan) if n == "v" else plan.head_dim]
+            }
+            w = {n: np.asarray(f["w" + n][:, cut[n]], np.float64) for n in names}
+            bias = {n: np.asarray(f["b" + n][cut[n]], np.float64) for n in names if "b" + n in f}
     src = "x_kv" if (kv and seq.x_kv) else "x"
     for path in plan.files:
         with h5py.File(path, "r", locking=False) as f:

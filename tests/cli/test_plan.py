@@ -47,3 +47,34 @@ def test_plan_prints_the_layouts_imbalance_for_its_mask(capsys):
         with pytest.raises(SystemExit):
             plan.main([*base, "--slices", bad])
         assert "--slices" in capsys.readouterr().err
+
+
+def test_value_width_in_flops_bytes_and_memory():
+    """Dk != Dv (issue 42): 2 Bq Bk (Dk + Dv) H flops and Bk Hkv (Dk + Dv) elements per
+    step; Dv = Dk gives what the plain call gives; the memory grows with Dv."""
+    kw = dict(ranks=4, gflops=100.0, link_gbps=10.0)
+    same = plan.predict(8192, 8, 2, 64, **kw)
+    assert plan.predict(8192, 8, 2, 64, dv=64, **kw) == same
+    mla = plan.predict(8192, 8, 2, 192, dv=128, **kw)
+    block = 8192 / 4
+    assert mla["flops_per_step"] == 2 * block * block * (192 + 128) * 8
+    assert mla["bytes_per_step"] == block * 2 * (192 + 128) * 4
+    assert mla["min_block_to_hide"] == same["min_block_to_hide"]  # the widths cancel
+    wide_v = plan.memory_per_rank(2048, 8, 2, 64, "float32", dv=512)
+    assert wide_v > plan.memory_per_rank(2048, 8, 2, 64, "float32")
+    assert plan.memory_per_rank(2048, 8, 2, 64, "float32", dv=64) == plan.memory_per_rank(
+        2048, 8, 2, 64, "float32"
+    )
+
+
+def test_mla_traffic_of_both_forms(capsys):
+    """Absorbed MLA passes 576 + 512 numbers per token, unabsorbed H (192 + 128)."""
+    got = plan.mla_traffic(65536, 128, ranks=8, dtype="float16")
+    block = 65536 / 8
+    assert got["unabsorbed_bytes_per_step"] == block * 128 * (192 + 128) * 2
+    assert got["absorbed_bytes_per_step"] == block * (576 + 512) * 2
+    assert abs(got["ratio"] - 128 * 320 / 1088) < 1e-12
+    argv = "--seq-len 65536 --heads 128 --head-dim 192 --value-dim 128 --ranks 8".split()
+    assert plan.main([*argv, "--mla-heads", "128", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "Dk=192 Dv=128" in out and "MLA, H=128" in out and "(37.6x less)" in out

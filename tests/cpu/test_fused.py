@@ -80,6 +80,30 @@ def test_dense_matches_numpy_tile(kern, dtype, d):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d, dv", [(40, 24), (8, 64), (192, 128), (576, 512), (59, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_value_width_other_than_key_width(kern, dtype, d, dv, causal):
+    """Keys of width Dk and values of width Dv (issue 42): the state is Dv wide, the tile
+    equals the numpy tile on every ISA path, from an empty and a carried state, and counts
+    2 (Dk + Dv) flops per pair (unmasked)."""
+    rng = np.random.default_rng(d * 1000 + dv)
+    b, h, hkv, sq, sk = 1, 4, 1 if d > 100 else 2, 53, 211
+    q, k, _ = _inputs(rng, b, h, hkv, sq, sk, d, dtype)
+    k += dtype(0.5)  # keys with a mean, values with a mean and a small spread
+    v = (1.0 + 0.1 * rng.standard_normal((b, hkv, sk, dv))).astype(dtype)
+    qp = np.arange(sq, dtype=np.int64) + (sk - sq)  # bottom-right: every row sees keys
+    kp = np.arange(sk, dtype=np.int64)
+    state = init_state((b, h, sq, dv), dtype)
+    for _ in range(2):  # the second call folds the block into a carried state
+        s_ref, s_fus, f_ref, f_fus = _both(kern, q, k, v, qp, kp, causal=causal, state=state)
+        assert s_fus[0].shape == (b, h, sq, dv)
+        _assert_states_close(s_ref, s_fus, dtype)
+        if not causal:
+            assert f_fus == f_ref == 2 * b * h * sq * sk * (d + dv)
+        state = s_ref
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("n,size", [(1000, 3), (1537, 2)])
 def test_causal_layouts_full_ring(kern, dtype, layout, n, size):

@@ -229,6 +229,35 @@ def test_matches_numpy_tile_and_dense(dtype, d, hkv, causal):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d, dv", [(40, 24), (8, 64), (192, 128), (576, 512), (59, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_value_width_other_than_key_width(dtype, d, dv, causal):
+    """Keys of width Dk, values (dout, dv) of width Dv (issue 42): the fused backward equals
+    the numpy tile (dq, dk Dk wide, dv Dv wide) and counts 2 (3 Dk + 2 Dv) flops per pair."""
+    rng = np.random.default_rng(d * 1000 + dv)
+    b, h, hkv, sq, sk = 1, 4, 1 if d > 100 else 2, 45, 150
+    q = rng.standard_normal((b, h, sq, d)).astype(dtype)
+    k = (0.5 + rng.standard_normal((b, hkv, sk, d))).astype(dtype)
+    v = (1.0 + 0.1 * rng.standard_normal((b, hkv, sk, dv))).astype(dtype)
+    do = (0.2 + 0.1 * rng.standard_normal((b, h, sq, dv))).astype(dtype)
+    qp = np.arange(sq, dtype=np.int64) + (sk - sq)
+    kp = np.arange(sk, dtype=np.int64)
+    s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), np.repeat(k, h // hkv, 1)) * d**-0.5
+    if causal:
+        s = np.where(kp[None, :] <= qp[:, None], s, -np.inf)
+    lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    delta = rng.standard_normal((b, h, sq))
+    zeros = [np.zeros(x.shape, dtype) for x in (q, k, v)]
+    args = (q, k, v, do, lse.astype(dtype), delta.astype(dtype), qp, kp, *zeros)
+    (f_spec, want), (f_fused, got) = _both_tiles(args, scale=d**-0.5, causal=causal)
+    for g, w, name in zip(got, want, ("dq", "dk", "dv")):
+        _assert_close(g, w, dtype, what=f"{name} Dk={d} Dv={dv}")
+    assert got[2].shape[-1] == dv and f_fused == f_spec
+    if not causal:
+        assert f_spec == 2 * b * h * sq * sk * (3 * d + 2 * dv)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("layout", ringmpi.LAYOUTS)
 @pytest.mark.parametrize("size", [2, 3])
 def test_causal_layouts_full_ring(dtype, layout, size):

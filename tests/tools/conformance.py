@@ -82,7 +82,10 @@ class Case:
     causal, window, cu_q, cu_k
         The mask, as :func:`ringmpi.ring_attention` takes it.
     b, h, hkv, d : int
-        Batch, query heads, key/value heads (GQA when h > hkv), head dim.
+        Batch, query heads, key/value heads (GQA when h > hkv), head dim (key width).
+    dv : int, optional
+        Value width, default d (keys and values of different widths: multi-head
+        latent attention, issue 42).
     layout : str
         Order of the query rows (those of ranks 0 and 1 of 2) and the visiting key blocks.
     blocks : int
@@ -101,6 +104,12 @@ class Case:
     d: int = 64
     layout: str = "zigzag"
     blocks: int = 3
+    dv: Optional[int] = None
+
+    @property
+    def width_v(self) -> int:
+        """The value width Dv."""
+        return self.d if self.dv is None else self.dv
 
 
 CASES = {
@@ -120,6 +129,12 @@ CASES = {
     # sequence of empty_packed has no keys at all
     "empty_rows": Case(203, 61, causal=True, d=59, layout="contiguous", blocks=2),
     "empty_packed": Case(120, 90, cu_q=(0, 50, 70, 120), cu_k=(0, 45, 45, 90), window=(9, 3)),
+    # keys and values of different widths (multi-head latent attention): wider keys than
+    # values under MQA, narrow keys with wide values, the unabsorbed MLA head shape
+    "widths_causal": Case(203, 203, causal=True, h=4, hkv=1, d=40, dv=24),
+    "widths_window": Case(181, 181, window=(30, 9), d=8, dv=64, layout="striped"),
+    "widths_packed": Case(211, 211, causal=True, cu_q=PACKED, d=40, dv=24, h=6, hkv=2),
+    "widths_cross": Case(77, 150, causal=True, h=2, hkv=2, d=192, dv=128, blocks=2),
 }
 
 #: ALiBi slopes in :data:`MODS`: the case's own (:func:`_slopes` of its heads)
@@ -251,8 +266,10 @@ def problem(case: str, mod: str, dtype: str) -> Problem:
     c = CASES[case]
     spec = spec_of(case, mod)
     rng = np.random.default_rng(sorted(CASES).index(case) * 31 + len(mod))
-    q, k, v = random_qkv(rng, c.nq, c.h, c.hkv, c.d, batch=c.b, realistic=True, nk=c.nk)
-    dout = 0.2 + 0.1 * rng.standard_normal(q.shape)
+    q, k, v = random_qkv(
+        rng, c.nq, c.h, c.hkv, c.d, batch=c.b, realistic=True, nk=c.nk, dv=c.width_v
+    )
+    dout = 0.2 + 0.1 * rng.standard_normal((*q.shape[:-1], c.width_v))
 
     def rounded(x):  # the values the storage dtype holds, as float64
         if dtype == "bfloat16":
@@ -323,12 +340,13 @@ def run_forward(var: Variant, case: str, mod: str, dtype: str, *, mods=None, mer
     be, st = var.be, storage(dtype)
     tdt, adt = be.tile_dtype(st), be.acc_dtype(st)
     q = _tile(var, _head_major(p.q, p.q_pos), tdt)
-    state = softmax.init_state(q.shape, adt, var.xp)
+    shape = (*q.shape[:-1], p.v.shape[-1])  # the state has the value width
+    state = softmax.init_state(shape, adt, var.xp)
     out = lse = None
     flops = []
     for kp, k, v in _blocks(var, p, tdt):
         if merged:
-            state = softmax.init_state(q.shape, adt, var.xp)
+            state = softmax.init_state(shape, adt, var.xp)
         flops.append(be.forward_tile(q, k, v, p.q_pos, kp, *state, **_tile_kw(p, case, mods)))
         if merged:
             o, s = (var.to_host(x).astype(np.float64) for x in be.finish(*state))
@@ -364,7 +382,7 @@ def run_backward(var: Variant, case: str, mod: str, dtype: str) -> tuple:
     delta = _delta(p, adt)
     lse_d, delta_d = var.to_dev(lse), var.to_dev(delta)
     dq = var.xp.zeros(q.shape, adt)
-    dks, dvs, flops = [], [], []
+    dks, dvs, flops = [], [], []  # (dout has the value width, q the key width)
     for kp, k, v in _blocks(var, p, tdt):
         dk, dv = var.xp.zeros(k.shape, adt), var.xp.zeros(v.shape, adt)
         flops.append(

@@ -33,7 +33,7 @@ import numpy as np
 from ...layout import local_runs, positions
 from ...rope import apply_rope, positions_in_sequence
 from ...runtime import direct_io, faults
-from ..plan import Plan, SeqInfo, fail
+from ..plan import Plan, SeqInfo, fail, value_width
 from .files import open_input
 
 __all__ = ["Reader", "in_background", "abandon", "UNION_RUNS", "RawReads"]
@@ -309,6 +309,7 @@ class Reader:
         faults.read(self.rank)
         pos, pos_k = self.positions(seq), self.positions_k(seq)
         n, nk, h, hkv, d = len(pos), len(pos_k), plan.heads, plan.kv_heads, plan.head_dim
+        dv = value_width(plan)  # the value width (Dv may differ from Dk = d)
         dt = np.dtype(plan.dtype)
         if plan.mode == "features":
             x = np.empty((n, plan.features), dt)
@@ -324,7 +325,7 @@ class Reader:
             x64, xk64 = x.astype(np.float64), xk.astype(np.float64)
             q = _project(x64, w, "q").reshape(n, h, d)
             k = _project(xk64, w, "k").reshape(nk, hkv, d)
-            v = _project(xk64, w, "v").astype(dt).reshape(nk, hkv, d)
+            v = _project(xk64, w, "v").astype(dt).reshape(nk, hkv, dv)
             if self.rope is not None:
                 theta, scale = self.rope
                 cu_k = seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k
@@ -336,7 +337,7 @@ class Reader:
                     dst[...] = src
                 q, k, v = into
         else:
-            want = ((n, h, d), (nk, hkv, d), (nk, hkv, d))
+            want = ((n, h, d), (nk, hkv, d), (nk, hkv, dv))
             q, k, v = into if into is not None else (np.empty(w, dt) for w in want)
             if (q.shape, k.shape, v.shape) != want or {q.dtype, k.dtype, v.dtype} != {dt}:
                 raise ValueError(f"into= must be arrays of shapes {want} and dtype {dt}")

@@ -76,20 +76,22 @@ def _check_qkv(path: str, g: str, info: dict, extra: int) -> tuple:
     (qs, qt), (ks, kt), (vs, vt) = info["q"], info["k"], info["v"]
     if not (qt == kt == vt):
         fail(path, f"{where}q, k, v dtypes differ ({qt}, {kt}, {vt})")
-    if ks != vs:
-        fail(path, f"{where}k has shape {ks} but v has shape {vs}")
+    # v may be narrower or wider than k (multi-head latent attention), in nothing else
+    if ks[:-1] != vs[:-1]:
+        fail(path, f"{where}k has shape {ks} but v has shape {vs} (only the last axes may differ)")
     if extra and qs[0] != ks[0]:
         fail(path, f"{where}batch sizes differ: q has {qs[0]}, k has {ks[0]}")
     # q and k/v may differ in length (cross-attention)
     h, d = qs[-2:]
     hkv, dk = ks[-2:]
+    dv = vs[-1]
     if d != dk:
-        fail(path, f"{where}head dim mismatch: q has D={d}, k and v have D={dk}")
-    if h < 1 or hkv < 1 or d < 1:
+        fail(path, f"{where}head dim mismatch: q has D={d}, k has D={dk}")
+    if h < 1 or hkv < 1 or d < 1 or dv < 1:
         fail(path, f"{where}empty head axis: q {qs}, k {ks}")
     if h % hkv:
         fail(path, f"{where}H={h} query heads is not a multiple of Hkv={hkv} key/value heads")
-    return (qs[extra], ks[extra]), (h, hkv, d), qt, (qs[0] if extra else None)
+    return (qs[extra], ks[extra]), (h, hkv, d, dv), qt, (qs[0] if extra else None)
 
 
 def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[list] = None) -> Plan:
@@ -158,12 +160,16 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
                     if kdt != dt or kshape[-1] != shape[-1] or (extra and kshape[0] != shape[0]):
                         fail(p, f"x_kv {kshape} {kdt} does not fit x {shape} {dt}")
                     n = (shape[extra], kshape[extra])
-                gm = (w["heads"], w["kv_heads"], w["head_dim"])
+                gm = (w["heads"], w["kv_heads"], w["head_dim"], w["value_dim"])
             where = f" (group '{g}')" if g else ""
             if geom is None:
                 geom, dtype, batch = gm, dt, b
             if gm != geom:
-                fail(p, f"shards do not line up: (H, Hkv, D) = {gm}{where}, first input has {geom}")
+                fail(
+                    p,
+                    f"shards do not line up: (H, Hkv, Dk, Dv) = {gm}{where}, "
+                    f"first input has {geom}",
+                )
             if dt != dtype:
                 fail(p, f"shards do not line up: dtype {dt}{where}, first input has {dtype}")
             if b != batch:
@@ -213,7 +219,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
             fail(files[0], f"sequence {s.name} has no token")
         if s.length_k == 0:
             fail(files[0], f"sequence {s.name} has no key/value token")
-    h, hkv, d = geom
+    h, hkv, d, dv = geom
     return Plan(
         files=files,
         mode=mode,
@@ -221,6 +227,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
         heads=h,
         kv_heads=hkv,
         head_dim=d,
+        value_dim=dv,
         dtype=dtype,
         sequences=seqs,
         features=w["features"] if w else 0,

@@ -52,7 +52,8 @@ def read_weights(path: str) -> dict:
                 f"wq {w['wq'].shape}, wk {w['wk'].shape} look like torch Linear "
                 f"weights (out, in); {hint}",
             )
-        if w["wv"].shape != (fk, nk):
+        nv = w["wv"].shape[1]  # the values may be narrower or wider than the keys (MLA)
+        if w["wv"].shape[0] != fk or nv % max(hkv, 1) or nv < hkv:
             fail(path, f"wk has shape {w['wk'].shape} but wv has shape {w['wv'].shape}")
         if fq != fk:
             fail(path, f"wq has {fq} input features but wk and wv have {fk}")
@@ -60,7 +61,7 @@ def read_weights(path: str) -> dict:
             fail(path, f"wq {w['wq'].shape}, wk {w['wk'].shape} do not fit H={h}, Hkv={hkv}")
         if h % hkv:
             fail(path, f"num_heads={h} is not a multiple of num_kv_heads={hkv}")
-        for n, width in (("bq", nq), ("bk", nk), ("bv", nk)):
+        for n, width in (("bq", nq), ("bk", nk), ("bv", nv)):
             if n in b and b[n].shape != (width,):
                 fail(
                     path, f"bias {n} has shape {b[n].shape}, expected ({width},) (w{n[1]} columns)"
@@ -72,6 +73,13 @@ def read_weights(path: str) -> dict:
             if sinks.shape != (h,) or not np.isfinite(sinks).all():
                 fail(path, f"sinks must hold num_heads={h} finite numbers, got shape {sinks.shape}")
             sinks = tuple(float(x) for x in sinks)
-        return {"features": fq, "heads": h, "kv_heads": hkv, "head_dim": nq // h, "sinks": sinks}
+        return {
+            "features": fq,
+            "heads": h,
+            "kv_heads": hkv,
+            "head_dim": nq // h,
+            "value_dim": nv // hkv,
+            "sinks": sinks,
+        }
     finally:
         f.close()

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...layout import counts, local_runs, positions
 from ...runtime.files import check_owned, exclusive_temp, fsync_path, replace_with
-from ..plan import InputError, Plan
+from ..plan import InputError, Plan, value_width
 
 __all__ = [
     "vds_name",
@@ -543,7 +543,7 @@ def write_vds(
     import h5py
 
     ctx = _Parts(plan, attrs, parts, size, layout, nranks or {})
-    h, d = plan.heads, plan.head_dim
+    h, d = plan.heads, value_width(plan)  # out has the value width
     dt = np.dtype(plan.dtype)
     lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
     # a new file (never a planted name); built ahead, it waits in the parts folder

@@ -45,7 +45,7 @@ import numpy as np
 from ...collective import run_everywhere, run_on_root
 from ...runtime import env
 from ...runtime.files import exclusive_temp, fsync_path, write_json
-from ..plan import InputError, Plan
+from ..plan import InputError, Plan, value_width
 from ..resources import joined
 from .layout import crc32_of as _crc32
 from .layout import (
@@ -587,7 +587,9 @@ def fingerprint(
         "nranks": nranks,
         "ring_size": nranks if ring_size is None else int(ring_size),
         "dtype": plan.dtype,
-        "geometry": [plan.heads, plan.kv_heads, plan.head_dim],
+        # (H, Hkv, D), and Dv where the values' width differs (issue 42)
+        "geometry": [plan.heads, plan.kv_heads, plan.head_dim]
+        + ([value_width(plan)] if value_width(plan) != plan.head_dim else []),
         "sequences": [[s.name, s.length] for s in plan.sequences],
     }
 

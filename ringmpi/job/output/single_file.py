@@ -47,7 +47,7 @@ from ...layout import local_runs, positions
 from ...runtime import faults
 from ...runtime.files import fsync_path, write_json
 from ...runtime.watchdog import watch
-from ..plan import InputError
+from ..plan import InputError, value_width
 from .layout import label_dims, unlock_output, write_offsets
 from .parts import OutputStore
 
@@ -122,7 +122,7 @@ class SingleFileStore(OutputStore):
         import h5py
 
         plan = self.plan
-        h, d = plan.heads, plan.head_dim
+        h, d = plan.heads, value_width(plan)  # out has the value width
         dt = np.dtype(plan.dtype)
         lt = np.dtype(np.float64 if dt == np.float64 else np.float32)
         fapl_kw = {"driver": "mpio", "comm": self.comm, "libver": "earliest"}
