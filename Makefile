@@ -71,10 +71,12 @@ lint: $(VENV)/.installed
 
 # single-rank tests on every core (pytest-xdist; PYTEST_JOBS=0 runs them in this process),
 # the multi-rank tests among them at P = 1 (each worker is an MPI singleton)
+# (PYTEST_ARGS: more pytest arguments for every suite, e.g. --durations=20)
 PYTEST_JOBS ?= auto
+PYTEST_ARGS ?=
 XDIST = $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS))
 test-serial: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --with-mpi tests
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) --with-mpi tests
 
 # Each rank runs pytest under `python -m mpi4py`, so an exception on one rank
 # aborts the whole job instead of leaving the others waiting; timeout bounds it.
@@ -82,7 +84,7 @@ test-mpi: $(VENV)/.installed
 	for p in $(RANKS); do \
 	  echo "=== multi-rank tests, P=$$p ==="; \
 	  timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $$p $(PY) -m mpi4py -m pytest -q -p no:cacheprovider \
-	    --with-mpi -m mpi tests || exit $$?; \
+	    $(PYTEST_ARGS) --with-mpi -m mpi tests || exit $$?; \
 	done
 
 # docs/*.md (MyST) and the API reference from the numpydoc docstrings; a warning fails
