@@ -80,9 +80,12 @@ def scores(q, k, scale: float):
     ----------
     q : (rows, D) float64 ; k : (keys, D) float64
     """
-    s = q[:, 0, None] * k[None, :, 0]
-    for j in range(1, q.shape[1]):
-        s += q[:, j, None] * k[None, :, j]
+    qt, kt = np.ascontiguousarray(q.T), np.ascontiguousarray(k.T)
+    s = np.multiply(qt[0, :, None], kt[0, None, :])
+    tmp = np.empty_like(s)
+    for j in range(1, len(qt)):
+        np.multiply(qt[j, :, None], kt[j, None, :], out=tmp)
+        s += tmp
     s *= scale
     return s
 
@@ -118,25 +121,33 @@ def grids(nk: int, bound) -> list:
     return out
 
 
-def fold_into(x, consts: list, sums: list, axis: int) -> None:
+def fold_into(x, consts: list, sums: list, axis: int, scratch: bool = False) -> None:
     """Add the fold parts of the float64 summands ``x``, summed over ``axis``, into ``sums``.
 
     ``consts[f]`` broadcasts against ``x``; ``sums[f]`` has the shape of ``x`` summed
     over ``axis``. Every addition here is exact (:func:`grids`), so the order of
-    numpy's sums and of the calls does not change the result.
+    numpy's sums and of the calls does not change the result. ``scratch``: ``x`` may
+    be overwritten (it is a temporary of the caller).
     """
-    for c, acc in zip(consts, sums):
-        hi = c + x
+    hi = np.empty_like(x)
+    last = len(consts) - 1
+    for f, (c, acc) in enumerate(zip(consts, sums)):
+        np.add(x, c, out=hi)
         hi -= c
         acc += hi.sum(axis=axis)
-        x = x - hi
+        if f < last:  # the last fold's remainder is dropped (the method's error)
+            if scratch:
+                x -= hi
+            else:
+                x, scratch = x - hi, True
 
 
 def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None, start=None):
     """The reproducible forward over ``comm``: (out (B, S, H, D), lse (B, H, S), stats).
 
     The signature and the results of :func:`ringmpi.attention._loop` (out in the
-    accumulation dtype, rounded once from float64; lse likewise). The checkpoint
+    accumulation dtype, rounded once from float64; lse likewise); ``on_step`` counts
+    the steps of both passes (``nsteps`` = 2 x the ring steps). The checkpoint
     seam (``on_state``, ``start``) is refused: the state of this mode is not the
     online-softmax state the batch job saves.
     """
@@ -235,7 +246,7 @@ def _accumulate(s, vis, m_rows, v, l_acc, o_acc) -> None:
         t = np.where(vis, s - m_rows[:, None], -np.inf)
     p = np.exp(t)  # C-contiguous, freshly made: the same loop of numpy's exp for every P
     fold_into(p, *l_acc, axis=1)
-    fold_into(p[:, :, None] * v[None, :, :], *o_acc, axis=1)
+    fold_into(p[:, :, None] * v[None, :, :], *o_acc, axis=1, scratch=True)
 
 
 def _finish(l_parts, o_parts, m, dtype):
