@@ -13,6 +13,7 @@ import hashlib
 import numpy as np
 import pytest
 from mpi4py import MPI
+from threadpoolctl import threadpool_limits
 
 import ringmpi
 from ringmpi import reproducible
@@ -97,18 +98,24 @@ def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
         {"RINGMPI_CPU_KERNEL": "numpy"},
         {"RINGMPI_CPU_KERNEL": "auto", "RINGMPI_CPU_ISA": "scalar"},
         {"RINGMPI_CPU_KERNEL": "auto", "RINGMPI_CPU_ISA": "avx2"},
-        {"RINGMPI_CPU_KERNEL": "auto", "OMP_NUM_THREADS": "2", "RINGMPI_BLAS_THREADS": "2"},
+        {"RINGMPI_CPU_KERNEL": "auto", "threads": 2},
     ],
     ids=["numpy", "fused-scalar", "fused-avx2", "threads-2"],
 )
 def test_bits_do_not_depend_on_kernel_isa_or_threads(comm, setting, monkeypatch):
-    """The CPU kernel choice, its ISA path and the thread counts select nothing in this mode."""
+    """The CPU kernel choice, its ISA path and the thread pools' sizes select nothing here.
+
+    ``threads``: the BLAS and OpenMP pools set to 2 threads (threadpoolctl) for the call.
+    """
     kw = dict(causal=True, window=(60, -1))
     q, k, v = _inputs(np.float32, seed=3)
     want = _single(comm, q, k, v, kw)
+    threads = setting.get("threads")
     for name, value in setting.items():
-        monkeypatch.setenv(name, value)
-    out, lse = _run(comm, q, k, v, "striped", kw)
+        if name != "threads":
+            monkeypatch.setenv(name, value)
+    with threadpool_limits(limits=threads):  # every BLAS and OpenMP pool (None: as they are)
+        out, lse = _run(comm, q, k, v, "striped", kw)
     _same_everywhere(comm, _digest(out, lse), want, f"{setting}")
 
 
