@@ -25,6 +25,7 @@ from .arguments import RingArgs, agree, report, to_internal
 from .layout import positions
 from .mask import plan_steps, tile_modifiers
 from .parallel import HeadGroups
+from .reproducible import loop as reproducible_loop
 from .ring import KVRing
 from .runtime import interrupt
 from .runtime.watchdog import watch
@@ -53,6 +54,7 @@ def ring_attention(
     cu_seqlens_k=None,
     slices=None,
     on_tick: Optional[Callable[[int], None]] = None,
+    reproducible: bool = False,
     spec: Optional[AttentionSpec] = None,
     **modifiers,
 ):
@@ -117,10 +119,15 @@ def ring_attention(
         all-to-all inside each group of U consecutive ranks turns sequence shards
         into head shards, the ring runs over the R groups. Cut the inputs with
         ``shard(..., head_parallel=U)``. numpy arrays only.
+    reproducible : bool
+        out and lse bitwise the same for the same global inputs whatever the number
+        of ranks, the layout, the thread counts and the CPU ISA path (issue 40;
+        :mod:`ringmpi.reproducible`, docs/reproducible.md): numpy arrays, forward,
+        no slices or score modifiers yet; slower than the default.
     {modifiers}
     spec : ringmpi.spec.AttentionSpec, optional
         All of causal, layout, scale, head_parallel, window, cu_seqlens,
-        cu_seqlens_k, slices and the score modifiers as one value (then leave
+        cu_seqlens_k, slices, reproducible and the score modifiers as one value (then leave
         those keywords at their defaults).
 
     Returns
@@ -147,6 +154,7 @@ def ring_attention(
         cu_seqlens_k=cu_seqlens_k,
         slices=slices,
         head_parallel=head_parallel,
+        reproducible=reproducible,
         **modifiers,
     )
     arrays = {"q": q, "k": k, "v": v}
@@ -158,7 +166,8 @@ def ring_attention(
             for x, kind in ((q, "q"), (k, "kv"), (v, "kv"))
         )
         del arrays
-        out, lse, st = _loop(
+        run = reproducible_loop if args.spec.reproducible else _loop
+        out, lse, st = run(
             groups.ring, args, qi, ki, vi, on_step, on_tick, groups.heads, *_SEAM.get()
         )
         out, lse = groups.gather(out, "q"), groups.gather(lse, "lse")

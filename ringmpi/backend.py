@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
-from . import scoremods, softmax
+from . import reproducible, scoremods, softmax
 from .cpu import numpy_tile
 from .ring import Ring
 from .runtime import env
@@ -113,6 +113,7 @@ class Backend:
             why.append(f"slices ({self.slices_missing})")
         if spec.head_parallel > 1 and self.xp is not np:
             why.append("head_parallel > 1 (the heads x ring all-to-all takes numpy arrays only)")
+        why += reproducible.refusals(spec, self.xp, backward=backward, tiles=tiles)
         return why
 
     def describe(self) -> str:

@@ -246,6 +246,9 @@ class AttentionSpec:
         How tokens are spread over the ranks.
     head_parallel : int
         U > 1: heads x ring on P = U x R ranks (:mod:`ringmpi.parallel`).
+    reproducible : bool
+        out and lse bitwise the same for the same global inputs whatever P, the
+        layout, the threads and the CPU ISA path (issue 40; :mod:`ringmpi.reproducible`).
     alibi_slopes : tuple of float (H,) or None
         ALiBi: the score of query i and key j gains -slope_h * abs(qa_i - j) (global
         positions; qa aligned bottom-right per sequence,
@@ -287,6 +290,7 @@ class AttentionSpec:
         ),
     )
     head_parallel: int = 1
+    reproducible: bool = False
     # score modifiers: each also a keyword of ring_attention, its backward and decode
     alibi_slopes: Optional[tuple] = field(
         default=None,
@@ -380,6 +384,7 @@ class AttentionSpec:
             scale=check_scale(self.scale),
             layout=check_layout(self.layout),
             head_parallel=check_head_parallel(self.head_parallel),
+            reproducible=bool(self.reproducible),
             **{n: meta["check"](n, getattr(self, n)) for n, meta in modifier_fields()},
         )
 
@@ -405,7 +410,7 @@ class AttentionSpec:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(s):
             v = getattr(s, f.name)
-            if v is None:
+            if v is None or (f.name == "reproducible" and not v):  # default outputs: as before
                 continue
             if isinstance(v, Slices):  # rows (q_start, q_end, k_start, k_end, kind code)
                 v = v.table().tolist()

@@ -1,0 +1,66 @@
+"""Reproducible mode (issue 40): its time against the default mode's, side by side, same run.
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/reproducible_bench.py --n 2048
+
+For each mask (none, causal) and dtype: ring_attention of the same inputs with and
+without ``reproducible=True`` (the default CPU tile, ``RINGMPI_CPU_KERNEL``), time
+as the max over ranks, median of --repeat; the repeats alternate the two modes, so
+both see the same machine load. Prints both times and their ratio, and the max
+error of each against nothing but the other (a sanity figure, not an accuracy test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import ringmpi
+from ringmpi.testing import random_qkv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=2048, help="tokens (default 2048)")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    rows = []
+    for dtype in (np.float32, np.float64):
+        rng = np.random.default_rng(0)
+        qkv = random_qkv(
+            rng, args.n, args.heads, args.kv_heads, args.d, dtype=dtype, realistic=True
+        )
+        cut = [ringmpi.shard(x, comm) for x in qkv]
+        for causal in (False, True):
+            times = {False: [], True: []}
+            outs = {}
+            for _ in range(args.repeat):
+                for rep in (False, True):
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    outs[rep] = ringmpi.ring_attention(*cut, comm, causal=causal, reproducible=rep)
+                    times[rep].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            diff = comm.allreduce(float(np.abs(outs[True] - outs[False]).max()), op=MPI.MAX)
+            t_def, t_rep = (float(np.median(times[x])) for x in (False, True))
+            rows.append((np.dtype(dtype).name, causal, t_def, t_rep, diff))
+    if comm.rank == 0:
+        print(f"P={comm.size} N={args.n} H={args.heads} Hkv={args.kv_heads} D={args.d}")
+        print(
+            f"{'dtype':8} {'causal':6} {'default s':>10} {'reprod. s':>10} {'ratio':>7}"
+            f" {'max |diff|':>10}"
+        )
+        for name, causal, t_def, t_rep, diff in rows:
+            print(
+                f"{name:8} {causal!s:6} {t_def:10.3f} {t_rep:10.3f} {t_rep / t_def:7.1f}"
+                f" {diff:10.2e}"
+            )
+
+
+if __name__ == "__main__":
+    main()
