@@ -367,7 +367,7 @@ def test_schema_help_head_major_warning_and_listing(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     text = capsys.readouterr().out
-    assert "q (S, H, D), k and v (S, Hkv, D)" in text and "--verify-max-tokens" in text
+    assert "q (S, H, D), k (S, Hkv, D), v (S, Hkv, Dv" in text and "--verify-max-tokens" in text
     assert "--overwrite" in text and "--compress" in text
 
 

@@ -427,7 +427,7 @@ def visible_pairs(case: str, mod: str, dtype: str) -> list:
     return [int(((lo[:, None] <= kp) & (kp <= hi[:, None])).sum()) for kp in p.k_blocks]
 
 
-def close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> float:
+def close(got: np.ndarray, want: np.ndarray, dtype: str, what: str, floor: float = 0.0) -> float:
     """Assert ``got`` within :data:`TOL` of the spec's ``want`` (inf entries equal); err/bound.
 
     Parameters
@@ -436,15 +436,32 @@ def close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> float:
         A variant's result and the numpy tile's.
     dtype, what : str
         The storage dtype (picks the tolerance); a label for the message.
+    floor : float
+        The bound is at least this: two tiles that each round like a dense computation
+        in the working precision differ by about as much (see :func:`peer_floor`).
     """
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     fin = np.isfinite(want)
     assert np.array_equal(got[~fin], want[~fin]), f"{what}: infinite entries differ"
     assert np.isfinite(got[fin]).all(), f"{what}: non-finite where the spec is finite"
     err = float(np.abs(got[fin] - want[fin]).max(initial=0.0))
-    bound = TOL[dtype] * max(1.0, float(np.abs(want[fin]).max(initial=0.0)))
+    bound = max(TOL[dtype] * max(1.0, float(np.abs(want[fin]).max(initial=0.0))), floor)
     assert err <= bound, f"{what}: max err {err:.3g} > {bound:.3g} (vs the numpy tile)"
     return err / bound
+
+
+def peer_floor(peer, ref) -> float:
+    """:func:`close`'s floor for a low-precision result: twice the dense peer's max error.
+
+    A fixed relative bound between two float32 tiles holds for short rows but not for
+    gradients summed over many keys at D = 64-192 (fused vs numpy dq 2.3e-05-2.8e-05
+    against 2e-05, with a dense float32 peer 1.8e-05-6.3e-05 from the float64
+    reference): both tiles are also held to the dense rule, so the floor only admits
+    rounding of the size a dense float32 computation makes (issue 42).
+    """
+    if peer is None:
+        return 0.0
+    return 2.0 * float(np.abs(np.asarray(peer, np.float64) - np.asarray(ref, np.float64)).max())
 
 
 @functools.cache
