@@ -295,8 +295,8 @@ def _tile_fault(comm: MPI.Comm, rank: int, step: int) -> None:
 
     select = arguments.select
 
-    def faulty(x):
-        be = select(x)
+    def faulty(x, *args, **kw):
+        be = select(x, *args, **kw)
         calls = [0]
 
         def tile(*a, **kw):

@@ -382,7 +382,8 @@ def test_realcases_rule_can_fail(cupy, monkeypatch):
             o += p[:, :, j : j + 1] * v[0, 0, j]
         acc[0], m[0], l[0] = o, mx[..., 0], p.sum(-1, dtype=np.float64)
 
-    monkeypatch.setitem(cupy._kernel._IMPLS, "attn_fwd_simt", chained)
+    static = cupy._kernel._IMPLS["attn_fwd_simt"][1]  # (impl, static shared memory)
+    monkeypatch.setitem(cupy._kernel._IMPLS, "attn_fwd_simt", (chained, static))
     standin.clear_caches()
     try:
         with pytest.raises(AssertionError, match="out: max err"):
@@ -412,7 +413,8 @@ def test_realcases_backward_rule_can_fail(cupy, monkeypatch):
                     o += p[h, i][:, None] * do[0, h, i]
             dv[0, 0] = o
 
-    monkeypatch.setitem(cupy._kernel._IMPLS, "attn_bwd_dkdv_simt", chained)
+    static = cupy._kernel._IMPLS["attn_bwd_dkdv_simt"][1]  # (impl, static shared memory)
+    monkeypatch.setitem(cupy._kernel._IMPLS, "attn_bwd_dkdv_simt", (chained, static))
     standin.clear_caches()
     try:
         with pytest.raises(AssertionError, match="dv: max err"):
