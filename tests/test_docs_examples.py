@@ -37,15 +37,21 @@ def test_links_point_at_files():
     assert "docs/batch-job.md" in (ROOT / "README.md").read_text()
 
 
-@pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec beside this Python")
-@pytest.mark.parametrize("name, code", BLOCKS, ids=[name for name, _ in BLOCKS])
-def test_example_runs(tmp_path, name, code):
+def _run(tmp_path, code: str, ranks: int):
+    """Run one example under ``mpiexec -n ranks``; it must exit 0. The finished process."""
     script = tmp_path / "example.py"
     script.write_text(code)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", str(script)]
+    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(script)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
+    return res
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec beside this Python")
+@pytest.mark.parametrize("name, code", BLOCKS, ids=[name for name, _ in BLOCKS])
+def test_example_runs(tmp_path, name, code):
+    res = _run(tmp_path, code, 2)
     errs = [float(x) for x in re.findall(r"err\w*.*?([0-9.]+e-?[0-9]+)", res.stdout)]
     assert errs, res.stdout
     assert max(errs) < 1e-4, res.stdout
@@ -57,12 +63,7 @@ def test_absorbed_mla_recipe_at_three_ranks(tmp_path):
     unabsorbed form and the dense float64 reference) at P = 3; test_example_runs runs it
     at P = 2. The example asserts 1e-12 relative itself and prints both errors."""
     ((name, code),) = [(n, c) for n, c in BLOCKS if n.startswith("docs/mla.md")]
-    script = tmp_path / "mla.py"
-    script.write_text(code)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [str(MPIEXEC), "-n", "3", sys.executable, "-m", "mpi4py", str(script)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-2000:]
+    res = _run(tmp_path, code, 3)
     errs = [float(x) for x in re.findall(r"error ([0-9.]+e-?[0-9]+)", res.stdout)]
     assert len(errs) == 2 and max(errs) < 1e-12, res.stdout
     absorbed, unabsorbed = (
