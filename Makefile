@@ -4,6 +4,7 @@
 #                 shellcheck), a regular (not editable) install into $(VENV)
 #   make venv     the development environment: editable, with the test tools
 #   make test     lint + single-rank tests + multi-rank tests at P = 1..4
+#   make test-cuda  the CUDA compile checks for every GPU arch (make test: sm_90)
 #   make run      sample data -> mpiexec -n 4 ringmpi run -> verify -> summary
 #   make docs     the Sphinx pages of docs/ into $(DOCS_OUT) (warnings are errors)
 #   make bench    CPU benchmark table (ringmpi bench)
@@ -37,7 +38,7 @@ RANKS ?= 2 3 4
 # built pages: inside the (private) virtual environment, not a shared /tmp
 DOCS_OUT ?= $(VENV)/docs-html
 
-.PHONY: venv install constraints lint docs test test-fast test-serial test-mpi test-site test-cluster test-security run bench stress gpu-check clean
+.PHONY: venv install constraints lint docs test test-fast test-serial test-mpi test-cuda test-site test-cluster test-security run bench stress gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,16 +80,28 @@ lint: $(VENV)/.installed
 PYTEST_JOBS ?= auto
 PYTEST_ARGS ?=
 XDIST = $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS))
+# NVRTC_ARCHS: the archs whose cubins the NVRTC checks build here (sm_90: H100/H200);
+# make test-cuda builds every arch ringmpi.gpu.nvrtc.ARCHS lists (.ci/run runs it)
+NVRTC_ARCHS ?= sm_90
 test-serial: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) --with-mpi tests
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) --with-mpi \
+	  --nvrtc-archs=$(NVRTC_ARCHS) tests
+
+# the CUDA compile checks for every arch (sm_80 too: A100), no GPU needed; verdicts of
+# make test's sm_90 builds are reused
+test-cuda: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) --nvrtc-archs=all tests/gpu/test_nvrtc.py
 
 # Each rank runs pytest under `python -m mpi4py`, so an exception on one rank
 # aborts the whole job instead of leaving the others waiting; timeout bounds it.
+# MPI_FILES: the test files that mark tests mpi (pytest.mark.mpi or pytestmark); every
+# rank collects only those, not the whole tree (a third of the collection time)
+MPI_FILES ?= $(shell grep -rlE 'mark\.mpi|pytestmark = .*mpi' --include='test_*.py' tests | sort)
 test-mpi: $(VENV)/.installed
 	for p in $(RANKS); do \
 	  echo "=== multi-rank tests, P=$$p ==="; \
 	  env $(MPI_TEST_ENV) timeout $(TEST_TIMEOUT) $(MPIEXEC) -n $$p $(PY) -m mpi4py -m pytest -q -p no:cacheprovider \
-	    $(PYTEST_ARGS) --with-mpi -m mpi tests || exit $$?; \
+	    $(PYTEST_ARGS) --with-mpi -m mpi $(MPI_FILES) || exit $$?; \
 	done
 
 # docs/*.md (MyST) and the API reference from the numpydoc docstrings; a warning fails

@@ -24,10 +24,22 @@ needs_nvrtc = pytest.mark.skipif(SKIP_NVRTC, reason="RINGMPI_SKIP_NVRTC=1: NVRTC
 LIMITS = {"sm_86": 101_376, "sm_80": 166_912, "sm_90": 232_448}
 
 
+def _archs(config) -> tuple:
+    """The archs the NVRTC checks compile for: ``--nvrtc-archs`` (tests/conftest.py)."""
+    opt = config.getoption("nvrtc_archs")
+    return nvrtc.ARCHS if opt == "all" else tuple(a for a in opt.split(",") if a)
+
+
+def pytest_generate_tests(metafunc):
+    # each NVRTC check once per compiled arch
+    if "arch" in metafunc.fixturenames and "results" in metafunc.fixturenames:
+        metafunc.parametrize("arch", _archs(metafunc.config))
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(request):
     try:
-        return nvrtc.check(nvrtc.ARCHS)
+        return nvrtc.check(_archs(request.config))
     except nvrtc.NvrtcError as exc:  # fail, not skip
         pytest.fail(str(exc))
 
@@ -36,7 +48,6 @@ def results():
 # 2-5 minutes on two busy cores: more than the suite's 300 s per-test limit
 @needs_nvrtc
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("arch", nvrtc.ARCHS)
 def test_every_instantiation_compiles(results, arch):
     res = results[arch]
     assert res.ok, f"NVRTC compile for {arch} failed:\n{res.log}"
@@ -59,7 +70,6 @@ def test_every_instantiation_compiles(results, arch):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", nvrtc.ARCHS)
 @pytest.mark.timeout(1800)
 def test_no_register_spills(results, arch):
     res = results[arch]
@@ -72,7 +82,6 @@ def test_no_register_spills(results, arch):
 
 @needs_nvrtc
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("arch", nvrtc.ARCHS)
 def test_static_shared_memory_is_what_ptxas_reports(results, arch):
     """Each configuration's static shared memory equals ptxas's (issue 39).
 
@@ -120,7 +129,6 @@ def test_compile_error_is_reported():
 
 @needs_nvrtc
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("arch", nvrtc.ARCHS)
 def test_nvrtc_gives_no_warning(results, arch):
     res = results[arch]
     assert res.ok, res.log
@@ -129,7 +137,8 @@ def test_nvrtc_gives_no_warning(results, arch):
 
 
 # nvcc (the CUDA toolkit's compiler), where one is installed: the same module texts with
-# every instantiation, -arch=sm_90 -c, warnings as errors (ringmpi/gpu/nvcc.py)
+# every instantiation, -arch=sm_90 -ptx, warnings as errors (ringmpi/gpu/nvcc.py): its front
+# end and NVVM; ptxas runs in the NVRTC check above
 needs_nvcc = pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc: nvcc check skipped")
 
 
@@ -139,7 +148,7 @@ needs_nvcc = pytest.mark.skipif(nvcc.find_nvcc() is None, reason="no nvcc: nvcc 
 def test_nvcc_compiles_every_kernel_without_warnings(module):
     names = nvrtc.sources()[module]
     ok, log = nvcc.compile_module(module, names, "sm_90", nvcc.find_nvcc(), timeout=3000)
-    assert ok, f"nvcc -arch=sm_90 -c {module}:\n{log}"
+    assert ok, f"nvcc -arch=sm_90 -ptx {module}:\n{log}"
 
 
 @needs_nvcc
