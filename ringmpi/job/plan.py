@@ -13,8 +13,9 @@ from typing import Optional
 import numpy as np
 
 from ..collective import CollectiveError
+from ..slices import Slices
 
-__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width"]
+__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width", "layout_mask"]
 
 
 class InputError(CollectiveError):
@@ -51,6 +52,9 @@ class SeqInfo:
         contiguous dataset in the machine's byte order lies, so that the reader
         can fetch it without HDF5 (:func:`ringmpi.job.input.files.raw_offset`); None for
         a batch axis.
+    slices : ringmpi.slices.Slices, optional
+        The sequence's whole mask as a union of slices, from its ``slices`` dataset
+        (issue 41); None: the job's ``--causal``/``--window`` apply.
     """
 
     name: str
@@ -62,6 +66,7 @@ class SeqInfo:
     cu_seqlens_k: Optional[np.ndarray] = None
     x_kv: bool = False
     storage: Optional[tuple] = None
+    slices: Optional[Slices] = None
 
     @property
     def length(self) -> int:
@@ -133,3 +138,20 @@ def value_width(plan) -> int:
     """The value width Dv of a plan (or of a stand-in with heads, head_dim, ...): its
     ``value_dim``, or ``head_dim`` where that is not set (keys and values of one width)."""
     return getattr(plan, "value_dim", 0) or plan.head_dim
+
+
+def layout_mask(unit, layout: str):
+    """The mask layout ``balanced`` deals the tokens of ``unit`` by; None for the other layouts.
+
+    ``unit``: a :class:`SeqInfo` or a batch (anything with ``length``, ``length_k`` and
+    ``slices``). The job takes ``balanced`` only for sequences with a mask of slices
+    (:func:`ringmpi.job.options.check_masks`); their batches hold them alone.
+    """
+    from ..layout import MASK_LAYOUTS
+
+    if layout not in MASK_LAYOUTS or unit.slices is None:
+        return None
+    from ..mask import mask_of
+    from ..spec import AttentionSpec
+
+    return mask_of(AttentionSpec(slices=unit.slices), unit.length, unit.length_k)
