@@ -160,8 +160,15 @@ def measure_rate(plan, dev: str) -> float:
 
 
 def visible_pairs(seq, causal: bool, window=None) -> int:
-    """Number of (query, key) pairs the mask leaves visible in sequence ``seq`` of a plan."""
+    """Number of (query, key) pairs the mask leaves visible in sequence ``seq`` of a plan.
+
+    A sequence with a mask of slices counts its union (overlaps once), in blocks of rows
+    that keep the count's memory O(2**22) entries whatever the number of slices.
+    """
     from ..mask import make_mask
+
+    if getattr(seq, "slices", None) is not None:
+        return seq.slices.pairs(seq.length, block=max(1, (1 << 22) // max(1, len(seq.slices))))
 
     mask = make_mask(seq.length, seq.length_k, causal, window, seq.cu_seqlens, seq.cu_seqlens_k)
     return cost.mask_pairs(mask)

@@ -37,6 +37,7 @@ __all__ = [
     "MAX_DIM",
     "MAX_PACKED",
     "MAX_SLICES",
+    "MAX_SLICE_ROWS",
     "MAX_CHUNKS",
     "MAX_LINKS",
     "VDS_ENV",
@@ -59,6 +60,9 @@ MAX_PACKED = 1 << 22  # packed sequences per group: cu_seqlens is read whole on 
 # slices per sequence (issue 41): a (n, 5) table read whole by every rank; each slice costs
 # the mask's layers O(the rows it covers), so the cap bounds the read and the layers alike
 MAX_SLICES = 1 << 16
+# query rows the slices of a sequence cover, summed over its slices: the mask's normal form
+# holds one entry per (slice, covered row) before it merges them (Slices.row_intervals)
+MAX_SLICE_ROWS = 1 << 25
 
 
 def open_input(path: str, walk: bool = True):
@@ -448,6 +452,14 @@ def read_slices(path: str, node, fsize: int) -> np.ndarray:
             i = int(at[0])
             row = tuple(int(x) for x in t[i])
             fail(path, f"{where} row {i} {row} " + why.format(kind=row[4]))
+    shown = (q1 > q0) & (k1 > k0)
+    cover = int((q1 - q0)[shown].sum())
+    if cover > MAX_SLICE_ROWS:
+        fail(
+            path,
+            f"{where} covers {cover} query rows summed over its slices (at most "
+            f"{MAX_SLICE_ROWS}): merge overlapping slices",
+        )
     return t
 
 
