@@ -7,6 +7,7 @@ error a bad input or option gives: the same line on every rank, exit status 2.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,7 +16,7 @@ import numpy as np
 from ..collective import CollectiveError
 from ..slices import Slices
 
-__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width", "layout_mask"]
+__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width", "layout_mask", "digest"]
 
 
 class InputError(CollectiveError):
@@ -138,6 +139,15 @@ def value_width(plan) -> int:
     """The value width Dv of a plan (or of a stand-in with heads, head_dim, ...): its
     ``value_dim``, or ``head_dim`` where that is not set (keys and values of one width)."""
     return getattr(plan, "value_dim", 0) or plan.head_dim
+
+
+def digest(cu) -> tuple:
+    """(entries, SHA-256 hex) of an int64 offsets array (n+1,), or of a Slices' (n, 5) table
+    (the plan's broadcast, :mod:`ringmpi.job.input.scan`; the resume fingerprint)."""
+    if isinstance(cu, Slices):
+        cu = cu.table()
+    a = np.ascontiguousarray(cu, dtype=np.int64)
+    return len(a), hashlib.sha256(a.tobytes()).hexdigest()
 
 
 def layout_mask(unit, layout: str):

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ...runtime import interrupt
+from ...slices import KIND_CODES
 from ..plan import InputError, fail
 
 __all__ = [
@@ -404,10 +405,6 @@ def check_offsets(path: str, where: str, name: str, cu: np.ndarray, n: int) -> N
         fail(path, f"{where}'{name}' decreases at index {i + 1} ({cu[i]} -> {cu[i + 1]})")
     if cu[-1] != n:
         fail(path, f"{where}'{name}' ends at {cu[-1]} but the sequence has {n} tokens")
-
-
-#: the kind codes of a ``slices`` dataset's last column (:data:`ringmpi.slices.KINDS`)
-KIND_CODES = "0 full, 1 causal, 2 inv_causal, 3 bi_causal"
 
 
 def read_slices(path: str, node, fsize: int) -> np.ndarray:

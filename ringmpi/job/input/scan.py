@@ -32,18 +32,15 @@ memory budget :mod:`ringmpi.job.resources`.
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Optional
 
-import numpy as np
-
 from ...collective import run_everywhere, run_on_root
 from ...runtime import interrupt
 from ...slices import Slices
-from ..plan import InputError, Plan, SeqInfo, fail
+from ..plan import InputError, Plan, SeqInfo, digest, fail
 from . import files as input_files
 from .files import check_offsets, check_slices, guarded
 from .weights import read_weights
@@ -321,14 +318,6 @@ NAMES = ("cu_seqlens", "cu_seqlens_k")
 # the per-sequence arrays kept out of the broadcast: the offsets, and the mask of slices
 # (issue 41: a Slices, its digest that of its sorted table)
 STRIPPED = NAMES + ("slices",)
-
-
-def digest(cu) -> tuple:
-    """(entries, SHA-256 hex) of an int64 offsets array (n+1,), or of a Slices' (n, 5) table."""
-    if isinstance(cu, Slices):
-        cu = cu.table()
-    a = np.ascontiguousarray(cu, dtype=np.int64)
-    return len(a), hashlib.sha256(a.tobytes()).hexdigest()
 
 
 def strip(plan):

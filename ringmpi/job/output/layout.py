@@ -462,7 +462,7 @@ def write_offsets(f, plan: Plan) -> None:
 
     The output's mask attributes (window, rope) come with the provenance attributes.
     """
-    from ..input.files import KIND_CODES
+    from ...slices import KIND_CODES
 
     for seq in plan.sequences:
         if seq.cu_seqlens is None and seq.cu_seqlens_k is None and seq.slices is None:

@@ -598,7 +598,7 @@ def fingerprint(
 
 def _slices_stamp(plan: Plan) -> dict:
     """``{"slices": {sequence: [rows, sha256]}}`` of the sequences with a mask of slices, or {}."""
-    from ..input.scan import digest
+    from ..plan import digest
 
     got = {s.name: list(digest(s.slices)) for s in plan.sequences if s.slices is not None}
     return {"slices": got} if got else {}
