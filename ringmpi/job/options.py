@@ -23,7 +23,7 @@ import numpy as np
 from ..collective import run_on_root
 from ..spec import AttentionSpec, modifier_fields
 from .input import files as trust
-from .plan import InputError
+from .plan import InputError, sliced
 
 __all__ = [
     "JobOptions",
@@ -359,10 +359,10 @@ def check_masks(spec: AttentionSpec, plan, device: str) -> None:
     """
     from ..layout import MASK_LAYOUTS
 
-    sliced = [s for s in plan.sequences if s.slices is not None]
+    masked = [s for s in plan.sequences if sliced(s) is not None]
     path = plan.files[0]
-    if sliced:
-        where = f"{path}: sequence {sliced[0].name} holds a mask of slices ('slices')"
+    if masked:
+        where = f"{path}: sequence {masked[0].name} holds a mask of slices ('slices')"
         if spec.causal or spec.window is not None:
             flag = "--causal" if spec.causal else "--window"
             raise InputError(
@@ -374,7 +374,7 @@ def check_masks(spec: AttentionSpec, plan, device: str) -> None:
                 f"{where}: the GPU tiles do not run masks of slices yet; use --device cpu"
             )
     if spec.layout in MASK_LAYOUTS:
-        bare = [s for s in plan.sequences if s.slices is None]
+        bare = [s for s in plan.sequences if sliced(s) is None]
         if bare:
             raise InputError(
                 f"{path}: --layout {spec.layout} is dealt by a mask of slices, but sequence "

@@ -16,7 +16,16 @@ import numpy as np
 from ..collective import CollectiveError
 from ..slices import Slices
 
-__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width", "layout_mask", "digest"]
+__all__ = [
+    "InputError",
+    "fail",
+    "SeqInfo",
+    "Plan",
+    "value_width",
+    "layout_mask",
+    "digest",
+    "sliced",
+]
 
 
 class InputError(CollectiveError):
@@ -150,6 +159,11 @@ def digest(cu) -> tuple:
     return len(a), hashlib.sha256(a.tobytes()).hexdigest()
 
 
+def sliced(unit) -> Optional[Slices]:
+    """The mask of slices of a sequence or batch, or None (also for stand-ins without one)."""
+    return getattr(unit, "slices", None)
+
+
 def layout_mask(unit, layout: str):
     """The mask layout ``balanced`` deals the tokens of ``unit`` by; None for the other layouts.
 
@@ -159,7 +173,7 @@ def layout_mask(unit, layout: str):
     """
     from ..layout import MASK_LAYOUTS
 
-    if layout not in MASK_LAYOUTS or unit.slices is None:
+    if layout not in MASK_LAYOUTS or sliced(unit) is None:
         return None
     from ..mask import mask_of
     from ..spec import AttentionSpec

@@ -19,7 +19,7 @@ import numpy as np
 from ..layout import counts
 from ..runtime import env
 from ..slices import Slices
-from .plan import InputError, Plan, SeqInfo, fail, layout_mask
+from .plan import InputError, Plan, SeqInfo, fail, layout_mask, sliced
 
 __all__ = [
     "parse_size",
@@ -264,7 +264,7 @@ def make_batches(plan, todo, cap: int, rings: int = 1) -> list:
     for i in todo:
         s = plan.sequences[i]
         n = max(s.length, s.length_k)
-        alone = n >= cap or s.slices is not None
+        alone = n >= cap or sliced(s) is not None
         if run and (tokens + n > cap or alone):
             out.append(_batch(plan, run))
             run, tokens = [], 0
@@ -283,7 +283,7 @@ def _batch(plan, members: list) -> Batch:
     if len(seqs) == 1:
         s = seqs[0]
         return Batch(
-            (members[0],), s.length, s.length_k, s.cu_seqlens, s.cu_seqlens_k, s.name, s.slices
+            (members[0],), s.length, s.length_k, s.cu_seqlens, s.cu_seqlens_k, s.name, sliced(s)
         )
     cu, cu_k, cross = [0], [0], False
     for s in seqs:

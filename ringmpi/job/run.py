@@ -39,7 +39,7 @@ from .loop import JobContext, SequenceLoop
 from .options import JobOptions, split_keywords
 from .output import make_store, resolve_mode
 from .output.parts import fingerprint
-from .plan import InputError, value_width
+from .plan import InputError, sliced, value_width
 from .report import measure_rate, one_process_note, provenance, utc, visible_pairs
 from .resources import (
     BALANCE,
@@ -263,9 +263,9 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
         rope=ctx.rope,
     )
     attrs.update(_spec_attrs(spec))
-    sliced = sum(s.slices is not None for s in plan.sequences)
-    if sliced:  # each one's table is the 'slices' dataset beside its out
-        attrs["mask_slices"] = int(sliced)
+    masked = sum(sliced(s) is not None for s in plan.sequences)
+    if masked:  # each one's table is the 'slices' dataset beside its out
+        attrs["mask_slices"] = int(masked)
     attrs["ring_size"] = rs if not mixed else "auto"
     if mixed:
         attrs["ring_sizes"] = [int(r) for r in sizes]

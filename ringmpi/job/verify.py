@@ -58,7 +58,7 @@ from ..runtime import interrupt
 from ..spec import AttentionSpec
 from ..testing import EPS
 from .input.scan import make_plan
-from .plan import InputError, Plan, value_width
+from .plan import InputError, Plan, sliced, value_width
 from .report import LOG_EVERY, duration
 
 __all__ = [
@@ -229,8 +229,8 @@ def _verify(output, inputs, weights, comm, max_tokens, sample_rows, seed, quiet,
     row_errs = []  # (i, err_out per row, err_lse per row) of this rank's tasks
 
     masks = [
-        mask_of(AttentionSpec(slices=s.slices), s.length, s.length_k)
-        if s.slices is not None
+        mask_of(AttentionSpec(slices=sliced(s)), s.length, s.length_k)
+        if sliced(s) is not None
         else make_mask(s.length, s.length_k, causal, window, s.cu_seqlens, s.cu_seqlens_k)
         for s in plan.sequences
     ]
@@ -470,11 +470,11 @@ def describe_mask(plan: Plan, causal: bool, window, rope) -> str:
     parts = ["causal" if causal else "bidirectional"]
     if window is not None:
         parts.append(f"window {tuple(window)}")
-    sliced = [s for s in plan.sequences if s.slices is not None]
-    if sliced:
-        if len(sliced) == len(plan.sequences):  # each one's slices are its whole mask
+    masked = [s for s in plan.sequences if sliced(s) is not None]
+    if masked:
+        if len(masked) == len(plan.sequences):  # each one's slices are its whole mask
             parts = []
-        parts.append(f"a mask of slices in {len(sliced)} sequence(s)")
+        parts.append(f"a mask of slices in {len(masked)} sequence(s)")
     packed = [s for s in plan.sequences if s.packed]
     if packed:
         n = sum(len(s.cu_seqlens) - 1 for s in packed)

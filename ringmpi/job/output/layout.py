@@ -19,7 +19,7 @@ import numpy as np
 
 from ...layout import counts, local_runs, positions
 from ...runtime.files import check_owned, exclusive_temp, fsync_path, replace_with
-from ..plan import InputError, Plan, layout_mask, value_width
+from ..plan import InputError, Plan, layout_mask, sliced, value_width
 
 __all__ = [
     "vds_name",
@@ -465,10 +465,10 @@ def write_offsets(f, plan: Plan) -> None:
     from ...slices import KIND_CODES
 
     for seq in plan.sequences:
-        if seq.cu_seqlens is None and seq.cu_seqlens_k is None and seq.slices is None:
+        if seq.cu_seqlens is None and seq.cu_seqlens_k is None and sliced(seq) is None:
             continue  # (no group object built for a sequence without offsets)
         node = f.require_group(seq.group) if seq.group else f
-        if seq.slices is not None:
+        if sliced(seq) is not None:
             ds = node.create_dataset("slices", data=seq.slices.table(), track_times=False)
             ds.attrs["kinds"] = KIND_CODES
         for name in ("cu_seqlens", "cu_seqlens_k"):

@@ -598,9 +598,9 @@ def fingerprint(
 
 def _slices_stamp(plan: Plan) -> dict:
     """``{"slices": {sequence: [rows, sha256]}}`` of the sequences with a mask of slices, or {}."""
-    from ..plan import digest
+    from ..plan import digest, sliced
 
-    got = {s.name: list(digest(s.slices)) for s in plan.sequences if s.slices is not None}
+    got = {s.name: list(digest(sliced(s))) for s in plan.sequences if sliced(s) is not None}
     return {"slices": got} if got else {}
 
 
