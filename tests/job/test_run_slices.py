@@ -242,3 +242,17 @@ def test_refused_inputs_give_one_line_and_exit_2(tmp_path, p):
         assert len(lines) == 1 and lines[0].startswith("ringmpi: error: "), (case, se)
         assert words in lines[0] and os.path.basename(files[0]) in lines[0], (case, lines[0])
         assert not glob.glob(out + "*"), case
+
+
+def test_pack_keeps_each_mask_of_slices(tmp_path):
+    from ringmpi.job.output.pack import pack
+
+    src, out, packed = (str(tmp_path / n) for n in ("in.h5", "out.h5", "packed.h5"))
+    got = write_input(src)
+    run([src], out, quiet=True, output_mode="parts")
+    pack(out, packed)
+    with h5py.File(packed, "r") as f, h5py.File(out, "r") as o:
+        for g, (_, _, _, s) in got.items():
+            assert np.array_equal(f[g]["slices"][...], s.table()), g
+            assert f[g]["slices"].attrs["kinds"] == o[g]["slices"].attrs["kinds"]
+            assert np.array_equal(f[g]["out"][...], o[g]["out"][...]), g
