@@ -35,6 +35,7 @@ __all__ = [
     "Slice",
     "Slices",
     "KINDS",
+    "KIND_CODES",
     "global_local",
     "prefix_lm",
     "shared_prefix",
@@ -43,6 +44,8 @@ __all__ = [
 
 #: the slice kinds, by their code in :meth:`Slices.table`
 KINDS = ("full", "causal", "inv_causal", "bi_causal")
+#: the codes in words, "0 full, 1 causal, 2 inv_causal, 3 bi_causal" (messages, attributes)
+KIND_CODES = ", ".join(f"{i} {k}" for i, k in enumerate(KINDS))
 
 
 class Slice(NamedTuple):

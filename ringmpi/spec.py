@@ -285,8 +285,9 @@ class AttentionSpec:
     layout: str = field(
         default="zigzag",
         metadata=_flag(
-            "token layout over the ranks (default: zigzag)",
-            choices=("zigzag", "striped", "contiguous"),
+            "token layout over the ranks (default: zigzag); balanced: dealt by the mask's "
+            "visible pairs, for inputs whose sequences carry a 'slices' mask",
+            choices=("zigzag", "striped", "contiguous", "balanced"),
         ),
     )
     head_parallel: int = 1

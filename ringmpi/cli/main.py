@@ -262,6 +262,7 @@ def _cmd_make_data(args) -> int:
                 kv_tokens=args.kv_tokens,
                 bias=args.bias,
                 values=args.values,
+                slices=args.slices,
             )
         except ValueError as e:
             sys.stderr.write(f"ringmpi: error: make-data: {e}\n")

@@ -117,6 +117,7 @@ def make_data(
     bias: bool = False,
     values: str = "normal",
     value_dim: Optional[int] = None,
+    slices=None,
 ) -> list:
     """Write sample input file(s) and return their paths (weights file last, if any).
 
@@ -156,6 +157,11 @@ def make_data(
         Dv, the width of v (wv's columns per head with ``features``), default
         ``head_dim``: values of another width than the keys (multi-head latent
         attention, e.g. 192 / 128).
+    slices : ringmpi.Slices, str or (n, 5) table, optional
+        A mask of slices for every sequence, written as an int64 ``slices`` (n, 5)
+        (in the first shard; issue 41): a :class:`ringmpi.Slices`, its table, or a
+        builder ``NAME:ARGS`` as ``ringmpi plan --slices`` takes it, over ``seq_len``
+        tokens (e.g. ``"global_local:64:8"``). Not with ``batch_axis`` or ``packed``.
     """
     import h5py
 
@@ -183,6 +189,22 @@ def make_data(
             cuts = np.random.default_rng([seed, 2 << 20]).integers(0, seq_len + 1, int(packed) - 1)
             lengths = np.diff(np.concatenate(([0], np.sort(cuts), [seq_len]))).tolist()
         cu = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    table = None
+    if slices is not None:
+        from ..slices import Slices
+
+        if batch_axis or packed is not None:
+            raise ValueError(
+                "slices (a mask per sequence) cannot be combined with a batch axis "
+                "or packed sequences"
+            )
+        if isinstance(slices, str):
+            from .plan import parse_slices
+
+            slices = parse_slices(slices, seq_len)
+        sl = Slices(slices)
+        sl.check(seq_len, seq_len if kv_tokens is None else int(kv_tokens))
+        table = sl.table()
     if seq_len < max(shards, 1):
         raise ValueError(f"seq_len={seq_len} is smaller than shards={shards}")
     if kv_tokens is not None:
@@ -210,6 +232,8 @@ def make_data(
         with _removed_on_error(tmp), h5py.File(tmp, "w") as f:
             for gi, g in enumerate(groups):
                 node = f.require_group(g) if g else f
+                if j == 0 and table is not None:
+                    node.create_dataset("slices", data=table)
                 if j == 0 and cu is not None:
                     node.create_dataset("cu_seqlens", data=cu)
                     if cu_k is not None:

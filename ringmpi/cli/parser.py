@@ -49,6 +49,7 @@ MAKE_EXAMPLES = """examples:
   ringmpi make-data feats.h5 --features 256      # also writes feats-weights.h5
   ringmpi make-data packed.h5 --packed 3,257,1,439,313   # cu_seqlens: 5 packed sequences
   ringmpi make-data cross.h5 --seq-len 300 --kv-tokens 1000   # q 300 tokens, k/v 1000
+  ringmpi make-data gl.h5 --seq-len 2048 --slices global_local:64:8   # a mask of slices
 """
 VERIFY_EXAMPLES = """examples:
   ringmpi verify out.h5 data/sample/sample.h5
@@ -157,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         "summing to --seq-len, or the lengths themselves (their sum replaces --seq-len)",
     )
     m.add_argument(
+        "--slices",
+        metavar="NAME:ARGS",
+        help="a mask of slices for each sequence (writes an int64 'slices' (n, 5)), by its "
+        "builder as 'ringmpi plan --slices' takes it, over --seq-len tokens, e.g. "
+        "global_local:64:8, prefix_lm:256, shared_prefix:256:128,128, block_sparse:64:0.25:1",
+    )
+    m.add_argument(
         "--kv-tokens",
         type=int,
         metavar="N",
@@ -244,6 +252,8 @@ SCHEMA = """input schema (full contract: data/README.md):
   token-major (not (H, S, D));
   several sequences: a batch axis q (B, S, H, D), or one group per sequence; or x + --weights
   packed sequences: integer cu_seqlens (n+1,) beside q; cross-attention: k/v of another length
+  a mask of slices: integer slices (n, 5) beside q, rows (q_start, q_end, k_start, k_end, kind
+  0 full 1 causal 2 inv_causal 3 bi_causal), the sequence's whole mask (--layout balanced)
 output: out (S, H, Dv) and lse (H, S) per sequence: virtual datasets over OUTPUT.parts/, or
   one file written by all ranks where h5py has MPI (--output-mode)
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from types import SimpleNamespace
 from typing import Optional
@@ -38,6 +39,8 @@ __all__ = [
     "measure_link",
     "plan_mask",
     "parse_slices",
+    "read_slices_file",
+    "pick_layout",
     "main",
 ]
 
@@ -189,9 +192,15 @@ def recommend(
     memory_per_rank_bytes: Optional[int] = None,
     sequences: int = 1,
     dv: Optional[int] = None,
+    mask=None,
     **rates,
 ) -> dict:
     """Ring size, layout and head-parallel degree for ``sequences`` sequences on ``ranks``.
+
+    The layout: with ``mask`` (a :class:`ringmpi.mask.Mask`), the one whose slowest
+    rank has the fewest visible pairs on the chosen ring (:func:`pick_layout` over
+    :func:`ringmpi.cost.imbalances`; the result also holds ``imbalance``); without,
+    zigzag under causal, else contiguous.
 
     Among the ring sizes R dividing P whose per-rank memory fits, the one with the
     shortest predicted job (P/R rings each take one sequence at a time: many
@@ -226,7 +235,7 @@ def recommend(
         pr = predict(n, h, hkv, d, ranks=ranks, dv=dv, **rates)
         options.append((-(-sequences // 1) * pr["time_s"], ranks, 1, pr))
     job, r, u, best = min(options, key=lambda o: (round(o[0], 9), o[1], o[2]))
-    return {
+    got = {
         "ranks": ranks,
         "ring_size": r,
         "rings": ranks // r,
@@ -236,6 +245,36 @@ def recommend(
         "per_ring": best,
         "job_time_s": job,
     }
+    if mask is not None:
+        got["imbalance"] = cost.imbalances(mask, r)
+        got["layout"] = pick_layout(got["imbalance"], got["layout"])
+    return got
+
+
+#: imbalances within this fraction of the lowest count as tied (the model counts pairs, not
+#: time): the mask-free layouts, cheaper to compute, win a tie over balanced
+LAYOUT_TIE = 0.01
+
+
+def pick_layout(imbalance: dict, preferred: str = "zigzag") -> str:
+    """The layout with the lowest work imbalance (slowest rank's visible pairs / mean).
+
+    Those within :data:`LAYOUT_TIE` of the lowest are tied; a tie goes to ``preferred``,
+    then zigzag, striped, contiguous, and balanced last.
+
+    Parameters
+    ----------
+    imbalance : dict
+        ``{layout: imbalance}``, :func:`ringmpi.cost.imbalances`.
+    preferred : str
+        The layout the mask's kind would get (zigzag for causal, contiguous for full).
+    """
+    best = min(imbalance.values())
+    order = [preferred, "zigzag", "striped", "contiguous", "balanced", *imbalance]
+    for lay in order:
+        if lay in imbalance and imbalance[lay] <= best * (1 + LAYOUT_TIE):
+            return lay
+    raise AssertionError("unreachable: the lowest is in the dict")
 
 
 def measure_compute(
@@ -339,6 +378,38 @@ def parse_slices(text: str, n: int, causal: bool = False):
     return s
 
 
+def read_slices_file(text: str, n: int):
+    """``--slices-file FILE[:GROUP]``: the :class:`ringmpi.Slices` of an input's ``slices``
+    dataset (the batch job's format, checked as the job checks it) over ``n`` tokens.
+
+    ValueError with the file's one-line problem.
+    """
+    from ..job.input import files as input_files
+    from ..job.plan import InputError, fail
+    from ..slices import Slices
+
+    path, _, group = str(text).partition(":")
+    try:
+        f = input_files.open_input(path)
+        try:
+            node = f
+            if group:
+                if group not in f:
+                    fail(path, f"no group '{group}'")
+                node = f[group]
+            if "slices" not in node:
+                fail(path, f"no dataset 'slices' in {'/' + group}")
+            t = input_files.guarded(
+                path, input_files.read_slices, path, node, os.path.getsize(path)
+            )
+            input_files.check_slices(path, "", t, n, n)
+        finally:
+            f.close()
+    except InputError as e:
+        raise ValueError(f"--slices-file: {e}") from None
+    return Slices(t)
+
+
 def plan_mask(n: int, causal: bool = False, window=None, slices=None):
     """The :class:`ringmpi.mask.Mask` of self-attention over ``n`` tokens the planner rates."""
     from ..mask import mask_of
@@ -394,6 +465,12 @@ def _parser() -> argparse.ArgumentParser:
         + "; ".join(BUILDERS.values())
         + " (--causal: the builder's causal variant)",
     )
+    p.add_argument(
+        "--slices-file",
+        metavar="FILE[:GROUP]",
+        help="a mask of slices from an input file's 'slices' dataset (the batch job's "
+        "format; GROUP: the sequence's group), over --seq-len tokens",
+    )
     p.add_argument("--gflops", type=float, help="tile rate per rank, GFLOP/s")
     p.add_argument("--link-gbps", type=float, help="link bandwidth per rank, Gbit/s")
     p.add_argument(
@@ -413,6 +490,10 @@ def main(argv: Optional[list] = None) -> int:
 
     try:
         sl = None if args.slices is None else parse_slices(args.slices, args.seq_len, args.causal)
+        if args.slices_file is not None:
+            if sl is not None or args.causal:
+                raise ValueError("--slices-file is the whole mask: leave out --slices, --causal")
+            sl = read_slices_file(args.slices_file, args.seq_len)
         if sl is not None and args.window is not None:
             raise ValueError("--slices is the whole mask: leave out --window")
         mask = plan_mask(args.seq_len, args.causal, args.window, sl)
@@ -447,6 +528,7 @@ def main(argv: Optional[list] = None) -> int:
         memory_per_rank_bytes=budget,
         sequences=args.sequences,
         dv=args.value_dim,
+        mask=mask,
         **rates,
     )
     mla = None
@@ -455,7 +537,7 @@ def main(argv: Optional[list] = None) -> int:
         mla = mla_traffic(args.seq_len, args.mla_heads, ranks=ring, dtype=dt)
     if comm is not None and comm.Get_rank() != 0:
         return 0
-    imb = cost.imbalances(mask, rec["ring_size"])
+    imb = rec["imbalance"]
     if args.json:
         got = {"rates": rates, "recommendation": rec, "imbalance": imb}
         if mla is not None:
@@ -488,7 +570,7 @@ def main(argv: Optional[list] = None) -> int:
         f"tokens per rank)"
     )
     print(f"  predicted: {r['step_s'] * 1e3:.2f} ms per step, {r['time_s']:.3f} s per call")
-    what = "mask " + (args.slices or ("causal" if args.causal else "full"))
+    what = "mask " + (args.slices or args.slices_file or ("causal" if args.causal else "full"))
     what += f" window {args.window}" if args.window is not None else ""
     print(
         f"  imbalance ({what}; slowest rank's visible pairs / mean, ring of "
@@ -496,7 +578,8 @@ def main(argv: Optional[list] = None) -> int:
     )
     print(
         f"  recommendation: {rec['rings']} ring(s) of {rec['ring_size']} on {rec['ranks']} "
-        f"ranks, layout {rec['layout']}, head_parallel {rec['head_parallel']}; "
+        f"ranks, layout {rec['layout']} (lowest imbalance for this mask, "
+        f"{imb[rec['layout']]:.3f}), head_parallel {rec['head_parallel']}; "
         f"{args.sequences} sequence(s) in ~{rec['job_time_s']:.2f} s"
     )
     if mla is not None:

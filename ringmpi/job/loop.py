@@ -35,7 +35,7 @@ from .input.reader import Reader, abandon, in_background
 from .options import JobOptions
 from .output.checkpoint import Checkpoints
 from .output.layout import part_name
-from .plan import value_width
+from .plan import layout_mask, value_width
 from .report import Progress, peak_rss, predicted_seconds, start_line, ticks_per_step, utc
 from .resources import check_batch, split
 
@@ -80,7 +80,10 @@ class JobContext:
         return (float(o.rope_theta), float(o.rope_scale)) if o.rope else None
 
     def spec_of(self, unit) -> AttentionSpec:
-        """The spec of a sequence or batch: the job's, with its packing offsets."""
+        """The spec of a sequence or batch: the job's, with its packing offsets, or with its
+        mask of slices (a batch of one sequence that has one: then its whole mask)."""
+        if getattr(unit, "slices", None) is not None:
+            return dataclasses.replace(self.spec, slices=unit.slices)
         return dataclasses.replace(
             self.spec, cu_seqlens=unit.cu_seqlens, cu_seqlens_k=unit.cu_seqlens_k
         )
@@ -280,7 +283,13 @@ class SequenceLoop:
         where.update(j=j, stage="reading", step=0)
         t_seq = time.perf_counter()
         n_here = int(
-            counts(batch.length, rs, spec.layout, cu_seqlens=batch.cu_seqlens)[ctx.ring_rank]
+            counts(
+                batch.length,
+                rs,
+                spec.layout,
+                cu_seqlens=batch.cu_seqlens,
+                mask=layout_mask(batch, spec.layout),
+            )[ctx.ring_rank]
         )
         bar.start(j, batch.name, batch.length, rs, ticks_per_step(ctx.attrs["kernel"], n_here))
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ import numpy as np
 from ..collective import run_on_root
 from ..spec import AttentionSpec, modifier_fields
 from .input import files as trust
-from .plan import InputError
+from .plan import InputError, sliced
 
 __all__ = [
     "JobOptions",
@@ -33,6 +33,7 @@ __all__ = [
     "read_slopes",
     "resolve",
     "check_tiles",
+    "check_masks",
     "MAX_SLOPES_BYTES",
 ]
 
@@ -97,7 +98,7 @@ _FLAG_OF = {"strided": "strided_read", "prefetch": "no_prefetch"}
 _SPEC = {f.name for f in dataclasses.fields(AttentionSpec)}
 _JOB = {f.name for f in dataclasses.fields(JobOptions)}
 # per sequence, from the inputs; heads x ring is a library feature the job does not offer
-# slices: not yet (issue 41: a per-sequence slices dataset in the input comes later)
+# slices: per sequence, a 'slices' dataset in the input (issue 41), not one for the whole job
 _NOT_JOB = {"cu_seqlens", "cu_seqlens_k", "head_parallel", "slices"}
 
 
@@ -126,7 +127,10 @@ def split_keywords(
     except ValueError as e:
         raise InputError(f"--{_flag_of(str(e))}: {e}") from None
     if spec.slices is not None:
-        raise InputError("slices: the batch job does not take a mask of slices yet")
+        raise InputError(
+            "slices: the batch job takes a mask of slices per sequence, as a 'slices' "
+            "dataset beside q in the input (docs/batch-job.md), not for the whole job"
+        )
     return spec, options
 
 
@@ -334,3 +338,46 @@ def check_tiles(spec: AttentionSpec, device: str) -> None:
         raise InputError(
             f"{flags}: the {be.name} tiles do not apply {', '.join(missing)} yet{hint}"
         )
+
+
+def check_masks(spec: AttentionSpec, plan, device: str) -> None:
+    """InputError (the same on every rank, before any file is made) when the input's masks of
+    slices do not go with the options.
+
+    A sequence's ``slices`` dataset is its whole mask: ``--causal`` and ``--window``
+    are refused beside it, and so is the GPU (its tiles do not run slices yet).
+    ``--layout balanced`` is dealt by the mask's visible pairs: every sequence needs a
+    ``slices`` dataset (the masks of ``--causal``/``--window`` have zigzag and striped).
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The job's spec.
+    plan : ringmpi.job.plan.Plan
+        The scanned input (the same on every rank).
+    device : {"cpu", "gpu"}
+    """
+    from ..layout import MASK_LAYOUTS
+
+    masked = [s for s in plan.sequences if sliced(s) is not None]
+    path = plan.files[0]
+    if masked:
+        where = f"{path}: sequence {masked[0].name} holds a mask of slices ('slices')"
+        if spec.causal or spec.window is not None:
+            flag = "--causal" if spec.causal else "--window"
+            raise InputError(
+                f"{where}, its whole mask: {flag} cannot be combined with it (write the "
+                "causal or windowed parts as slices)"
+            )
+        if device == "gpu":
+            raise InputError(
+                f"{where}: the GPU tiles do not run masks of slices yet; use --device cpu"
+            )
+    if spec.layout in MASK_LAYOUTS:
+        bare = [s for s in plan.sequences if sliced(s) is None]
+        if bare:
+            raise InputError(
+                f"{path}: --layout {spec.layout} is dealt by a mask of slices, but sequence "
+                f"{bare[0].name} has no 'slices' dataset (for --causal or --window use "
+                "zigzag or striped)"
+            )

@@ -7,14 +7,25 @@ error a bad input or option gives: the same line on every rank, exit status 2.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from ..collective import CollectiveError
+from ..slices import Slices
 
-__all__ = ["InputError", "fail", "SeqInfo", "Plan", "value_width"]
+__all__ = [
+    "InputError",
+    "fail",
+    "SeqInfo",
+    "Plan",
+    "value_width",
+    "layout_mask",
+    "digest",
+    "sliced",
+]
 
 
 class InputError(CollectiveError):
@@ -51,6 +62,9 @@ class SeqInfo:
         contiguous dataset in the machine's byte order lies, so that the reader
         can fetch it without HDF5 (:func:`ringmpi.job.input.files.raw_offset`); None for
         a batch axis.
+    slices : ringmpi.slices.Slices, optional
+        The sequence's whole mask as a union of slices, from its ``slices`` dataset
+        (issue 41); None: the job's ``--causal``/``--window`` apply.
     """
 
     name: str
@@ -62,6 +76,7 @@ class SeqInfo:
     cu_seqlens_k: Optional[np.ndarray] = None
     x_kv: bool = False
     storage: Optional[tuple] = None
+    slices: Optional[Slices] = None
 
     @property
     def length(self) -> int:
@@ -133,3 +148,34 @@ def value_width(plan) -> int:
     """The value width Dv of a plan (or of a stand-in with heads, head_dim, ...): its
     ``value_dim``, or ``head_dim`` where that is not set (keys and values of one width)."""
     return getattr(plan, "value_dim", 0) or plan.head_dim
+
+
+def digest(cu) -> tuple:
+    """(entries, SHA-256 hex) of an int64 offsets array (n+1,), or of a Slices' (n, 5) table
+    (the plan's broadcast, :mod:`ringmpi.job.input.scan`; the resume fingerprint)."""
+    if isinstance(cu, Slices):
+        cu = cu.table()
+    a = np.ascontiguousarray(cu, dtype=np.int64)
+    return len(a), hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def sliced(unit) -> Optional[Slices]:
+    """The mask of slices of a sequence or batch, or None (also for stand-ins without one)."""
+    return getattr(unit, "slices", None)
+
+
+def layout_mask(unit, layout: str):
+    """The mask layout ``balanced`` deals the tokens of ``unit`` by; None for the other layouts.
+
+    ``unit``: a :class:`SeqInfo` or a batch (anything with ``length``, ``length_k`` and
+    ``slices``). The job takes ``balanced`` only for sequences with a mask of slices
+    (:func:`ringmpi.job.options.check_masks`); their batches hold them alone.
+    """
+    from ..layout import MASK_LAYOUTS
+
+    if layout not in MASK_LAYOUTS or sliced(unit) is None:
+        return None
+    from ..mask import mask_of
+    from ..spec import AttentionSpec
+
+    return mask_of(AttentionSpec(slices=unit.slices), unit.length, unit.length_k)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import cost
 from .output.parts import FORMAT
-from .plan import value_width
+from .plan import sliced, value_width
 from .resources import rank_bytes, resident_bytes, seq_counts
 
 __all__ = [
@@ -160,8 +160,16 @@ def measure_rate(plan, dev: str) -> float:
 
 
 def visible_pairs(seq, causal: bool, window=None) -> int:
-    """Number of (query, key) pairs the mask leaves visible in sequence ``seq`` of a plan."""
+    """Number of (query, key) pairs the mask leaves visible in sequence ``seq`` of a plan.
+
+    A sequence with a mask of slices counts its union (overlaps once), in blocks of rows
+    that keep the count's memory O(2**22) entries whatever the number of slices.
+    """
     from ..mask import make_mask
+
+    if sliced(seq) is not None:
+        s = sliced(seq)
+        return s.pairs(seq.length, block=max(1, (1 << 22) // max(1, len(s))))
 
     mask = make_mask(seq.length, seq.length_k, causal, window, seq.cu_seqlens, seq.cu_seqlens_k)
     return cost.mask_pairs(mask)
@@ -247,6 +255,7 @@ def start_line(
         + f", {layout}{', causal' if causal else ''}"
         + (f", window {tuple(window)}" if window is not None else "")
         + (", packed" if any(s.packed for s in seqs) else "")
+        + (", slices" if any(sliced(s) is not None for s in seqs) else "")
         + (", cross" if any(s.cross for s in seqs) else "")
         + (f", {len(units)} ring call(s)" if len(units) != len(seqs) else "")
         + f", {where}; ~{mem:.2f} GiB per rank"

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..layout import counts
 from ..runtime import env
-from .plan import InputError, Plan, SeqInfo, fail
+from ..slices import Slices
+from .plan import InputError, Plan, SeqInfo, fail, layout_mask, sliced
 
 __all__ = [
     "parse_size",
@@ -115,9 +116,10 @@ def resident_bytes() -> int:
 
 def seq_counts(seq: SeqInfo, nranks: int, layout: str) -> tuple:
     """(most query tokens, most key/value tokens) any rank holds of ``seq``."""
-    n = int(counts(seq.length, nranks, layout, cu_seqlens=seq.cu_seqlens).max())
+    mask = layout_mask(seq, layout)
+    n = int(counts(seq.length, nranks, layout, cu_seqlens=seq.cu_seqlens, mask=mask).max())
     cu_k = seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k
-    nk = int(counts(seq.length_k, nranks, layout, cu_seqlens=cu_k).max())
+    nk = int(counts(seq.length_k, nranks, layout, cu_seqlens=cu_k, mask=mask).max())
     return n, nk
 
 
@@ -203,7 +205,8 @@ class Batch:
 
     ``length``/``length_k``: query / key tokens of all members; ``cu_seqlens`` and
     ``cu_seqlens_k``: the packed offsets (None, as the sequence itself has, for a
-    batch of one).
+    batch of one); ``slices``: the mask of slices of a batch of one sequence that
+    has one (such a sequence is always a batch of its own), else None.
     """
 
     members: tuple
@@ -212,6 +215,7 @@ class Batch:
     cu_seqlens: Optional[tuple]
     cu_seqlens_k: Optional[tuple]
     name: str
+    slices: Optional[Slices] = None
 
     @property
     def single(self) -> bool:
@@ -247,7 +251,8 @@ def make_batches(plan, todo, cap: int, rings: int = 1) -> list:
     """Split ``todo`` (plan indices, in order) into consecutive :class:`Batch` runs of <= ``cap``.
 
     A sequence of ``cap`` tokens or more (queries or keys) is a batch of its own;
-    so is every sequence when ``cap`` is 0. With ``rings`` rings sharing the
+    so is every sequence when ``cap`` is 0, and every sequence with a mask of
+    slices (its mask is the call's whole mask). With ``rings`` rings sharing the
     work, a batch holds at most 1/(BALANCE x rings) of all the tokens, so that
     every ring gets batches and the last batches even out the rings' times.
     """
@@ -259,12 +264,13 @@ def make_batches(plan, todo, cap: int, rings: int = 1) -> list:
     for i in todo:
         s = plan.sequences[i]
         n = max(s.length, s.length_k)
-        if run and (tokens + n > cap or n >= cap):
+        alone = n >= cap or sliced(s) is not None
+        if run and (tokens + n > cap or alone):
             out.append(_batch(plan, run))
             run, tokens = [], 0
         run.append(i)
         tokens += n
-        if n >= cap:
+        if alone:
             out.append(_batch(plan, run))
             run, tokens = [], 0
     if run:
@@ -276,7 +282,9 @@ def _batch(plan, members: list) -> Batch:
     seqs = [plan.sequences[i] for i in members]
     if len(seqs) == 1:
         s = seqs[0]
-        return Batch((members[0],), s.length, s.length_k, s.cu_seqlens, s.cu_seqlens_k, s.name)
+        return Batch(
+            (members[0],), s.length, s.length_k, s.cu_seqlens, s.cu_seqlens_k, s.name, sliced(s)
+        )
     cu, cu_k, cross = [0], [0], False
     for s in seqs:
         own = s.cu_seqlens if s.cu_seqlens is not None else (0, s.length)

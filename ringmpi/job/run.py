@@ -39,7 +39,7 @@ from .loop import JobContext, SequenceLoop
 from .options import JobOptions, split_keywords
 from .output import make_store, resolve_mode
 from .output.parts import fingerprint
-from .plan import InputError, value_width
+from .plan import InputError, sliced, value_width
 from .report import measure_rate, one_process_note, provenance, utc, visible_pairs
 from .resources import (
     BALANCE,
@@ -163,6 +163,7 @@ def run(
     budget = memory_budget(comm, opts.max_memory)
     dev = pick_device(opts.device, comm)
     modifiers.check_tiles(spec, dev)  # a tile that cannot apply them: refused before any file
+    modifiers.check_masks(spec, plan, dev)  # the input's masks of slices and the options
     blas = limit_blas(comm)  # before the calibration: it runs with the job's threads
     heap = keep_freed()  # freed batch buffers reused, not unmapped (this process only)
     notes = (blas.text,) + ((one_process_note(),) if size == 1 else ())
@@ -262,6 +263,9 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
         rope=ctx.rope,
     )
     attrs.update(_spec_attrs(spec))
+    masked = sum(sliced(s) is not None for s in plan.sequences)
+    if masked:  # each one's table is the 'slices' dataset beside its out
+        attrs["mask_slices"] = int(masked)
     attrs["ring_size"] = rs if not mixed else "auto"
     if mixed:
         attrs["ring_sizes"] = [int(r) for r in sizes]

@@ -78,3 +78,77 @@ def test_mla_traffic_of_both_forms(capsys):
     assert plan.main([*argv, "--mla-heads", "128", "--dtype", "float16"]) == 0
     out = capsys.readouterr().out
     assert "Dk=192 Dv=128" in out and "MLA, H=128" in out and "(37.6x less)" in out
+
+
+def test_recommended_layout_is_the_least_imbalanced_for_the_mask(capsys):
+    """issue 41: the recommendation takes the layout whose slowest rank has the fewest
+    visible pairs; ties (within 1%) go to the mask's usual layout, balanced last."""
+    from ringmpi import cost
+    from ringmpi import slices as sl
+
+    kw = dict(ranks=4, gflops=100.0, link_gbps=10.0)
+    gl = plan.plan_mask(8192, slices=sl.global_local(8192, 256, 64))
+    rec = plan.recommend(8192, 8, 8, 64, mask=gl, **kw)
+    imb = cost.imbalances(gl, 4)
+    assert rec["imbalance"] == imb and rec["layout"] == "striped"
+    assert imb["striped"] == min(imb.values()) < imb["zigzag"]
+    # no mask: the old rule; the plain masks keep their layouts (zigzag ties striped)
+    assert plan.recommend(8192, 8, 8, 64, causal=True, **kw)["layout"] == "zigzag"
+    causal = plan.recommend(8192, 8, 8, 64, causal=True, mask=plan.plan_mask(8192, True), **kw)
+    assert causal["layout"] == "zigzag"
+    full = plan.recommend(8192, 8, 8, 64, mask=plan.plan_mask(8192), **kw)
+    assert full["layout"] == "contiguous"
+    # a token every 8 of the first quarter sees all keys: only balanced deals it evenly
+    n = 2048
+    odd = sl.Slices(
+        [(i, i + 1, 0, n, "full") for i in range(0, n // 4, 8)] + [(0, n, 0, n, "bi_causal")]
+    )
+    odd_rec = plan.recommend(n, 8, 8, 64, mask=plan.plan_mask(n, slices=odd), **kw)
+    assert odd_rec["layout"] == "balanced", odd_rec["imbalance"]
+    assert plan.pick_layout({"zigzag": 1.2, "striped": 1.005, "balanced": 1.0}) == "striped"
+    assert plan.pick_layout({"zigzag": 1.2, "striped": 1.02, "balanced": 1.0}) == "balanced"
+    base = ["--seq-len", "8192", "--heads", "8", "--head-dim", "64", "--ranks", "4"]
+    assert plan.main([*base, "--slices", "global_local:256:64"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if "recommendation" in x][0]
+    assert "layout striped (lowest imbalance for this mask, 1.000)" in line, line
+
+
+def test_slices_file_rates_an_inputs_mask(tmp_path, capsys):
+    """--slices-file FILE[:GROUP] reads the batch job's slices dataset, with its checks."""
+    import h5py
+    import numpy as np
+    import pytest
+
+    from ringmpi import cost
+    from ringmpi import slices as sl
+    from ringmpi.cli.make_data import make_data
+
+    path = str(tmp_path / "in.h5")
+    make_data(path, seq_len=600, heads=2, kv_heads=1, head_dim=8, sequences=2,
+              slices="shared_prefix:200:100,300")  # fmt: skip
+    want = sl.shared_prefix(200, [100, 300])
+    with h5py.File(path, "r") as f:
+        for g in ("seq000", "seq001"):
+            assert f[g]["slices"].dtype == np.int64
+            assert sl.Slices(f[g]["slices"][...]) == want
+    assert plan.read_slices_file(f"{path}:seq001", 600) == want
+    base = ["--seq-len", "600", "--heads", "4", "--head-dim", "64", "--ranks", "3", "--json"]
+    assert plan.main([*base, "--slices-file", f"{path}:seq000"]) == 0
+    import json
+
+    got = json.loads(capsys.readouterr().out)["imbalance"]
+    assert got == cost.imbalances(plan.plan_mask(600, slices=want), 3)
+    with h5py.File(path, "a") as f:
+        f["seq001/slices"][0, 4] = 5
+    for bad, words in (
+        (f"{path}:seq001", "kind code 5"),
+        (f"{path}:nowhere", "no group 'nowhere'"),
+        (path, "no dataset 'slices'"),
+    ):
+        with pytest.raises(SystemExit):
+            plan.main([*base, "--slices-file", bad])
+        err = capsys.readouterr().err
+        assert "--slices-file" in err and words in err, err
+    with pytest.raises(ValueError, match="cannot be combined with a batch axis"):
+        make_data(str(tmp_path / "b.h5"), seq_len=16, heads=2, kv_heads=1, head_dim=8,
+                  sequences=2, batch_axis=True, slices="prefix_lm:4")  # fmt: skip

@@ -136,7 +136,7 @@ def test_keywords_and_objects_do_not_mix():
         split_keywords(None, None, {"bogus": 1})
     with pytest.raises(TypeError, match="cu_seqlens"):  # from the inputs, not the job
         split_keywords(None, None, {"cu_seqlens": [0, 4]})
-    with pytest.raises(TypeError, match="slices"):  # a mask of slices: not in the job yet
+    with pytest.raises(TypeError, match="slices"):  # slices: per sequence, from the input
         split_keywords(None, None, {"slices": [(0, 1, 0, 1, "full")]})
     with pytest.raises(InputError, match="^slices: the batch job"):
         split_keywords(AttentionSpec(slices=[(0, 1, 0, 1, "full")]), None, {})

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ...runtime import interrupt
+from ...slices import KIND_CODES
 from ..plan import InputError, fail
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "dataset",
     "read_offsets",
     "check_offsets",
+    "read_slices",
+    "check_slices",
     "found",
     "no_data",
     "guarded",
@@ -34,6 +37,8 @@ __all__ = [
     "FLOAT_DTYPES",
     "MAX_DIM",
     "MAX_PACKED",
+    "MAX_SLICES",
+    "MAX_SLICE_ROWS",
     "MAX_CHUNKS",
     "MAX_LINKS",
     "VDS_ENV",
@@ -53,6 +58,12 @@ FLOAT_DTYPES = ("float16", "float32", "float64")
 # Any declared dimension above this is treated as corrupt rather than merely large.
 MAX_DIM = 1 << 40
 MAX_PACKED = 1 << 22  # packed sequences per group: cu_seqlens is read whole on rank 0
+# slices per sequence (issue 41): a (n, 5) table read whole by every rank; each slice costs
+# the mask's layers O(the rows it covers), so the cap bounds the read and the layers alike
+MAX_SLICES = 1 << 16
+# query rows the slices of a sequence cover, summed over its slices: the mask's normal form
+# holds one entry per (slice, covered row) before it merges them (Slices.row_intervals)
+MAX_SLICE_ROWS = 1 << 25
 
 
 def open_input(path: str, walk: bool = True):
@@ -333,6 +344,11 @@ def _scan_group(path: str, f, g: str, mode: str, structure: str, fsize: int) -> 
     info = {n: (d.shape, d.dtype_name) for n, d in shapes.items()}
     if not extra:  # where each dataset's bytes lie, for reads without HDF5 (Reader.gather)
         info["at"] = {n: raw_offset(d) for n, d in shapes.items()}
+    if gid.links.exists(b"slices"):
+        if structure == "batch":
+            what = "'slices' (a mask per sequence) cannot be combined with a batch axis"
+            fail(path, f"{what} (4-D q): store one group per sequence instead")
+        info["slices"] = read_slices(path, f[g] if g else f, fsize)
     for name in ("cu_seqlens", "cu_seqlens_k"):
         if gid.links.exists(name.encode()):
             if structure == "batch":
@@ -389,6 +405,71 @@ def check_offsets(path: str, where: str, name: str, cu: np.ndarray, n: int) -> N
         fail(path, f"{where}'{name}' decreases at index {i + 1} ({cu[i]} -> {cu[i + 1]})")
     if cu[-1] != n:
         fail(path, f"{where}'{name}' ends at {cu[-1]} but the sequence has {n} tokens")
+
+
+def read_slices(path: str, node, fsize: int) -> np.ndarray:
+    """The mask of slices of a group: its ``slices`` dataset as an int64 (n, 5) table, checked.
+
+    Rows are (q_start, q_end, k_start, k_end, kind code) over the sequence's global
+    query and key positions, half-open, the kind a code of :data:`KIND_CODES`. The
+    dataset must be integer, 2-D with 5 columns and at most :data:`MAX_SLICES` rows
+    (checked before anything is read); every row needs 0 <= q_start <= q_end,
+    0 <= k_start <= k_end and a known kind. The ends against the sequence's lengths
+    are checked once the shards are summed (:func:`check_slices`).
+    """
+    import h5py
+
+    ds = node["slices"]
+    where = f"dataset '{ds.name}'"
+    if not isinstance(ds, h5py.Dataset):
+        fail(path, f"'{ds.name}' is not a dataset")
+    form = "(n, 5) rows (q_start, q_end, k_start, k_end, kind)"
+    if ds.dtype.kind not in "iu":
+        fail(path, f"{where} has dtype {ds.dtype}, expected integers: {form}")
+    if ds.ndim != 2 or ds.shape[1] != 5:
+        fail(path, f"{where} has shape {ds.shape}, expected {form}")
+    if ds.shape[0] > MAX_SLICES:
+        fail(path, f"{where} declares {ds.shape[0]} slices (at most {MAX_SLICES})")
+    check_storage(path, ds, fsize)
+    trusted(path, ds)
+    interrupt.check()
+    raw = ds[()]
+    if raw.size and (int(raw.max()) > MAX_DIM or int(raw.min()) < -MAX_DIM):
+        fail(path, f"{where} holds a value beyond +-{MAX_DIM}")
+    t = raw.astype(np.int64).reshape(-1, 5)
+    q0, q1, k0, k1, kind = t.T
+    for bad, why in (
+        ((kind < 0) | (kind > 3), f"has kind code {{kind}}; the codes are {KIND_CODES}"),
+        ((q0 < 0) | (k0 < 0), "starts before position 0"),
+        (q1 < q0, "ends its query range before it starts (q_end < q_start)"),
+        (k1 < k0, "ends its key range before it starts (k_end < k_start)"),
+    ):
+        at = np.flatnonzero(bad)
+        if len(at):
+            i = int(at[0])
+            row = tuple(int(x) for x in t[i])
+            fail(path, f"{where} row {i} {row} " + why.format(kind=row[4]))
+    shown = (q1 > q0) & (k1 > k0)
+    cover = int((q1 - q0)[shown].sum())
+    if cover > MAX_SLICE_ROWS:
+        fail(
+            path,
+            f"{where} covers {cover} query rows summed over its slices (at most "
+            f"{MAX_SLICE_ROWS}): merge overlapping slices",
+        )
+    return t
+
+
+def check_slices(path: str, where: str, t: np.ndarray, nq: int, nk: int) -> None:
+    """Refuse a slices table (:func:`read_slices`) reaching beyond ``nq`` queries or ``nk`` keys."""
+    at = np.flatnonzero((t[:, 1] > nq) | (t[:, 3] > nk))
+    if len(at):
+        i = int(at[0])
+        row = tuple(int(x) for x in t[i])
+        fail(
+            path,
+            f"{where}'slices' row {i} {row} reaches beyond the sequence's {nq} queries x {nk} keys",
+        )
 
 
 def found(f, limit: int = 8) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 from ...layout import local_runs, positions
 from ...rope import apply_rope, positions_in_sequence
 from ...runtime import direct_io, faults
-from ..plan import Plan, SeqInfo, fail, value_width
+from ..plan import Plan, SeqInfo, fail, layout_mask, value_width
 from .files import open_input
 
 __all__ = ["Reader", "in_background", "abandon", "UNION_RUNS", "RawReads"]
@@ -105,12 +105,18 @@ class Reader:
 
     def positions(self, seq: SeqInfo) -> np.ndarray:
         """Global query positions this rank holds, shape (n_local,)."""
-        return positions(seq.length, self.rank, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
+        mask = layout_mask(seq, self.layout)
+        return positions(
+            seq.length, self.rank, self.size, self.layout, cu_seqlens=seq.cu_seqlens, mask=mask
+        )
 
     def positions_k(self, seq: SeqInfo) -> np.ndarray:
         """Global key/value positions this rank holds, shape (n_local_k,)."""
         cu_k = seq.cu_seqlens if seq.cu_seqlens_k is None else seq.cu_seqlens_k
-        return positions(seq.length_k, self.rank, self.size, self.layout, cu_seqlens=cu_k)
+        mask = layout_mask(seq, self.layout)
+        return positions(
+            seq.length_k, self.rank, self.size, self.layout, cu_seqlens=cu_k, mask=mask
+        )
 
     def _read_rows(self, seq: SeqInfo, name: str, pos: np.ndarray, dest: np.ndarray) -> None:
         """Fill ``dest`` (n_local, ...) with rows ``pos`` of dataset ``name`` across the shards."""

@@ -15,7 +15,12 @@ files hold the sequence(s) split along the sequence axis, in the order given:
   S_k than q (S_q); each dataset is concatenated over the shards along its own axis;
 * packed sequences: an integer dataset ``cu_seqlens`` (n+1,) beside q (and
   ``cu_seqlens_k`` for cross-attention), offsets [0, n1, ..., S] on the global
-  token axis, in the first shard (or identical in every shard); not with a batch axis.
+  token axis, in the first shard (or identical in every shard); not with a batch axis;
+* a mask of slices (issue 41): an integer dataset ``slices`` (n, 5) beside q,
+  rows (q_start, q_end, k_start, k_end, kind code) over the sequence's global
+  positions (:func:`ringmpi.job.input.files.read_slices`), the sequence's whole
+  mask; in the first shard (or identical in every shard); not with a batch axis
+  or ``cu_seqlens``.
 
 Rank 0 scans the metadata of every file (:func:`scan`) and broadcasts a
 :class:`Plan` (:func:`make_plan`) without its packed-sequence offsets, which each
@@ -27,19 +32,17 @@ memory budget :mod:`ringmpi.job.resources`.
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Optional
 
-import numpy as np
-
 from ...collective import run_everywhere, run_on_root
 from ...runtime import interrupt
-from ..plan import InputError, Plan, SeqInfo, fail
+from ...slices import Slices
+from ..plan import InputError, Plan, SeqInfo, digest, fail
 from . import files as input_files
-from .files import check_offsets, guarded
+from .files import check_offsets, check_slices, guarded
 from .weights import read_weights
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "fill",
     "digest",
     "of_group",
+    "slices_of",
     "scan_files",
     "merge",
 ]
@@ -177,6 +181,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
             per_seq[g].append((int(n[0]), int(n[1])))
             at[g].append(info.get("at"))
     cus = {g: of_group(files, metas, j, g, per_seq[g]) for j, g in enumerate(names)}
+    masks = {g: slices_of(files, metas, j, g, per_seq[g]) for j, g in enumerate(names)}
     lq = {g: [a for a, _ in per_seq[g]] for g in names}
     lk = {g: [b for _, b in per_seq[g]] for g in names}
     warnings = []
@@ -209,6 +214,7 @@ def scan(files: Sequence[str], weights: Optional[str] = None, metas: Optional[li
                 *cus[g],
                 "x_kv" in first_info[g],
                 storage=tuple(at[g]) if all(a is not None for a in at[g]) else None,
+                slices=masks[g],
             )
             for g in names
         ]
@@ -309,12 +315,9 @@ def make_plan(
 
 
 NAMES = ("cu_seqlens", "cu_seqlens_k")
-
-
-def digest(cu: np.ndarray) -> tuple:
-    """(entries, SHA-256 hex) of an int64 offsets array, shape (n+1,)."""
-    a = np.ascontiguousarray(cu, dtype=np.int64)
-    return len(a), hashlib.sha256(a.tobytes()).hexdigest()
+# the per-sequence arrays kept out of the broadcast: the offsets, and the mask of slices
+# (issue 41: a Slices, its digest that of its sorted table)
+STRIPPED = NAMES + ("slices",)
 
 
 def strip(plan):
@@ -329,7 +332,7 @@ def strip(plan):
     seqs = []
     for i, s in enumerate(plan.sequences):
         gone = {}
-        for name in NAMES:
+        for name in STRIPPED:
             cu = getattr(s, name)
             if cu is not None:
                 sums[(i, name)] = digest(cu)
@@ -367,7 +370,10 @@ def fill(plan, sums: dict):
             if name not in node:
                 gone = "is gone (the file changed while the job was planning)"
                 fail(path, f"'{name}' of sequence {s.name} {gone}")
-            cu = input_files.read_offsets(path, node, name, fsize, n - 1)
+            if name == "slices":
+                cu = Slices(input_files.read_slices(path, node, fsize))
+            else:
+                cu = input_files.read_offsets(path, node, name, fsize, n - 1)
             if digest(cu) != (n, sha):
                 fail(
                     path,
@@ -418,6 +424,33 @@ def of_group(files, metas, index: int, g: str, per_file: list) -> tuple:
                 f"'cu_seqlens_k' has {len(cu_k) - 1}",
             )
     return cu, cu_k
+
+
+def slices_of(files, metas, index: int, g: str, per_file: list) -> Optional[Slices]:
+    """The mask of slices of group ``g`` for the scan: from the first shard, identical in the
+    others, within the sequence's lengths, not with packed sequences; None without one."""
+    where = f"group '{g}': " if g else ""
+    first = metas[0]["seqs"][index][1].get("slices")
+    for p, meta in zip(files[1:], metas[1:]):
+        other = meta["seqs"][index][1].get("slices")
+        if other is None:
+            continue
+        if first is None:
+            fail(p, f"{where}'slices' must be in the first shard {files[0]} (or in all)")
+        if other.shape != first.shape or (other != first).any():
+            fail(p, f"{where}'slices' differs from the one in {files[0]}")
+    if first is None:
+        return None
+    info = metas[0]["seqs"][index][1]
+    if "cu_seqlens" in info or "cu_seqlens_k" in info:
+        fail(
+            files[0],
+            f"{where}'slices' is the sequence's whole mask: it cannot be combined with "
+            "'cu_seqlens' (write the packed sequences' blocks as slices instead)",
+        )
+    n_q, n_k = sum(a for a, _ in per_file), sum(b for _, b in per_file)
+    check_slices(files[0], where, first, n_q, n_k)
+    return Slices(first)
 
 
 # ----------------------------------------------------------------------

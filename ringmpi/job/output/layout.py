@@ -19,7 +19,7 @@ import numpy as np
 
 from ...layout import counts, local_runs, positions
 from ...runtime.files import check_owned, exclusive_temp, fsync_path, replace_with
-from ..plan import InputError, Plan, value_width
+from ..plan import InputError, Plan, layout_mask, sliced, value_width
 
 __all__ = [
     "vds_name",
@@ -456,14 +456,21 @@ _LSE_AXES = (b"head", b"token")
 
 
 def write_offsets(f, plan: Plan) -> None:
-    """Copy each packed sequence's ``cu_seqlens`` (and ``cu_seqlens_k``) beside its ``out``.
+    """Copy each packed sequence's ``cu_seqlens`` (and ``cu_seqlens_k``) beside its ``out``,
+    and each mask of slices as an int64 (n, 5) ``slices`` (sorted, duplicates gone) whose
+    attribute ``kinds`` names the codes of its last column.
 
     The output's mask attributes (window, rope) come with the provenance attributes.
     """
+    from ...slices import KIND_CODES
+
     for seq in plan.sequences:
-        if seq.cu_seqlens is None and seq.cu_seqlens_k is None:
+        if seq.cu_seqlens is None and seq.cu_seqlens_k is None and sliced(seq) is None:
             continue  # (no group object built for a sequence without offsets)
         node = f.require_group(seq.group) if seq.group else f
+        if sliced(seq) is not None:
+            ds = node.create_dataset("slices", data=seq.slices.table(), track_times=False)
+            ds.attrs["kinds"] = KIND_CODES
         for name in ("cu_seqlens", "cu_seqlens_k"):
             cu = getattr(seq, name)
             if cu is not None:
@@ -493,13 +500,19 @@ def _sources(ctx, i: int, where: dict, starts: dict):
     size = ctx.nranks.get(members[0], ctx.size)
     if members not in starts:
         seqs = [ctx.plan.sequences[j] for j in members]
-        per = [counts(s.length, size, ctx.layout, cu_seqlens=s.cu_seqlens) for s in seqs]
+        per = [
+            counts(
+                s.length, size, ctx.layout, cu_seqlens=s.cu_seqlens, mask=layout_mask(s, ctx.layout)
+            )
+            for s in seqs
+        ]
         starts[members] = np.concatenate([np.zeros((1, size), np.int64), np.cumsum(per, axis=0)])
     rows, k = starts[members], members.index(i)
     seq = ctx.plan.sequences[i]
     rel = vds_name(os.path.basename(ctx.parts))
+    mask = layout_mask(seq, ctx.layout)
     for r in range(size):
-        pos = positions(seq.length, r, size, ctx.layout, cu_seqlens=seq.cu_seqlens)
+        pos = positions(seq.length, r, size, ctx.layout, cu_seqlens=seq.cu_seqlens, mask=mask)
         yield (
             f"{rel}/{part_name(members[0], r)}",
             int(rows[-1, r]),

@@ -42,12 +42,13 @@ def _datasets(f) -> list:
 
 
 def _offsets(f) -> list:
-    """Paths of the ``cu_seqlens``/``cu_seqlens_k`` datasets (packed sequences), in order."""
+    """Paths of the ``cu_seqlens``/``cu_seqlens_k`` datasets (packed sequences) and of the
+    ``slices`` datasets (masks of slices), in order."""
     found: list = []
     f.visititems(
         lambda name, obj: (
             found.append(name)
-            if name.rsplit("/", 1)[-1] in ("cu_seqlens", "cu_seqlens_k")
+            if name.rsplit("/", 1)[-1] in ("cu_seqlens", "cu_seqlens_k", "slices")
             else None
         )
     )
@@ -163,8 +164,10 @@ def pack(
                 for d in range(ds.ndim):
                     if ds.dims[d].label:
                         out.dims[d].label = ds.dims[d].label
-            for n in _offsets(src):  # packed sequences' offsets, beside their out
-                dst.create_dataset(n, data=src[n][()])
+            for n in _offsets(src):  # packed offsets and masks of slices, beside their out
+                got = dst.create_dataset(n, data=src[n][()])
+                for key, val in src[n].attrs.items():
+                    got.attrs[key] = val
         fsync_path(tmp)
         os.replace(tmp, target)
         fsync_path(os.path.dirname(os.path.abspath(target)))

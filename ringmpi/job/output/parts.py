@@ -591,7 +591,17 @@ def fingerprint(
         "geometry": [plan.heads, plan.kv_heads, plan.head_dim]
         + ([value_width(plan)] if value_width(plan) != plan.head_dim else []),
         "sequences": [[s.name, s.length] for s in plan.sequences],
+        # the masks of slices (issue 41), by (rows, SHA-256 of the sorted table); none: no key
+        **_slices_stamp(plan),
     }
+
+
+def _slices_stamp(plan: Plan) -> dict:
+    """``{"slices": {sequence: [rows, sha256]}}`` of the sequences with a mask of slices, or {}."""
+    from ..plan import digest, sliced
+
+    got = {s.name: list(digest(sliced(s))) for s in plan.sequences if sliced(s) is not None}
+    return {"slices": got} if got else {}
 
 
 def plain_attrs(meta: dict) -> dict:

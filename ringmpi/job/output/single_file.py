@@ -47,7 +47,7 @@ from ...layout import local_runs, positions
 from ...runtime import faults
 from ...runtime.files import fsync_path, write_json
 from ...runtime.watchdog import watch
-from ..plan import InputError, value_width
+from ..plan import InputError, layout_mask, value_width
 from .layout import label_dims, unlock_output, write_offsets
 from .parts import OutputStore
 
@@ -148,7 +148,10 @@ class SingleFileStore(OutputStore):
     # -- start ----------------------------------------------------------------------
     def _my_positions(self, i: int) -> np.ndarray:
         seq = self.plan.sequences[i]
-        return positions(seq.length, self.rank, self.size, self.layout, cu_seqlens=seq.cu_seqlens)
+        mask = layout_mask(seq, self.layout)
+        return positions(
+            seq.length, self.rank, self.size, self.layout, cu_seqlens=seq.cu_seqlens, mask=mask
+        )
 
     def _marker_ok(self, marker, i: int) -> bool:
         """Is ``marker`` a one-file marker of sequence ``i`` with one entry per rank?"""

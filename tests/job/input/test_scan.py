@@ -1,5 +1,6 @@
 """The plan scan shared by the ranks: each scans a share of the groups, the merge is the scan."""
 
+import numpy as np
 import pytest
 
 from ringmpi.cli.make_data import make_data
@@ -125,3 +126,140 @@ def test_a_file_the_shares_walked_is_not_walked_again_until_it_changes(tmp_path,
     shares = [_scan_files(files, (r, 2)) for r in range(2)]
     shares[1][0]["identity"] = ((0, 0), (1, 2, 3))
     assert _merge(shares, files)[0]["identity"] is None
+
+
+# -- a mask of slices per sequence (issue 41) ---------------------------------------------
+
+
+def _sliced(tmp_path, shards: int = 1, **data):
+    """Two groups of 40 tokens (seq000, seq001), ``data`` written into seq000 of every shard
+    (a value None: only into the first)."""
+    import h5py
+
+    files = make_data(
+        str(tmp_path / "s.h5"), sequences=2, seq_len=40, heads=2, kv_heads=1, head_dim=8,
+        shards=shards,
+    )  # fmt: skip
+    for j, p in enumerate(files):
+        with h5py.File(p, "a") as f:
+            for name, a in data.items():
+                if j == 0 or not name.startswith("first_"):
+                    f["seq000"].create_dataset(name.removeprefix("first_"), data=a)
+    return files
+
+
+TABLE = np.array([[0, 40, 0, 8, 0], [0, 40, 0, 40, 3], [30, 40, 20, 40, 1]], dtype=np.int32)
+
+
+def test_a_slices_dataset_is_the_sequences_mask_from_any_shard_layout(tmp_path):
+    from ringmpi.job.input.scan import digest, fill, strip
+    from ringmpi.slices import Slices
+
+    want = Slices(TABLE)
+    for shards, key in ((1, "slices"), (2, "first_slices"), (2, "slices")):
+        d = tmp_path / f"{shards}{key}"
+        d.mkdir()
+        plan = scan(_sliced(d, shards, **{key: TABLE}))
+        a, b = plan.sequences
+        assert a.slices == want and b.slices is None
+        assert a.slices.table().tolist() == sorted(TABLE.tolist())
+        bare, sums = strip(plan)  # kept out of the broadcast, read back and checked
+        assert bare.sequences[0].slices is None and sums[(0, "slices")] == digest(want)
+        assert fill(bare, sums) == plan
+
+
+def _one_line(e, files, words):
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(files[0] + ":"), msg
+    assert words in msg, msg
+
+
+HOSTILE = {  # case: (datasets written into seq000, words of the one line)
+    "float with NaN": (dict(slices=np.array([[0, 40, 0, np.nan, 0]])), "has dtype float64"),
+    "strings": (dict(slices=np.array([[b"0", b"1", b"0", b"1", b"0"]])), "expected integers"),
+    "four columns": (dict(slices=np.zeros((2, 4), np.int64)), "has shape (2, 4)"),
+    "one axis": (dict(slices=np.arange(5)), "has shape (5,)"),
+    "unknown kind": (dict(slices=np.array([[0, 40, 0, 40, 1], [0, 4, 0, 4, 7]])), "kind code 7"),
+    "negative start": (dict(slices=np.array([[-3, 10, 0, 40, 0]])), "before position 0"),
+    "inverted queries": (dict(slices=np.array([[20, 10, 0, 40, 0]])), "q_end < q_start"),
+    "inverted keys": (dict(slices=np.array([[0, 10, 30, 29, 2]])), "k_end < k_start"),
+    "beyond the sequence": (
+        dict(slices=np.array([[0, 41, 0, 40, 0]])),
+        "reaches beyond the sequence's 40 queries x 40 keys",
+    ),
+    "huge value": (dict(slices=np.array([[0, 1 << 62, 0, 40, 0]])), "beyond +-"),
+    "with cu_seqlens": (
+        dict(slices=TABLE, cu_seqlens=np.array([0, 20, 40])),
+        "cannot be combined with 'cu_seqlens'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_malformed_slices_dataset_is_one_line_naming_file_and_dataset(tmp_path, case):
+    data, words = HOSTILE[case]
+    files = _sliced(tmp_path, **data)
+    with pytest.raises(InputError) as e:
+        scan(files)
+    _one_line(e, files, words)
+    assert "slices" in str(e.value)
+
+
+def test_too_many_slices_are_refused_before_a_row_is_read(tmp_path):
+    import h5py
+
+    from ringmpi.job.input.files import MAX_SLICES
+
+    files = _sliced(tmp_path)
+    with h5py.File(files[0], "a") as f:  # declared, never written: nothing to read
+        f["seq000"].create_dataset("slices", (MAX_SLICES + 1, 5), "i8")
+    with pytest.raises(InputError) as e:
+        scan(files)
+    _one_line(e, files, f"declares {MAX_SLICES + 1} slices (at most {MAX_SLICES})")
+
+
+def test_slices_covering_too_many_rows_are_refused(tmp_path, monkeypatch):
+    from ringmpi.job.input import files as input_files
+
+    monkeypatch.setattr(input_files, "MAX_SLICE_ROWS", 100)
+    rows = [[0, 40, 0, 40 - i, 0] for i in range(3)]  # 120 rows covered, 40 distinct
+    files = _sliced(tmp_path, slices=np.array(rows))
+    with pytest.raises(InputError) as e:
+        scan(files)
+    _one_line(e, files, "covers 120 query rows summed over its slices (at most 100)")
+    empty = [[0, 40, 5, 5, 0]] * 3  # slices without keys cover nothing
+    d = tmp_path / "empty"
+    d.mkdir()
+    assert scan(_sliced(d, slices=np.array(empty))).sequences[0].slices is not None
+
+
+def test_slices_of_the_shards_must_agree_and_start_in_the_first(tmp_path):
+    import h5py
+
+    files = _sliced(tmp_path, 2, slices=TABLE)
+    with h5py.File(files[1], "a") as f:
+        f["seq000/slices"][0, 1] = 39
+    with pytest.raises(InputError) as e:
+        scan(files)
+    assert str(e.value).startswith(files[1]) and "'slices' differs" in str(e.value)
+    d = tmp_path / "second"
+    d.mkdir()
+    files = _sliced(d, 2)
+    with h5py.File(files[1], "a") as f:
+        f["seq000/slices"] = TABLE
+    with pytest.raises(InputError, match="must be in the first shard"):
+        scan(files)
+
+
+def test_slices_with_a_batch_axis_are_refused(tmp_path):
+    import h5py
+
+    files = make_data(
+        str(tmp_path / "b.h5"), sequences=2, batch_axis=True, seq_len=16, heads=2, kv_heads=1,
+        head_dim=8,
+    )  # fmt: skip
+    with h5py.File(files[0], "a") as f:
+        f["slices"] = TABLE
+    with pytest.raises(InputError) as e:
+        scan(files)
+    _one_line(e, files, "cannot be combined with a batch axis")

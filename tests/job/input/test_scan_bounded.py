@@ -149,3 +149,70 @@ def test_offsets_changed_under_planning_fail_on_every_rank(comm, monkeypatch):
     if comm.Get_rank() == 0:
         p.unlink()
         os.rmdir(d)
+
+
+def _sliced(path: Path, groups: int = 2) -> dict:
+    """An input of ``groups`` groups of 300 tokens, each with a mask of slices; {group: table}."""
+    rng = np.random.default_rng(5)
+    tables = {}
+    with h5py.File(path, "w") as f:
+        for j in range(groups):
+            g = f.create_group(f"g{j}")
+            g["q"] = _values(rng, (300, H, D))
+            g["k"] = _values(rng, (300, HKV, D))
+            g["v"] = _values(rng, (300, HKV, D))
+            t = np.array([[0, 300, 0, 20 + j, 0], [0, 300, 0, 300, 1], [100, 300, 50, 250, 3]])
+            tables[f"g{j}"] = g["slices"] = t
+    return tables
+
+
+def test_slices_stay_out_of_the_broadcast_and_are_checked(tmp_path):
+    """issue 41: a mask of slices travels as its digest, like the offsets."""
+    from ringmpi.slices import Slices
+
+    p = tmp_path / "sliced.h5"
+    tables = _sliced(p)
+    plan = schema.scan([str(p)])
+    stripped, sums = offsets.strip(plan)
+    assert all(s.slices is None for s in stripped.sequences)
+    assert all(s.slices == Slices(tables[s.group]) for s in offsets.fill(stripped, sums).sequences)
+    with h5py.File(p, "r+") as f:  # changed after rank 0 checked it, still valid
+        f["g1/slices"][0, 3] = 30
+    with pytest.raises(schema.InputError, match="'slices' of sequence g1 differs from what rank 0"):
+        offsets.fill(stripped, sums)
+    with h5py.File(p, "r+") as f:  # changed into a malformed one: the same checks as rank 0's
+        f["g1/slices"][0, 4] = 4
+    with pytest.raises(schema.InputError, match="kind code 4"):
+        offsets.fill(stripped, sums)
+
+
+@pytest.mark.mpi
+def test_slices_changed_under_planning_fail_on_every_rank(comm, monkeypatch):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank reads the slices once: nothing to compare (see the serial test)")
+    d = Path(_shared_dir(comm))
+    p = d / "sliced.h5"
+    tables = _sliced(p) if comm.Get_rank() == 0 else None
+    tables = comm.bcast(tables, root=0)
+    plan = schema.make_plan(comm, [str(p)], None, comm.Get_size())
+    ok = all(s.slices.table().tolist() == sorted(tables[s.group].tolist()) for s in plan.sequences)
+    assert_all(comm, ok, "slices differ from the file's")
+    if comm.Get_rank() == comm.Get_size() - 1:  # what the last rank reads was changed
+        real = inputs.read_slices
+
+        def changed(*args, **kwargs):
+            t = real(*args, **kwargs)
+            t[0, 1] -= 1
+            return t
+
+        monkeypatch.setattr(inputs, "read_slices", changed)
+    try:
+        schema.make_plan(comm, [str(p)], None, comm.Get_size())
+        err = "no error"
+    except schema.InputError as e:
+        err = str(e)
+    assert_all(comm, "differs from what rank 0 checked" in err, err)
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        p.unlink()
+        os.rmdir(d)
