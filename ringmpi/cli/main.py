@@ -182,8 +182,13 @@ def _verify_status(res: dict) -> int:
 
 
 def _cmd_verify(args, comm) -> int:
-    from ..job.verify import format_verify, verify
+    from ..job.verify import compare, format_compare, format_verify, verify
 
+    if args.against is not None:
+        res = compare(args.output, args.against, comm)
+        if comm.Get_rank() == 0:
+            print(format_compare(res))
+        return 0 if res["identical"] else EXIT_VERIFY
     res = verify(
         args.output,
         args.inputs,
@@ -370,7 +375,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .plan import main as plan_main
 
         return plan_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "verify" and bool(args.inputs) == (args.against is not None):
+        # the same on every rank: each exits 2 with the usage line, no collective needed
+        parser.error("verify takes the run's INPUT files or --against OTHER (one of the two)")
     if args.command == "run":
         check_launch(_comm(), exit=True)  # P tasks but a world of 1: one line, exit 2
         rc = _guard(_cmd_run, args, program)

@@ -55,8 +55,10 @@ VERIFY_EXAMPLES = """examples:
   ringmpi verify out.h5 data/sample/sample.h5
   mpiexec -n 4 python -m mpi4py -m ringmpi verify out.h5 'shards/seq.part*.h5'
   ringmpi verify out.h5 big.h5 --full                            # every row (slow)
+  ringmpi verify out_p4.h5 --against out_p2.h5                    # bit for bit, no inputs
 
-exit status: 0 passed (something checked, nothing failed), 3 failed, 4 nothing checked
+exit status: 0 passed (something checked, nothing failed), 3 failed, 4 nothing checked;
+with --against: 0 identical, 3 different
 """
 INFO_EXAMPLES = """examples:
   ringmpi info
@@ -192,7 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     v.add_argument("output", help="output file written by 'ringmpi run'")
-    v.add_argument("inputs", nargs="+", metavar="INPUT", help="the inputs of that run")
+    v.add_argument(
+        "inputs", nargs="*", metavar="INPUT", help="the inputs of that run (not with --against)"
+    )
+    v.add_argument(
+        "--against",
+        metavar="OTHER",
+        help="compare OUTPUT with another output bit for bit instead (every out and lse): "
+        "IDENTICAL, or where they first differ",
+    )
     v.add_argument("--weights", help="projection weights file for raw-feature inputs")
     add_verify_flags(v)
     v.add_argument("--seed", type=int, default=0, help="seed of the row sample (default 0)")

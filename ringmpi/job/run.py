@@ -198,7 +198,7 @@ def run(
             spec=spec,
             options=opts,
             comm=comm,
-            ring=comm,
+            ring=_rings(comm, size, size)[0],  # the job's one ring (alone: COMM_SELF)
             ring_size=max(sizes),
             device=dev,
             attrs={},
@@ -336,7 +336,16 @@ def _job(ctx: JobContext, sizes: list, caps: dict) -> dict:
 
 
 def _rings(comm, r: int, size: int) -> tuple:
-    """(this rank's ring of ``r`` ranks, the communicator across rings or None)."""
+    """(this rank's ring of ``r`` ranks, the communicator across rings or None).
+
+    A job without a communicator computes alone: its ring is COMM_SELF (the ring's
+    default, COMM_WORLD, would wait for the other ranks of a launch that run
+    something else).
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        return MPI.COMM_SELF, None
     return (comm, None) if r == size else grid(comm, ring_size=r)
 
 

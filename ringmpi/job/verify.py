@@ -35,9 +35,10 @@ the value rows of each query's packed sequence (a superset of its visible keys:
 looser, never wrong), and every row's lse must be -inf exactly when the mask
 leaves it no key.
 
-This module splits the work over the ranks and judges it; the dense rows are
-:mod:`ringmpi.job.verify`, what is read :mod:`ringmpi.job.verify`, the
-words :mod:`ringmpi.job.verify`.
+``compare(output, other)`` (``ringmpi verify OUTPUT --against OTHER``) needs no
+inputs: it compares two outputs bit for bit (every ``out`` and ``lse``) and says
+where they first differ, e.g. runs of the same inputs at different P in
+reproducible mode.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from .plan import InputError, Plan, sliced, value_width
 from .report import LOG_EVERY, duration
 
 __all__ = [
+    "compare",
+    "format_compare",
     "dense_head",
     "rows_attention",
     "sample_rows_of",
@@ -736,3 +739,154 @@ def range_bad(
     none = np.isneginf(lse)  # no visible key: out must be 0
     bad = np.where(none, (out != 0).any(axis=1), bad)
     return bad
+
+
+# ----------------------------------------------------------------------
+# ``ringmpi verify OUTPUT --against OTHER``: two outputs, bit for bit.
+
+COMPARED = ("out", "lse")  # the datasets compared, in every sequence's group
+SLAB_BYTES = 64 << 20  # read in slabs of rows of about this size (both files)
+
+
+def _results(f) -> dict:
+    """{path: dataset} of every ``out`` and ``lse`` in open output file ``f``."""
+    import h5py
+
+    found = {}
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset) and name.rsplit("/", 1)[-1] in COMPARED:
+            found["/" + name] = obj
+
+    f.visititems(visit)
+    return found
+
+
+def _check_sources(path: str, ds) -> None:
+    """A virtual dataset whose part files are missing reads its fill value: refuse it."""
+    import os
+
+    if not ds.is_virtual:
+        return
+    base = os.path.dirname(os.path.abspath(path))
+    for src in ds.virtual_sources():
+        name = src.file_name
+        full = name if os.path.isabs(name) else os.path.join(base, name)
+        if name != "." and not os.path.isfile(full):
+            raise InputError(f"{path}: {ds.name} reads part file {name}, which is missing")
+
+
+def _first_difference(a: np.ndarray, b: np.ndarray):
+    """(first differing index, count, max |a - b| over finite pairs) of two slabs, bitwise."""
+    ua = a.view(f"u{a.dtype.itemsize}")
+    ub = b.view(f"u{b.dtype.itemsize}")
+    neq = ua != ub
+    n = int(np.count_nonzero(neq))
+    if not n:
+        return None, 0, 0.0
+    first = np.unravel_index(int(np.argmax(neq.reshape(-1))), a.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(a[neq].astype(np.float64) - b[neq].astype(np.float64))
+    d = d[np.isfinite(d)]
+    return tuple(int(i) for i in first), n, float(d.max(initial=0.0))
+
+
+def _compare(output: str, other: str) -> dict:
+    """The body of :func:`compare` (one process)."""
+    import h5py
+
+    output_meta(output)  # InputError unless both are ringmpi outputs
+    output_meta(other)
+    res = {"output": output, "other": other, "datasets": 0, "elements": 0, "differ": []}
+    with h5py.File(output, "r") as fa, h5py.File(other, "r") as fb:
+        da, db = _results(fa), _results(fb)
+        res["only"] = {output: sorted(set(da) - set(db)), other: sorted(set(db) - set(da))}
+        attrs = {}
+        for key in sorted(set(fa.attrs) | set(fb.attrs)):
+            va, vb = fa.attrs.get(key), fb.attrs.get(key)
+            if not np.array_equal(np.asarray(va), np.asarray(vb)):
+                attrs[key] = tuple(x.item() if isinstance(x, np.generic) else x for x in (va, vb))
+        res["attrs"] = attrs
+        for name in sorted(set(da) & set(db)):
+            a, b = da[name], db[name]
+            _check_sources(output, a)
+            _check_sources(other, b)
+            res["datasets"] += 1
+            if a.shape != b.shape or a.dtype != b.dtype:
+                why = f"shape/dtype {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+                res["differ"].append({"name": name, "why": why})
+                continue
+            res["elements"] += int(a.size)
+            if a.size == 0:
+                continue
+            row_bytes = max(1, a.size // max(1, a.shape[0]) * a.dtype.itemsize)
+            step = max(1, SLAB_BYTES // row_bytes)
+            first, count, worst = None, 0, 0.0
+            for r0 in range(0, a.shape[0], step):
+                interrupt.check()
+                sa, sb = a[r0 : r0 + step], b[r0 : r0 + step]
+                at, n, w = _first_difference(sa, sb)
+                if n and first is None:
+                    first = (at[0] + r0,) + at[1:]
+                    values = (sa[at].item(), sb[at].item())
+                count += n
+                worst = max(worst, w)
+            if count:
+                res["differ"].append(
+                    {"name": name, "first": first, "values": values, "count": count, "max": worst}
+                )
+    res["identical"] = not res["differ"] and not any(res["only"].values()) and res["datasets"] > 0
+    return res
+
+
+def compare(output: str, other: str, comm=None) -> dict:
+    """Compare two ``ringmpi run`` outputs bit for bit (collective over ``comm``).
+
+    Every ``out`` and ``lse`` dataset of ``output`` is compared with the one at the
+    same path in ``other``, element by element as bit patterns (so -0.0 differs
+    from 0.0, and NaN payloads count), in slabs of rows (memory: two slabs of
+    about 64 MiB). Rank 0 reads; every rank gets the result or the same error.
+
+    Returns
+    -------
+    dict
+        ``identical`` (every dataset present in both and equal, at least one
+        compared), ``datasets`` and ``elements`` compared, ``differ`` (per
+        differing dataset: ``name``, the ``first`` differing index, both
+        ``values`` there, the ``count`` of differing elements and the ``max``
+        absolute difference over finite pairs; or ``why`` for another shape or
+        dtype), ``only`` (datasets present in one file only) and ``attrs``
+        (recorded attributes that differ: information, not a failure).
+    """
+    from ..collective import run_on_root
+
+    return run_on_root(comm, _compare, output, other)
+
+
+def format_compare(res: dict) -> str:
+    """The report of :func:`compare`: the verdict and, where they differ, the first place."""
+    lines = []
+    for key, (va, vb) in res["attrs"].items():
+        lines.append(f"  attribute {key}: {va!r} vs {vb!r}")
+    for path, names in res["only"].items():
+        for name in names:
+            lines.append(f"  only in {path}: {name}")
+    for d in res["differ"]:
+        if "why" in d:
+            lines.append(f"  {d['name']}: {d['why']}")
+            continue
+        idx = ", ".join(map(str, d["first"]))
+        va, vb = d["values"]
+        lines.append(
+            f"  {d['name']}: {d['count']} elements differ, first at [{idx}] "
+            f"({va!r} vs {vb!r}), max |difference| {d['max']:.3g}"
+        )
+    n, e = res["datasets"], res["elements"]
+    if res["identical"]:
+        head = f"IDENTICAL: {n} datasets, {e} elements, every bit equal"
+    elif n == 0:
+        head = "NOTHING COMPARED: no out/lse datasets in common"
+    else:
+        k = len(res["differ"]) + sum(len(v) for v in res["only"].values())
+        head = f"DIFFERENT: {k} of the datasets differ or are missing ({n} compared, {e} elements)"
+    return "\n".join([f"compare {res['output']} with {res['other']}", *lines, head])

@@ -125,3 +125,123 @@ def test_rows_split_over_the_ranks_when_heads_are_few(comm, tmp_path_factory):
     res = verify(f"{d}/out.h5", [f"{d}/in.h5"], comm=comm, quiet=True)
     s = res["sequences"][0]
     assert_all(comm, not res["ok"] and s["rows_failed"] == 2, str(s))
+
+
+# ----------------------------------------------------------------------
+# verify --against: two outputs bit for bit (issue 40)
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    """A small input (real-shaped values) run twice, P = 1, parts mode."""
+    (x,) = make_data(str(tmp_path / "in.h5"), seq_len=333, heads=H, kv_heads=HKV, head_dim=D)
+    outs = [str(tmp_path / f"out{i}.h5") for i in (1, 2)]
+    for out in outs:
+        run([x], out, causal=True, quiet=True, output_mode="parts")
+    return x, outs
+
+
+def test_compare_same_run_twice_is_identical_and_a_packed_copy_too(two_runs, tmp_path, capsys):
+    from ringmpi.job.output.pack import pack
+    from ringmpi.job.verify import compare, format_compare
+
+    _, (a, b) = two_runs
+    res = compare(a, b)
+    assert res["identical"] and res["datasets"] == 2 and not res["differ"], res
+    assert res["elements"] == 333 * H * D + H * 333
+    packed = str(tmp_path / "packed.h5")
+    pack(a, packed)  # one file, no virtual datasets: the same bits
+    assert compare(a, packed)["identical"]
+    assert format_compare(res).splitlines()[-1].startswith("IDENTICAL: 2 datasets")
+    assert main(["verify", a, "--against", packed]) == 0
+    assert "IDENTICAL" in capsys.readouterr().out
+
+
+def test_compare_finds_the_first_difference_down_to_one_bit(two_runs, tmp_path, capsys):
+    import h5py
+
+    from ringmpi.job.output.pack import pack
+    from ringmpi.job.verify import compare
+
+    _, (a, _) = two_runs
+    other = str(tmp_path / "other.h5")
+    pack(a, other)
+    with h5py.File(other, "r+") as f:
+        out = f["out"]  # one sequence: at the root
+        x = out[200, 1, 7]
+        out[200, 1, 7] = np.nextafter(x, np.inf)  # one ulp
+        out_neg = out[250, 0, 3]
+        out[250, 0, 3] = -out_neg
+    res = compare(a, other)
+    assert not res["identical"]
+    (d,) = res["differ"]
+    assert d["name"] == "/out" and d["first"] == (200, 1, 7) and d["count"] == 2, d
+    assert d["values"][0] == x and d["values"][1] == np.nextafter(x, np.inf)
+    assert d["max"] == pytest.approx(2 * abs(float(out_neg)), rel=1e-6), d
+    assert main(["verify", a, "--against", other]) == 3
+    text = capsys.readouterr().out
+    assert "/out: 2 elements differ, first at [200, 1, 7]" in text, text
+    assert text.splitlines()[-1].startswith("DIFFERENT: 1 of the datasets"), text
+
+
+def test_compare_bitwise_sees_signed_zero_and_nan_payloads():
+    from ringmpi.job.verify import _first_difference
+
+    a = np.zeros((3, 4), np.float32)
+    b = a.copy()
+    b[2, 1] = -0.0
+    assert _first_difference(a, b)[:2] == ((2, 1), 1)
+    n1 = np.array([np.nan], np.float64)
+    n2 = n1.view(np.uint64).copy()
+    n2 += 1  # another NaN payload
+    assert _first_difference(n1, n2.view(np.float64))[:2] == ((0,), 1)
+    assert _first_difference(a, a.copy()) == (None, 0, 0.0)
+
+
+def test_compare_refuses_missing_parts_and_non_outputs(two_runs):
+    import os
+
+    from ringmpi.job.plan import InputError
+    from ringmpi.job.verify import compare
+
+    x, (a, b) = two_runs
+    with pytest.raises(InputError, match="not a ringmpi output"):
+        compare(a, x)
+    (part,) = [p for p in os.listdir(b + ".parts") if p.endswith(".h5")][:1]
+    os.remove(os.path.join(b + ".parts", part))
+    with pytest.raises(InputError, match="missing"):
+        compare(a, b)
+
+
+def test_verify_takes_inputs_or_against_not_both(two_runs):
+    x, (a, b) = two_runs
+    for argv in (["verify", a], ["verify", a, x, "--against", b]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+
+
+@pytest.mark.mpi
+def test_compare_on_every_rank(comm, tmp_path_factory):
+    """Rank 0 reads both outputs, every rank gets the verdict (runs at P and at P = 1).
+
+    The run on rank 0 alone (``comm=None``) once hung at P > 1: its ring was COMM_WORLD.
+    """
+    from ringmpi.job.verify import compare
+
+    d = comm.bcast(str(tmp_path_factory.mktemp("c")) if comm.rank == 0 else None)
+    if comm.rank == 0:
+        make_data(f"{d}/in.h5", seq_len=301, heads=2, kv_heads=1, head_dim=D, dtype="float64")
+    comm.Barrier()
+    run([f"{d}/in.h5"], f"{d}/p.h5", comm=comm, causal=True, quiet=True, output_mode="parts")
+    if comm.rank == 0:  # comm=None: this process alone, while the other ranks wait
+        run([f"{d}/in.h5"], f"{d}/one.h5", causal=True, quiet=True, output_mode="parts")
+    comm.Barrier()
+    res = compare(f"{d}/p.h5", f"{d}/p.h5", comm)
+    assert_all(comm, res["identical"], str(res))
+    res = compare(f"{d}/p.h5", f"{d}/one.h5", comm)
+    # float64 at P vs one rank: equal to rounding; the verdict is the same everywhere
+    flags = comm.allgather(res["identical"])
+    assert_all(comm, len(set(flags)) == 1, str(flags))
+    worst = max([x.get("max", 0.0) for x in res["differ"]], default=0.0)
+    assert_all(comm, worst < 1e-12, str(res["differ"]))
