@@ -32,6 +32,27 @@ _MPI_FILE = re.compile(r"mark\.mpi|pytestmark = .*mpi")
 
 
 def pytest_collection_modifyitems(config, items):
+    _check_mpi_files(items)
+    _deselect_above_max_ranks(config, items)
+
+
+def _deselect_above_max_ranks(config, items):
+    """``@pytest.mark.max_ranks(n)``: not collected at P > n (pytest --with-mpi under mpiexec)."""
+    if not config.getoption("with_mpi", default=False):
+        return
+    from mpi4py import MPI
+
+    size = MPI.COMM_WORLD.Get_size()
+    keep, drop = [], []
+    for item in items:
+        m = item.get_closest_marker("max_ranks")
+        (drop if m is not None and size > int(m.args[0]) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _check_mpi_files(items):
     seen = {}
     for item in items:
         if item.get_closest_marker("mpi") is None:

@@ -15,7 +15,8 @@ import ringmpi
 from ringmpi.reference import attention, attention_backward
 from ringmpi.testing import assert_close, dense, dense_backward, lse_budget, once, random_qkv
 
-pytestmark = pytest.mark.mpi
+# not at P = 4: it merges one more partial state by the same code as P = 2 and 3
+pytestmark = [pytest.mark.mpi, pytest.mark.max_ranks(3)]
 
 
 def _check(comm, nq, nk, causal, layout, dtype, seed, h=4, hkv=2, d=32, grads=True, **kw):
