@@ -257,8 +257,11 @@ def test_skipping_really_happens(isa, layout):
             assert (got > 0) == (want > 0) == seen, (name, src, got, want)
             assert got <= most * full, f"{name} {src}: {got / full:.3f} of the tile"
             assert want <= 0.5 * full, f"{name} {src}: spec {want / full:.3f} of the tile"
-            # without bounds nothing is skipped
-            assert _full_tile(isa, n, qp, kp, None, False, "kernel") == full
+            # without bounds nothing is skipped: once (no mask in it), on the widest path
+            # (the block loop that counts is the same C on every path; the narrower ones
+            # count the unmasked flops in test_fused_backward's reruns)
+            if name == "window" and isa == ISAS[0]:
+                assert _full_tile(isa, n, qp, kp, None, False, "kernel") == full
 
 
 def _small_args(rng, dtype, sq, sk, h=2, hkv=1, d=16):
