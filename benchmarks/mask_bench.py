@@ -31,6 +31,11 @@ For each builder of ringmpi.slices, ring_attention(slices=...) on every layout:
   thread CPU time (time.thread_time around each tile call: what the rank computed, not the
   time it waited for a core; ranks are oversubscribed when P exceeds the cores), and of
   the tiles' wall time (stats["compute_s"]). Times: median of --repeat per rank.
+
+Tile calls (``--tile-calls``, one process, no MPI): every forward tile call the P =
+--ranks[0] ranks make for global_local(n, 256, 64) on each layout, timed (thread CPU
+time) and grouped by the mean visible keys a row has in the call: where a layout cuts
+the rows' key ranges into short pieces, the tile runs at a fraction of its speed.
 """
 
 from __future__ import annotations
@@ -244,6 +249,61 @@ def slices_work(args) -> None:
                     )
 
 
+def tile_calls(args) -> None:
+    """One process: every tile call a ring at P = --ranks[0] would make for global_local,
+    per layout, timed (thread CPU time), grouped by the keys a row sees in that call."""
+    from ringmpi import slices
+    from ringmpi.cpu import fused
+    from ringmpi.mask import mask_of, plan_steps
+    from ringmpi.softmax import init_state
+    from ringmpi.spec import AttentionSpec
+
+    n, h, d, size = args.n, args.heads, args.head_dim, args.ranks[0]
+    s = slices.global_local(n, 256, 64)
+    mask = mask_of(AttentionSpec(slices=s), n, n)
+    rng = np.random.default_rng(0)
+    print(f"global_local(n, 256, 64), N={n} H={h} D={d} float32, P={size}, fused {fused.isa()}")
+    print(f"{'layout':>10} {'keys/row/call':>14} {'calls':>6} {'GFLOP':>7} {'GFLOP/s':>8}")
+    for lay in ringmpi.LAYOUTS + ("balanced",):
+        groups: dict = {}
+        for r in range(size):
+            plan = plan_steps(mask, r, size, lay)
+            q = rng.standard_normal((1, h, len(plan.q_pos), d)).astype(np.float32)
+            acc, m, l = init_state(q.shape, np.float32)
+            for step in np.flatnonzero(plan.compute):
+                k_pos = ringmpi.positions(n, (r - step) % size, size, lay, mask=mask)
+                k, v = (rng.standard_normal((1, h, len(k_pos), d)).astype(np.float32) for _ in "kv")
+                ks = np.sort(k_pos)
+                for t in plan.layer_steps[step]:
+                    lo, hi = plan.layers[t]
+                    seen = np.searchsorted(ks, hi, "right") - np.searchsorted(ks, lo, "left")
+                    per_row = float(seen[seen > 0].mean()) if (seen > 0).any() else 0.0
+                    c0 = time.thread_time()
+                    fl = fused.forward_tile(
+                        q,
+                        k,
+                        v,
+                        plan.q_pos,
+                        k_pos,
+                        acc,
+                        m,
+                        l,
+                        scale=d**-0.5,
+                        causal=False,
+                        bounds=(lo, hi),
+                    )
+                    dt = time.thread_time() - c0
+                    key = "<= 64" if per_row <= 64 else "65-256" if per_row <= 256 else "> 256"
+                    g = groups.setdefault(key, [0, 0.0, 0.0])
+                    g[0], g[1], g[2] = g[0] + 1, g[1] + fl, g[2] + dt
+        for key in ("<= 64", "65-256", "> 256", None):
+            if key and key not in groups:
+                continue
+            vals = [groups[key]] if key else list(groups.values())
+            calls, fl, dt = (sum(x[i] for x in vals) for i in range(3))
+            print(f"{lay:>10} {key or 'all':>14} {calls:6d} {fl / 1e9:7.2f} {fl / dt / 1e9:8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=32768)
@@ -263,6 +323,11 @@ def main() -> None:
     ap.add_argument(
         "--slices", action="store_true", help="masks of slices: tile work and rank balance (MPI)"
     )
+    ap.add_argument(
+        "--tile-calls",
+        action="store_true",
+        help="global_local's tile calls per layout at P = --ranks[0], by keys per row (no MPI)",
+    )
     ap.add_argument("--tile-window", type=int, default=256)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     args = ap.parse_args()
@@ -272,6 +337,8 @@ def main() -> None:
         tile(args)
     elif args.slices:
         slices_work(args)
+    elif args.tile_calls:
+        tile_calls(args)
     else:
         windows(args)
 
