@@ -249,6 +249,79 @@ class Slices:
             dense[s.q_start : s.q_end] |= (lo[:, None] <= j) & (j <= hi[:, None])
         return dense
 
+    def to_svg(
+        self,
+        nq: Optional[int] = None,
+        nk: Optional[int] = None,
+        *,
+        cell: int = 4,
+        outline: bool = True,
+        title: Optional[str] = None,
+    ) -> str:
+        """The mask as an SVG picture: a square per visible (query, key) pair.
+
+        Queries run down, keys across, position 0 at the top left. Drawn from the
+        normal form (:meth:`row_intervals`: one rectangle per interval of a row), so
+        the picture is the mask the ring computes, overlaps counted once. Keep it
+        small (a few hundred positions).
+
+        Parameters
+        ----------
+        nq, nk : int, optional
+            Queries and keys drawn (default: :attr:`extent`).
+        cell : int
+            Side of one pair's square in pixels.
+        outline : bool
+            Draw each slice's rectangle as a dashed outline.
+        title : str, optional
+            The picture's title (tooltip and accessible name); default the repr.
+
+        Returns
+        -------
+        str
+            A standalone SVG document (the same text for the same arguments).
+        """
+        ext_q, ext_k = self.extent
+        nq = ext_q if nq is None else int(nq)
+        nk = ext_k if nk is None else int(nk)
+        self.check(nq, nk)
+        cell = int(cell)
+        if cell < 1:
+            raise ValueError(f"cell must be a positive number of pixels, got {cell}")
+        pad = 1  # room for the frame's stroke
+        w, h = nk * cell + 2 * pad, nq * cell + 2 * pad
+        text = repr(self) if title is None else str(title)
+        esc = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        esc = esc.replace('"', "&quot;")
+        out = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+            f'viewBox="0 0 {w} {h}" role="img" aria-label="{esc}">',
+            f"<title>{esc}</title>",
+            f'<rect x="{pad}" y="{pad}" width="{nk * cell}" height="{nq * cell}" '
+            'fill="#f2f2f2" stroke="#888" stroke-width="1"/>',
+            '<g fill="#24528a">',
+        ]
+        lo, hi = self.row_intervals(np.arange(nq))
+        for t, r in zip(*np.nonzero(hi >= lo)):
+            x0, x1 = int(lo[t, r]), int(hi[t, r]) + 1
+            out.append(
+                f'<rect x="{pad + x0 * cell}" y="{pad + int(r) * cell}" '
+                f'width="{(x1 - x0) * cell}" height="{cell}"/>'
+            )
+        out.append("</g>")
+        if outline:
+            out.append('<g fill="none" stroke="#d9822b" stroke-width="1" stroke-dasharray="3 2">')
+            for s in self:
+                if s.q_start < s.q_end and s.k_start < s.k_end:
+                    out.append(
+                        f'<rect x="{pad + s.k_start * cell}" y="{pad + s.q_start * cell}" '
+                        f'width="{(s.k_end - s.k_start) * cell}" '
+                        f'height="{(s.q_end - s.q_start) * cell}"/>'
+                    )
+            out.append("</g>")
+        out.append("</svg>")
+        return "\n".join(out) + "\n"
+
     def pairs(self, nq: Optional[int] = None, block: int = 1 << 16) -> int:
         """Visible (query, key) pairs of the union, each counted once.
 

@@ -71,3 +71,19 @@ def test_absorbed_mla_recipe_at_three_ranks(tmp_path):
         for x in re.search(r"absorbed ([0-9,]+), unabsorbed ([0-9,]+)", res.stdout).groups()
     )
     assert unabsorbed * 1088 == absorbed * 8 * 320  # H (192 + 128) vs 576 + 512 per token
+
+
+def test_mask_pictures_are_drawn_from_the_masks():
+    """docs/_static/masks/*.svg are what docs/mask_pictures.py draws now (Slices.to_svg of
+    each builder), and docs/masks.md shows every one of them."""
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "mask_pictures.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    page = (ROOT / "docs" / "masks.md").read_text()
+    drawn = {p.name for p in (ROOT / "docs" / "_static" / "masks").glob("*.svg")}
+    shown = set(re.findall(r"\(_static/masks/([^)]+\.svg)\)", page))
+    assert drawn and shown == drawn

@@ -62,6 +62,45 @@ def test_normal_form_is_the_union(seed):
     assert (lo_p == lo[:layers, perm]).all() and (hi_p == hi[:layers, perm]).all() or nrows == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_svg_draws_the_mask(seed):
+    """Each visible pair is covered by exactly one filled square of the picture, nothing
+    else is filled, and every slice has its outline."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    rng = np.random.default_rng(seed)
+    nq, nk = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    raw = random_slices(rng, nq, nk, int(rng.integers(1, 7)))
+    s = Slices(raw)
+    svg = s.to_svg(nq, nk, cell=3, title="a <test> & more")
+    root = ET.fromstring(svg)  # well-formed, the title escaped
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.find(f"{ns}title").text == "a <test> & more"
+    assert int(root.get("width")) == 3 * nk + 2 and int(root.get("height")) == 3 * nq + 2
+    fill, lines = root.findall(f"{ns}g")
+    covered = np.zeros((nq, nk), int)
+    for r in fill:
+        x, y, w, h = (int(r.get(a)) for a in ("x", "y", "width", "height"))
+        assert h == 3 and (x - 1) % 3 == 0 and (y - 1) % 3 == 0 and w % 3 == 0
+        covered[(y - 1) // 3, (x - 1) // 3 : (x - 1 + w) // 3] += 1
+    assert (covered == s.to_dense(nq, nk)).all()
+    boxes = sorted(tuple(int(r.get(a)) for a in ("x", "y", "width", "height")) for r in lines)
+    want = sorted(
+        (1 + 3 * k0, 1 + 3 * q0, 3 * (k1 - k0), 3 * (q1 - q0))
+        for q0, q1, k0, k1, _ in s
+        if q0 < q1 and k0 < k1
+    )
+    assert boxes == want
+    assert s.to_svg(nq, nk, cell=3, title="a <test> & more") == svg  # deterministic
+    assert "stroke-dasharray" not in s.to_svg(nq, nk, outline=False)
+    assert re.search(r"aria-label=\"Slices\(", s.to_svg(nq, nk))  # default title: the repr
+    with pytest.raises(ValueError, match="beyond"):
+        Slices([(0, 2, 0, 2, "full")]).to_svg(1, 1)
+    with pytest.raises(ValueError, match="cell"):
+        s.to_svg(nq, nk, cell=0)
+
+
 def test_overlaps_count_once_and_touching_intervals_merge():
     s = Slices([(0, 4, 0, 5, "full"), (0, 4, 3, 8, "full"), (0, 4, 8, 9, "full")])
     lo, hi = s.row_intervals(np.arange(4))
