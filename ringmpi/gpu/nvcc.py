@@ -8,8 +8,8 @@ with ``nvcc -arch=<arch> -ptx -Werror all-warnings``: nvcc's front end and NVVM 
 instantiation. The step after PTX (ptxas: registers, spills, shared memory) is the NVRTC
 check's, which builds cubins for each arch; the host side is never built (the loader
 only ever launches the kernels through NVRTC), so ``-c`` would add ptxas and gcc for
-nothing (it took 2.7x as long as ``-ptx`` on the forward module here). Needs nvcc (``$NVCC``, ``PATH``,
-``$CUDA_HOME``/``$CUDA_PATH``, ``/usr/local/cuda*``), no GPU. ``python -m
+nothing (it took 2.7x as long as ``-ptx`` on the forward module here). Needs nvcc
+(``$NVCC``, ``PATH``, ``$CUDA_HOME``/``$CUDA_PATH``, ``/usr/local/cuda*``), no GPU. ``python -m
 ringmpi.gpu.nvcc [sm_90 ...]`` prints the verdict per module; exit 1 on an error or a
 warning. A passing verdict is kept for its exact input (:mod:`ringmpi.gpu.verdicts`).
 """
