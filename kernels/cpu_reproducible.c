@@ -129,34 +129,101 @@ static inline v8 rmr_exp8(v8 t) {
     return sel8(low, zero, sel8(nan, t, y));
 }
 
-/* Scores of a 4 x 16 tile: s[r][j] = ((q_r0 k_0j + q_r1 k_1j) + ...) (before the scale) */
+/* Scores of a 4 x 16 tile: s[r][j] = ((q_r0 k_0j + q_r1 k_1j) + ...) (before the scale).
+ * kc: the panel (D, RMR_K). fused (only where every q and k is a float32 value): the vector
+ * paths add each product by one fused multiply-add. A product of two float32 values is exact
+ * in float64 (24 + 24 significant bits, exponents far inside the range), so fma(q, k, a) =
+ * round(a + q k) = a + round(q k): the same bits as the multiply and the add of the other
+ * paths and of the numpy code. Each path keeps a register tile that fits its registers. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define RMR_MADD(a, b, x) (fused ? _mm512_fmadd_pd(b, x, a) : _mm512_add_pd(a, _mm512_mul_pd(b, x)))
 static inline void rmr_scores(const double *const qr[RMR_R], const double *kc, int64_t D,
-                              double s[RMR_R][RMR_K]) {
-    const v8 k0 = ld8(kc), k1 = ld8(kc + 8);
-    v8 a00 = qr[0][0] * k0, a01 = qr[0][0] * k1;
-    v8 a10 = qr[1][0] * k0, a11 = qr[1][0] * k1;
-    v8 a20 = qr[2][0] * k0, a21 = qr[2][0] * k1;
-    v8 a30 = qr[3][0] * k0, a31 = qr[3][0] * k1;
-    for (int64_t d = 1; d < D; d++) {
-        const v8 x0 = ld8(kc + d * RMR_K), x1 = ld8(kc + d * RMR_K + 8);
-        const double b0 = qr[0][d], b1 = qr[1][d], b2 = qr[2][d], b3 = qr[3][d];
-        a00 = a00 + b0 * x0;
-        a01 = a01 + b0 * x1;
-        a10 = a10 + b1 * x0;
-        a11 = a11 + b1 * x1;
-        a20 = a20 + b2 * x0;
-        a21 = a21 + b2 * x1;
-        a30 = a30 + b3 * x0;
-        a31 = a31 + b3 * x1;
+                              int fused, double s[RMR_R][RMR_K]) {
+    const __m512d k0 = _mm512_loadu_pd(kc), k1 = _mm512_loadu_pd(kc + 8);
+    __m512d a[RMR_R][2];
+    for (int r = 0; r < RMR_R; r++) {
+        const __m512d b = _mm512_set1_pd(qr[r][0]);
+        a[r][0] = _mm512_mul_pd(b, k0);
+        a[r][1] = _mm512_mul_pd(b, k1);
     }
-    st8(s[0], a00);
-    st8(s[0] + 8, a01);
-    st8(s[1], a10);
-    st8(s[1] + 8, a11);
-    st8(s[2], a20);
-    st8(s[2] + 8, a21);
-    st8(s[3], a30);
-    st8(s[3] + 8, a31);
+    for (int64_t d = 1; d < D; d++) {
+        const __m512d x0 = _mm512_loadu_pd(kc + d * RMR_K), x1 = _mm512_loadu_pd(kc + d * RMR_K + 8);
+        for (int r = 0; r < RMR_R; r++) {
+            const __m512d b = _mm512_set1_pd(qr[r][d]);
+            a[r][0] = RMR_MADD(a[r][0], b, x0);
+            a[r][1] = RMR_MADD(a[r][1], b, x1);
+        }
+    }
+    for (int r = 0; r < RMR_R; r++) {
+        _mm512_storeu_pd(s[r], a[r][0]);
+        _mm512_storeu_pd(s[r] + 8, a[r][1]);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RMR_MADD(a, b, x) (fused ? _mm256_fmadd_pd(b, x, a) : _mm256_add_pd(a, _mm256_mul_pd(b, x)))
+static inline void rmr_scores(const double *const qr[RMR_R], const double *kc, int64_t D,
+                              int fused, double s[RMR_R][RMR_K]) {
+    for (int half = 0; half < RMR_K; half += 8) { /* 4 rows x 8 keys: 8 ymm accumulators */
+        const double *kh = kc + half;
+        const __m256d k0 = _mm256_loadu_pd(kh), k1 = _mm256_loadu_pd(kh + 4);
+        __m256d a[RMR_R][2];
+        for (int r = 0; r < RMR_R; r++) {
+            const __m256d b = _mm256_set1_pd(qr[r][0]);
+            a[r][0] = _mm256_mul_pd(b, k0);
+            a[r][1] = _mm256_mul_pd(b, k1);
+        }
+        for (int64_t d = 1; d < D; d++) {
+            const __m256d x0 = _mm256_loadu_pd(kh + d * RMR_K);
+            const __m256d x1 = _mm256_loadu_pd(kh + d * RMR_K + 4);
+            for (int r = 0; r < RMR_R; r++) {
+                const __m256d b = _mm256_set1_pd(qr[r][d]);
+                a[r][0] = RMR_MADD(a[r][0], b, x0);
+                a[r][1] = RMR_MADD(a[r][1], b, x1);
+            }
+        }
+        for (int r = 0; r < RMR_R; r++) {
+            _mm256_storeu_pd(s[r] + half, a[r][0]);
+            _mm256_storeu_pd(s[r] + half + 4, a[r][1]);
+        }
+    }
+}
+#else
+static inline void rmr_scores(const double *const qr[RMR_R], const double *kc, int64_t D,
+                              int fused, double s[RMR_R][RMR_K]) {
+    (void)fused; /* no fused multiply-add here: the multiply and the add (the same bits) */
+    for (int r = 0; r < RMR_R; r++)
+        for (int j = 0; j < RMR_K; j++) s[r][j] = qr[r][0] * kc[j];
+    for (int64_t d = 1; d < D; d++)
+        for (int r = 0; r < RMR_R; r++) {
+            const double b = qr[r][d];
+            for (int j = 0; j < RMR_K; j++) s[r][j] = s[r][j] + b * kc[d * RMR_K + j];
+        }
+}
+#endif
+
+/* A 4 rows x 16 columns tile of a block's p v: o[r] = p_r0 v_0 + p_r1 v_1 + ... in key order.
+ * vb: the block's v from its column; its rows are Dv apart. */
+static inline void rmr_pv(const double pw[RMR_R][RMR_BK], const double *vb, int64_t Dv,
+                          int64_t nkb, v8 o[RMR_R][2]) {
+    const v8 v0 = ld8(vb), v1 = ld8(vb + 8);
+    v8 a00 = pw[0][0] * v0, a01 = pw[0][0] * v1, a10 = pw[1][0] * v0, a11 = pw[1][0] * v1;
+    v8 a20 = pw[2][0] * v0, a21 = pw[2][0] * v1, a30 = pw[3][0] * v0, a31 = pw[3][0] * v1;
+    for (int64_t j = 1; j < nkb; j++) {
+        const v8 x0 = ld8(vb + j * Dv), x1 = ld8(vb + j * Dv + 8);
+        const double p0 = pw[0][j], p1 = pw[1][j], p2 = pw[2][j], p3 = pw[3][j];
+        a00 = a00 + p0 * x0;
+        a01 = a01 + p0 * x1;
+        a10 = a10 + p1 * x0;
+        a11 = a11 + p1 * x1;
+        a20 = a20 + p2 * x0;
+        a21 = a21 + p2 * x1;
+        a30 = a30 + p3 * x0;
+        a31 = a31 + p3 * x1;
+    }
+    o[0][0] = a00, o[0][1] = a01, o[1][0] = a10, o[1][1] = a11;
+    o[2][0] = a20, o[2][1] = a21, o[3][0] = a30, o[3][1] = a31;
 }
 
 /* Fold the 8 lanes x into the sums o[f][0..7] on the grids c[f][0..7] */
@@ -185,11 +252,13 @@ static inline void rmr_fold8(v8 x, int64_t folds, double *o, int64_t ostride, co
  * Pass 1: for each row and global key block, lb = p_0 + p_1 + ... and ob = p_0 v_0 + p_1 v_1
  * + ..., in key order (invisible keys with p = 0), then folded: one block partial per
  * (row, block), the same numbers whichever rank holds the block.
+ * fused: 1 when every q and k is a float32 value (rmr_scores may fuse; the same bits).
  * Returns 0, or -1 for a bad argument. */
 int64_t rmr_block(const double *q, const double *kt, const double *v, const int64_t *kpos,
                   const int64_t *lo, const int64_t *hi, int64_t B, int64_t H, int64_t Hkv,
                   int64_t Sq, int64_t Sk, int64_t Skp, int64_t D, int64_t Dv, double scale,
-                  int64_t pass, int64_t folds, int64_t row0, int64_t row1, double *m,
+                  int64_t pass, int64_t folds, int64_t row0, int64_t row1, int64_t fused,
+                  double *m,
                   const double *lconst, const double *vconst, double *lsum, double *osum) {
     if (Skp % RMR_BK || Skp < Sk || D < 1 || H % Hkv || folds < 1 || folds > RMR_MAXF ||
         row0 < 0 || row1 > Sq || row0 > row1 || (Sk > 0 && kpos[0] % RMR_BK))
@@ -216,6 +285,9 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
             const double *vh = v ? v + (bb * Hkv + kh) * Sk * Dv : 0;
             const double *vc = pass ? vconst + (bb * Hkv + kh) * Dv : 0;
             double *mh = m + (bb * H + h) * Sq;
+            /* key blocks outside, row tiles inside: a block's k panels and v rows (2 x 32 KiB
+             * at D = 64) stay in cache while every row tile of the call uses them */
+            for (int64_t kb0 = 0; kb0 < Sk; kb0 += RMR_BK)
             for (int64_t i0 = row0; i0 < row1; i0 += RMR_R) {
                 const int64_t nr = row1 - i0 < RMR_R ? row1 - i0 : RMR_R;
                 int64_t rlo = INT64_MAX, rhi = INT64_MIN;
@@ -228,9 +300,9 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                     qr[r] = q + ((bb * H + h) * Sq + i0 + (r < nr ? r : 0)) * D;
                 double s[RMR_R][RMR_K];
                 if (pass == 0) {
-                    for (int64_t c = 0; c < nchunk; c++) {
+                    for (int64_t c = kb0 / RMR_K; c < (kb0 + RMR_BK) / RMR_K; c++) {
                         if (cmin[c] > rhi || cmax[c] < rlo) continue; /* no row sees a key */
-                        rmr_scores(qr, kth + c * RMR_K * D, D, s);
+                        rmr_scores(qr, kth + c * RMR_K * D, D, (int)fused, s);
                         const int64_t j0 = c * RMR_K;
                         const int64_t nk = Sk - j0 < RMR_K ? Sk - j0 : RMR_K;
                         for (int64_t r = 0; r < nr; r++) {
@@ -252,7 +324,7 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                 }
                 double mi[RMR_R];
                 for (int64_t r = 0; r < RMR_R; r++) mi[r] = mh[i0 + (r < nr ? r : 0)];
-                for (int64_t j0 = 0; j0 < Sk; j0 += RMR_BK) {
+                for (int64_t j0 = kb0; j0 == kb0; j0++) { /* this key block */
                     const int64_t nkb = Sk - j0 < RMR_BK ? Sk - j0 : RMR_BK;
                     double pw[RMR_R][RMR_BK];
                     int any = 0;
@@ -264,23 +336,32 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                             continue;
                         }
                         any = 1;
-                        rmr_scores(qr, kth + c * RMR_K * D, D, s);
+                        rmr_scores(qr, kth + c * RMR_K * D, D, (int)fused, s);
+                        /* positions of the chunk's keys, past the real keys: never visible */
+                        int64_t kp[RMR_K];
+                        for (int j = 0; j < RMR_K; j++)
+                            kp[j] = jc + j < nkb ? kpos[j0 + jc + j] : INT64_MIN;
                         for (int r = 0; r < RMR_R; r++) {
                             const int64_t i = i0 + (r < nr ? r : 0), a = lo[i], b = hi[i];
-                            for (int h8 = 0; h8 < RMR_K; h8 += 8)
-                                st8(pw[r] + jc + h8, rmr_exp8(ld8(s[r] + h8) * scale - mi[r]));
-                            for (int j = 0; j < RMR_K; j++) {
-                                const int64_t p = jc + j < nkb ? kpos[j0 + jc + j] : a - 1;
-                                if (p < a || p > b) pw[r][jc + j] = 0.0;
+                            for (int h8 = 0; h8 < RMR_K; h8 += 8) {
+                                const v8 e = rmr_exp8(ld8(s[r] + h8) * scale - mi[r]);
+                                v8i p8;
+                                memcpy(&p8, kp + h8, sizeof p8);
+                                st8(pw[r] + jc + h8, sel8((p8 >= a) & (p8 <= b), e, (v8){0}));
                             }
                         }
                     }
                     if (!any) continue; /* every weight 0: the block adds exact zeros */
-                    for (int64_t r = 0; r < nr; r++) { /* lb: the block's p summed in key order */
-                        double x = pw[r][0];
-                        for (int64_t j = 1; j < nkb; j++) x = x + pw[r][j];
-                        double *lrow = lsum + (bb * H + h) * Sq + i0 + r;
-                        for (int64_t f = 0; f < folds; f++) RMR_FOLD(x, lc[f], lrow[f * lstride]);
+                    { /* lb: each row's p of the block summed in key order (4 chains at once) */
+                        double x[RMR_R];
+                        for (int r = 0; r < RMR_R; r++) x[r] = pw[r][0];
+                        for (int64_t j = 1; j < nkb; j++)
+                            for (int r = 0; r < RMR_R; r++) x[r] = x[r] + pw[r][j];
+                        for (int64_t r = 0; r < nr; r++) {
+                            double *lrow = lsum + (bb * H + h) * Sq + i0 + r;
+                            for (int64_t f = 0; f < folds; f++)
+                                RMR_FOLD(x[r], lc[f], lrow[f * lstride]);
+                        }
                     }
                     /* ob: the block's p v summed in key order, 4 rows x 16 columns at a time */
                     const double *vb = vh + j0 * Dv;
@@ -288,18 +369,7 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                     int64_t col = 0;
                     for (; col + 16 <= Dv; col += 16) {
                         v8 o[RMR_R][2];
-                        const v8 v0 = ld8(vb + col), v1 = ld8(vb + col + 8);
-                        for (int r = 0; r < RMR_R; r++) {
-                            o[r][0] = pw[r][0] * v0;
-                            o[r][1] = pw[r][0] * v1;
-                        }
-                        for (int64_t j = 1; j < nkb; j++) {
-                            const v8 x0 = ld8(vb + j * Dv + col), x1 = ld8(vb + j * Dv + col + 8);
-                            for (int r = 0; r < RMR_R; r++) {
-                                o[r][0] = o[r][0] + pw[r][j] * x0;
-                                o[r][1] = o[r][1] + pw[r][j] * x1;
-                            }
-                        }
+                        rmr_pv(pw, vb + col, Dv, nkb, o);
                         for (int64_t r = 0; r < nr; r++) {
                             rmr_fold8(o[r][0], folds, orow + r * Dv + col, ostride, vc + col, vcs);
                             rmr_fold8(o[r][1], folds, orow + r * Dv + col + 8, ostride,

@@ -360,10 +360,11 @@ def _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, p
     kt = kern.pad_keys(np.asarray(kb, dtype=np.float64))
     consts = (l_grid, v_grid, l_parts, o_parts) if pass_ else None
     sq = q64.shape[2]
+    narrow = kb.dtype.itemsize <= 4  # q and k float32 values: exact products (rmr_scores)
     for r0 in range(0, sq, _ROWS):
         tick(step)
         kern.block(q64, kt, v64, k_pos, lo, hi, scale, m, sk=len(k_pos),
-                   rows=(r0, min(sq, r0 + _ROWS)), consts=consts)  # fmt: skip
+                   rows=(r0, min(sq, r0 + _ROWS)), consts=consts, narrow=narrow)  # fmt: skip
 
 
 def _numpy_block(q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_) -> None:

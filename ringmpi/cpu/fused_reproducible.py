@@ -37,7 +37,7 @@ class ReproKernel(Library):
         lib.rmr_panel_keys.restype = i64
         self.panel_keys = int(lib.rmr_panel_keys())
         lib.rmr_block.restype = i64
-        lib.rmr_block.argtypes = [p] * 6 + [i64] * 8 + [ctypes.c_double] + [i64] * 4 + [p] * 5
+        lib.rmr_block.argtypes = [p] * 6 + [i64] * 8 + [ctypes.c_double] + [i64] * 5 + [p] * 5
 
     def pad_keys(self, k: np.ndarray) -> np.ndarray:
         """k (B, Hkv, Sk, D) as the kernel's float64 k^T in panels (B, Hkv, Skp / W, D, W).
@@ -67,6 +67,7 @@ class ReproKernel(Library):
         sk: int,
         rows: tuple = (0, None),
         consts: Optional[tuple] = None,
+        narrow: bool = False,
     ) -> None:
         """One K/V block against the rows ``q``: pass 0 (``consts`` None) or pass 1.
 
@@ -84,6 +85,9 @@ class ReproKernel(Library):
             The rows ``[r0, r1)`` of ``q`` to compute (None: to the end).
         consts : (l_grid (F,), v_grid (F, B, Hkv, Dv), l_sums (F, B, H, Sq),
             o_sums (F, B, H, Sq, Dv)), float64 C-contiguous, for pass 1.
+        narrow : bool
+            Every value of q and kt is a float32 number: the scores may add each (exact)
+            product by a fused multiply-add, which gives the same bits.
         """
         b, h, sq, d = q.shape
         hkv, skp = kt.shape[1], kt.shape[2] * kt.shape[4]
@@ -100,7 +104,7 @@ class ReproKernel(Library):
         rc = self._lib.rmr_block(
             ptr(q), ptr(kt), ptr(v), ptr(k_pos), ptr(lo), ptr(hi),
             b, h, hkv, sq, sk, skp, d, dv, float(scale), 0 if consts is None else 1, folds,
-            rows[0], sq if rows[1] is None else rows[1],
+            rows[0], sq if rows[1] is None else rows[1], int(bool(narrow)),
             ptr(m), ptr(lc), ptr(vc), ptr(ls), ptr(os_),
         )  # fmt: skip
         if rc != 0:
