@@ -30,13 +30,23 @@ import numpy as np
 from mpi4py import MPI
 
 from . import cost
-from .layout import positions
 from .cpu import fused_reproducible
+from .layout import positions
 from .mask import plan_steps
 from .ring import KVRing
 from .runtime import env
 
-__all__ = ["FOLDS", "refusals", "scores", "det_exp", "folds", "grids", "fold_into", "loop"]
+__all__ = [
+    "FOLDS",
+    "refusals",
+    "scores",
+    "det_exp",
+    "det_log",
+    "folds",
+    "grids",
+    "fold_into",
+    "loop",
+]
 
 FOLDS = 3  # each fold keeps about 51 - log2(nk) more bits of every summand
 
@@ -45,6 +55,7 @@ _EXP_SHIFT = float.fromhex("0x1.8p52")  # adding it rounds to an integer
 _EXP_INVLN2 = float.fromhex("0x1.71547652b82fep+0")
 _EXP_LN2HI = float.fromhex("0x1.62e42fee00000p-1")  # 32 significant bits
 _EXP_LN2LO = float.fromhex("0x1.a39ef35793c76p-33")
+_SQRT_HALF = float.fromhex("0x1.6a09e667f3bcdp-1")
 _EXP_TMIN = -345.0  # e^-345 < 2^-497: such a weight is 0 by definition (no subnormal p v)
 _EXP_C = [float.fromhex(x) for x in (
     "0x1.0000000000000p+0", "0x1.0000000000000p+0", "0x1.0000000000000p-1",
@@ -125,6 +136,28 @@ def det_exp(t):
         p = p * r + c
     y = p * np.ldexp(1.0, n.astype(np.int64))
     return np.where(t < _EXP_TMIN, 0.0, np.where(t == t, y, t))
+
+
+def det_log(x):
+    """log(x) for positive float64 x by a fixed sequence of IEEE operations.
+
+    Not ``np.log``, whose SIMD loops give other bits on other CPU feature sets. x = m 2^e
+    with m in [sqrt(1/2), sqrt(2)) (frexp: exact), s = (m - 1) / (m + 1) (|s| < 0.172),
+    log m = 2 (s + s^3/3 + ... + s^21/21) (truncation below 1e-19 relative), and
+    log x = e ln2_hi + (e ln2_lo + log m). NaN propagates.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    m, e = np.frexp(x)
+    low = m < _SQRT_HALF
+    m = np.where(low, m * 2.0, m)
+    e = (e - low).astype(np.float64)
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    acc = np.full_like(s, 1.0 / 21.0)
+    for k in range(19, 0, -2):
+        acc = acc * s2 + 1.0 / k
+    logm = 2.0 * (s * acc)
+    return e * _EXP_LN2HI + (e * _EXP_LN2LO + logm)
 
 
 def folds(nk: int, dtype) -> int:
@@ -432,7 +465,7 @@ def _finish(l_parts, o_parts, m, dtype):
     safe = np.where(seen, l, 1.0)
     out = np.where(seen[..., None], o / safe[..., None], 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(seen, m + np.log(safe), -np.inf)
+        lse = np.where(seen, m + det_log(safe), -np.inf)
     lse = np.where(np.isnan(l), np.nan, lse)
     out = np.ascontiguousarray(np.moveaxis(out, 1, 2)).astype(dtype)
     return out, lse.astype(dtype)
