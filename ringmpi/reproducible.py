@@ -1,25 +1,28 @@
 """Reproducible mode (issue 40): out and lse bitwise independent of P, layout, threads, ISA.
 
 ``ring_attention(..., reproducible=True)`` replaces the forward ring loop of
-:mod:`ringmpi.attention` by :func:`loop`, two passes over the same ring:
+:mod:`ringmpi.attention` by :func:`loop`. The keys and values are first dealt out
+again in whole global key blocks of :data:`KEY_BLOCK` positions (:func:`deal_keys`,
+one ``Alltoallv``), then two passes go over the ring:
 
 1. Each row's global maximum score M (a maximum is exact, so its value does not
    depend on which rank saw which key, or in what order).
-2. Each (row, key) pair's weight p = exp(s - M) and its products p * v_j, summed
-   per row with a reproducible summation: every summand is split on fixed grids
-   (:func:`grids`, from the global key count and a global bound: 1 for p, the
-   global max |v| of each (batch, kv head, column) for p * v) into ``FOLDS`` parts
-   whose sums over any subset of keys are exact in float64. The fold sums
-   therefore do not depend on how the keys were grouped or ordered; they are added
-   in a fixed order at the end: out = o / l rounded once to the output dtype,
-   lse = M + log(l).
+2. For each (row, key block): the block sums lb = p_0 + p_1 + ... and
+   ob = p_0 v_0 + p_1 v_1 + ... in key order, p = :func:`det_exp` (s - M); each
+   block sum is split on fixed grids (:func:`grids`, from the global key count and a
+   global bound: 1 for p, the global max |v| of each (batch, kv head, column) for
+   p v) into :func:`folds` parts whose sums over any set of blocks are exact in
+   float64. The fold sums are added in a fixed order at the end: out = o / l rounded
+   once to the output dtype, lse = M + :func:`det_log` (l).
 
-A score is computed by this module's own fixed-order loop over the head dim
-(:func:`scores`: elementwise float64 multiply and add, no BLAS), so it is the same
-number whatever the shape of the call it is part of. Neither the numpy tile nor
-the fused C tiles run in this mode: the CPU kernel selection, its ISA path and
-the BLAS/OpenMP thread counts do not touch the bits. docs/reproducible.md has the
-argument and the limits.
+A score is a fixed sequence of float64 operations over the head dim (:func:`scores`),
+the same number whatever the shape of the call it is part of. The work runs in the
+C kernel ``kernels/cpu_reproducible.c`` (:mod:`ringmpi.cpu.fused_reproducible`, every
+ISA path), or, with ``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in this
+module's numpy code, its oracle: the same operations, the same bits. Neither the numpy
+tile nor the fused tiles run in this mode, and no numpy transcendental (``np.exp``,
+``np.log``: their SIMD loops differ between CPU feature sets) touches a value.
+docs/reproducible.md has the argument and the limits.
 """
 
 from __future__ import annotations
