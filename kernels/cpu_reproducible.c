@@ -205,6 +205,40 @@ static inline void rmr_scores(const double *const qr[RMR_R], const double *kc, i
 
 /* A 4 rows x 16 columns tile of a block's p v: o[r] = p_r0 v_0 + p_r1 v_1 + ... in key order.
  * vb: the block's v from its column; its rows are Dv apart. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2: the same chains, 8 columns at a time (4 rows x 2 ymm: no spills of 16 ymm) */
+typedef double v4 __attribute__((vector_size(32), aligned(8), may_alias));
+static inline void rmr_pv(const double pw[RMR_R][RMR_BK], const double *vb, int64_t Dv,
+                          int64_t nkb, v8 o[RMR_R][2]) {
+    double out[RMR_R][16];
+    for (int half = 0; half < 16; half += 8) {
+        const double *vh = vb + half;
+        const v4 v0 = *(const v4 *)vh, v1 = *(const v4 *)(vh + 4);
+        v4 a00 = pw[0][0] * v0, a01 = pw[0][0] * v1, a10 = pw[1][0] * v0, a11 = pw[1][0] * v1;
+        v4 a20 = pw[2][0] * v0, a21 = pw[2][0] * v1, a30 = pw[3][0] * v0, a31 = pw[3][0] * v1;
+        for (int64_t j = 1; j < nkb; j++) {
+            const v4 x0 = *(const v4 *)(vh + j * Dv), x1 = *(const v4 *)(vh + j * Dv + 4);
+            const double p0 = pw[0][j], p1 = pw[1][j], p2 = pw[2][j], p3 = pw[3][j];
+            a00 = a00 + p0 * x0;
+            a01 = a01 + p0 * x1;
+            a10 = a10 + p1 * x0;
+            a11 = a11 + p1 * x1;
+            a20 = a20 + p2 * x0;
+            a21 = a21 + p2 * x1;
+            a30 = a30 + p3 * x0;
+            a31 = a31 + p3 * x1;
+        }
+        *(v4 *)(out[0] + half) = a00, *(v4 *)(out[0] + half + 4) = a01;
+        *(v4 *)(out[1] + half) = a10, *(v4 *)(out[1] + half + 4) = a11;
+        *(v4 *)(out[2] + half) = a20, *(v4 *)(out[2] + half + 4) = a21;
+        *(v4 *)(out[3] + half) = a30, *(v4 *)(out[3] + half + 4) = a31;
+    }
+    for (int r = 0; r < RMR_R; r++) {
+        o[r][0] = ld8(out[r]);
+        o[r][1] = ld8(out[r] + 8);
+    }
+}
+#else
 static inline void rmr_pv(const double pw[RMR_R][RMR_BK], const double *vb, int64_t Dv,
                           int64_t nkb, v8 o[RMR_R][2]) {
     const v8 v0 = ld8(vb), v1 = ld8(vb + 8);
@@ -225,6 +259,7 @@ static inline void rmr_pv(const double pw[RMR_R][RMR_BK], const double *vb, int6
     o[0][0] = a00, o[0][1] = a01, o[1][0] = a10, o[1][1] = a11;
     o[2][0] = a20, o[2][1] = a21, o[3][0] = a30, o[3][1] = a31;
 }
+#endif
 
 /* Fold the 8 lanes x into the sums o[f][0..7] on the grids c[f][0..7] */
 static inline void rmr_fold8(v8 x, int64_t folds, double *o, int64_t ostride, const double *c,
