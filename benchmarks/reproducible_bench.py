@@ -28,10 +28,13 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dtype", choices=["float32", "float64", "both"], default="both")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rows = []
-    for dtype in (np.float32, np.float64):
+    dtypes = [np.float32, np.float64] if args.dtype == "both" else [np.dtype(args.dtype).type]
+    kernels = {}
+    for dtype in dtypes:
         rng = np.random.default_rng(0)
         qkv = random_qkv(
             rng, args.n, args.heads, args.kv_heads, args.d, dtype=dtype, realistic=True
@@ -44,13 +47,18 @@ def main() -> None:
                 for rep in (False, True):
                     comm.Barrier()
                     t0 = time.perf_counter()
-                    outs[rep] = ringmpi.ring_attention(*cut, comm, causal=causal, reproducible=rep)
+                    st = {}
+                    outs[rep] = ringmpi.ring_attention(
+                        *cut, comm, causal=causal, reproducible=rep, stats=st
+                    )
+                    kernels[rep] = st.get("reproducible_kernel", st.get("tile"))
                     times[rep].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
             diff = comm.allreduce(float(np.abs(outs[True] - outs[False]).max()), op=MPI.MAX)
             t_def, t_rep = (float(np.median(times[x])) for x in (False, True))
             rows.append((np.dtype(dtype).name, causal, t_def, t_rep, diff))
     if comm.rank == 0:
         print(f"P={comm.size} N={args.n} H={args.heads} Hkv={args.kv_heads} D={args.d}")
+        print(f"default: {kernels[False]}; reproducible: {kernels[True]}")
         print(
             f"{'dtype':8} {'causal':6} {'default s':>10} {'reprod. s':>10} {'ratio':>7}"
             f" {'max |diff|':>10}"

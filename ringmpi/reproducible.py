@@ -1,25 +1,28 @@
 """Reproducible mode (issue 40): out and lse bitwise independent of P, layout, threads, ISA.
 
 ``ring_attention(..., reproducible=True)`` replaces the forward ring loop of
-:mod:`ringmpi.attention` by :func:`loop`, two passes over the same ring:
+:mod:`ringmpi.attention` by :func:`loop`. The keys and values are first dealt out
+again in whole global key blocks of :data:`KEY_BLOCK` positions (:func:`deal_keys`,
+one ``Alltoallv``), then two passes go over the ring:
 
 1. Each row's global maximum score M (a maximum is exact, so its value does not
    depend on which rank saw which key, or in what order).
-2. Each (row, key) pair's weight p = exp(s - M) and its products p * v_j, summed
-   per row with a reproducible summation: every summand is split on fixed grids
-   (:func:`grids`, from the global key count and a global bound: 1 for p, the
-   global max |v| of each (batch, kv head, column) for p * v) into ``FOLDS`` parts
-   whose sums over any subset of keys are exact in float64. The fold sums
-   therefore do not depend on how the keys were grouped or ordered; they are added
-   in a fixed order at the end: out = o / l rounded once to the output dtype,
-   lse = M + log(l).
+2. For each (row, key block): the block sums lb = p_0 + p_1 + ... and
+   ob = p_0 v_0 + p_1 v_1 + ... in key order, p = :func:`det_exp` (s - M); each
+   block sum is split on fixed grids (:func:`grids`, from the global key count and a
+   global bound: 1 for p, the global max |v| of each (batch, kv head, column) for
+   p v) into :func:`folds` parts whose sums over any set of blocks are exact in
+   float64. The fold sums are added in a fixed order at the end: out = o / l rounded
+   once to the output dtype, lse = M + :func:`det_log` (l).
 
-A score is computed by this module's own fixed-order loop over the head dim
-(:func:`scores`: elementwise float64 multiply and add, no BLAS), so it is the same
-number whatever the shape of the call it is part of. Neither the numpy tile nor
-the fused C tiles run in this mode: the CPU kernel selection, its ISA path and
-the BLAS/OpenMP thread counts do not touch the bits. docs/reproducible.md has the
-argument and the limits.
+A score is a fixed sequence of float64 operations over the head dim (:func:`scores`),
+the same number whatever the shape of the call it is part of. The work runs in the
+C kernel ``kernels/cpu_reproducible.c`` (:mod:`ringmpi.cpu.fused_reproducible`, every
+ISA path), or, with ``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in this
+module's numpy code, its oracle: the same operations, the same bits. Neither the numpy
+tile nor the fused tiles run in this mode, and no numpy transcendental (``np.exp``,
+``np.log``: their SIMD loops differ between CPU feature sets) touches a value.
+docs/reproducible.md has the argument and the limits.
 """
 
 from __future__ import annotations
@@ -30,15 +33,42 @@ import numpy as np
 from mpi4py import MPI
 
 from . import cost
+from .cpu import fused_reproducible
 from .layout import positions
 from .mask import plan_steps
 from .ring import KVRing
+from .runtime import env
 
-__all__ = ["FOLDS", "refusals", "scores", "grids", "fold_into", "loop"]
+__all__ = [
+    "FOLDS",
+    "refusals",
+    "scores",
+    "det_exp",
+    "det_log",
+    "folds",
+    "grids",
+    "fold_into",
+    "loop",
+]
 
 FOLDS = 3  # each fold keeps about 51 - log2(nk) more bits of every summand
+
+# det_exp's constants: kernels/cpu_reproducible.c (RMR_*) holds the same doubles
+_EXP_SHIFT = float.fromhex("0x1.8p52")  # adding it rounds to an integer
+_EXP_INVLN2 = float.fromhex("0x1.71547652b82fep+0")
+_EXP_LN2HI = float.fromhex("0x1.62e42fee00000p-1")  # 32 significant bits
+_EXP_LN2LO = float.fromhex("0x1.a39ef35793c76p-33")
+_SQRT_HALF = float.fromhex("0x1.6a09e667f3bcdp-1")
+_EXP_TMIN = -345.0  # e^-345 < 2^-497: such a weight is 0 by definition (no subnormal p v)
+_EXP_C = [float.fromhex(x) for x in (
+    "0x1.0000000000000p+0", "0x1.0000000000000p+0", "0x1.0000000000000p-1",
+    "0x1.5555555555555p-3", "0x1.5555555555555p-5", "0x1.1111111111111p-7",
+    "0x1.6c16c16c16c17p-10", "0x1.a01a01a01a01ap-13", "0x1.a01a01a01a01ap-16",
+    "0x1.71de3a556c734p-19", "0x1.27e4fb7789f5cp-22", "0x1.ae64567f544e4p-26",
+    "0x1.1eed8eff8d898p-29",
+)]  # fmt: skip
 _ROWS = 256  # query rows per chunk: memory only, the bits do not depend on it
-_KEYS = 128  # keys per chunk: memory only
+KEY_BLOCK = 64  # keys per global key block: the unit of the partial sums (the C kernel's RMR_BK)
 _E_MIN = -960  # lowest grid exponent: keeps every constant and quantum a normal float64
 
 
@@ -90,7 +120,67 @@ def scores(q, k, scale: float):
     return s
 
 
-def grids(nk: int, bound) -> list:
+def det_exp(t):
+    """exp(t) for float64 t <= 0 (or NaN) by a fixed sequence of IEEE operations.
+
+    The same operations as ``rmr_exp`` of kernels/cpu_reproducible.c: n = round(t / ln 2)
+    (adding and subtracting 1.5 * 2^52), r = (t - n ln2_hi) - n ln2_lo, a degree-12
+    Taylor polynomial by Horner's rule, times 2^n (exact); 0 below t = -708 (far below
+    the last fold's quantum: such a weight never reaches a sum). Not ``np.exp``, whose
+    SIMD loops differ between CPU feature sets and numpy versions.
+    """
+    t = np.asarray(t, dtype=np.float64)
+    tc = np.where(t < _EXP_TMIN, _EXP_TMIN, t)  # NaN stays NaN
+    tc = np.where(tc == tc, tc, 0.0)
+    n = (tc * _EXP_INVLN2 + _EXP_SHIFT) - _EXP_SHIFT
+    r = (tc - n * _EXP_LN2HI) - n * _EXP_LN2LO
+    p = _EXP_C[12] * r + _EXP_C[11]
+    for c in _EXP_C[10::-1]:
+        p = p * r + c
+    y = p * np.ldexp(1.0, n.astype(np.int64))
+    return np.where(t < _EXP_TMIN, 0.0, np.where(t == t, y, t))
+
+
+def det_log(x):
+    """log(x) for positive float64 x by a fixed sequence of IEEE operations.
+
+    Not ``np.log``, whose SIMD loops give other bits on other CPU feature sets. x = m 2^e
+    with m in [sqrt(1/2), sqrt(2)) (frexp: exact), s = (m - 1) / (m + 1) (|s| < 0.172),
+    log m = 2 (s + s^3/3 + ... + s^21/21) (truncation below 1e-19 relative), and
+    log x = e ln2_hi + (e ln2_lo + log m). NaN propagates.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    m, e = np.frexp(x)
+    low = m < _SQRT_HALF
+    m = np.where(low, m * 2.0, m)
+    e = (e - low).astype(np.float64)
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    acc = np.full_like(s, 1.0 / 21.0)
+    for k in range(19, 0, -2):
+        acc = acc * s2 + 1.0 / k
+    logm = 2.0 * (s * acc)
+    return e * _EXP_LN2HI + (e * _EXP_LN2LO + logm)
+
+
+def folds(nk: int, dtype) -> int:
+    """How many folds the sums of a call keep: the fewest whose dropped remainder is
+    below 2^-30 (float32 results) or 2^-60 (float64) of the summands' bound.
+
+    Fold f's grid exponent is E_1 - (f - 1)(51 - b) with E_1 = e + b (b: the bits of
+    ``nk``, 2^e: the bound), so dropping the remainder after F folds costs at most
+    nk 2^(E_F - 51) <= 2^(e + (F + 1) b - 51 F). A function of the global key count
+    and the dtype only: the same on every rank for every P.
+    """
+    b = max(int(nk), 1).bit_length()
+    want = 30 if np.dtype(dtype).itemsize <= 4 else 60
+    f = 2
+    while (f + 1) * b - 51 * f > -want and f < 4:
+        f += 1
+    return f
+
+
+def grids(nk: int, bound, nfolds: int = FOLDS) -> list:
     """The ``FOLDS`` splitting constants for sums of at most ``nk`` summands |x| <= bound.
 
     Fold f has a grid exponent E_f with nk * bound_f < 2^E_f and the constant
@@ -109,13 +199,13 @@ def grids(nk: int, bound) -> list:
 
     Returns
     -------
-    list of float64 arrays (shape of ``bound``), one per fold.
+    list of float64 arrays (shape of ``bound``), one per fold (``nfolds``).
     """
     bits = max(int(nk), 1).bit_length()  # nk <= 2^bits
     _, e = np.frexp(np.asarray(bound, dtype=np.float64))  # bound < 2^e
     e = np.maximum(e.astype(np.int64) + bits, _E_MIN)
     out = []
-    for _ in range(FOLDS):
+    for _ in range(nfolds):
         out.append(np.ldexp(1.5, e + 2))
         e = np.maximum(e - 51 + bits, _E_MIN)
     return out
@@ -155,71 +245,54 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
         raise ValueError("ring_attention: reproducible=True cannot be checkpointed or resumed yet")
     mask, layout = args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
-    plan = plan_steps(mask, rank, size, layout)
+    plan = plan_steps(mask, rank, size, layout)  # for the query positions and the pair count
     lo, hi = mask.bounds(plan.q_pos)
+    lo, hi = (np.ascontiguousarray(x, dtype=np.int64) for x in (lo, hi))
     b, h, sq, d = qi.shape
     hkv, dv = ki.shape[1], vi.shape[-1]  # dv: the value width (issue 42)
-    g = h // hkv
-    q64 = qi.astype(np.float64)
+    q64 = np.ascontiguousarray(qi, dtype=np.float64)
     nk = int(args.nk)
+    n_sum = -(-nk // KEY_BLOCK) * KEY_BLOCK  # the grids' summand count (see grids)
+    nf = folds(n_sum, qi.dtype)
+    kern = kernel()
+
+    # the keys dealt out again in whole global blocks (deal_keys): the unit of the partial sums
+    k_mine = positions(nk, rank, size, layout, cu_seqlens=mask.cu_k, mask=mask)
+    kd, vd, starts, counts = deal_keys(comm, ki, vi, k_mine, nk)
 
     # the global bound of |v| per (batch, kv head, column): a maximum, the same for every P
-    vmax = np.abs(vi).max(axis=2).astype(np.float64) if vi.shape[2] else np.zeros((b, hkv, dv))
+    vmax = np.abs(vd).max(axis=2).astype(np.float64) if vd.shape[2] else np.zeros((b, hkv, dv))
     comm.Allreduce(MPI.IN_PLACE, vmax, op=MPI.MAX)
-    v_grid = grids(nk, vmax)  # each (B, Hkv, Dv)
-    l_grid = grids(nk, np.float64(1.0))  # exp(s - M) <= 1
+    # block sums: at most n_sum / KEY_BLOCK summands, each at most KEY_BLOCK x the bound
+    v_grid = np.stack(grids(n_sum, vmax, nf))  # (F, B, Hkv, Dv)
+    l_grid = np.array(grids(n_sum, np.float64(1.0), nf))  # (F,): exp(s - M) <= 1
 
     m = np.full((b, h, sq), -np.inf)
-    l_parts = [np.zeros((b, h, sq)) for _ in range(FOLDS)]
-    o_parts = [np.zeros((b, h, sq, dv)) for _ in range(FOLDS)]
+    l_parts = np.zeros((nf, b, h, sq))
+    o_parts = np.zeros((nf, b, h, sq, dv))
     stats = dict(compute_s=0.0, wait_s=0.0, flops=0, tile_flops=0, bytes_sent=0)
     computed = 0
+    row_lo, row_hi = (lo.min(), hi.max()) if sq else (1, 0)
 
     def tick(step):
         if on_tick is not None:
             on_tick(step)
 
     for pass_ in (0, 1):
-        kv_ring = KVRing(comm, args.backend, ki, vi, args.counts_k, plan.nsteps)
+        kv_ring = KVRing(comm, args.backend, kd, vd, counts, size)
         with kv_ring as kv:
             for step, src, kb, vb in kv:
-                if plan.compute[step]:
+                k_pos = np.arange(starts[src], starts[src] + counts[src], dtype=np.int64)
+                if counts[src] and k_pos[0] <= row_hi and k_pos[-1] >= row_lo:
                     t0 = time.perf_counter()
-                    k_pos = positions(nk, src, size, layout, cu_seqlens=mask.cu_k, mask=mask)
-                    k64 = kb.astype(np.float64)
-                    v64 = vb.astype(np.float64) if pass_ else None
-                    for r0 in range(0, sq, _ROWS):
-                        r1 = min(sq, r0 + _ROWS)
-                        tick(step)
-                        for k0 in range(0, len(k_pos), _KEYS):
-                            k1 = min(len(k_pos), k0 + _KEYS)
-                            kp = k_pos[k0:k1]
-                            vis = (kp[None, :] >= lo[r0:r1, None]) & (
-                                kp[None, :] <= hi[r0:r1, None]
-                            )
-                            if not vis.any():
-                                continue
-                            for bb in range(b):
-                                for hh in range(h):
-                                    kh = hh // g
-                                    s = scores(q64[bb, hh, r0:r1], k64[bb, kh, k0:k1], args.scale)
-                                    if pass_ == 0:
-                                        s[~vis] = -np.inf
-                                        np.maximum(
-                                            m[bb, hh, r0:r1], s.max(axis=1), out=m[bb, hh, r0:r1]
-                                        )
-                                        continue
-                                    _accumulate(
-                                        s,
-                                        vis,
-                                        m[bb, hh, r0:r1],
-                                        v64[bb, kh, k0:k1],
-                                        (l_grid, [x[bb, hh, r0:r1] for x in l_parts]),
-                                        (
-                                            [c[bb, kh] for c in v_grid],
-                                            [x[bb, hh, r0:r1] for x in o_parts],
-                                        ),
-                                    )
+                    v64 = np.ascontiguousarray(vb, dtype=np.float64) if pass_ else None
+                    state = (m, l_grid, v_grid, l_parts, o_parts)
+                    if kern is not None:
+                        _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, args.scale, state, tick,
+                                      step, pass_)  # fmt: skip
+                    else:
+                        _numpy_block(q64, kb, v64, k_pos, lo, hi, args.scale, state, tick, step,
+                                     pass_)  # fmt: skip
                     stats["compute_s"] += time.perf_counter() - t0
                     if pass_:
                         pairs = plan.pairs(step, k_pos, args.causal)
@@ -227,31 +300,166 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
                         stats["tile_flops"] += 2 * sq * len(k_pos) * (d + dv) * h * b
                         computed += 1
                 if on_step is not None:
-                    on_step(pass_ * plan.nsteps + step + 1, 2 * plan.nsteps)
+                    on_step(pass_ * size + step + 1, 2 * size)
         stats["wait_s"] += kv.ring.wait_s
         stats["bytes_sent"] += kv.bytes_sent
     out, lse = _finish(l_parts, o_parts, m, args.acc_dtype)
     stats.update(
-        steps=plan.nsteps,
+        steps=size,
         steps_computed=computed,
-        steps_skipped=size - plan.nsteps,
+        steps_skipped=0,
         steps_resumed=0,
+        reproducible_kernel=f"C {kern.isa}" if kern is not None else "numpy",
     )
     return out, lse, stats
 
 
-def _accumulate(s, vis, m_rows, v, l_acc, o_acc) -> None:
-    """Pass 2 on one (rows, keys) block of one head: fold p and p * v into the row sums."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        t = np.where(vis, s - m_rows[:, None], -np.inf)
-    p = np.exp(t)  # C-contiguous, freshly made: the same loop of numpy's exp for every P
-    fold_into(p, *l_acc, axis=1)
-    fold_into(p[:, :, None] * v[None, :, :], *o_acc, axis=1, scratch=True)
+def deal_keys(comm, k, v, pos, nk: int):
+    """The keys and values dealt out in whole global key blocks: (k, v, starts, counts).
+
+    Block c holds the keys at positions [64 c, 64 c + 64) (:data:`KEY_BLOCK`); rank r
+    gets the blocks [r nb / P, (r + 1) nb / P) (nb blocks), so every block lies whole on
+    one rank and a block's partial sums are computed by the same code on the same keys
+    in the same order for every P and layout. One ``Alltoallv`` (each key travels at
+    most once), before the ring.
+
+    Parameters
+    ----------
+    k : (B, Hkv, S, Dk), v : (B, Hkv, S, Dv)
+        This rank's keys and values (the first ``len(pos)`` along S are real).
+    pos : (n,) int
+        Their global positions (a partition of 0..nk-1 over the ranks).
+
+    Returns
+    -------
+    k (B, Hkv, count, Dk), v (B, Hkv, count, Dv) of this rank's blocks in position order;
+    starts, counts: lists over ranks (rank r holds positions starts[r] + 0..counts[r]-1).
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    nb = -(-nk // KEY_BLOCK)
+    starts = [min(r * nb // size * KEY_BLOCK, nk) for r in range(size + 1)]
+    counts = [starts[r + 1] - starts[r] for r in range(size)]
+    pos = np.asarray(pos, dtype=np.int64)
+    n = len(pos)
+    b, hkv, _, dk = k.shape
+    dv = v.shape[-1]
+    dest = np.searchsorted(np.array(starts[:-1]), pos, side="right") - 1
+    order = np.argsort(dest, kind="stable")
+    send_n = np.bincount(dest, minlength=size).astype(np.int64)
+    recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
+    width = b * hkv * (dk + dv)
+    rows = np.concatenate(
+        [np.moveaxis(x[:, :, :n][:, :, order], 2, 0).reshape(n, -1) for x in (k, v)], axis=1
+    )
+    rows = np.ascontiguousarray(rows)
+    got = np.empty((int(recv_n.sum()), width), dtype=rows.dtype)
+    got_pos = np.empty(int(recv_n.sum()), dtype=np.int64)
+
+    def spans(cnt):
+        return cnt, np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
+
+    (sc, sd), (rc, rd) = spans(send_n), spans(recv_n)
+    comm.Alltoallv([rows, (sc * width, sd * width)], [got, (rc * width, rd * width)])
+    comm.Alltoallv([np.ascontiguousarray(pos[order]), (sc, sd)], [got_pos, (rc, rd)])
+    mine = np.empty_like(got)
+    mine[got_pos - starts[rank]] = got
+    cut = b * hkv * dk  # each row: k (B, Hkv, Dk), then v (B, Hkv, Dv)
+    kd = np.moveaxis(mine[:, :cut].reshape(counts[rank], b, hkv, dk), 0, 2)
+    vd = np.moveaxis(mine[:, cut:].reshape(counts[rank], b, hkv, dv), 0, 2)
+    kd, vd = np.ascontiguousarray(kd), np.ascontiguousarray(vd)
+    return kd, vd, starts[:-1], counts
+
+
+def kernel():
+    """The reproducible C kernel of ``$RINGMPI_CPU_KERNEL`` / ``$RINGMPI_CPU_ISA``, or None.
+
+    ``numpy``: None (the numpy code, the oracle); ``auto``: the kernel where it builds,
+    else None; ``fused``: the kernel, or RuntimeError. Both give the same bits.
+    """
+    choice = env.get("RINGMPI_CPU_KERNEL")
+    if choice == "numpy":
+        return None
+    kern = fused_reproducible.default()
+    if kern is not None and kern.tile_keys != KEY_BLOCK:
+        raise RuntimeError(f"{kern.path}: key blocks of {kern.tile_keys}, not {KEY_BLOCK}")
+    if kern is None and choice == "fused":
+        raise RuntimeError(
+            "RINGMPI_CPU_KERNEL=fused but the reproducible C kernel is unavailable: "
+            f"{fused_reproducible.LOADER.error()}"
+        )
+    return kern
+
+
+def _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_) -> None:
+    """One K/V block, both passes' work, by the C kernel (in chunks of rows between ticks)."""
+    m, l_grid, v_grid, l_parts, o_parts = state
+    kt = kern.pad_keys(np.asarray(kb, dtype=np.float64))
+    consts = (l_grid, v_grid, l_parts, o_parts) if pass_ else None
+    sq = q64.shape[2]
+    narrow = kb.dtype.itemsize <= 4  # q and k float32 values: exact products (rmr_scores)
+    for r0 in range(0, sq, _ROWS):
+        tick(step)
+        kern.block(q64, kt, v64, k_pos, lo, hi, scale, m, sk=len(k_pos),
+                   rows=(r0, min(sq, r0 + _ROWS)), consts=consts, narrow=narrow)  # fmt: skip
+
+
+def _numpy_block(q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_) -> None:
+    """One K/V block by numpy: the oracle of the C kernel (the same operations)."""
+    m, l_grid, v_grid, l_parts, o_parts = state
+    b, h, sq, _ = q64.shape
+    g = h // kb.shape[1]
+    k64 = kb.astype(np.float64)
+    for r0 in range(0, sq, _ROWS):
+        r1 = min(sq, r0 + _ROWS)
+        tick(step)
+        for k0 in range(0, len(k_pos), KEY_BLOCK):  # k_pos[0] is a block's first key
+            k1 = min(len(k_pos), k0 + KEY_BLOCK)
+            kp = k_pos[k0:k1]
+            vis = (kp[None, :] >= lo[r0:r1, None]) & (kp[None, :] <= hi[r0:r1, None])
+            if not vis.any():
+                continue
+            for bb in range(b):
+                for hh in range(h):
+                    kh = hh // g
+                    s = scores(q64[bb, hh, r0:r1], k64[bb, kh, k0:k1], scale)
+                    if pass_ == 0:
+                        s[~vis] = -np.inf
+                        np.maximum(m[bb, hh, r0:r1], s.max(axis=1), out=m[bb, hh, r0:r1])
+                        continue
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        p = np.where(vis, det_exp(s - m[bb, hh, r0:r1, None]), 0.0)
+                    lb, ob = block_sums(p, v64[bb, kh, k0:k1])
+                    fold_into(lb[:, None], list(l_grid), [x[bb, hh, r0:r1] for x in l_parts], 1)
+                    fold_into(
+                        ob[:, None, :],
+                        [c[bb, kh] for c in v_grid],
+                        [x[bb, hh, r0:r1] for x in o_parts],
+                        1,
+                        scratch=True,
+                    )
+
+
+def block_sums(p, v):
+    """(rows,) sums of p and (rows, Dv) sums of p v over one key block, in key order.
+
+    ``lb = ((p_0 + p_1) + p_2) + ...``, ``ob = ((p_0 v_0 + p_1 v_1) + p_2 v_2) + ...``:
+    a fixed sequence of operations on the block's keys, as in the C kernel.
+
+    Parameters
+    ----------
+    p : (rows, keys) float64 weights (0 for an invisible key) ; v : (keys, Dv) float64
+    """
+    lb = p[:, 0].copy()
+    ob = p[:, 0, None] * v[0]
+    for j in range(1, p.shape[1]):
+        lb = lb + p[:, j]
+        ob = ob + p[:, j, None] * v[j]
+    return lb, ob
 
 
 def _finish(l_parts, o_parts, m, dtype):
     """out (B, S, H, D) and lse (B, H, S) in ``dtype`` from the fold sums, added in fold order."""
-    l = l_parts[0].copy()
+    l = l_parts[0].copy()  # (l_1 + l_2) + l_3 ...: a fixed order
     o = o_parts[0].copy()
     for x, y in zip(l_parts[1:], o_parts[1:]):
         l += x
@@ -260,7 +468,7 @@ def _finish(l_parts, o_parts, m, dtype):
     safe = np.where(seen, l, 1.0)
     out = np.where(seen[..., None], o / safe[..., None], 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(seen, m + np.log(safe), -np.inf)
+        lse = np.where(seen, m + det_log(safe), -np.inf)
     lse = np.where(np.isnan(l), np.nan, lse)
     out = np.ascontiguousarray(np.moveaxis(out, 1, 2)).astype(dtype)
     return out, lse.astype(dtype)

@@ -118,7 +118,7 @@ def kernel_sources(source_name: str) -> dict[str, bytes]:
     return texts
 
 
-def build_library(source_name: str, isa: Optional[str] = None) -> Path:
+def build_library(source_name: str, isa: Optional[str] = None, extra_flags=()) -> Path:
     """Compile ``kernels/<source_name>`` for one ISA path, or return the cached library.
 
     Same flags, cache and lock for every kernel source: the library is
@@ -138,6 +138,9 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
         File name under ``kernels/`` (or ``$RINGMPI_KERNEL_DIR``), e.g. ``"cpu_tile.c"``.
     isa : str, optional
         ``auto``, ``avx512``, ``avx2`` or ``scalar``; default ``$RINGMPI_CPU_ISA`` (auto).
+    extra_flags : sequence of str
+        Flags the kernel needs, placed after ``$RINGMPI_CFLAGS`` so that they win (the
+        reproducible kernel's ``-ffp-contract=off``); part of the cache key.
 
     Returns
     -------
@@ -165,6 +168,7 @@ def build_library(source_name: str, isa: Optional[str] = None) -> Path:
     texts = kernel_sources(source_name)
     cc = _compiler()
     flags = FLAGS + isa_flags(name) + os.environ.get("RINGMPI_CFLAGS", "").split()
+    flags += list(extra_flags)
     version = subprocess.run(
         [*cc.split(), "--version"], capture_output=True, text=True, timeout=60
     ).stdout

@@ -237,6 +237,7 @@ class Library:
     """
 
     SOURCE = ""
+    EXTRA_FLAGS: tuple = ()  # compiler flags after $RINGMPI_CFLAGS (build_library)
     mods = 0
     ISA_SYMBOL = ""
     WIDTH_SYMBOL = ""
@@ -261,7 +262,7 @@ class Library:
     @classmethod
     def build(cls, isa: str):
         """Compile (or take from the cache) ``SOURCE`` for path ``isa`` and load it."""
-        kern = cls(build_library(cls.SOURCE, isa))
+        kern = cls(build_library(cls.SOURCE, isa, cls.EXTRA_FLAGS))
         if kern.isa != isa:  # e.g. a compiler that ignores the ISA flags
             raise RuntimeError(f"{kern.path} was built for {kern.isa!r}, not {isa!r}")
         return kern

@@ -95,7 +95,8 @@ _VARS = [
         "auto",
         _choice("auto", "fused", "numpy"),
         "CPU tiles: `auto` (fused if it builds, else numpy, said in `ringmpi info` and "
-        '`stats["tile"]`), `fused` (an error where a fused tile is unavailable), `numpy`',
+        '`stats["tile"]`), `fused` (an error where a fused tile is unavailable), `numpy`; '
+        "the same for the reproducible mode's C kernel (same bits either way)",
     ),
     Var(
         "RINGMPI_CPU_ISA",

@@ -1,0 +1,171 @@
+"""The reproducible mode's C kernel against its numpy oracle: the same bits on every ISA path.
+
+Single rank (COMM_SELF); the P-independence is tests/test_reproducible_mpi.py's. Each case
+hashes out and lse of ``ring_attention(..., reproducible=True)`` run by the numpy code
+(``RINGMPI_CPU_KERNEL=numpy``) and by the kernel built for every ISA path this host runs
+(AVX-512, AVX2, scalar where available), on values shaped like real data, and checks
+the result against the dense float64 reference (the rule of
+:func:`ringmpi.testing.assert_close`).
+"""
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ringmpi
+from ringmpi import reproducible
+from ringmpi.cpu import fused_reproducible
+from ringmpi.cpu.isa import host_isas
+from ringmpi.cpu.loader import Loader
+from ringmpi.reference import attention
+from ringmpi.testing import assert_close, dense, random_qkv
+
+SELF = MPI.COMM_SELF
+CU = (0, 40, 41, 170, 283)
+MASKS = {
+    "none": {},
+    "causal": dict(causal=True),
+    "window": dict(window=(37, 5)),
+    "packed causal window": dict(cu_seqlens=np.array(CU), causal=True, window=(20, -1)),
+}
+
+
+def _digest(out, lse) -> str:
+    h = hashlib.sha256()
+    for x in (out, lse):
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
+def _call(q, k, v, kw):
+    return ringmpi.ring_attention(q, k, v, SELF, return_lse=True, reproducible=True, **kw)
+
+
+def _by_every_path(q, k, v, kw, monkeypatch):
+    """{"numpy": (out, lse), "<isa>": (out, lse), ...} of the same call."""
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
+    got = {"numpy": _call(q, k, v, kw)}
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
+    for isa in host_isas():
+        with fused_reproducible.LOADER.pinned(isa):
+            got[isa] = _call(q, k, v, kw)
+    return got
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_kernel_on_every_isa_gives_the_numpy_bits(dtype, mask, monkeypatch):
+    """N = 283 (4 key blocks, the last partial), D = 24, Dv = 40 (a 16-column tail)."""
+    rng = np.random.default_rng(7)
+    q, k, _ = random_qkv(rng, 283, 4, 2, 24, dtype=dtype, realistic=True)
+    v = (0.5 + 0.1 * rng.standard_normal((283, 2, 40))).astype(dtype)
+    kw = MASKS[mask]
+    got = _by_every_path(q, k, v, kw, monkeypatch)
+    want = _digest(*got["numpy"])
+    bad = [name for name, res in got.items() if _digest(*res) != want]
+    assert not bad, f"{mask} {np.dtype(dtype)}: {bad} differ from the numpy code"
+    ref = attention(q, k, v, **kw)
+    peer = dense(q, k, v, **kw) if dtype == np.float32 else (None, None)
+    out, lse = got[host_isas()[0]]
+    assert_close(SELF, out, ref[0], peer[0], f"{mask} out")
+    assert_close(SELF, lse, ref[1], peer[1], f"{mask} lse")
+
+
+def test_batch_and_longer_rows_match_the_numpy_code(monkeypatch):
+    """A batch of 2, 700 keys (11 blocks), D = 64 = Dv: full register tiles and panels."""
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 700, 4, 1, 64, batch=2, realistic=True)
+    got = _by_every_path(q, k, v, dict(causal=True), monkeypatch)
+    want = _digest(*got["numpy"])
+    assert all(_digest(*res) == want for res in got.values()), list(got)
+    ref = attention(q, k, v, True)
+    assert_close(SELF, got[host_isas()[0]][0], ref[0], dense(q, k, v, True)[0], "batch out")
+
+
+def test_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch, tmp_path):
+    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: the kernel's own flags win."""
+    q, k, v = random_qkv(np.random.default_rng(2), 150, 2, 1, 16, realistic=True)
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
+    want = _digest(*_call(q, k, v, dict(causal=True)))
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
+    fresh = Loader(fused_reproducible.ReproKernel, "reproducible C kernel", warn=False)
+    monkeypatch.setattr(fused_reproducible, "LOADER", fresh)
+    assert _digest(*_call(q, k, v, dict(causal=True))) == want
+
+
+def test_det_exp_accuracy_and_edges():
+    t = -np.concatenate(
+        [np.linspace(0, 345, 200001), np.abs(np.random.default_rng(0).normal(size=1000))]
+    )
+    got, want = reproducible.det_exp(t), np.exp(t)
+    assert np.max(np.abs(got - want) / want) < 5e-16
+    edge = reproducible.det_exp(np.array([0.0, -0.0, -345.0, -345.5, -1e300, -np.inf, np.nan]))
+    assert edge[0] == 1.0 and edge[1] == 1.0 and edge[2] > 0
+    assert edge[3] == 0.0 and edge[4] == 0.0 and edge[5] == 0.0 and np.isnan(edge[6])
+
+
+def test_folds_follow_the_dtype_and_the_key_count():
+    assert reproducible.folds(16384, np.float32) == 2
+    assert reproducible.folds(1 << 25, np.float32) == 3
+    assert reproducible.folds(8192, np.float64) == 2
+    assert reproducible.folds(16384, np.float64) == 3
+    assert reproducible.folds(1 << 24, np.float64) == 4
+
+
+def test_kernel_refuses_keys_off_the_block_grid():
+    kern = fused_reproducible.load(host_isas()[-1])
+    q = np.zeros((1, 1, 4, 8))
+    kt = kern.pad_keys(np.zeros((1, 1, 10, 8)))
+    pos = np.arange(3, 13, dtype=np.int64)  # does not start a key block
+    bounds = np.zeros(4, dtype=np.int64), np.full(4, 20, dtype=np.int64)
+    with pytest.raises(ValueError, match="refused"):
+        kern.block(q, kt, None, pos, *bounds, 1.0, np.full((1, 1, 4), -np.inf), sk=10)
+
+
+_HASH_SCRIPT = """
+import hashlib, os, numpy as np
+from mpi4py import MPI
+import ringmpi
+from ringmpi.testing import random_qkv
+q, k, v = random_qkv(np.random.default_rng(4), 200, 2, 1, 16, realistic=True)
+h = []
+for kernel in ("numpy", "fused"):
+    os.environ["RINGMPI_CPU_KERNEL"] = kernel
+    out, lse = ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, causal=True, return_lse=True,
+                                      reproducible=True)
+    h.append(hashlib.sha256(out.tobytes() + lse.tobytes()).hexdigest())
+print(" ".join(h))
+"""
+
+
+def test_numpy_cpu_dispatch_does_not_change_the_bits():
+    """numpy's AVX-512 loops switched off (NPY_DISABLE_CPU_FEATURES, what an AVX2 machine
+    runs): the same bits. np.exp and np.log differ there; the mode uses neither."""
+    import subprocess
+    import sys
+
+    from numpy._core._multiarray_umath import __cpu_features__ as feats
+
+    off = [f for f, on in feats.items() if on and (f.startswith("AVX512") or f == "X86_V4")]
+    if not off:
+        pytest.skip("numpy has no AVX-512 loops to switch off on this host")
+    runs = []
+    for extra in ({}, {"NPY_DISABLE_CPU_FEATURES": " ".join(off)}):
+        env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", **extra}
+        proc = subprocess.run(
+            [sys.executable, "-c", _HASH_SCRIPT], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(proc.stdout.split())
+    assert runs[0][0] == runs[0][1] == runs[1][0] == runs[1][1], runs
+
+
+def test_det_log_accuracy():
+    x = np.concatenate([np.linspace(1, 1e6, 100001), np.exp(np.linspace(-700, 700, 10001))])
+    got, want = reproducible.det_log(x), np.log(x)
+    assert np.max(np.abs(got - want) / np.maximum(np.abs(want), 1.0)) < 5e-16
+    assert np.isnan(reproducible.det_log(np.array([np.nan])))[0]
