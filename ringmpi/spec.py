@@ -291,7 +291,15 @@ class AttentionSpec:
         ),
     )
     head_parallel: int = 1
-    reproducible: bool = False
+    reproducible: bool = field(
+        default=False,
+        metadata=_flag(
+            "the same bits of out and lse whatever the number of ranks, the layout, the ring "
+            "size and the CPU (forward on CPUs; slower, one sequence per ring call and no "
+            "mid-sequence checkpoints: docs/reproducible.md)",
+            action="store_true",
+        ),
+    )
     # score modifiers: each also a keyword of ring_attention, its backward and decode
     alibi_slopes: Optional[tuple] = field(
         default=None,

@@ -302,6 +302,23 @@ def resolve(
         raise InputError(str(e)) from None
 
 
+def check_reproducible(spec: AttentionSpec, device: str) -> None:
+    """InputError (before any file is made) when reproducible mode cannot run this job.
+
+    The reasons the library gives per call (:func:`ringmpi.reproducible.refusals`), and
+    the device: the mode runs on the CPUs only.
+    """
+    if not spec.reproducible:
+        return
+    from ..reproducible import refusals
+
+    why = refusals(spec, np)
+    if device == "gpu":
+        why.insert(0, "--reproducible runs on the CPUs (use --device cpu)")
+    if why:
+        raise InputError("; ".join(why))
+
+
 def check_tiles(spec: AttentionSpec, device: str) -> None:
     """InputError (before any file is made) when the job's tiles cannot apply a modifier.
 

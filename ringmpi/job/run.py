@@ -164,6 +164,12 @@ def run(
     dev = pick_device(opts.device, comm)
     modifiers.check_tiles(spec, dev)  # a tile that cannot apply them: refused before any file
     modifiers.check_masks(spec, plan, dev)  # the input's masks of slices and the options
+    modifiers.check_reproducible(spec, dev)
+    if spec.reproducible:
+        # one sequence per ring call (a batch's packing would move the key blocks) and no
+        # mid-sequence checkpoints (this mode's state is not the online softmax's): a
+        # resume recomputes the sequence in progress, to the same bits
+        opts = dataclasses.replace(opts, checkpoint_every=0.0)
     blas = limit_blas(comm)  # before the calibration: it runs with the job's threads
     heap = keep_freed()  # freed batch buffers reused, not unmapped (this process only)
     notes = (blas.text,) + ((one_process_note(),) if size == 1 else ())
@@ -191,7 +197,8 @@ def run(
             r = sizes[[s.name for s in plan.sequences].index(short[0])]
             raise InputError(f"sequence {short[0]} has fewer tokens than the {r} ranks of a ring")
         caps = {
-            r: run_on_root(comm, batch_tokens, plan, r, layout, budget) for r in sorted(set(sizes))
+            r: 0 if spec.reproducible else run_on_root(comm, batch_tokens, plan, r, layout, budget)
+            for r in sorted(set(sizes))
         }
         ctx = JobContext(
             plan=plan,
