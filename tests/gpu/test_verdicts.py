@@ -96,7 +96,7 @@ def test_nvcc_check_compiles_once_per_input(cache, monkeypatch):
     real = nvcc.subprocess.run
 
     def counting(cmd, *a, **kw):
-        runs.append("-c" in cmd)
+        runs.append("-ptx" in cmd)
         return real(cmd, *a, **kw)
 
     monkeypatch.setattr(nvcc.subprocess, "run", counting)

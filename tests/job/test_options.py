@@ -76,7 +76,7 @@ def test_spec_default_scale_is_recorded_resolved(packed, tmp_path):
 
 def test_every_flag_of_the_spec_comes_from_its_fields():
     names = [n for n, _f, _k in cli_fields()]
-    assert names == ["causal", "window", "scale", "layout", "softcap"]
+    assert names == ["causal", "window", "scale", "layout", "reproducible", "softcap"]
     run_parser = build_parser()._subparsers._group_actions[0].choices["run"]
     flags = {s for a in run_parser._actions for s in a.option_strings}
     assert {f for _n, f, _k in cli_fields()} <= flags
