@@ -390,19 +390,7 @@ def of_group(files, metas, index: int, g: str, per_file: list) -> tuple:
     """(cu_seqlens, cu_seqlens_k) of group ``g`` for the scan (:func:`ringmpi.job.input.scan.scan`):
     from the first shard, identical in the others."""
     where = f"group '{g}': " if g else ""
-    got = []
-    for name in ("cu_seqlens", "cu_seqlens_k"):
-        first = metas[0]["seqs"][index][1].get(name)
-        for p, meta in zip(files[1:], metas[1:]):
-            other = meta["seqs"][index][1].get(name)
-            if other is None:
-                continue
-            if first is None:
-                fail(p, f"{where}'{name}' must be in the first shard {files[0]} (or in all)")
-            if other.shape != first.shape or (other != first).any():
-                fail(p, f"{where}'{name}' differs from the one in {files[0]}")
-        got.append(first)
-    cu, cu_k = got
+    cu, cu_k = (_same_in_every_shard(files, metas, index, where, n) for n in NAMES)
     if cu is None and cu_k is not None:
         fail(files[0], f"{where}'cu_seqlens_k' needs 'cu_seqlens' (the query offsets)")
     if cu is None:
@@ -426,19 +414,26 @@ def of_group(files, metas, index: int, g: str, per_file: list) -> tuple:
     return cu, cu_k
 
 
+def _same_in_every_shard(files, metas, index: int, where: str, name: str):
+    """Sequence ``index``'s small dataset ``name`` (offsets, slices) as the first shard holds
+    it; a shard holding another one, or holding it where the first does not, fails."""
+    first = metas[0]["seqs"][index][1].get(name)
+    for p, meta in zip(files[1:], metas[1:]):
+        other = meta["seqs"][index][1].get(name)
+        if other is None:
+            continue
+        if first is None:
+            fail(p, f"{where}'{name}' must be in the first shard {files[0]} (or in all)")
+        if other.shape != first.shape or (other != first).any():
+            fail(p, f"{where}'{name}' differs from the one in {files[0]}")
+    return first
+
+
 def slices_of(files, metas, index: int, g: str, per_file: list) -> Optional[Slices]:
     """The mask of slices of group ``g`` for the scan: from the first shard, identical in the
     others, within the sequence's lengths, not with packed sequences; None without one."""
     where = f"group '{g}': " if g else ""
-    first = metas[0]["seqs"][index][1].get("slices")
-    for p, meta in zip(files[1:], metas[1:]):
-        other = meta["seqs"][index][1].get("slices")
-        if other is None:
-            continue
-        if first is None:
-            fail(p, f"{where}'slices' must be in the first shard {files[0]} (or in all)")
-        if other.shape != first.shape or (other != first).any():
-            fail(p, f"{where}'slices' differs from the one in {files[0]}")
+    first = _same_in_every_shard(files, metas, index, where, "slices")
     if first is None:
         return None
     info = metas[0]["seqs"][index][1]
