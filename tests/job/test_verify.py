@@ -169,14 +169,15 @@ def test_compare_finds_the_first_difference_down_to_one_bit(two_runs, tmp_path, 
     with h5py.File(other, "r+") as f:
         out = f["out"]  # one sequence: at the root
         x = out[200, 1, 7]
-        out[200, 1, 7] = np.nextafter(x, np.inf)  # one ulp
+        up = np.nextafter(x, x.dtype.type(np.inf))  # one ulp in x's own dtype (numpy 1.x too)
+        out[200, 1, 7] = up
         out_neg = out[250, 0, 3]
         out[250, 0, 3] = -out_neg
     res = compare(a, other)
     assert not res["identical"]
     (d,) = res["differ"]
     assert d["name"] == "/out" and d["first"] == (200, 1, 7) and d["count"] == 2, d
-    assert d["values"][0] == x and d["values"][1] == np.nextafter(x, np.inf)
+    assert d["values"][0] == x and d["values"][1] == up
     assert d["max"] == pytest.approx(2 * abs(float(out_neg)), rel=1e-6), d
     assert main(["verify", a, "--against", other]) == 3
     text = capsys.readouterr().out
