@@ -8,11 +8,10 @@ the result against the dense float64 reference (the rule of
 :func:`ringmpi.testing.assert_close`).
 """
 
-import hashlib
-
 import numpy as np
 import pytest
 from mpi4py import MPI
+from tools.fingerprint import digest
 
 import ringmpi
 from ringmpi import reproducible
@@ -30,14 +29,6 @@ MASKS = {
     "window": dict(window=(37, 5)),
     "packed causal window": dict(cu_seqlens=np.array(CU), causal=True, window=(20, -1)),
 }
-
-
-def _digest(out, lse) -> str:
-    h = hashlib.sha256()
-    for x in (out, lse):
-        h.update(f"{x.dtype}{x.shape}".encode())
-        h.update(np.ascontiguousarray(x).tobytes())
-    return h.hexdigest()
 
 
 def _call(q, k, v, kw):
@@ -64,8 +55,8 @@ def test_kernel_on_every_isa_gives_the_numpy_bits(dtype, mask, monkeypatch):
     v = (0.5 + 0.1 * rng.standard_normal((283, 2, 40))).astype(dtype)
     kw = MASKS[mask]
     got = _by_every_path(q, k, v, kw, monkeypatch)
-    want = _digest(*got["numpy"])
-    bad = [name for name, res in got.items() if _digest(*res) != want]
+    want = digest(*got["numpy"])
+    bad = [name for name, res in got.items() if digest(*res) != want]
     assert not bad, f"{mask} {np.dtype(dtype)}: {bad} differ from the numpy code"
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw) if dtype == np.float32 else (None, None)
@@ -79,8 +70,8 @@ def test_batch_and_longer_rows_match_the_numpy_code(monkeypatch):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 700, 4, 1, 64, batch=2, realistic=True)
     got = _by_every_path(q, k, v, dict(causal=True), monkeypatch)
-    want = _digest(*got["numpy"])
-    assert all(_digest(*res) == want for res in got.values()), list(got)
+    want = digest(*got["numpy"])
+    assert all(digest(*res) == want for res in got.values()), list(got)
     ref = attention(q, k, v, True)
     assert_close(SELF, got[host_isas()[0]][0], ref[0], dense(q, k, v, True)[0], "batch out")
 
@@ -89,12 +80,12 @@ def test_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch,
     """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: the kernel's own flags win."""
     q, k, v = random_qkv(np.random.default_rng(2), 150, 2, 1, 16, realistic=True)
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
-    want = _digest(*_call(q, k, v, dict(causal=True)))
+    want = digest(*_call(q, k, v, dict(causal=True)))
     monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
     fresh = Loader(fused_reproducible.ReproKernel, "reproducible C kernel", warn=False)
     monkeypatch.setattr(fused_reproducible, "LOADER", fresh)
-    assert _digest(*_call(q, k, v, dict(causal=True))) == want
+    assert digest(*_call(q, k, v, dict(causal=True))) == want
 
 
 def test_det_exp_accuracy_and_edges():

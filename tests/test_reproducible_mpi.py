@@ -9,11 +9,11 @@ for float32), on values shaped like real data.
 """
 
 import contextlib
-import hashlib
 
 import numpy as np
 import pytest
 from mpi4py import MPI
+from tools.fingerprint import digest
 
 import ringmpi
 from ringmpi import reproducible
@@ -54,17 +54,9 @@ def _run(comm, q, k, v, layout, kw):
     )
 
 
-def _digest(out, lse) -> str:
-    h = hashlib.sha256()
-    for x in (out, lse):
-        h.update(f"{x.dtype}{x.shape}".encode())
-        h.update(np.ascontiguousarray(x).tobytes())
-    return h.hexdigest()
-
-
 def _single(comm, q, k, v, kw):
     """The P = 1 hash of the call, computed on rank 0 alone (COMM_SELF), sent to every rank."""
-    h = _digest(*_run(MPI.COMM_SELF, q, k, v, "zigzag", kw)) if comm.rank == 0 else None
+    h = digest(*_run(MPI.COMM_SELF, q, k, v, "zigzag", kw)) if comm.rank == 0 else None
     return comm.bcast(h, root=0)
 
 
@@ -86,7 +78,7 @@ def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
     for layout in ringmpi.LAYOUTS:
         tag = f"{mask} {np.dtype(dtype)} {layout}"
         out, lse = _run(comm, q, k, v, layout, kw)
-        _same_everywhere(comm, _digest(out, lse), want, tag)
+        _same_everywhere(comm, digest(out, lse), want, tag)
         assert_all(comm, out.dtype == dtype, f"{tag}: out is {out.dtype}")
         assert_close(comm, out, ref[0], peer[0], f"{tag} out")
         assert_close(comm, lse, ref[1], peer[1], f"{tag} lse")
@@ -119,7 +111,7 @@ def test_bits_do_not_depend_on_kernel_isa_or_threads(comm, setting, monkeypatch)
         pools = pytest.importorskip("threadpoolctl").threadpool_limits(limits=threads)
     with pools:  # every BLAS and OpenMP pool
         out, lse = _run(comm, q, k, v, "striped", kw)
-    _same_everywhere(comm, _digest(out, lse), want, f"{setting}")
+    _same_everywhere(comm, digest(out, lse), want, f"{setting}")
 
 
 def test_batched_cross_attention_and_empty_rows(comm):
@@ -138,7 +130,7 @@ def test_batched_cross_attention_and_empty_rows(comm):
         out, lse = ringmpi.ring_attention(ql, kl, vl, c, return_lse=True, reproducible=True, **kw)
         out = ringmpi.gather(out, nq, c, "zigzag", cu_seqlens=kw["cu_seqlens"])
         lse = ringmpi.gather(lse, nq, c, "zigzag", axis=-1, cu_seqlens=kw["cu_seqlens"])
-        hashes.append(_digest(out, lse))
+        hashes.append(digest(out, lse))
         if c is comm:
             full, full_lse = out, lse
     want = comm.bcast(hashes[1] if comm.rank == 0 else None, root=0)
@@ -220,7 +212,7 @@ def test_value_width_keeps_the_bits_and_the_accuracy(comm, dv):
     kw = dict(causal=True, window=(70, -1))
     want = _single(comm, q, k, v, kw)
     out, lse = _run(comm, q, k, v, "zigzag", kw)
-    _same_everywhere(comm, _digest(out, lse), want, f"dv={dv}")
+    _same_everywhere(comm, digest(out, lse), want, f"dv={dv}")
     ref, ref_lse = once(comm, attention, q, k, v, **kw)
     peer = once(comm, dense, q, k, v, **kw)
     assert_close(comm, out, ref, peer[0], f"dv={dv} out")
