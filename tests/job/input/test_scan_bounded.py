@@ -121,6 +121,27 @@ def test_every_rank_reads_the_offsets_rank_0_checked(comm):
         os.rmdir(d)
 
 
+def _refused_when_the_last_rank_reads_another(comm, monkeypatch, path, reader: str, at, by):
+    """The last rank's ``inputs.<reader>`` returns its array with element ``at`` moved ``by``
+    (offsets or slices changed, still valid, between rank 0's check and this rank's read):
+    planning must fail on every rank with the same message."""
+    if comm.Get_rank() == comm.Get_size() - 1:
+        real = getattr(inputs, reader)
+
+        def changed(*args, **kwargs):
+            a = real(*args, **kwargs)
+            a[at] += by
+            return a
+
+        monkeypatch.setattr(inputs, reader, changed)
+    try:
+        schema.make_plan(comm, [str(path)], None, comm.Get_size())
+        err = "no error"
+    except schema.InputError as e:
+        err = str(e)
+    assert_all(comm, "differs from what rank 0 checked" in err, err)
+
+
 @pytest.mark.mpi
 def test_offsets_changed_under_planning_fail_on_every_rank(comm, monkeypatch):
     if comm.Get_size() == 1:
@@ -130,21 +151,7 @@ def test_offsets_changed_under_planning_fail_on_every_rank(comm, monkeypatch):
     if comm.Get_rank() == 0:
         _packed(p, groups=2)
     comm.Barrier()
-    if comm.Get_rank() == comm.Get_size() - 1:  # what the last rank reads was changed
-        real = inputs.read_offsets
-
-        def changed(*args, **kwargs):
-            cu = real(*args, **kwargs)
-            cu[1] += 1
-            return cu
-
-        monkeypatch.setattr(inputs, "read_offsets", changed)
-    try:
-        schema.make_plan(comm, [str(p)], None, comm.Get_size())
-        err = "no error"
-    except schema.InputError as e:
-        err = str(e)
-    assert_all(comm, "differs from what rank 0 checked" in err, err)
+    _refused_when_the_last_rank_reads_another(comm, monkeypatch, p, "read_offsets", (1,), 1)
     comm.Barrier()
     if comm.Get_rank() == 0:
         p.unlink()
@@ -197,21 +204,7 @@ def test_slices_changed_under_planning_fail_on_every_rank(comm, monkeypatch):
     plan = schema.make_plan(comm, [str(p)], None, comm.Get_size())
     ok = all(s.slices.table().tolist() == sorted(tables[s.group].tolist()) for s in plan.sequences)
     assert_all(comm, ok, "slices differ from the file's")
-    if comm.Get_rank() == comm.Get_size() - 1:  # what the last rank reads was changed
-        real = inputs.read_slices
-
-        def changed(*args, **kwargs):
-            t = real(*args, **kwargs)
-            t[0, 1] -= 1
-            return t
-
-        monkeypatch.setattr(inputs, "read_slices", changed)
-    try:
-        schema.make_plan(comm, [str(p)], None, comm.Get_size())
-        err = "no error"
-    except schema.InputError as e:
-        err = str(e)
-    assert_all(comm, "differs from what rank 0 checked" in err, err)
+    _refused_when_the_last_rank_reads_another(comm, monkeypatch, p, "read_slices", (0, 1), -1)
     comm.Barrier()
     if comm.Get_rank() == 0:
         p.unlink()
