@@ -9,8 +9,10 @@ that helps. ``comm=None`` means a single process (no MPI calls at all).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
+from .runtime import interrupt
 from .runtime.watchdog import watch
 
 __all__ = [
@@ -20,7 +22,14 @@ __all__ = [
     "raise_first",
     "run_everywhere",
     "run_on_root",
+    "meet",
 ]
+
+# keyval of the private duplicate each communicator meets on (:func:`meet`), and the
+# duplicates whose barrier an interrupt left pending: a nonblocking collective may be
+# neither freed nor cancelled (MPI), so those stay referenced until the process ends
+_KEYVAL = None
+_LEFT: list = []
 
 
 class CollectiveError(ValueError):
@@ -51,9 +60,63 @@ def first_error(errors: list, what: Optional[str] = None) -> Optional[str]:
     return (f"{what}: rank {r}: " if what else "") + f"{msg}{more}"
 
 
+def meet(comm) -> None:
+    """Wait until every rank of ``comm`` is here, noticing Ctrl-C and SIGTERM meanwhile.
+
+    With more than one rank, every agreement starts here. A rank that finished its
+    share early waits for the others in a polled ``Ibarrier`` rather than inside a
+    blocking collective, where Python could not run the signal handler: so when mpiexec
+    forwards Ctrl-C to every rank, each raises :class:`~ringmpi.runtime.interrupt.Interrupted`
+    within milliseconds (under ``ringmpi run``) and the job leaves cleanly, instead of the
+    early rank sitting in MPI until the others abort the job. The barrier runs on a
+    private duplicate of ``comm`` (made once, cached as an MPI attribute of ``comm``), so
+    one left pending by an interrupt never meets a later collective of the caller.
+    """
+    if comm is None or comm.Get_size() == 1:
+        return
+    dup = _meeting_comm(comm)
+    req = dup.Ibarrier()
+    spins, nap = 0, 1e-4
+    while not req.Test():
+        if interrupt.pending() is not None:
+            _LEFT.append((dup, req))
+            interrupt.check()
+        spins += 1
+        if spins > 100:
+            time.sleep(nap)
+            nap = min(2 * nap, 5e-3)
+
+
+def _meeting_comm(comm):
+    """The duplicate of ``comm`` that :func:`meet` uses (collective the first time)."""
+    global _KEYVAL
+    from mpi4py import MPI
+
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_meeting_comm)
+    dup = comm.Get_attr(_KEYVAL)
+    if dup is None:
+        dup = comm.Dup()
+        comm.Set_attr(_KEYVAL, dup)
+    return dup
+
+
+def _free_meeting_comm(_comm, _keyval, dup) -> None:
+    """``comm`` is being freed: free its duplicate unless a barrier on it is pending."""
+    from mpi4py import MPI
+
+    if MPI.Is_finalized() or any(d is dup for d, _ in _LEFT):
+        return
+    try:
+        dup.Free()
+    except MPI.Exception:
+        pass
+
+
 def raise_first(comm, err: Optional[str], what: str, error: type = ValueError) -> None:
     """Gather every rank's ``err``; raise ``error`` with the first one on every rank."""
     with watch(f"{what}: the error agreement (allgather) with the other ranks"):
+        meet(comm)
         errors = [err] if comm is None else comm.allgather(err)
     msg = first_error(errors, what)
     if msg is not None:
@@ -122,6 +185,7 @@ def run_everywhere(comm, fn: Callable, *args, **kwargs) -> Any:
             text = f"rank {comm.Get_rank()}: {text}"
         err, result = (CollectiveError, text), None
     with watch(f"the agreement after {getattr(fn, '__name__', 'a step')} with the other ranks"):
+        meet(comm)
         errs = [err] if comm is None else comm.allgather(err)
     bad = [e for e in errs if e is not None]
     if bad:

@@ -339,6 +339,7 @@ class SequenceLoop:
                 batch.members, seqs, split(np.asarray(out), np.asarray(lse), rows)
             )
         ]
+        faults.ring_done(ctx.ring_rank, j)
         run_everywhere(ctx.ring, check_batch, plan.files[0], seqs, items, out, lse)
         t0 = time.perf_counter()
         try:

@@ -314,6 +314,14 @@ _VARS = [
         tests=True,
     ),
     Var(
+        "RINGMPI_TEST_RING_DONE_STALL",
+        None,
+        _text,
+        "`RANK:J:S`: after batch J's ring (0-based), ring rank RANK waits S seconds before the "
+        "agreement that follows (the interrupt tests' slow rank)",
+        tests=True,
+    ),
+    Var(
         "RINGMPI_KEEP",
         None,
         _text,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from . import env
@@ -23,12 +24,14 @@ __all__ = [
     "KILL_AT_STEP",
     "MPIO_KILL",
     "READ_STALL",
+    "RING_DONE_STALL",
     "ring_step",
     "sequences_done",
     "batch_read",
     "checkpoint_step",
     "rows_written",
     "read",
+    "ring_done",
 ]
 
 RING_STEP = "RINGMPI_TEST_FAULT"
@@ -37,6 +40,7 @@ KILL_IN_BATCH = "RINGMPI_TEST_KILL_IN_BATCH"
 KILL_AT_STEP = "RINGMPI_TEST_KILL_AT_STEP"
 MPIO_KILL = "RINGMPI_TEST_MPIO_KILL"
 READ_STALL = "RINGMPI_TEST_READ_STALL_S"
+RING_DONE_STALL = "RINGMPI_TEST_RING_DONE_STALL"
 
 
 def _kill(sig: int = signal.SIGKILL) -> None:
@@ -110,3 +114,26 @@ def read(rank: int) -> None:
 
     with phil:
         time.sleep(float(secs))
+
+
+def ring_done(rank: int, j: int) -> None:
+    """``RANK:J:S``: after batch ``J``'s ring, ring rank RANK waits S seconds before the
+    agreement that follows it (a slow rank: the others wait for it in that agreement).
+
+    It says so on stderr (``ringmpi test: stalling``) and notices Ctrl-C and SIGTERM while
+    it waits, as the ring's own waits do.
+    """
+    spec = env.get(RING_DONE_STALL)
+    if not spec:
+        return
+    r, i, secs = spec.split(":")
+    if int(r) != rank or int(i) != j:
+        return
+    from . import interrupt
+
+    sys.stderr.write(f"ringmpi test: stalling rank {rank} for {secs} s after batch {j}\n")
+    sys.stderr.flush()
+    end = time.monotonic() + float(secs)
+    while time.monotonic() < end:
+        interrupt.check()
+        time.sleep(0.01)

@@ -178,6 +178,53 @@ def test_interrupt_stops_within_seconds_and_resume_is_bitwise_identical(
     assert _digests(out) == want
 
 
+@pytest.mark.timeout(300)
+def test_ctrl_c_reaches_a_rank_waiting_in_an_agreement(tmp_path):
+    """A rank that finished its ring first waits for a slow one in the agreement after it;
+    Ctrl-C (mpiexec forwards it to every rank) must reach it there too, so the job leaves
+    cleanly: one "(SIGINT)" line from rank 0, exit 130, no abort. (A CI run caught the
+    early rank sitting in a blocking allgather: the interrupted rank aborted the job.)"""
+    from mpi4py import MPI
+
+    if "Open MPI" in MPI.Get_library_version():
+        pytest.skip("Open MPI's mpiexec kills the ranks itself on Ctrl-C (see above)")
+    paths = make_data(
+        str(tmp_path / "in.h5"), seq_len=512, sequences=2, heads=H, kv_heads=HKV, head_dim=D
+    )
+    out = str(tmp_path / "out.h5")
+    env = dict(_env(), RINGMPI_TEST_RING_DONE_STALL="0:0:60")
+    cmd = _cmd(2, "run", *paths, "-o", out, "--causal", "--device", "cpu", "--quiet")
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("ringmpi test: stalling rank 0"):
+                break
+        assert seen and seen[-1].startswith("ringmpi test: stalling"), "".join(seen)
+        time.sleep(1.0)  # rank 1 is in the agreement by now (a 512-token ring takes ms)
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=30)
+        gone = time.perf_counter() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    se = "".join(seen) + rest
+    assert proc.returncode == 130, (proc.returncode, se)
+    assert gone < 10, f"job took {gone:.1f} s to go"
+    lines = [ln for ln in se.splitlines() if ln.startswith("ringmpi: interrupted")]
+    assert lines == [
+        "ringmpi: interrupted (SIGINT) at sequence 1/2 (seq000), while writing: "
+        "0 finished sequence(s) kept; rerun with --resume"
+    ], se
+    assert "Abort(" not in se
+    assert not os.path.exists(out)
+
+
 # -- output that cannot be misread -------------------------------------------------------------
 
 
