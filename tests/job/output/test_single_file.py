@@ -162,6 +162,38 @@ def test_single_equals_parts(mpio, tmp_path, p, layout, batch):
     assert res.rc == 0, res.err
 
 
+@pytest.mark.parametrize("p,layout", [(2, "balanced"), (3, "zigzag")])
+def test_single_with_slices_equals_parts(mpio, tmp_path, p, layout):
+    """Masks of slices (issue 41) in the one file: the values of the part-file output, the
+    slices table and its attributes written once per sequence, and a passing verify."""
+    inp = make_data(
+        str(tmp_path / "in.h5"),
+        seq_len=301,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        sequences=2,
+        seed=7,
+        slices="global_local:32:8",
+    )
+    single, parts = tmp_path / "single.h5", tmp_path / "parts.h5"
+    common = ["--layout", layout]
+    res = _run(p, inp, single, *common, "--output-mode", "single", "--verify")
+    assert res.rc == 0, res.err
+    res = _run(p, inp, parts, *common, "--output-mode", "parts")
+    assert res.rc == 0, res.err
+    a, b = _datasets(single), _datasets(parts)
+    assert sorted(a) == sorted(b) and "seq000/slices" in a, sorted(a)
+    for k in a:
+        assert a[k][0] == b[k][0], f"{k}: values differ between single and parts"
+    assert _attrs(single) == _attrs(parts)
+    with h5py.File(single, "r") as f, h5py.File(parts, "r") as g:
+        for grp in ("seq000", "seq001"):
+            assert dict(f[grp]["slices"].attrs) == dict(g[grp]["slices"].attrs), grp
+    res = F.run_cli(p, "verify", str(single), *inp, "--quiet", timeout=300)
+    assert res.rc == 0, res.err
+
+
 @pytest.mark.parametrize("p", [2, 3])
 def test_single_with_batches_equals_parts_with_batches(mpio, tmp_path, p):
     """Short sequences packed into one call: the one file gets each member's rows and a
