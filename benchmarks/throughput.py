@@ -28,6 +28,8 @@ outputs are removed after each run unless ``--keep`` (then ``ringmpi verify
 OUT IN`` can check them).
 
 On a shared or virtual machine one run of a job can be 20% off the next.
+``--reproducible`` adds a run of each job with ``ringmpi run --reproducible``
+(issue 40: the same bits at any P), labelled ``[--reproducible]``.
 ``--repeat N`` runs every job (and the torch loop) N times, taking turns: all
 ring sizes and variants once, then all of them again, so that a slow spell of
 the machine hits each of them alike. "job s" and "torch s" are then medians,
@@ -53,6 +55,7 @@ from ringmpi.cost import flops as model_flops
 
 H, HKV, D, DTYPE = 4, 2, 64, "float32"
 CHUNK = 8 << 20  # bytes per write/read call of the I/O probe
+REPRODUCIBLE = "--reproducible"  # the variant label of the job run with that option
 COLUMNS = (
     "dataset",
     "ring size",
@@ -221,6 +224,7 @@ def run_job(
     ring,
     timeout: float,
     extra_env: Optional[dict] = None,
+    extra_args: tuple = (),
 ) -> dict:
     """Run ``ringmpi run`` under mpiexec; its summary plus ``process_s`` (the launch's wall time).
 
@@ -236,12 +240,15 @@ def run_job(
         Seconds before the launch is killed (``subprocess.TimeoutExpired``).
     extra_env : dict, optional
         Environment variables set for this launch only (``--variant``).
+    extra_args : tuple of str
+        More ``ringmpi run`` options (``--reproducible``).
     """
     summary = out + ".summary.json"
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "ringmpi", "run"]
     cmd += [inp, "-o", out, "--causal", "--summary-json", summary, "--overwrite", "--quiet"]
     if ring is not None:
         cmd += ["--ring-size", str(ring)]
+    cmd += list(extra_args)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra_env or {})
@@ -352,7 +359,8 @@ def measure(a, folder: str, mpiexec: str) -> list:
         write_b = tokens * H * (D * esize + 4)  # out (S, H, D) and lse (H, S) float32
         wr, rr = io_rates(folder, min(read_b + write_b, a.io_probe_mb << 20))
         io_s = read_b / rr + write_b / wr
-        runs = [(ring, v) for ring in a.ring_sizes for v in [None] + a.variant]
+        plain = [None] + a.variant + ([REPRODUCIBLE] if a.reproducible else [])
+        runs = [(ring, v) for ring in a.ring_sizes for v in plain]
         done: dict = {cfg: [] for cfg in runs}
         torch_times = []
         for _ in range(a.repeat):  # taking turns: a slow spell hits every configuration
@@ -362,10 +370,13 @@ def measure(a, folder: str, mpiexec: str) -> list:
                 os.remove(tout)
             for j, (ring, variant) in enumerate(runs):
                 out = os.path.join(folder, f"out{di}-{j}.h5")
-                extra = dict(kv.split("=", 1) for kv in variant.split(",")) if variant else None
+                flags = ("--reproducible",) if variant == REPRODUCIBLE else ()
+                extra = None
+                if variant and not flags:
+                    extra = dict(kv.split("=", 1) for kv in variant.split(","))
                 size = None if ring == "default" else ring
                 done[(ring, variant)].append(
-                    run_job(mpiexec, a.ranks, inp, out, size, a.timeout, extra)
+                    run_job(mpiexec, a.ranks, inp, out, size, a.timeout, extra, flags)
                 )
         torch_s = float(np.median(torch_times)) if torch_times else None
         for j, (ring, variant) in enumerate(runs):
@@ -482,6 +493,12 @@ def parse(argv=None):
         help="also run the job with these environment variables, beside the plain run "
         "(repeatable; e.g. RINGMPI_FSYNC_S=0,RINGMPI_KEEP_MEMORY=0 for the per-batch fsync "
         "and glibc's own malloc)",
+    )
+    ap.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="also run the job with --reproducible (bitwise the same at any P), beside the "
+        "plain run, taking turns with it",
     )
     ap.add_argument(
         "--repeat",

@@ -222,3 +222,41 @@ def test_repeat_takes_turns_and_reports_the_median_and_range(tmp_path):
     assert os.listdir(tmp_path) == ["r.json"]  # outputs and inputs removed
     p = _run("--repeat", "0")
     assert p.returncode == 2 and "--repeat" in p.stderr.strip().splitlines()[-1]
+
+
+def test_reproducible_row_runs_the_job_in_that_mode(tmp_path):
+    """--reproducible: the job once more with `ringmpi run --reproducible`, its own row
+    (issue 40's throughput row); its output says it was made in that mode, the plain one not."""
+    import h5py
+
+    out_json = str(tmp_path / "r.json")
+    p = _run(
+        "--uniform",
+        "3x96",
+        "--lognormal",
+        "0",
+        "--ranks",
+        "1",
+        "--ring-sizes",
+        "1",
+        "--reproducible",
+        "--no-torch",
+        "--tile-max",
+        "64",
+        "--dir",
+        str(tmp_path),
+        "--keep",
+        "--json",
+        out_json,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(out_json) as f:
+        rows = json.load(f)["rows"]
+    assert [r["ring size"] for r in rows] == ["1", "1 [--reproducible]"]
+    assert all(r["job s"] > 0 for r in rows)
+    modes = []
+    for r in rows:
+        with h5py.File(r["output"], "r") as f:
+            modes.append(bool(f.attrs.get("reproducible", False)))  # written when set
+    assert modes == [False, True]
+    assert any("[--reproducible]" in line for line in p.stdout.splitlines())
