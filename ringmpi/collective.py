@@ -2,15 +2,19 @@
 
 A rank that raised alone would leave the others waiting in MPI forever. So every
 step that can fail on some ranks is followed by an agreement: each rank reports
-its problem (or None), one ``allgather`` later every rank knows all of them and
-raises the first one, with the same message and type, naming the rank where
-that helps. ``comm=None`` means a single process (no MPI calls at all).
+its problem (or None); a polled reduction (:func:`any_rank`, which notices Ctrl-C while
+it waits) tells every rank whether any failed, and only then one ``allgather`` tells
+every rank all the problems, each raising the first one, with the same message and
+type, naming the rank where that helps. ``comm=None`` means a single process (no MPI
+calls at all).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any, Callable, Optional
+
+import numpy as np
 
 from .runtime import interrupt
 from .runtime.watchdog import watch
@@ -22,10 +26,10 @@ __all__ = [
     "raise_first",
     "run_everywhere",
     "run_on_root",
-    "meet",
+    "any_rank",
 ]
 
-# keyval of the private duplicate each communicator meets on (:func:`meet`), and the
+# keyval of the private duplicate each communicator agrees on (:func:`any_rank`), and the
 # duplicates whose barrier an interrupt left pending: a nonblocking collective may be
 # neither freed nor cancelled (MPI), so those stay referenced until the process ends
 _KEYVAL = None
@@ -60,35 +64,42 @@ def first_error(errors: list, what: Optional[str] = None) -> Optional[str]:
     return (f"{what}: rank {r}: " if what else "") + f"{msg}{more}"
 
 
-def meet(comm) -> None:
-    """Wait until every rank of ``comm`` is here, noticing Ctrl-C and SIGTERM meanwhile.
+def any_rank(comm, flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank of ``comm``; notices Ctrl-C meanwhile.
 
-    With more than one rank, every agreement starts here. A rank that finished its
-    share early waits for the others in a polled ``Ibarrier`` rather than inside a
-    blocking collective, where Python could not run the signal handler: so when mpiexec
-    forwards Ctrl-C to every rank, each raises :class:`~ringmpi.runtime.interrupt.Interrupted`
-    within milliseconds (under ``ringmpi run``) and the job leaves cleanly, instead of the
-    early rank sitting in MPI until the others abort the job. The barrier runs on a
-    private duplicate of ``comm`` (made once, cached as an MPI attribute of ``comm``), so
-    one left pending by an interrupt never meets a later collective of the caller.
+    The agreements start here. A rank that finished its share early waits for the
+    others in a polled ``Iallreduce`` rather than inside a blocking collective, where
+    Python could not run the signal handler: so when mpiexec forwards Ctrl-C to every
+    rank, each raises :class:`~ringmpi.runtime.interrupt.Interrupted` within
+    milliseconds (under ``ringmpi run``) and the job leaves cleanly, instead of the
+    early rank sitting in MPI until the others abort the job. The reduction runs on a
+    private duplicate of ``comm`` (made once, cached as an MPI attribute of ``comm``),
+    so one left pending by an interrupt never meets a later collective of the caller.
+    One rank, or ``comm=None``: ``flag`` itself, no MPI call.
     """
     if comm is None or comm.Get_size() == 1:
-        return
+        return bool(flag)
+    from mpi4py import MPI
+
     dup = _meeting_comm(comm)
-    req = dup.Ibarrier()
-    spins, nap = 0, 1e-4
+    mine, total = np.array([int(bool(flag))], np.int32), np.zeros(1, np.int32)
+    req = dup.Iallreduce(mine, total, op=MPI.MAX)
+    # spin about 2 ms (the ranks of a balanced ring arrive together), then nap: 50 us
+    # doubling to 1 ms, so a longer wait leaves the core to other ranks and costs at most
+    # a millisecond of latency
+    spin_until, nap = time.monotonic() + 2e-3, 5e-5
     while not req.Test():
         if interrupt.pending() is not None:
-            _LEFT.append((dup, req))
+            _LEFT.append((dup, req, mine, total))
             interrupt.check()
-        spins += 1
-        if spins > 100:
+        if time.monotonic() > spin_until:
             time.sleep(nap)
-            nap = min(2 * nap, 5e-3)
+            nap = min(2 * nap, 1e-3)
+    return bool(total[0])
 
 
 def _meeting_comm(comm):
-    """The duplicate of ``comm`` that :func:`meet` uses (collective the first time)."""
+    """The duplicate of ``comm`` that :func:`any_rank` uses (collective the first time)."""
     global _KEYVAL
     from mpi4py import MPI
 
@@ -105,7 +116,7 @@ def _free_meeting_comm(_comm, _keyval, dup) -> None:
     """``comm`` is being freed: free its duplicate unless a barrier on it is pending."""
     from mpi4py import MPI
 
-    if MPI.Is_finalized() or any(d is dup for d, _ in _LEFT):
+    if MPI.Is_finalized() or any(left[0] is dup for left in _LEFT):
         return
     try:
         dup.Free()
@@ -115,9 +126,9 @@ def _free_meeting_comm(_comm, _keyval, dup) -> None:
 
 def raise_first(comm, err: Optional[str], what: str, error: type = ValueError) -> None:
     """Gather every rank's ``err``; raise ``error`` with the first one on every rank."""
-    with watch(f"{what}: the error agreement (allgather) with the other ranks"):
-        meet(comm)
-        errors = [err] if comm is None else comm.allgather(err)
+    with watch(f"{what}: the error agreement with the other ranks"):
+        failed = any_rank(comm, err is not None)
+        errors = comm.allgather(err) if failed and comm is not None else [err]
     msg = first_error(errors, what)
     if msg is not None:
         raise error(msg)
@@ -185,8 +196,8 @@ def run_everywhere(comm, fn: Callable, *args, **kwargs) -> Any:
             text = f"rank {comm.Get_rank()}: {text}"
         err, result = (CollectiveError, text), None
     with watch(f"the agreement after {getattr(fn, '__name__', 'a step')} with the other ranks"):
-        meet(comm)
-        errs = [err] if comm is None else comm.allgather(err)
+        failed = any_rank(comm, err is not None)
+        errs = comm.allgather(err) if failed and comm is not None else [err]
     bad = [e for e in errs if e is not None]
     if bad:
         kind, text = bad[0]
