@@ -91,6 +91,21 @@ def _rank_pids(proc, p, timeout=30):
     raise AssertionError("the ranks did not start")
 
 
+def _signal_and_wait(proc, pid: int, sig: int) -> tuple:
+    """Send ``sig`` to ``pid``; (stdout, stderr, seconds until ``proc`` ended)."""
+    t0 = time.perf_counter()
+    os.kill(pid, sig)
+    so, se = proc.communicate(timeout=30)
+    return so, se, time.perf_counter() - t0
+
+
+def _reap(proc) -> None:
+    """Kill ``proc`` if a failed check left it running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def long_input(tmp_path_factory):
     """Three sequences of ~2-4 s each at P = 2 or 3: long enough to interrupt mid-sequence."""
@@ -130,14 +145,9 @@ def test_interrupt_stops_within_seconds_and_resume_is_bitwise_identical(
             time.sleep(0.02)
         assert glob.glob(out + ".parts/s000000.done"), "the first sequence did not finish"
         time.sleep(0.5)  # inside the second sequence's ring
-        t0 = time.perf_counter()
-        os.kill(proc.pid if whom == "mpiexec" else pids[-1], sig)
-        so, se = proc.communicate(timeout=30)
-        gone = time.perf_counter() - t0
+        so, se, gone = _signal_and_wait(proc, proc.pid if whom == "mpiexec" else pids[-1], sig)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     assert gone < 10, f"job took {gone:.1f} s to go"
     from mpi4py import MPI
 
@@ -205,14 +215,9 @@ def test_ctrl_c_reaches_a_rank_waiting_in_an_agreement(tmp_path):
                 break
         assert seen and seen[-1].startswith("ringmpi test: stalling"), "".join(seen)
         time.sleep(1.0)  # rank 1 is in the agreement by now (a 512-token ring takes ms)
-        t0 = time.perf_counter()
-        proc.send_signal(signal.SIGINT)
-        _, rest = proc.communicate(timeout=30)
-        gone = time.perf_counter() - t0
+        _, rest, gone = _signal_and_wait(proc, proc.pid, signal.SIGINT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     se = "".join(seen) + rest
     assert proc.returncode == 130, (proc.returncode, se)
     assert gone < 10, f"job took {gone:.1f} s to go"

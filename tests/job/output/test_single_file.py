@@ -109,7 +109,7 @@ def _run(p, inp, out, *extra, env=None):
     return res
 
 
-def _inputs(tmp, batch: bool, seqs: int = 3, seq_len: int = 203):
+def _inputs(tmp, batch: bool, seqs: int = 3, seq_len: int = 203, **extra):
     return make_data(
         str(tmp / "in.h5"),
         seq_len=seq_len,
@@ -119,6 +119,7 @@ def _inputs(tmp, batch: bool, seqs: int = 3, seq_len: int = 203):
         sequences=seqs,
         batch_axis=batch,
         seed=5,
+        **extra,
     )
 
 
@@ -166,16 +167,7 @@ def test_single_equals_parts(mpio, tmp_path, p, layout, batch):
 def test_single_with_slices_equals_parts(mpio, tmp_path, p, layout):
     """Masks of slices (issue 41) in the one file: the values of the part-file output, the
     slices table and its attributes written once per sequence, and a passing verify."""
-    inp = make_data(
-        str(tmp_path / "in.h5"),
-        seq_len=301,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        sequences=2,
-        seed=7,
-        slices="global_local:32:8",
-    )
+    inp = _inputs(tmp_path, False, seqs=2, seq_len=301, slices="global_local:32:8")
     single, parts = tmp_path / "single.h5", tmp_path / "parts.h5"
     common = ["--layout", layout]
     res = _run(p, inp, single, *common, "--output-mode", "single", "--verify")
