@@ -5,7 +5,8 @@
  * ringmpi/reproducible.py, bit for bit, on every ISA path:
  *
  *   score   s = scale * (((q_0 k_0 + q_1 k_1) + q_2 k_2) + ... + q_{D-1} k_{D-1}) in float64,
- *           summed over the head dim in index order (one product, then one addition per d);
+ *           summed over the head dim in index order (one product, then one addition per d),
+ *           then the score modifiers (rmr_modify: softcap by rmr_tanh8, ALiBi);
  *   pass 0  m_i = max over visible keys of s_ij (a maximum: exact; NaN propagates);
  *   pass 1  p_ij = rm_exp(s_ij - m_i) and p_ij v_j, each split on the fixed grids of the
  *           caller (constants c_f): hi = (x + c_f) - c_f, added to fold f's row sum, and
@@ -159,22 +160,28 @@ static inline v8 rmr_tanh8(v8 x) {
 }
 
 /* The scaled, modified scores of a 4 x 16 tile (reproducible.modify, the same operations):
- * x = s * scale; softcap (mods bit 0): x = cap * tanh(x / cap); ALiBi (bit 1):
- * x = x - slope * |qa_r - kp_j| (the distance exactly in float64, the product rounded once).
- * kp: the keys' positions, INT64_MIN past the real keys (never visible: distance 0). */
+ * x = s * scale; softcap (mods bit 0): x = cap * tanh(x * icap), icap = 1 / cap rounded once
+ * (as the default mode's tiles: no division per score); ALiBi (bit 1):
+ * x = x - slope * |qa_r - kp_j|, the distance exactly in float64 (positions below 2^53 are
+ * exact doubles, so is their difference: the value of numpy's integer distance converted),
+ * the product rounded once. kp: the keys' positions, INT64_MIN past the real keys (never
+ * visible: their lanes get some finite score that no maximum or weight uses). */
 static inline void rmr_modify(const double s[RMR_R][RMR_K], double scale, int64_t mods,
-                              double cap, double slope, const int64_t qa[RMR_R],
+                              double cap, double icap, double slope, const int64_t qa[RMR_R],
                               const int64_t kp[RMR_K], double out[RMR_R][RMR_K]) {
+    double kd[RMR_K], qd[RMR_R];
+    if (mods & 2) {
+        for (int r = 0; r < RMR_R; r++) qd[r] = (double)qa[r];
+        for (int j = 0; j < RMR_K; j++) kd[j] = kp[j] == INT64_MIN ? 0.0 : (double)kp[j];
+    }
+    const uint64_t sgn = UINT64_C(1) << 63;
     for (int r = 0; r < RMR_R; r++)
         for (int h8 = 0; h8 < RMR_K; h8 += 8) {
             v8 x = ld8(s[r] + h8) * scale;
-            if (mods & 1) x = cap * rmr_tanh8(x / cap);
+            if (mods & 1) x = cap * rmr_tanh8(x * icap);
             if (mods & 2) {
-                v8 d;
-                for (int j = 0; j < 8; j++) {
-                    const int64_t a = qa[r], b = kp[h8 + j];
-                    d[j] = b == INT64_MIN ? 0.0 : (double)(a > b ? a - b : b - a);
-                }
+                const v8 k8 = ld8(kd + h8);
+                const v8 d = (v8)((v8u)(qd[r] - k8) & ~sgn); /* |qa - k|: exact */
                 x = x - slope * d;
             }
             st8(out[r] + h8, x);
@@ -356,6 +363,7 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
         row0 < 0 || row1 > Sq || row0 > row1 || (Sk > 0 && kpos[0] % RMR_BK))
         return -1;
     const int64_t g = H / Hkv, nchunk = Skp / RMR_K;
+    const double icap = (mods & 1) ? 1.0 / cap : 0.0;
     /* per key chunk: the range of its real keys' positions (empty chunk: min > max) */
     int64_t cmin[nchunk > 0 ? nchunk : 1], cmax[nchunk > 0 ? nchunk : 1];
     for (int64_t c = 0; c < nchunk; c++) {
@@ -403,7 +411,8 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                         const int64_t nk = Sk - j0 < RMR_K ? Sk - j0 : RMR_K;
                         int64_t kp[RMR_K];
                         for (int j = 0; j < RMR_K; j++) kp[j] = j < nk ? kpos[j0 + j] : INT64_MIN;
-                        rmr_modify((const double(*)[RMR_K])s, scale, mods, cap, slope, qar, kp, sm);
+                        rmr_modify((const double(*)[RMR_K])s, scale, mods, cap, icap, slope, qar,
+                                   kp, sm);
                         for (int64_t r = 0; r < nr; r++) {
                             const int64_t i = i0 + r, a = lo[i], b = hi[i];
                             double mx = mh[i];
@@ -440,7 +449,8 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                         int64_t kp[RMR_K];
                         for (int j = 0; j < RMR_K; j++)
                             kp[j] = jc + j < nkb ? kpos[j0 + jc + j] : INT64_MIN;
-                        rmr_modify((const double(*)[RMR_K])s, scale, mods, cap, slope, qar, kp, sm);
+                        rmr_modify((const double(*)[RMR_K])s, scale, mods, cap, icap, slope, qar,
+                                   kp, sm);
                         for (int r = 0; r < RMR_R; r++) {
                             const int64_t i = i0 + (r < nr ? r : 0), a = lo[i], b = hi[i];
                             for (int h8 = 0; h8 < RMR_K; h8 += 8) {

@@ -16,12 +16,15 @@ one ``Alltoallv``), then two passes go over the ring:
    once to the output dtype, lse = M + :func:`det_log` (l).
 
 A score is a fixed sequence of float64 operations over the head dim (:func:`scores`),
-the same number whatever the shape of the call it is part of. The work runs in the
-C kernel ``kernels/cpu_reproducible.c`` (:mod:`ringmpi.cpu.fused_reproducible`, every
-ISA path), or, with ``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in this
-module's numpy code, its oracle: the same operations, the same bits. Neither the numpy
-tile nor the fused tiles run in this mode, and no numpy transcendental (``np.exp``,
-``np.log``: their SIMD loops differ between CPU feature sets) touches a value.
+then through the score modifiers softcap (:func:`det_tanh`) and ALiBi (:func:`modify`),
+the same number whatever the shape of the call it is part of. The sinks join the
+maximum and the denominator once per row, after the exact fold sums (:func:`_finish`).
+The work runs in the C kernel ``kernels/cpu_reproducible.c``
+(:mod:`ringmpi.cpu.fused_reproducible`, every ISA path), or, with
+``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in this module's numpy code,
+its oracle: the same operations, the same bits. Neither the numpy tile nor the fused
+tiles run in this mode, and no numpy transcendental (``np.exp``, ``np.log``,
+``np.tanh``: their SIMD loops differ between CPU feature sets) touches a value.
 docs/reproducible.md has the argument and the limits.
 """
 
@@ -176,7 +179,8 @@ def modify(s, cap, slope, qa, k_pos):
     """The score modifiers on the float64 scaled scores ``s`` (rows, keys), as the kernel.
 
     In the order of :mod:`ringmpi.reference`: softcap ``cap`` (None: off) gives
-    s = cap * det_tanh(s / cap); ALiBi ``slope`` (None: off) then subtracts
+    s = cap * det_tanh(s * (1 / cap)) (1 / cap rounded once, as the default mode's C
+    tiles do: no division per score); ALiBi ``slope`` (None: off) then subtracts
     slope * |qa_i - k_j|, the distance converted to float64 (exact) and the product
     rounded once. Each entry stays a function of its (row, key) alone.
 
@@ -186,7 +190,7 @@ def modify(s, cap, slope, qa, k_pos):
     qa : (rows,) int64 ALiBi query positions ; k_pos : (keys,) int64
     """
     if cap is not None:
-        s[...] = cap * det_tanh(s / cap)
+        s[...] = cap * det_tanh(s * (1.0 / cap))
     if slope is not None:
         dist = np.abs(qa[:, None] - k_pos[None, :]).astype(np.float64)
         s -= slope * dist

@@ -156,15 +156,19 @@ def test_batch_and_longer_rows_match_the_numpy_code(monkeypatch):
 
 
 def test_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch, tmp_path):
-    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: the kernel's own flags win."""
+    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: the kernel's own flags win
+    (softcap's tanh and ALiBi's products included)."""
     q, k, v = random_qkv(np.random.default_rng(2), 150, 2, 1, 16, realistic=True)
+    kw = dict(causal=True, softcap=2.0, alibi_slopes=[0.25, 0.0625])
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
-    want = digest(*_call(q, k, v, dict(causal=True)))
+    want = digest(*_call(q, k, v, kw))
     monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
     fresh = Loader(fused_reproducible.ReproKernel, "reproducible C kernel", warn=False)
     monkeypatch.setattr(fused_reproducible, "LOADER", fresh)
-    assert digest(*_call(q, k, v, dict(causal=True))) == want
+    assert digest(*_call(q, k, v, kw)) == want
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
+    assert digest(*_call(q, k, v, kw)) == want
 
 
 def test_det_exp_accuracy_and_edges():
