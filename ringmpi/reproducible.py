@@ -155,7 +155,7 @@ def det_tanh(x):
     beyond, 2^n - 1 <= -1/2 is exact and the one addition rounds once. Then
     tanh a = -u / (2 + u) and the sign of x by ``copysign`` (exact): tanh(+-0) = +-0,
     NaN propagates. Error: a few units in the last place (the test measures it against
-    ``np.tanh`` in ``test_det_tanh_accuracy``). Not ``np.tanh``, whose SIMD loops differ
+    ``np.tanh`` in ``test_det_tanh_accuracy_and_edges``). Not ``np.tanh``, whose SIMD loops differ
     between CPU feature sets.
     """
     x = np.asarray(x, dtype=np.float64)
