@@ -7,6 +7,10 @@ without ``reproducible=True`` (the default CPU tile, ``RINGMPI_CPU_KERNEL``), ti
 as the max over ranks, median of --repeat; the repeats alternate the two modes, so
 both see the same machine load. Prints both times and their ratio, and the max
 error of each against nothing but the other (a sanity figure, not an accuracy test).
+
+``--softcap C``, ``--alibi`` (the standard slopes) and ``--sinks`` (one logit per head)
+give both modes those score modifiers; the reproducible mode without them is then timed
+in the same repeats too (column "plain s"), so the modifiers' own cost shows.
 """
 
 from __future__ import annotations
@@ -29,8 +33,19 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", choices=["float32", "float64", "both"], default="both")
+    ap.add_argument("--softcap", type=float, default=None, help="softcap C for both modes")
+    ap.add_argument("--alibi", action="store_true", help="ALiBi (standard slopes), both modes")
+    ap.add_argument("--sinks", action="store_true", help="a sink logit per head, both modes")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
+    mods = {}
+    if args.softcap is not None:
+        mods["softcap"] = args.softcap
+    if args.alibi:
+        mods["alibi_slopes"] = [2.0 ** (-8 * (i + 1) / args.heads) for i in range(args.heads)]
+    if args.sinks:
+        mods["sinks"] = np.linspace(-1.0, 3.0, args.heads)
+    modes = [(False, mods), (True, mods)] + ([(True, {})] if mods else [])
     rows = []
     dtypes = [np.float32, np.float64] if args.dtype == "both" else [np.dtype(args.dtype).type]
     kernels = {}
@@ -41,32 +56,36 @@ def main() -> None:
         )
         cut = [ringmpi.shard(x, comm) for x in qkv]
         for causal in (False, True):
-            times = {False: [], True: []}
+            times = {i: [] for i in range(len(modes))}
             outs = {}
             for _ in range(args.repeat):
-                for rep in (False, True):
+                for i, (rep, kw) in enumerate(modes):
                     comm.Barrier()
                     t0 = time.perf_counter()
                     st = {}
-                    outs[rep] = ringmpi.ring_attention(
-                        *cut, comm, causal=causal, reproducible=rep, stats=st
+                    outs[i] = ringmpi.ring_attention(
+                        *cut, comm, causal=causal, reproducible=rep, stats=st, **kw
                     )
                     kernels[rep] = st.get("reproducible_kernel", st.get("tile"))
-                    times[rep].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-            diff = comm.allreduce(float(np.abs(outs[True] - outs[False]).max()), op=MPI.MAX)
-            t_def, t_rep = (float(np.median(times[x])) for x in (False, True))
-            rows.append((np.dtype(dtype).name, causal, t_def, t_rep, diff))
+                    times[i].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            diff = comm.allreduce(float(np.abs(outs[1] - outs[0]).max()), op=MPI.MAX)
+            med = [float(np.median(times[i])) for i in range(len(modes))]
+            rows.append((np.dtype(dtype).name, causal, med, diff))
     if comm.rank == 0:
         print(f"P={comm.size} N={args.n} H={args.heads} Hkv={args.kv_heads} D={args.d}")
         print(f"default: {kernels[False]}; reproducible: {kernels[True]}")
+        if mods:
+            print(f"score modifiers (both modes): {', '.join(mods)}")
+        plain = f" {'plain s':>10}" if mods else ""
         print(
-            f"{'dtype':8} {'causal':6} {'default s':>10} {'reprod. s':>10} {'ratio':>7}"
+            f"{'dtype':8} {'causal':6} {'default s':>10} {'reprod. s':>10}{plain} {'ratio':>7}"
             f" {'max |diff|':>10}"
         )
-        for name, causal, t_def, t_rep, diff in rows:
+        for name, causal, med, diff in rows:
+            extra = f" {med[2]:10.3f}" if mods else ""
             print(
-                f"{name:8} {causal!s:6} {t_def:10.3f} {t_rep:10.3f} {t_rep / t_def:7.1f}"
-                f" {diff:10.2e}"
+                f"{name:8} {causal!s:6} {med[0]:10.3f} {med[1]:10.3f}{extra}"
+                f" {med[1] / med[0]:7.1f} {diff:10.2e}"
             )
 
 

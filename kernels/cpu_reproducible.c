@@ -5,7 +5,8 @@
  * ringmpi/reproducible.py, bit for bit, on every ISA path:
  *
  *   score   s = scale * (((q_0 k_0 + q_1 k_1) + q_2 k_2) + ... + q_{D-1} k_{D-1}) in float64,
- *           summed over the head dim in index order (one product, then one addition per d);
+ *           summed over the head dim in index order (one product, then one addition per d),
+ *           then the score modifiers (rmr_modify: softcap by rmr_tanh8, ALiBi);
  *   pass 0  m_i = max over visible keys of s_ij (a maximum: exact; NaN propagates);
  *   pass 1  p_ij = rm_exp(s_ij - m_i) and p_ij v_j, each split on the fixed grids of the
  *           caller (constants c_f): hi = (x + c_f) - c_f, added to fold f's row sum, and
@@ -127,6 +128,64 @@ static inline v8 rmr_exp8(v8 t) {
     const v8u bits = (((v8u)kk - sb) + 1023) << 52;
     const v8 y = p * (v8)bits;
     return sel8(low, zero, sel8(nan, t, y));
+}
+
+/* tanh(x) on 8 lanes: the same operations as reproducible.det_tanh, lane by lane. With
+ * t = -2|x| (clamped at RMR_TMIN; NaN lanes computed on 0), n and r as in rmr_exp8,
+ * u = e^t - 1 = (2^n - 1) + 2^n (r Q(r)) with Q the Taylor polynomial of (e^r - 1) / r
+ * (rmr_c[1..12], Horner): for |t| < ln2 / 2, n = 0 and u = r Q(r), so small |x| keep their
+ * relative precision. Then tanh|x| = -u / (2 + u), and x's sign by a bit copy (exact). */
+static inline v8 rmr_tanh8(v8 x) {
+    const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
+                     RMR_TMIN};
+    const v8 zero = {0};
+    const uint64_t sgn = UINT64_C(1) << 63;
+    const v8 ax = (v8)((v8u)x & ~sgn);
+    const v8 t = -2.0 * ax;
+    v8 tc = sel8(t < tmin, tmin, t);
+    tc = sel8(tc != tc, zero, tc);
+    const v8 kk = tc * RMR_INVLN2 + RMR_SHIFT;
+    const v8 n = kk - RMR_SHIFT;
+    const v8 r = (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
+    v8 p = rmr_c[12] * r + rmr_c[11];
+    for (int i = 10; i >= 1; i--) p = p * r + rmr_c[i];
+    const double shift = RMR_SHIFT;
+    uint64_t sb;
+    memcpy(&sb, &shift, sizeof sb);
+    const v8 two_n = (v8)((((v8u)kk - sb) + 1023) << 52);
+    const v8 u = (two_n - 1.0) + two_n * (r * p);
+    v8 y = (-u) / (2.0 + u);
+    y = sel8(x != x, x, y);
+    return (v8)(((v8u)y & ~sgn) | ((v8u)x & sgn));
+}
+
+/* The scaled, modified scores of a 4 x 16 tile (reproducible.modify, the same operations):
+ * x = s * scale; softcap (mods bit 0): x = cap * tanh(x * icap), icap = 1 / cap rounded once
+ * (as the default mode's tiles: no division per score); ALiBi (bit 1):
+ * x = x - slope * |qa_r - kp_j|, the distance exactly in float64 (positions below 2^53 are
+ * exact doubles, so is their difference: the value of numpy's integer distance converted),
+ * the product rounded once. kp: the keys' positions, INT64_MIN past the real keys (never
+ * visible: their lanes get some finite score that no maximum or weight uses). */
+static inline void rmr_modify(const double s[RMR_R][RMR_K], double scale, int64_t mods,
+                              double cap, double icap, double slope, const int64_t qa[RMR_R],
+                              const int64_t kp[RMR_K], double out[RMR_R][RMR_K]) {
+    double kd[RMR_K], qd[RMR_R];
+    if (mods & 2) {
+        for (int r = 0; r < RMR_R; r++) qd[r] = (double)qa[r];
+        for (int j = 0; j < RMR_K; j++) kd[j] = kp[j] == INT64_MIN ? 0.0 : (double)kp[j];
+    }
+    const uint64_t sgn = UINT64_C(1) << 63;
+    for (int r = 0; r < RMR_R; r++)
+        for (int h8 = 0; h8 < RMR_K; h8 += 8) {
+            v8 x = ld8(s[r] + h8) * scale;
+            if (mods & 1) x = cap * rmr_tanh8(x * icap);
+            if (mods & 2) {
+                const v8 k8 = ld8(kd + h8);
+                const v8 d = (v8)((v8u)(qd[r] - k8) & ~sgn); /* |qa - k|: exact */
+                x = x - slope * d;
+            }
+            st8(out[r] + h8, x);
+        }
 }
 
 /* Scores of a 4 x 16 tile: s[r][j] = ((q_r0 k_0j + q_r1 k_1j) + ...) (before the scale).
@@ -288,17 +347,23 @@ static inline void rmr_fold8(v8 x, int64_t folds, double *o, int64_t ostride, co
  * + ..., in key order (invisible keys with p = 0), then folded: one block partial per
  * (row, block), the same numbers whichever rank holds the block.
  * fused: 1 when every q and k is a float32 value (rmr_scores may fuse; the same bits).
+ * mods: the score modifiers (bit 0 softcap cap, bit 1 ALiBi slopes (H,) with the rows' ALiBi
+ * positions qa (Sq,)), applied to every score by rmr_modify in both passes.
  * Returns 0, or -1 for a bad argument. */
 int64_t rmr_block(const double *q, const double *kt, const double *v, const int64_t *kpos,
                   const int64_t *lo, const int64_t *hi, int64_t B, int64_t H, int64_t Hkv,
                   int64_t Sq, int64_t Sk, int64_t Skp, int64_t D, int64_t Dv, double scale,
                   int64_t pass, int64_t folds, int64_t row0, int64_t row1, int64_t fused,
                   double *m,
-                  const double *lconst, const double *vconst, double *lsum, double *osum) {
+                  const double *lconst, const double *vconst, double *lsum, double *osum,
+                  int64_t mods, double cap, const double *slopes, const int64_t *qa) {
+    if ((mods & ~INT64_C(3)) || ((mods & 1) && !(cap > 0)) || ((mods & 2) && (!slopes || !qa)))
+        return -1;
     if (Skp % RMR_BK || Skp < Sk || D < 1 || H % Hkv || folds < 1 || folds > RMR_MAXF ||
         row0 < 0 || row1 > Sq || row0 > row1 || (Sk > 0 && kpos[0] % RMR_BK))
         return -1;
     const int64_t g = H / Hkv, nchunk = Skp / RMR_K;
+    const double icap = (mods & 1) ? 1.0 / cap : 0.0;
     /* per key chunk: the range of its real keys' positions (empty chunk: min > max) */
     int64_t cmin[nchunk > 0 ? nchunk : 1], cmax[nchunk > 0 ? nchunk : 1];
     for (int64_t c = 0; c < nchunk; c++) {
@@ -320,6 +385,7 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
             const double *vh = v ? v + (bb * Hkv + kh) * Sk * Dv : 0;
             const double *vc = pass ? vconst + (bb * Hkv + kh) * Dv : 0;
             double *mh = m + (bb * H + h) * Sq;
+            const double slope = (mods & 2) ? slopes[h] : 0.0;
             /* key blocks outside, row tiles inside: a block's k panels and v rows (2 x 32 KiB
              * at D = 64) stay in cache while every row tile of the call uses them */
             for (int64_t kb0 = 0; kb0 < Sk; kb0 += RMR_BK)
@@ -331,22 +397,29 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                     rhi = hi[i0 + r] > rhi ? hi[i0 + r] : rhi;
                 }
                 const double *qr[RMR_R];
-                for (int64_t r = 0; r < RMR_R; r++)
+                int64_t qar[RMR_R] = {0};
+                for (int64_t r = 0; r < RMR_R; r++) {
                     qr[r] = q + ((bb * H + h) * Sq + i0 + (r < nr ? r : 0)) * D;
-                double s[RMR_R][RMR_K];
+                    if (mods & 2) qar[r] = qa[i0 + (r < nr ? r : 0)];
+                }
+                double s[RMR_R][RMR_K], sm[RMR_R][RMR_K];
                 if (pass == 0) {
                     for (int64_t c = kb0 / RMR_K; c < (kb0 + RMR_BK) / RMR_K; c++) {
                         if (cmin[c] > rhi || cmax[c] < rlo) continue; /* no row sees a key */
                         rmr_scores(qr, kth + c * RMR_K * D, D, (int)fused, s);
                         const int64_t j0 = c * RMR_K;
                         const int64_t nk = Sk - j0 < RMR_K ? Sk - j0 : RMR_K;
+                        int64_t kp[RMR_K];
+                        for (int j = 0; j < RMR_K; j++) kp[j] = j < nk ? kpos[j0 + j] : INT64_MIN;
+                        rmr_modify((const double(*)[RMR_K])s, scale, mods, cap, icap, slope, qar,
+                                   kp, sm);
                         for (int64_t r = 0; r < nr; r++) {
                             const int64_t i = i0 + r, a = lo[i], b = hi[i];
                             double mx = mh[i];
                             for (int64_t j = 0; j < nk; j++) {
                                 const int64_t p = kpos[j0 + j];
                                 if (p < a || p > b) continue;
-                                const double x = s[r][j] * scale;
+                                const double x = sm[r][j];
                                 if (x != x || mx != mx)
                                     mx = x != x ? x : mx;
                                 else if (x > mx)
@@ -376,10 +449,12 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                         int64_t kp[RMR_K];
                         for (int j = 0; j < RMR_K; j++)
                             kp[j] = jc + j < nkb ? kpos[j0 + jc + j] : INT64_MIN;
+                        rmr_modify((const double(*)[RMR_K])s, scale, mods, cap, icap, slope, qar,
+                                   kp, sm);
                         for (int r = 0; r < RMR_R; r++) {
                             const int64_t i = i0 + (r < nr ? r : 0), a = lo[i], b = hi[i];
                             for (int h8 = 0; h8 < RMR_K; h8 += 8) {
-                                const v8 e = rmr_exp8(ld8(s[r] + h8) * scale - mi[r]);
+                                const v8 e = rmr_exp8(ld8(sm[r] + h8) - mi[r]);
                                 v8i p8;
                                 memcpy(&p8, kp + h8, sizeof p8);
                                 st8(pw[r] + jc + h8, sel8((p8 >= a) & (p8 <= b), e, (v8){0}));

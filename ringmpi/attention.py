@@ -123,7 +123,7 @@ def ring_attention(
         out and lse bitwise the same for the same global inputs whatever the number
         of ranks, the layout, the thread counts and the CPU ISA path (issue 40;
         :mod:`ringmpi.reproducible`, docs/reproducible.md): numpy arrays, forward,
-        no slices or score modifiers yet; slower than the default.
+        with softcap, ALiBi and sinks, no slices yet; slower than the default.
     {modifiers}
     spec : ringmpi.spec.AttentionSpec, optional
         All of causal, layout, scale, head_parallel, window, cu_seqlens,

@@ -16,12 +16,15 @@ one ``Alltoallv``), then two passes go over the ring:
    once to the output dtype, lse = M + :func:`det_log` (l).
 
 A score is a fixed sequence of float64 operations over the head dim (:func:`scores`),
-the same number whatever the shape of the call it is part of. The work runs in the
-C kernel ``kernels/cpu_reproducible.c`` (:mod:`ringmpi.cpu.fused_reproducible`, every
-ISA path), or, with ``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in this
-module's numpy code, its oracle: the same operations, the same bits. Neither the numpy
-tile nor the fused tiles run in this mode, and no numpy transcendental (``np.exp``,
-``np.log``: their SIMD loops differ between CPU feature sets) touches a value.
+then through the score modifiers softcap (:func:`det_tanh`) and ALiBi (:func:`modify`),
+the same number whatever the shape of the call it is part of. The sinks join the
+maximum and the denominator once per row, after the exact fold sums (:func:`_finish`).
+The work runs in the C kernel ``kernels/cpu_reproducible.c``
+(:mod:`ringmpi.cpu.fused_reproducible`, every ISA path), or, with
+``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in this module's numpy code,
+its oracle: the same operations, the same bits. Neither the numpy tile nor the fused
+tiles run in this mode, and no numpy transcendental (``np.exp``, ``np.log``,
+``np.tanh``: their SIMD loops differ between CPU feature sets) touches a value.
 docs/reproducible.md has the argument and the limits.
 """
 
@@ -45,6 +48,8 @@ __all__ = [
     "scores",
     "det_exp",
     "det_log",
+    "det_tanh",
+    "modify",
     "folds",
     "grids",
     "fold_into",
@@ -91,9 +96,6 @@ def refusals(spec, xp, *, backward: bool = False, tiles: bool = True) -> list:
         why.append("reproducible=True in decode (not written yet)")
     if getattr(spec, "slices", None) is not None:
         why.append("reproducible=True with slices (not written yet)")
-    for name in ("alibi_slopes", "softcap", "sinks"):
-        if getattr(spec, name, None) is not None:
-            why.append(f"reproducible=True with {name} (not written yet)")
     if spec.head_parallel > 1:
         why.append("reproducible=True with head_parallel > 1 (not tested yet)")
     return why
@@ -139,6 +141,60 @@ def det_exp(t):
         p = p * r + c
     y = p * np.ldexp(1.0, n.astype(np.int64))
     return np.where(t < _EXP_TMIN, 0.0, np.where(t == t, y, t))
+
+
+def det_tanh(x):
+    """tanh(x) for float64 x by a fixed sequence of IEEE operations (the softcap's).
+
+    The same operations as ``rmr_tanh8`` of kernels/cpu_reproducible.c. With a = |x| and
+    t = -2a (exact), clamped below at -345 (tanh is 1 to the last bit long before):
+    u = e^t - 1 = (2^n - 1) + 2^n (r Q(r)), n and r the reduction of :func:`det_exp`
+    and r Q(r) = r + r^2/2 + ... + r^12/12! (det_exp's Taylor coefficients but the
+    first, by Horner's rule). For |t| < ln2 / 2, n = 0 and r = t exactly, so u = r Q(r)
+    keeps its relative precision however small a is (the form 1 - e^t loses it near 0);
+    beyond, 2^n - 1 <= -1/2 is exact and the one addition rounds once. Then
+    tanh a = -u / (2 + u) and the sign of x by ``copysign`` (exact): tanh(+-0) = +-0,
+    NaN propagates. Error: a few units in the last place (the test measures it against
+    ``np.tanh`` in ``test_det_tanh_accuracy_and_edges``). Not ``np.tanh``, whose SIMD loops differ
+    between CPU feature sets.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore"):  # |x| > 2^1022: t = -inf, clamped
+        t = -2.0 * np.abs(x)
+    tc = np.where(t < _EXP_TMIN, _EXP_TMIN, t)  # NaN stays NaN
+    tc = np.where(tc == tc, tc, 0.0)
+    n = (tc * _EXP_INVLN2 + _EXP_SHIFT) - _EXP_SHIFT
+    r = (tc - n * _EXP_LN2HI) - n * _EXP_LN2LO
+    p = _EXP_C[12] * r + _EXP_C[11]
+    for c in _EXP_C[10:0:-1]:
+        p = p * r + c
+    two_n = np.ldexp(1.0, n.astype(np.int64))
+    u = (two_n - 1.0) + two_n * (r * p)
+    y = (-u) / (2.0 + u)
+    y = np.where(x == x, y, x)
+    return np.copysign(y, x)
+
+
+def modify(s, cap, slope, qa, k_pos):
+    """The score modifiers on the float64 scaled scores ``s`` (rows, keys), as the kernel.
+
+    In the order of :mod:`ringmpi.reference`: softcap ``cap`` (None: off) gives
+    s = cap * det_tanh(s * (1 / cap)) (1 / cap rounded once, as the default mode's C
+    tiles do: no division per score); ALiBi ``slope`` (None: off) then subtracts
+    slope * |qa_i - k_j|, the distance converted to float64 (exact) and the product
+    rounded once. Each entry stays a function of its (row, key) alone.
+
+    Parameters
+    ----------
+    s : (rows, keys) float64, modified in place and returned
+    qa : (rows,) int64 ALiBi query positions ; k_pos : (keys,) int64
+    """
+    if cap is not None:
+        s[...] = cap * det_tanh(s * (1.0 / cap))
+    if slope is not None:
+        dist = np.abs(qa[:, None] - k_pos[None, :]).astype(np.float64)
+        s -= slope * dist
+    return s
 
 
 def det_log(x):
@@ -255,6 +311,9 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     n_sum = -(-nk // KEY_BLOCK) * KEY_BLOCK  # the grids' summand count (see grids)
     nf = folds(n_sum, qi.dtype)
     kern = kernel()
+    mods = _modifiers(args.spec, mask, plan.q_pos, heads, h)
+    sinks = args.spec.sinks
+    sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)[heads]
 
     # the keys dealt out again in whole global blocks (deal_keys): the unit of the partial sums
     k_mine = positions(nk, rank, size, layout, cu_seqlens=mask.cu_k, mask=mask)
@@ -289,10 +348,10 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
                     state = (m, l_grid, v_grid, l_parts, o_parts)
                     if kern is not None:
                         _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, args.scale, state, tick,
-                                      step, pass_)  # fmt: skip
+                                      step, pass_, mods)  # fmt: skip
                     else:
                         _numpy_block(q64, kb, v64, k_pos, lo, hi, args.scale, state, tick, step,
-                                     pass_)  # fmt: skip
+                                     pass_, mods)  # fmt: skip
                     stats["compute_s"] += time.perf_counter() - t0
                     if pass_:
                         pairs = plan.pairs(step, k_pos, args.causal)
@@ -303,7 +362,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
                     on_step(pass_ * size + step + 1, 2 * size)
         stats["wait_s"] += kv.ring.wait_s
         stats["bytes_sent"] += kv.bytes_sent
-    out, lse = _finish(l_parts, o_parts, m, args.acc_dtype)
+    out, lse = _finish(l_parts, o_parts, m, args.acc_dtype, sinks)
     stats.update(
         steps=size,
         steps_computed=computed,
@@ -390,7 +449,24 @@ def kernel():
     return kern
 
 
-def _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_) -> None:
+def _modifiers(spec, mask, q_pos, heads, h: int) -> tuple:
+    """(softcap or None, ALiBi slopes (H,) float64 or None, ALiBi query positions or None).
+
+    The score modifiers of ``spec`` for the query heads ``heads`` (``h`` of them) and the
+    rows at the global positions ``q_pos``; the sinks are not among them (:func:`_finish`).
+    """
+    cap = None if spec.softcap is None else float(spec.softcap)
+    slopes, qa = None, None
+    if spec.alibi_slopes is not None:
+        slopes = np.ascontiguousarray(np.asarray(spec.alibi_slopes, dtype=np.float64)[heads])
+        if slopes.shape != (h,):
+            raise ValueError(f"alibi_slopes: {slopes.shape[0]} slopes for {h} query heads")
+        qa = np.ascontiguousarray(mask.alibi_positions(q_pos), dtype=np.int64)
+    return cap, slopes, qa
+
+
+def _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_,
+                  mods) -> None:  # fmt: skip
     """One K/V block, both passes' work, by the C kernel (in chunks of rows between ticks)."""
     m, l_grid, v_grid, l_parts, o_parts = state
     kt = kern.pad_keys(np.asarray(kb, dtype=np.float64))
@@ -400,12 +476,14 @@ def _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, p
     for r0 in range(0, sq, _ROWS):
         tick(step)
         kern.block(q64, kt, v64, k_pos, lo, hi, scale, m, sk=len(k_pos),
-                   rows=(r0, min(sq, r0 + _ROWS)), consts=consts, narrow=narrow)  # fmt: skip
+                   rows=(r0, min(sq, r0 + _ROWS)), consts=consts, narrow=narrow,
+                   mods=mods)  # fmt: skip
 
 
-def _numpy_block(q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_) -> None:
+def _numpy_block(q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_, mods) -> None:
     """One K/V block by numpy: the oracle of the C kernel (the same operations)."""
     m, l_grid, v_grid, l_parts, o_parts = state
+    cap, slopes, qa = mods
     b, h, sq, _ = q64.shape
     g = h // kb.shape[1]
     k64 = kb.astype(np.float64)
@@ -422,6 +500,9 @@ def _numpy_block(q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_) -
                 for hh in range(h):
                     kh = hh // g
                     s = scores(q64[bb, hh, r0:r1], k64[bb, kh, k0:k1], scale)
+                    if cap is not None or slopes is not None:
+                        slope = None if slopes is None else slopes[hh]
+                        modify(s, cap, slope, None if qa is None else qa[r0:r1], kp)
                     if pass_ == 0:
                         s[~vis] = -np.inf
                         np.maximum(m[bb, hh, r0:r1], s.max(axis=1), out=m[bb, hh, r0:r1])
@@ -457,13 +538,29 @@ def block_sums(p, v):
     return lb, ob
 
 
-def _finish(l_parts, o_parts, m, dtype):
-    """out (B, S, H, D) and lse (B, H, S) in ``dtype`` from the fold sums, added in fold order."""
+def _finish(l_parts, o_parts, m, dtype, sinks=None):
+    """out (B, S, H, D) and lse (B, H, S) in ``dtype`` from the fold sums, added in fold order.
+
+    ``sinks`` (H,) float64: each row's sink logit joins the maximum and the denominator
+    here, once per row: with M' = max(M, sink_h), a = det_exp(M - M') and
+    b = det_exp(sink_h - M') (one of them is 1), l' = l a + b, o' = o a, out = o' / l'
+    and lse = M' + det_log(l'). Where the sink is not above M, a = 1 and o, l are
+    used as they are (exact products). A row with no visible key gets out 0 and
+    lse = sink_h.
+    """
     l = l_parts[0].copy()  # (l_1 + l_2) + l_3 ...: a fixed order
     o = o_parts[0].copy()
     for x, y in zip(l_parts[1:], o_parts[1:]):
         l += x
         o += y
+    if sinks is not None:
+        sink = np.broadcast_to(sinks[None, :, None], m.shape)
+        with np.errstate(invalid="ignore"):
+            top = np.maximum(m, sink)  # NaN propagates
+            a, b = det_exp(m - top), det_exp(sink - top)
+        l = l * a + b
+        o = o * a[..., None]
+        m = top
     seen = l > 0
     safe = np.where(seen, l, 1.0)
     out = np.where(seen[..., None], o / safe[..., None], 0.0)

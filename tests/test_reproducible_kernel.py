@@ -16,7 +16,7 @@ from tools.fingerprint import digest
 import ringmpi
 from ringmpi import reproducible
 from ringmpi.cpu import fused_reproducible
-from ringmpi.cpu.isa import host_isas
+from ringmpi.cpu.isa import host_isas, is_x86
 from ringmpi.cpu.loader import Loader
 from ringmpi.reference import attention
 from ringmpi.testing import assert_close, dense, random_qkv
@@ -65,6 +65,85 @@ def test_kernel_on_every_isa_gives_the_numpy_bits(dtype, mask, monkeypatch):
     assert_close(SELF, lse, ref[1], peer[1], f"{mask} lse")
 
 
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])  # ALiBi's geometric slopes for 4 heads
+MODS = {
+    "softcap": dict(softcap=3.0),  # below the largest scores: tanh saturates on the huge keys
+    "alibi": dict(alibi_slopes=SLOPES),
+    "sinks": dict(sinks=np.array([0.5, 3.0, -2.0, 40.0])),  # the last above every score
+    "all three": dict(softcap=5.0, alibi_slopes=SLOPES, sinks=np.array([1.0, -1.0, 6.0, 0.0])),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_modifiers_give_the_numpy_bits_on_every_isa(dtype, causal, mod, monkeypatch):
+    """Softcap, ALiBi and sinks (issue 40): numpy and every ISA path agree bit for bit, and
+    the result is at least as close to the float64 reference as the default mode's.
+
+    N = 283, GQA (4 query heads on 2 kv heads), real-shaped values. ALiBi on a packed
+    causal mask too (its positions restart per sequence), where the case is causal.
+    """
+    rng = np.random.default_rng(17)
+    q, k, v = random_qkv(rng, 283, 4, 2, 24, dtype=dtype, realistic=True)
+    kw = dict(MODS[mod], causal=causal)
+    if causal and mod == "alibi":
+        kw["cu_seqlens"] = np.array(CU)
+    got = _by_every_path(q, k, v, kw, monkeypatch)
+    want = digest(*got["numpy"])
+    bad = [name for name, res in got.items() if digest(*res) != want]
+    assert not bad, f"{mod} {np.dtype(dtype)}: {bad} differ from the numpy code"
+    ref = attention(q, k, v, **kw)
+    peer = dense(q, k, v, **kw) if dtype == np.float32 else (None, None)
+    out, lse = got["numpy"]
+    assert_close(SELF, out, ref[0], peer[0], f"{mod} out")
+    assert_close(SELF, lse, ref[1], peer[1], f"{mod} lse")
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "auto")
+    default = ringmpi.ring_attention(q, k, v, SELF, return_lse=True, **kw)
+    for name, mine, theirs, r in zip(("out", "lse"), (out, lse), default, ref):
+        err, err_default = (float(np.abs(x.astype(np.float64) - r).max()) for x in (mine, theirs))
+        # the result dtype's rounding; float64: both modes are a few units in the last place
+        # off, and which is closer is noise
+        ulp = float(np.spacing(np.abs(r).max().astype(dtype))) * (8 if dtype == np.float64 else 1)
+        assert err <= max(err_default, ulp), f"{mod} {name}: {err:.3g} > default {err_default:.3g}"
+
+
+def test_det_tanh_accuracy_and_edges():
+    """det_tanh within 6 units in the last place of np.tanh (itself within about 1), small
+    arguments included (where 1 - e^(-2x) would lose them); signed zeros, NaN, saturation."""
+    rng = np.random.default_rng(0)
+    tiny = np.exp(rng.uniform(-700, 3, 20000)) * rng.choice([-1, 1], 20000)
+    x = np.concatenate([np.linspace(-25, 25, 200001), tiny])
+    got, want = reproducible.det_tanh(x), np.tanh(x)
+    assert np.max(np.abs(got - want) / np.spacing(np.abs(want))) <= 6
+    edge = reproducible.det_tanh(np.array([0.0, -0.0, 40.0, -1e300, np.inf, np.nan]))
+    assert edge[0] == 0 and not np.signbit(edge[0]) and np.signbit(edge[1])
+    assert edge[2] == 1.0 and edge[3] == -1.0 and edge[4] == 1.0 and np.isnan(edge[5])
+
+
+def test_every_isa_path_compiles(tmp_path):
+    """The AVX-512, AVX2 and scalar paths of the kernel compile with the kernel's flags, also
+    the ones this host cannot run (compiled here, not run: the bits of a path are checked
+    only where the host runs it, in the tests above)."""
+    import subprocess
+
+    from ringmpi.cpu import build
+    from ringmpi.runtime.kernel_files import kernel_path
+
+    if not is_x86():
+        pytest.skip("the ISA paths are x86's")
+    src = kernel_path("cpu_reproducible.c")
+    flags = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "scalar": []}
+    cc = build._compiler()
+    for isa, extra in flags.items():
+        cmd = [cc, "-O3", *extra, "-ffp-contract=off", "-fno-fast-math", "-c", str(src),
+               "-o", str(tmp_path / f"{isa}.o")]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode and "x86-64-v" in proc.stderr:
+            pytest.skip(f"{cc} does not know {extra}")
+        assert proc.returncode == 0, f"{isa}: {proc.stderr[-2000:]}"
+
+
 def test_batch_and_longer_rows_match_the_numpy_code(monkeypatch):
     """A batch of 2, 700 keys (11 blocks), D = 64 = Dv: full register tiles and panels."""
     rng = np.random.default_rng(3)
@@ -77,15 +156,19 @@ def test_batch_and_longer_rows_match_the_numpy_code(monkeypatch):
 
 
 def test_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch, tmp_path):
-    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: the kernel's own flags win."""
+    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: the kernel's own flags win
+    (softcap's tanh and ALiBi's products included)."""
     q, k, v = random_qkv(np.random.default_rng(2), 150, 2, 1, 16, realistic=True)
+    kw = dict(causal=True, softcap=2.0, alibi_slopes=[0.25, 0.0625])
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
-    want = digest(*_call(q, k, v, dict(causal=True)))
+    want = digest(*_call(q, k, v, kw))
     monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
     fresh = Loader(fused_reproducible.ReproKernel, "reproducible C kernel", warn=False)
     monkeypatch.setattr(fused_reproducible, "LOADER", fresh)
-    assert digest(*_call(q, k, v, dict(causal=True))) == want
+    assert digest(*_call(q, k, v, kw)) == want
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
+    assert digest(*_call(q, k, v, kw)) == want
 
 
 def test_det_exp_accuracy_and_edges():
@@ -127,7 +210,8 @@ h = []
 for kernel in ("numpy", "fused"):
     os.environ["RINGMPI_CPU_KERNEL"] = kernel
     out, lse = ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, causal=True, return_lse=True,
-                                      reproducible=True)
+                                      reproducible=True, softcap=4.0, alibi_slopes=[0.5, 0.25],
+                                      sinks=[1.0, 9.0])
     h.append(hashlib.sha256(out.tobytes() + lse.tobytes()).hexdigest())
 print(" ".join(h))
 """
@@ -135,7 +219,8 @@ print(" ".join(h))
 
 def test_numpy_cpu_dispatch_does_not_change_the_bits():
     """numpy's AVX-512 loops switched off (NPY_DISABLE_CPU_FEATURES, what an AVX2 machine
-    runs): the same bits. np.exp and np.log differ there; the mode uses neither."""
+    runs): the same bits, with softcap, ALiBi and sinks too. np.exp, np.log and np.tanh
+    differ there; the mode uses none of them."""
     import subprocess
     import sys
 

@@ -84,6 +84,37 @@ def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
         assert_close(comm, lse, ref[1], peer[1], f"{tag} lse")
 
 
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
+MODS = {
+    "softcap": dict(softcap=3.0),
+    "alibi": dict(alibi_slopes=SLOPES),
+    "sinks": dict(sinks=np.array([0.5, 3.0, -2.0, 40.0])),  # the last above every score
+    "all three": dict(softcap=5.0, alibi_slopes=SLOPES, sinks=np.array([1.0, -1.0, 6.0, 0.0])),
+}
+MOD_MASKS = ("none", "causal", "packed causal window")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_modifiers_keep_the_bits_at_every_p_and_layout(comm, dtype, mod):
+    """Softcap, ALiBi and sinks (issue 40): the P = 1 hash at every P and layout, with masks
+    without and with causality and packing (ALiBi's positions restart per sequence), GQA;
+    within the default mode's tolerance of the dense float64 reference."""
+    q, k, v = _inputs(dtype, seed=21)
+    f32 = dtype == np.float32
+    for mask in MOD_MASKS:
+        kw = dict(MASKS[mask], **MODS[mod])
+        want = _single(comm, q, k, v, kw)
+        ref = once(comm, attention, q, k, v, **kw)
+        peer = once(comm, dense, q, k, v, **kw) if f32 else (None, None)
+        for layout in ringmpi.LAYOUTS:
+            tag = f"{mod} {mask} {np.dtype(dtype)} {layout}"
+            out, lse = _run(comm, q, k, v, layout, kw)
+            _same_everywhere(comm, digest(out, lse), want, tag)
+            assert_close(comm, out, ref[0], peer[0], f"{tag} out")
+            assert_close(comm, lse, ref[1], peer[1], f"{tag} lse")
+
+
 @pytest.mark.parametrize(
     "setting",
     [
@@ -94,12 +125,14 @@ def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
     ],
     ids=["numpy", "fused-scalar", "fused-avx2", "threads-2"],
 )
-def test_bits_do_not_depend_on_kernel_isa_or_threads(comm, setting, monkeypatch):
+@pytest.mark.parametrize("mod", ["plain", "all three"])
+def test_bits_do_not_depend_on_kernel_isa_or_threads(comm, setting, mod, monkeypatch):
     """The CPU kernel choice, its ISA path and the thread pools' sizes select nothing here.
 
     ``threads``: the BLAS and OpenMP pools set to 2 threads (threadpoolctl) for the call.
+    ``mod``: no score modifier, or softcap, ALiBi and sinks together.
     """
-    kw = dict(causal=True, window=(60, -1))
+    kw = dict(causal=True, window=(60, -1), **MODS.get(mod, {}))
     q, k, v = _inputs(np.float32, seed=3)
     want = _single(comm, q, k, v, kw)
     threads = setting.get("threads")
@@ -144,10 +177,11 @@ def test_batched_cross_attention_and_empty_rows(comm):
 def test_refusals_name_the_reason(comm):
     q, k, v = _inputs(np.float64, n=40)
     cut = [ringmpi.shard(x, comm) for x in (q, k, v)]
+    prefix = ringmpi.Slices([(0, 10, 0, 10, "full"), (10, 40, 0, 40, "causal")])
     raises_everywhere(
         comm,
-        lambda: ringmpi.ring_attention(*cut, comm, reproducible=True, softcap=20.0),
-        "reproducible=True with softcap",
+        lambda: ringmpi.ring_attention(*cut, comm, reproducible=True, slices=prefix),
+        "reproducible=True with slices",
     )
     out, lse = ringmpi.ring_attention(*cut, comm, reproducible=True, return_lse=True)
     raises_everywhere(

@@ -37,7 +37,10 @@ class ReproKernel(Library):
         lib.rmr_panel_keys.restype = i64
         self.panel_keys = int(lib.rmr_panel_keys())
         lib.rmr_block.restype = i64
-        lib.rmr_block.argtypes = [p] * 6 + [i64] * 8 + [ctypes.c_double] + [i64] * 5 + [p] * 5
+        lib.rmr_block.argtypes = (
+            [p] * 6 + [i64] * 8 + [ctypes.c_double] + [i64] * 5 + [p] * 5
+            + [i64, ctypes.c_double, p, p]
+        )  # fmt: skip
 
     def pad_keys(self, k: np.ndarray) -> np.ndarray:
         """k (B, Hkv, Sk, D) as the kernel's float64 k^T in panels (B, Hkv, Skp / W, D, W).
@@ -68,6 +71,7 @@ class ReproKernel(Library):
         rows: tuple = (0, None),
         consts: Optional[tuple] = None,
         narrow: bool = False,
+        mods: tuple = (None, None, None),
     ) -> None:
         """One K/V block against the rows ``q``: pass 0 (``consts`` None) or pass 1.
 
@@ -88,6 +92,9 @@ class ReproKernel(Library):
         narrow : bool
             Every value of q and kt is a float32 number: the scores may add each (exact)
             product by a fused multiply-add, which gives the same bits.
+        mods : (softcap or None, slopes (H,) float64 or None, qa (Sq,) int64 or None)
+            The score modifiers (:func:`ringmpi.reproducible.modify`): softcap, then
+            ALiBi with the rows' ALiBi positions ``qa``.
         """
         b, h, sq, d = q.shape
         hkv, skp = kt.shape[1], kt.shape[2] * kt.shape[4]
@@ -98,6 +105,13 @@ class ReproKernel(Library):
             lc, vc, ls, os_ = consts
             folds, dv = len(lc), os_.shape[-1]
             args += [lc, vc, ls, os_]
+        cap, slopes, qa = mods
+        bits = int(cap is not None) | int(slopes is not None) << 1
+        if slopes is not None:
+            good = slopes.shape == (h,) and slopes.dtype == np.float64 and qa is not None
+            if not (good and qa.shape == (sq,) and qa.dtype == np.int64):
+                raise ValueError("reproducible kernel: slopes (H,) and qa (Sq,) int64")
+            args += [slopes, qa]
         for a in args:
             if a is not None and not (a.flags.c_contiguous and a.dtype.kind in "fi"):
                 raise ValueError("reproducible kernel: arrays must be C-contiguous")
@@ -106,6 +120,7 @@ class ReproKernel(Library):
             b, h, hkv, sq, sk, skp, d, dv, float(scale), 0 if consts is None else 1, folds,
             rows[0], sq if rows[1] is None else rows[1], int(bool(narrow)),
             ptr(m), ptr(lc), ptr(vc), ptr(ls), ptr(os_),
+            bits, 0.0 if cap is None else float(cap), ptr(slopes), ptr(qa),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"reproducible kernel refused its arguments ({rc})")

@@ -91,8 +91,49 @@ def test_the_default_mode_differs_in_the_last_bits(data, one_rank, tmp_path):
     assert max(d["max"] for d in res["differ"]) < 1e-5  # the same attention, to rounding
 
 
-def test_refused_up_front_where_the_mode_does_not_exist(data, tmp_path):
-    out = str(tmp_path / "out.h5")
-    rc, text = _run(2, data, out, "--causal", "--softcap", "30")
-    assert rc == 2 and "reproducible=True with softcap" in text, text
-    assert not (tmp_path / "out.h5").exists()
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """Raw features, the projection weights with sinks (H,): the job's way to sinks."""
+    from ringmpi.cli.make_data import make_data
+
+    d = tmp_path_factory.mktemp("feat")
+    paths = make_data(str(d / "x.h5"), seq_len=300, heads=H, kv_heads=HKV, head_dim=D,
+                      features=24, seed=40, values="realistic")  # fmt: skip
+    with h5py.File(paths[-1], "r+") as f:
+        f["sinks"] = np.linspace(-1.0, 6.0, H)  # the last above most rows' scores
+    return paths[0], paths[-1]
+
+
+@pytest.mark.parametrize(
+    "inputs, mods",
+    [
+        ("qkv", ("--softcap", "4")),
+        ("qkv", ("--alibi",)),
+        ("features", ()),
+        ("features", ("--softcap", "8", "--alibi")),
+    ],
+    ids=["softcap", "alibi", "sinks", "all-three"],
+)
+def test_score_modifiers_keep_the_bits_at_p2_and_p3(request, tmp_path, inputs, mods):
+    """--softcap, --alibi (on q, k, v inputs) and the weights' sinks (on raw features with
+    their projection weights, the job's one way to sinks; with the other two in the last
+    case): the outputs at P = 2 (zigzag), P = 3 (striped) and P = 2 in rings of one are
+    identical, and the first passes --verify (the dense float64 reference with the same
+    modifiers)."""
+    if inputs == "qkv":
+        src, more = request.getfixturevalue("data"), ()
+    else:
+        src, weights = request.getfixturevalue("features")
+        more = ("--weights", weights)
+    outs = []
+    for p, flags in ((2, ("--verify",)), (3, ("--layout", "striped")), (2, ("--ring-size", "1"))):
+        out = str(tmp_path / f"p{p}-{len(outs)}.h5")
+        rc, text = _run(p, src, out, "--causal", *more, *mods, *flags)
+        assert rc == 0, text
+        outs.append(out)
+    with h5py.File(outs[0], "r") as f:
+        assert bool(f.attrs["reproducible"]), dict(f.attrs)
+        assert (f.attrs.get("sinks") is not None) == (inputs == "features"), dict(f.attrs)
+    for other in outs[1:]:
+        res = compare(outs[0], other)
+        assert res["identical"] and res["datasets"] >= 2, res
