@@ -85,8 +85,10 @@ def refusals(spec, xp, *, backward: bool = False, tiles: bool = True) -> list:
             "reproducible=True (the GPU kernels sum in an order that depends on the block "
             "split and the launch configuration; the mode runs on numpy arrays only)"
         )
-    if backward:
-        why.append("reproducible=True in the backward (not written yet; forward only)")
+    if backward:  # the backward's own limits: ringmpi.reproducible_backward
+        from .reproducible_backward import refusals as backward_refusals
+
+        why += backward_refusals(spec)
     if not tiles:
         why.append("reproducible=True in decode (not written yet)")
     if getattr(spec, "slices", None) is not None:
