@@ -148,16 +148,19 @@ def _chain(w, x, axis_rows: bool):
 
     ``axis_rows`` False: out[..., i, :] = ((w_i0 x_0 + w_i1 x_1) + ...) over keys j
     (w (..., r, c), x (..., c, D)); True: out[..., j, :] = ((w_0j x_0 + w_1j x_1) + ...)
-    over rows i (x (..., r, D)). Elementwise operations only.
+    over rows i (x (..., r, D)). Elementwise operations only (one product and one
+    addition per term, each correctly rounded: the memory layout changes no bit).
     """
     if axis_rows:
-        out = w[..., 0, :, None] * x[..., 0:1, :]
-        for i in range(1, w.shape[-2]):
-            out += w[..., i, :, None] * x[..., i : i + 1, :]
+        ws = np.ascontiguousarray(np.moveaxis(w, -2, 0))[..., None]  # (r, ..., c, 1)
     else:
-        out = w[..., :, 0, None] * x[..., None, 0, :]
-        for j in range(1, w.shape[-1]):
-            out += w[..., :, j, None] * x[..., None, j, :]
+        ws = np.ascontiguousarray(np.moveaxis(w, -1, 0))[..., None]  # (c, ..., r, 1)
+    xs = np.ascontiguousarray(np.moveaxis(x, -2, 0))[..., None, :]  # (n, ..., 1, D)
+    out = ws[0] * xs[0]
+    tmp = np.empty_like(out)
+    for j in range(1, len(ws)):
+        np.multiply(ws[j], xs[j], out=tmp)
+        out += tmp
     return out
 
 
@@ -167,9 +170,13 @@ def _dots(a, b):
     The operations of :func:`ringmpi.reproducible.scores` with the scale 1, batched over
     the leading axes (each entry the same number whatever the shape of the call).
     """
-    s = a[..., :, None, 0] * b[..., None, :, 0]
-    for j in range(1, a.shape[-1]):
-        s += a[..., :, None, j] * b[..., None, :, j]
+    at = np.ascontiguousarray(np.moveaxis(a, -1, 0))[..., None]  # (D, ..., r, 1)
+    bt = np.ascontiguousarray(np.moveaxis(b, -1, 0))[..., None, :]  # (D, ..., 1, c)
+    s = at[0] * bt[0]
+    tmp = np.empty_like(s)
+    for j in range(1, len(at)):
+        np.multiply(at[j], bt[j], out=tmp)
+        s += tmp
     return s
 
 
