@@ -40,7 +40,7 @@ from .layout import positions
 from .reproducible import KEY_BLOCK, det_exp, fold_into, folds, grids
 from .runtime.watchdog import watch
 
-__all__ = ["refusals", "backward", "loop", "deal_rows", "undeal_rows", "P_BOUND"]
+__all__ = ["refusals", "backward", "loop", "block_owners", "deal_rows", "undeal_rows", "P_BOUND"]
 
 P_BOUND = 2.0  # the bound the grids assume for P = exp(s - lse); checked after the ring
 
@@ -84,11 +84,27 @@ def _starts(n: int, size: int) -> list:
     return [min(r * nb // size * KEY_BLOCK, n) for r in range(size + 1)]
 
 
-def deal_rows(comm, rows, pos, n: int):
+def block_owners(n: int, size: int, balanced: bool = False):
+    """(nb,) the rank that holds each global block of 64 positions (nb = ceil(n / 64)).
+
+    Not balanced: rank r holds the blocks [r nb / P, (r + 1) nb / P) (as
+    :func:`ringmpi.reproducible.deal_keys`). Balanced: the blocks cut into 2P runs
+    [i nb / 2P, (i + 1) nb / 2P) and rank r holding runs r and 2P - 1 - r (a zigzag
+    of blocks: under a causal mask every rank gets early and late rows). The choice
+    moves work between ranks, never a bit.
+    """
+    nb = -(-n // KEY_BLOCK)
+    c = np.arange(nb, dtype=np.int64)
+    if not balanced:
+        return np.searchsorted(np.arange(size) * nb // size, c, side="right") - 1
+    run = np.searchsorted(np.arange(2 * size) * nb // (2 * size), c, side="right") - 1
+    return np.where(run < size, run, 2 * size - 1 - run)
+
+
+def deal_rows(comm, rows, pos, n: int, balanced: bool = False):
     """Rows (one per global position) dealt out in whole global blocks of 64 positions.
 
-    The partition is :func:`ringmpi.reproducible.deal_keys`'s: rank r gets the blocks
-    [r nb / P, (r + 1) nb / P) of the nb = ceil(n / 64) blocks, in position order.
+    Rank r gets the blocks :func:`block_owners` gives it, rows in position order.
 
     Parameters
     ----------
@@ -98,20 +114,25 @@ def deal_rows(comm, rows, pos, n: int):
         Their global positions (a partition of 0..n-1 over the ranks).
     n : int
         The number of positions.
+    balanced : bool
+        :func:`block_owners`'s choice.
 
     Returns
     -------
     mine : (count, W) float64
-        The rows of this rank's blocks, in position order (positions ``start + 0..count-1``).
-    start, count : int
+        The rows of this rank's blocks, in position order.
+    mine_pos : (count,) int64
+        Their positions: whole blocks, ascending (each block starts at a multiple of 64).
     back : tuple
         What :func:`undeal_rows` needs to send rows of ``mine``'s shape back.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    starts = _starts(n, size)
+    owner = block_owners(n, size, balanced)
+    blocks = np.flatnonzero(owner == rank)
+    mine_pos = np.arange(n, dtype=np.int64)[np.isin(np.arange(n) // KEY_BLOCK, blocks)]
     pos = np.asarray(pos, dtype=np.int64)
     width = rows.shape[1]
-    dest = np.searchsorted(np.array(starts[:-1]), pos, side="right") - 1
+    dest = owner[pos // KEY_BLOCK] if len(pos) else np.zeros(0, dtype=np.int64)
     order = np.argsort(dest, kind="stable")
     send_n = np.bincount(dest, minlength=size).astype(np.int64)
     recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
@@ -122,10 +143,10 @@ def deal_rows(comm, rows, pos, n: int):
     sendbuf = np.ascontiguousarray(rows[order], dtype=np.float64)
     comm.Alltoallv([sendbuf, (send_n * width, sd * width)], [got, (recv_n * width, rd * width)])
     comm.Alltoallv([np.ascontiguousarray(pos[order]), (send_n, sd)], [got_pos, (recv_n, rd)])
-    start, count = starts[rank], starts[rank + 1] - starts[rank]
-    mine = np.empty((count, width), dtype=np.float64)
-    mine[got_pos - start] = got
-    return mine, start, count, (send_n, sd, recv_n, rd, order, got_pos - start)
+    idx = np.searchsorted(mine_pos, got_pos)
+    mine = np.empty((len(mine_pos), width), dtype=np.float64)
+    mine[idx] = got
+    return mine, mine_pos, (send_n, sd, recv_n, rd, order, idx)
 
 
 def undeal_rows(comm, mine, back):
@@ -232,7 +253,8 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
         axis=-1,
     )  # (B, H, nql, Dk + Dv + 2)
     qrows = np.moveaxis(qrows, 2, 0).reshape(nql, b * wq)
-    mine_q, q0, cq, back_q = deal_rows(comm, qrows, q_pos, nq)
+    mine_q, q_mine, back_q = deal_rows(comm, qrows, q_pos, nq, balanced=True)
+    cq = len(q_mine)
     qd = np.moveaxis(mine_q.reshape(cq, b, h, dk_w + dv_w + 2), 0, 2)  # (B, H, cq, .)
     qq, qdo = qd[..., :dk_w], qd[..., dk_w : dk_w + dv_w]
     qlse, qdelta = qd[..., dk_w + dv_w], qd[..., dk_w + dv_w + 1]
@@ -241,7 +263,8 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
         axis=-1,
     )
     krows = np.moveaxis(krows, 2, 0).reshape(nkl, b * hkv * (dk_w + dv_w))
-    mine_k, _, ck, back_k = deal_rows(comm, krows, k_pos, nk)
+    mine_k, k_mine, back_k = deal_rows(comm, krows, k_pos, nk)
+    ck = len(k_mine)
     k_starts = _starts(nk, size)
     k_counts = [k_starts[r + 1] - k_starts[r] for r in range(size)]
 
@@ -285,7 +308,7 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
     del mine_k, krows, qrows, mine_q
 
     # visible key range of each dealt query row (the mask is a function of positions)
-    lo, hi = mask.bounds(np.arange(q0, q0 + cq, dtype=np.int64))
+    lo, hi = mask.bounds(q_mine)
     p_max = 0.0
     pairs, tiles, compute_s = 0, 0, 0.0
     prev, nxt = (rank - 1) % size, (rank + 1) % size
@@ -303,7 +326,7 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
             kp = np.arange(kstart + c0, kstart + c1, dtype=np.int64)
             kb = np.ascontiguousarray(kt[:, kh, c0:c1])  # (B, H, c, Dk)
             vb = np.ascontiguousarray(vt[:, kh, c0:c1])
-            for r0 in range(0, cq, KEY_BLOCK):  # q0 is a block's first row
+            for r0 in range(0, cq, KEY_BLOCK):  # whole blocks: a block starts at each r0
                 r1 = min(cq, r0 + KEY_BLOCK)
                 vis = (kp[None, :] >= lo[r0:r1, None]) & (kp[None, :] <= hi[r0:r1, None])
                 if not vis.any():

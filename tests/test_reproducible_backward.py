@@ -79,10 +79,20 @@ def test_deal_rows_round_trip():
     rng = np.random.default_rng(2)
     pos = rng.permutation(150)
     rows = rng.standard_normal((150, 3))
-    mine, start, count, back = reproducible_backward.deal_rows(MPI.COMM_SELF, rows, pos, 150)
-    assert (start, count) == (0, 150)
-    assert np.array_equal(mine[pos], rows)
-    assert np.array_equal(reproducible_backward.undeal_rows(MPI.COMM_SELF, mine, back), rows)
+    for balanced in (False, True):
+        mine, at, back = reproducible_backward.deal_rows(MPI.COMM_SELF, rows, pos, 150, balanced)
+        assert np.array_equal(at, np.arange(150))
+        assert np.array_equal(mine[pos], rows)
+        assert np.array_equal(reproducible_backward.undeal_rows(MPI.COMM_SELF, mine, back), rows)
+
+
+def test_block_owners():
+    """Contiguous runs of blocks, or a zigzag of runs; every rank's blocks in order."""
+    owners = reproducible_backward.block_owners
+    assert owners(64 * 10, 2).tolist() == [0] * 5 + [1] * 5
+    assert owners(64 * 8, 2, balanced=True).tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert owners(10, 3, balanced=True).tolist() == [0]  # one block, P = 3
+    assert owners(301, 5).tolist() == owners(301, 5, balanced=False).tolist()
 
 
 def test_chains_are_fixed_sequences():
