@@ -166,3 +166,37 @@ def test_default_mode_unchanged(comm):
     b = ring_attention_backward(cut[3], *cut[:3], out, lse, comm, causal=True, reproducible=False)
     same = all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
     assert_all(comm, same, "reproducible=False changed the default bits")
+
+
+def test_value_width_and_spec(comm):
+    """Dk != Dv (issue 42) and the options given as ``spec=``: P-independent bits, accurate."""
+    q, k, _, _ = _inputs(np.float32, seed=12)
+    rng = np.random.default_rng(13)
+    v = (1.0 + 0.1 * rng.standard_normal((N, 2, 40))).astype(np.float32)
+    dout = rng.standard_normal((N, 4, 40)).astype(np.float32)
+    kw = dict(causal=True, window=(70, -1))
+    want = _single(comm, q, k, v, dout, kw=kw)
+    got = _grads(comm, q, k, v, dout, "striped", kw)
+    _same_everywhere(comm, digest(*got), want, "dv=40")
+    cut = [ringmpi.shard(x, comm, "striped") for x in (q, k, v, dout)]
+    spec = AttentionSpec(layout="striped", reproducible=True, **kw)
+    out, lse = ringmpi.ring_attention(*cut[:3], comm, return_lse=True, spec=spec)
+    local = ring_attention_backward(cut[3], *cut[:3], out, lse, comm, spec=spec)
+    by_spec = [ringmpi.gather(g, N, comm, "striped") for g in local]
+    _same_everywhere(comm, digest(*by_spec), want, "spec=")
+    default = _grads(comm, q, k, v, dout, "zigzag", kw, reproducible=False)
+    _check_accuracy(comm, got, default, q, k, v, dout, kw, "dv=40")
+
+
+def test_an_lse_that_is_not_the_forwards_raises_everywhere(comm):
+    """The grids assume exp(s - lse) <= 2: an lse far below the forward's is refused on
+    every rank after the ring (one rank's rows alone may not show it)."""
+    q, k, v, dout = _inputs(np.float64, seed=14, n=150)
+    cut = [ringmpi.shard(x, comm) for x in (q, k, v, dout)]
+    out, lse = ringmpi.ring_attention(*cut[:3], comm, reproducible=True, return_lse=True)
+    low = lse - (5.0 if comm.rank == comm.size - 1 else 0.0)
+    raises_everywhere(
+        comm,
+        lambda: ring_attention_backward(cut[3], *cut[:3], out, low, comm, reproducible=True),
+        "lse is not the forward's",
+    )
