@@ -20,7 +20,7 @@ from tools.fingerprint import digest
 import ringmpi
 from ringmpi import reproducible
 from ringmpi.backward import ring_attention_backward
-from ringmpi.reference import attention_backward
+from ringmpi.reference import attention, attention_backward
 from ringmpi.spec import AttentionSpec
 from ringmpi.testing import assert_all, dense_backward, once, raises_everywhere, random_qkv
 
@@ -200,3 +200,25 @@ def test_an_lse_that_is_not_the_forwards_raises_everywhere(comm):
         lambda: ring_attention_backward(cut[3], *cut[:3], out, low, comm, reproducible=True),
         "lse is not the forward's",
     )
+
+
+@pytest.mark.parametrize("n", [2, 65])
+def test_ranks_without_rows(comm, n):
+    """N = 2 (most ranks hold no token) and 65 (one full block and one of a single row):
+    the same bits. out and lse come from the dense reference, rounded to float32 (the
+    backward's bits depend on its inputs only, whichever forward made them)."""
+    q, k, v, dout = _inputs(np.float32, seed=15, n=n)
+    kw = dict(causal=True)
+    out, lse = (x.astype(np.float32) for x in once(comm, attention, q, k, v, **kw))
+
+    def grads(c, layout):
+        cut = [ringmpi.shard(x, c, layout) for x in (q, k, v, dout, out)]
+        lse_l = ringmpi.shard(lse, c, layout, axis=-1)
+        local = ring_attention_backward(
+            cut[3], *cut[:3], cut[4], lse_l, c, layout=layout, reproducible=True, **kw
+        )
+        return digest(*(ringmpi.gather(g, n, c, layout) for g in local))
+
+    want = comm.bcast(grads(MPI.COMM_SELF, "zigzag") if comm.rank == 0 else None, root=0)
+    for layout in ringmpi.LAYOUTS:
+        _same_everywhere(comm, grads(comm, layout), want, f"n={n} {layout}")
