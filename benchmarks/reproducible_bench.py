@@ -11,6 +11,11 @@ error of each against nothing but the other (a sanity figure, not an accuracy te
 ``--softcap C``, ``--alibi`` (the standard slopes) and ``--sinks`` (one logit per head)
 give both modes those score modifiers; the reproducible mode without them is then timed
 in the same repeats too (column "plain s"), so the modifiers' own cost shows.
+
+``--backward``: the same for ``ring_attention_backward`` (each mode's forward run once,
+untimed; the max |diff| is over dq, dk, dv; no score modifiers):
+
+    OMP_NUM_THREADS=1 python benchmarks/reproducible_bench.py --backward --n 1024
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def main() -> None:
     ap.add_argument("--softcap", type=float, default=None, help="softcap C for both modes")
     ap.add_argument("--alibi", action="store_true", help="ALiBi (standard slopes), both modes")
     ap.add_argument("--sinks", action="store_true", help="a sink logit per head, both modes")
+    ap.add_argument("--backward", action="store_true", help="time the backward instead")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     mods = {}
@@ -45,6 +51,8 @@ def main() -> None:
         mods["alibi_slopes"] = [2.0 ** (-8 * (i + 1) / args.heads) for i in range(args.heads)]
     if args.sinks:
         mods["sinks"] = np.linspace(-1.0, 3.0, args.heads)
+    if mods and args.backward:
+        ap.error("--backward takes no score modifiers (the reproducible backward refuses them)")
     modes = [(False, mods), (True, mods)] + ([(True, {})] if mods else [])
     rows = []
     dtypes = [np.float32, np.float64] if args.dtype == "both" else [np.dtype(args.dtype).type]
@@ -55,24 +63,40 @@ def main() -> None:
             rng, args.n, args.heads, args.kv_heads, args.d, dtype=dtype, realistic=True
         )
         cut = [ringmpi.shard(x, comm) for x in qkv]
+        dout = ringmpi.shard(rng.standard_normal(qkv[0].shape).astype(dtype), comm)
         for causal in (False, True):
             times = {i: [] for i in range(len(modes))}
             outs = {}
+            fwd = {}
+            if args.backward:  # each mode's own forward, untimed
+                for rep in (False, True):
+                    fwd[rep] = ringmpi.ring_attention(
+                        *cut, comm, causal=causal, reproducible=rep, return_lse=True
+                    )
             for _ in range(args.repeat):
                 for i, (rep, kw) in enumerate(modes):
                     comm.Barrier()
                     t0 = time.perf_counter()
                     st = {}
-                    outs[i] = ringmpi.ring_attention(
-                        *cut, comm, causal=causal, reproducible=rep, stats=st, **kw
-                    )
+                    if args.backward:
+                        outs[i] = ringmpi.ring_attention_backward(
+                            dout, *cut, *fwd[rep], comm, causal=causal, reproducible=rep, stats=st
+                        )
+                    else:
+                        outs[i] = (
+                            ringmpi.ring_attention(
+                                *cut, comm, causal=causal, reproducible=rep, stats=st, **kw
+                            ),
+                        )
                     kernels[rep] = st.get("reproducible_kernel", st.get("tile"))
                     times[i].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-            diff = comm.allreduce(float(np.abs(outs[1] - outs[0]).max()), op=MPI.MAX)
+            diff = max(float(np.abs(a - b).max(initial=0.0)) for a, b in zip(outs[1], outs[0]))
+            diff = comm.allreduce(diff, op=MPI.MAX)
             med = [float(np.median(times[i])) for i in range(len(modes))]
             rows.append((np.dtype(dtype).name, causal, med, diff))
     if comm.rank == 0:
-        print(f"P={comm.size} N={args.n} H={args.heads} Hkv={args.kv_heads} D={args.d}")
+        what = "backward" if args.backward else "forward"
+        print(f"{what} P={comm.size} N={args.n} H={args.heads} Hkv={args.kv_heads} D={args.d}")
         print(f"default: {kernels[False]}; reproducible: {kernels[True]}")
         if mods:
             print(f"score modifiers (both modes): {', '.join(mods)}")

@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import cost
+from . import cost, reproducible_backward
 from .arguments import RingArgs, agree, report, to_internal
 from .layout import positions
 from .mask import plan_steps, tile_modifiers
@@ -65,6 +65,7 @@ def ring_attention_backward(
     cu_seqlens=None,
     cu_seqlens_k=None,
     slices=None,
+    reproducible: bool = False,
     spec: Optional[AttentionSpec] = None,
     **modifiers,
 ):
@@ -89,6 +90,10 @@ def ring_attention_backward(
     causal, layout, scale, head_parallel, window, cu_seqlens, cu_seqlens_k, slices
         Exactly as given to the forward call, and so are the score modifiers:
     {modifiers}
+    reproducible : bool
+        dq, dk, dv bitwise the same for the same global inputs whatever P, the layout,
+        the threads and numpy's CPU dispatch (issue 40; :mod:`ringmpi.reproducible_backward`,
+        docs/reproducible.md): numpy arrays; no score modifiers or slices yet.
     check_finite : bool
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
         (or lse holds NaN or +Inf).
@@ -128,11 +133,14 @@ def ring_attention_backward(
         cu_seqlens_k=cu_seqlens_k,
         slices=slices,
         head_parallel=head_parallel,
+        reproducible=reproducible,
         **modifiers,
     )
     # every array and option in one allgather: identical errors everywhere
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     args = agree(comm, spec, arrays, what="ring_attention_backward", check_finite=check_finite)
+    if args.spec.reproducible:  # its own loop (issue 40): ringmpi.reproducible_backward
+        return reproducible_backward.backward(comm, args, dout, q, k, v, out, lse, stats, t_start)
     be = args.backend
     xp, acc = be.xp, args.acc_dtype
     with HeadGroups(comm, args, q.shape[-2], k.shape[-2]) as groups:

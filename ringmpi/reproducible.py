@@ -90,8 +90,10 @@ def refusals(spec, xp, *, backward: bool = False, tiles: bool = True) -> list:
             "reproducible=True (the GPU kernels sum in an order that depends on the block "
             "split and the launch configuration; the mode runs on numpy arrays only)"
         )
-    if backward:
-        why.append("reproducible=True in the backward (not written yet; forward only)")
+    if backward:  # the backward's own limits: ringmpi.reproducible_backward
+        from .reproducible_backward import refusals as backward_refusals
+
+        why += backward_refusals(spec)
     if not tiles:
         why.append("reproducible=True in decode (not written yet)")
     if getattr(spec, "slices", None) is not None:
@@ -408,7 +410,11 @@ def deal_keys(comm, k, v, pos, nk: int):
     recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
     width = b * hkv * (dk + dv)
     rows = np.concatenate(
-        [np.moveaxis(x[:, :, :n][:, :, order], 2, 0).reshape(n, -1) for x in (k, v)], axis=1
+        [
+            np.moveaxis(x[:, :, :n][:, :, order], 2, 0).reshape(n, b * hkv * x.shape[-1])
+            for x in (k, v)
+        ],
+        axis=1,
     )
     rows = np.ascontiguousarray(rows)
     got = np.empty((int(recv_n.sum()), width), dtype=rows.dtype)

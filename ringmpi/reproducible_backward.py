@@ -1,0 +1,441 @@
+"""Reproducible backward (issue 40): dq, dk, dv bitwise independent of P, layout, threads, ISA.
+
+``ring_attention_backward(..., reproducible=True)`` replaces the backward ring loop of
+:mod:`ringmpi.backward` by :func:`loop`. With the forward's out and lse (whatever
+bits they have) the gradients are
+
+- P_ij = :func:`~ringmpi.reproducible.det_exp` (s_ij - lse_i), s_ij the float64
+  score chain of :func:`~ringmpi.reproducible.scores` (0 for an invisible key),
+- delta_i = ((dO_i0 O_i0 + dO_i1 O_i1) + ...) and dP_ij = ((dO_i0 v_j0 + ...) ...),
+  both in index order in float64,
+- dS_ij = P_ij (dP_ij - delta_i),
+- dQ_i = scale sum_j dS_ij k_j, dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i.
+
+Both the query rows and the keys are dealt out in fixed global blocks of
+:data:`~ringmpi.reproducible.KEY_BLOCK` positions (one ``Alltoallv`` each, like
+:func:`~ringmpi.reproducible.deal_keys`), so every (query block, key block) tile is held
+whole by one rank. A tile gives, in float64 and in a fixed order, the block partials
+of the three sums: over its keys in key order (dQ) and over its rows in row order
+(dK, dV). Each partial is split on fixed grids (:func:`~ringmpi.reproducible.grids`,
+from global counts and global bounds of the summands found by exact maxima) into fold
+parts whose sums are exact in float64 in any order: the dQ folds stay with the query
+block, the dK/dV folds travel the ring with their K/V block and come home after P
+hops. Each gradient row is then the fold sums added in fold order, times the scale,
+rounded once to the input dtype, and dealt back to the rank and place the layout gives
+it. Only elementwise numpy operations (correctly rounded per element, whatever the
+shape, the threads or the SIMD loop) touch a value; no BLAS, no ``np.exp``/``np.log``.
+docs/reproducible.md has the argument and the limits.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import cost
+from .arguments import report
+from .layout import positions
+from .reproducible import KEY_BLOCK, det_exp, fold_into, folds, grids
+from .runtime.watchdog import watch
+
+__all__ = ["refusals", "backward", "loop", "block_owners", "deal_rows", "undeal_rows", "P_BOUND"]
+
+P_BOUND = 2.0  # the bound the grids assume for P = exp(s - lse); checked after the ring
+
+
+def refusals(spec) -> list:
+    """Why a backward call with ``spec.reproducible`` cannot run in this mode (empty: it can).
+
+    Called by :func:`ringmpi.reproducible.refusals` for the backward, next to the
+    mode's general limits (GPU, decode, head_parallel > 1).
+    """
+    why = []  # slices: refused for both directions by ringmpi.reproducible.refusals
+    for name in ("alibi_slopes", "softcap", "sinks"):
+        if getattr(spec, name, None) is not None:
+            why.append(f"reproducible=True in the backward with {name} (not written yet)")
+    return why
+
+
+def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
+    """:func:`ringmpi.backward.ring_attention_backward` after its checks, in this mode.
+
+    ``args``: what every rank agreed on (:func:`ringmpi.arguments.agree`); the arrays as
+    the caller gave them. Returns (dq, dk, dv) with the shapes and dtypes of q, k, v
+    and fills ``stats`` like the default mode.
+    """
+    inner = [np.moveaxis(x if x.ndim == 4 else x[None], -3, -2) for x in (q, k, v, dout, out)]
+    lse = np.asarray(lse)
+    dq, dk, dv, st = loop(comm, args, *inner, lse if lse.ndim == 3 else lse[None])
+    grads = []
+    for g, like in zip((dq, dk, dv), (q, k, v)):
+        g = np.ascontiguousarray(np.moveaxis(g, -2, -3))
+        grads.append(g if like.ndim == 4 else g[0])
+    report(stats, t_start, **st, backend=args.backend.name, tile="reproducible numpy")
+    return tuple(grads)
+
+
+def _starts(n: int, size: int) -> list:
+    """Rank r holds the global blocks [r nb / P, (r + 1) nb / P): their first positions."""
+    nb = -(-n // KEY_BLOCK)
+    return [min(r * nb // size * KEY_BLOCK, n) for r in range(size + 1)]
+
+
+def block_owners(n: int, size: int, balanced: bool = False):
+    """(nb,) the rank that holds each global block of 64 positions (nb = ceil(n / 64)).
+
+    Not balanced: rank r holds the blocks [r nb / P, (r + 1) nb / P) (as
+    :func:`ringmpi.reproducible.deal_keys`). Balanced: the blocks cut into 2P runs
+    [i nb / 2P, (i + 1) nb / 2P) and rank r holding runs r and 2P - 1 - r (a zigzag
+    of blocks: under a causal mask every rank gets early and late rows). The choice
+    moves work between ranks, never a bit.
+    """
+    nb = -(-n // KEY_BLOCK)
+    c = np.arange(nb, dtype=np.int64)
+    if not balanced:
+        return np.searchsorted(np.arange(size) * nb // size, c, side="right") - 1
+    run = np.searchsorted(np.arange(2 * size) * nb // (2 * size), c, side="right") - 1
+    return np.where(run < size, run, 2 * size - 1 - run)
+
+
+def deal_rows(comm, rows, pos, n: int, balanced: bool = False):
+    """Rows (one per global position) dealt out in whole global blocks of 64 positions.
+
+    Rank r gets the blocks :func:`block_owners` gives it, rows in position order.
+
+    Parameters
+    ----------
+    rows : (len(pos), W) float64
+        This rank's rows, one per global position ``pos``.
+    pos : (len(rows),) int
+        Their global positions (a partition of 0..n-1 over the ranks).
+    n : int
+        The number of positions.
+    balanced : bool
+        :func:`block_owners`'s choice.
+
+    Returns
+    -------
+    mine : (count, W) float64
+        The rows of this rank's blocks, in position order.
+    mine_pos : (count,) int64
+        Their positions: whole blocks, ascending (each block starts at a multiple of 64).
+    back : tuple
+        What :func:`undeal_rows` needs to send rows of ``mine``'s shape back.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    owner = block_owners(n, size, balanced)
+    blocks = np.flatnonzero(owner == rank)
+    mine_pos = np.arange(n, dtype=np.int64)[np.isin(np.arange(n) // KEY_BLOCK, blocks)]
+    pos = np.asarray(pos, dtype=np.int64)
+    width = rows.shape[1]
+    dest = owner[pos // KEY_BLOCK] if len(pos) else np.zeros(0, dtype=np.int64)
+    order = np.argsort(dest, kind="stable")
+    send_n = np.bincount(dest, minlength=size).astype(np.int64)
+    recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
+    sd = np.concatenate([[0], np.cumsum(send_n)[:-1]]).astype(np.int64)
+    rd = np.concatenate([[0], np.cumsum(recv_n)[:-1]]).astype(np.int64)
+    got = np.empty((int(recv_n.sum()), width), dtype=np.float64)
+    got_pos = np.empty(int(recv_n.sum()), dtype=np.int64)
+    sendbuf = np.ascontiguousarray(rows[order], dtype=np.float64)
+    comm.Alltoallv([sendbuf, (send_n * width, sd * width)], [got, (recv_n * width, rd * width)])
+    comm.Alltoallv([np.ascontiguousarray(pos[order]), (send_n, sd)], [got_pos, (recv_n, rd)])
+    idx = np.searchsorted(mine_pos, got_pos)
+    mine = np.empty((len(mine_pos), width), dtype=np.float64)
+    mine[idx] = got
+    return mine, mine_pos, (send_n, sd, recv_n, rd, order, idx)
+
+
+def undeal_rows(comm, mine, back):
+    """The inverse of :func:`deal_rows`: rows of this rank's blocks back to their owners.
+
+    Returns (len(pos), W) rows in the order of the ``pos`` given to :func:`deal_rows`.
+    """
+    send_n, sd, recv_n, rd, order, idx = back
+    width = mine.shape[1]
+    out = np.empty((len(order), width), dtype=mine.dtype)
+    sendbuf = np.ascontiguousarray(mine[idx])
+    comm.Alltoallv([sendbuf, (recv_n * width, rd * width)], [out, (send_n * width, sd * width)])
+    res = np.empty_like(out)
+    res[order] = out
+    return res
+
+
+def _chain(w, x, axis_rows: bool):
+    """Block partials of ``w``-weighted rows of ``x`` in a fixed order, in float64.
+
+    ``axis_rows`` False: out[..., i, :] = ((w_i0 x_0 + w_i1 x_1) + ...) over keys j
+    (w (..., r, c), x (..., c, D)); True: out[..., j, :] = ((w_0j x_0 + w_1j x_1) + ...)
+    over rows i (x (..., r, D)). Elementwise operations only (one product and one
+    addition per term, each correctly rounded: the memory layout changes no bit).
+    """
+    if axis_rows:
+        ws = np.ascontiguousarray(np.moveaxis(w, -2, 0))[..., None]  # (r, ..., c, 1)
+    else:
+        ws = np.ascontiguousarray(np.moveaxis(w, -1, 0))[..., None]  # (c, ..., r, 1)
+    xs = np.ascontiguousarray(np.moveaxis(x, -2, 0))[..., None, :]  # (n, ..., 1, D)
+    out = ws[0] * xs[0]
+    tmp = np.empty_like(out)
+    for j in range(1, len(ws)):
+        np.multiply(ws[j], xs[j], out=tmp)
+        out += tmp
+    return out
+
+
+def _dots(a, b):
+    """(..., r, c) float64 chains ((a_0 b_0 + a_1 b_1) + ...) over the last axis (index order).
+
+    The operations of :func:`ringmpi.reproducible.scores` with the scale 1, batched over
+    the leading axes (each entry the same number whatever the shape of the call).
+    """
+    at = np.ascontiguousarray(np.moveaxis(a, -1, 0))[..., None]  # (D, ..., r, 1)
+    bt = np.ascontiguousarray(np.moveaxis(b, -1, 0))[..., None, :]  # (D, ..., 1, c)
+    s = at[0] * bt[0]
+    tmp = np.empty_like(s)
+    for j in range(1, len(at)):
+        np.multiply(at[j], bt[j], out=tmp)
+        s += tmp
+    return s
+
+
+def _row_dot(a, b):
+    """(...,) float64 chains ((a_0 b_0 + a_1 b_1) + ...) over the last axis, in index order."""
+    s = a[..., 0] * b[..., 0]
+    for j in range(1, a.shape[-1]):
+        s = s + a[..., j] * b[..., j]
+    return s
+
+
+def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
+    """The reproducible backward over ``comm``: (dq, dk, dv, stats) in the tile layout.
+
+    Parameters
+    ----------
+    q : (B, H, S, Dk) ; dout, out : (B, H, S, Dv) ; lse : (B, H, S)
+        This rank's query rows in the layout's order (any float dtype; used as float64).
+    k : (B, Hkv, S_k, Dk) ; v : (B, Hkv, S_k, Dv)
+        This rank's keys and values.
+
+    Returns
+    -------
+    dq (B, H, S, Dk), dk (B, Hkv, S_k, Dk), dv (B, Hkv, S_k, Dv) in the input dtype (each
+    rounded once from float64), stats : dict.
+    """
+    t_wait = 0.0
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mask, layout = args.mask, args.layout
+    dtype = np.dtype(args.in_dtype)
+    b, h, sq, dk_w = q.shape
+    hkv, sk, dv_w = k.shape[1], k.shape[2], v.shape[-1]
+    g = h // hkv
+    kh = np.arange(h) // g
+    nq, nk = int(args.n), int(args.nk)
+    q_pos = positions(nq, rank, size, layout, cu_seqlens=mask.cu_q, mask=mask)
+    k_pos = positions(nk, rank, size, layout, cu_seqlens=mask.cu_k, mask=mask)
+    nql, nkl = len(q_pos), len(k_pos)
+
+    # delta_i: a fixed chain per row, the same number on whichever rank the row is
+    do64 = np.asarray(dout, dtype=np.float64)[:, :, :nql]
+    delta = _row_dot(do64, np.asarray(out, dtype=np.float64)[:, :, :nql])
+
+    # the query rows (q | dO | lse | delta) and the keys (k | v) dealt out in global blocks
+    wq = h * (dk_w + dv_w + 2)
+    qrows = np.concatenate(
+        [
+            np.asarray(q, dtype=np.float64)[:, :, :nql],
+            do64,
+            np.asarray(lse, dtype=np.float64)[:, :, :nql, None],
+            delta[..., None],
+        ],
+        axis=-1,
+    )  # (B, H, nql, Dk + Dv + 2)
+    qrows = np.moveaxis(qrows, 2, 0).reshape(nql, b * wq)
+    mine_q, q_mine, back_q = deal_rows(comm, qrows, q_pos, nq, balanced=True)
+    cq = len(q_mine)
+    qd = np.moveaxis(mine_q.reshape(cq, b, h, dk_w + dv_w + 2), 0, 2)  # (B, H, cq, .)
+    qq, qdo = qd[..., :dk_w], qd[..., dk_w : dk_w + dv_w]
+    qlse, qdelta = qd[..., dk_w + dv_w], qd[..., dk_w + dv_w + 1]
+    krows = np.concatenate(
+        [np.asarray(k, dtype=np.float64)[:, :, :nkl], np.asarray(v, dtype=np.float64)[:, :, :nkl]],
+        axis=-1,
+    )
+    krows = np.moveaxis(krows, 2, 0).reshape(nkl, b * hkv * (dk_w + dv_w))
+    mine_k, k_mine, back_k = deal_rows(comm, krows, k_pos, nk)
+    ck = len(k_mine)
+    k_starts = _starts(nk, size)
+    k_counts = [k_starts[r + 1] - k_starts[r] for r in range(size)]
+
+    # global bounds (exact maxima, the same for every P): |k|, |v| per (batch, kv head,
+    # column); |q|, |dO| per (batch, kv head, column) over the group's heads and all rows
+    kvd = mine_k.reshape(ck, b, hkv, dk_w + dv_w)
+    grp = np.abs(qd[..., : dk_w + dv_w]).reshape(b, hkv, g * cq, dk_w + dv_w)
+    maxima = np.zeros((2, b, hkv, dk_w + dv_w))
+    if ck:
+        maxima[0] = np.abs(kvd).max(axis=0)
+    if cq:
+        maxima[1] = grp.max(axis=2)
+    comm.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
+    kmax, vmax = maxima[0, ..., :dk_w], maxima[0, ..., dk_w:]
+    qmax, domax = maxima[1, ..., :dk_w], maxima[1, ..., dk_w:]
+    # |dS_ij| <= P_BOUND (|dP_ij| + |delta_i|) with |dP_ij| <= sum_d |dO_id| max|v_d|:
+    # twice that per (batch, kv head) leaves room for the roundings of the bound itself
+    a = _row_dot(np.abs(qdo), vmax[:, kh, None, :]) + np.abs(qdelta)  # (B, H, cq)
+    sb = np.zeros((b, hkv))
+    if cq:
+        sb = a.reshape(b, hkv, g * cq).max(axis=2)
+    comm.Allreduce(MPI.IN_PLACE, sb, op=MPI.MAX)
+    sb = 2.0 * P_BOUND * sb
+
+    # the grids: dQ sums at most 64 nb_k summands per row; dK and dV 64 nb_q x G per key
+    n_k = -(-nk // KEY_BLOCK) * KEY_BLOCK
+    n_q = -(-nq // KEY_BLOCK) * KEY_BLOCK * g
+    nf = max(folds(n_k, np.float64), folds(n_q, np.float64))
+    q_grid = [c[:, kh, None, :] for c in grids(n_k, sb[..., None] * kmax, nf)]
+    k_grid = [c[:, :, None, None, :] for c in grids(n_q, sb[..., None] * qmax, nf)]
+    v_grid = [c[:, :, None, None, :] for c in grids(n_q, P_BOUND * domax, nf)]
+
+    dq_parts = np.zeros((nf, b, h, cq, dk_w))
+    # the travelling package of a K/V block: per key (B, Hkv, Dk | Dv) for k | v, then per
+    # fold (B, Hkv, Dk | Dv) for dk | dv: the block's folds go round the ring with it
+    wk = b * hkv * (dk_w + dv_w)
+    cmax = max(k_counts)
+    pkg = np.zeros((cmax, wk * (1 + nf)))
+    pkg[:ck, :wk] = mine_k
+    spare = np.empty_like(pkg) if size > 1 else None
+    del mine_k, krows, qrows, mine_q
+
+    # visible key range of each dealt query row (the mask is a function of positions)
+    lo, hi = mask.bounds(q_mine)
+    p_max = 0.0
+    pairs, tiles, compute_s = 0, 0, 0.0
+    prev, nxt = (rank - 1) % size, (rank + 1) % size
+    for step in range(size):
+        src = (rank - step) % size
+        cnt, kstart = k_counts[src], k_starts[src]
+        t0 = time.perf_counter()
+        kv = pkg[:cnt].reshape(cnt, 1 + nf, b, hkv, dk_w + dv_w)
+        kt = np.moveaxis(kv[:, 0, ..., :dk_w], 0, 2)  # (B, Hkv, cnt, Dk) views
+        vt = np.moveaxis(kv[:, 0, ..., dk_w:], 0, 2)
+        dk_f = [np.moveaxis(kv[:, 1 + f, ..., :dk_w], 0, 2) for f in range(nf)]
+        dv_f = [np.moveaxis(kv[:, 1 + f, ..., dk_w:], 0, 2) for f in range(nf)]
+        for c0 in range(0, cnt, KEY_BLOCK):  # kstart is a block's first key
+            c1 = min(cnt, c0 + KEY_BLOCK)
+            kp = np.arange(kstart + c0, kstart + c1, dtype=np.int64)
+            kb = np.ascontiguousarray(kt[:, kh, c0:c1])  # (B, H, c, Dk)
+            vb = np.ascontiguousarray(vt[:, kh, c0:c1])
+            for r0 in range(0, cq, KEY_BLOCK):  # whole blocks: a block starts at each r0
+                r1 = min(cq, r0 + KEY_BLOCK)
+                vis = (kp[None, :] >= lo[r0:r1, None]) & (kp[None, :] <= hi[r0:r1, None])
+                if not vis.any():
+                    continue
+                pmax = _tile(
+                    qq[:, :, r0:r1],
+                    qdo[:, :, r0:r1],
+                    qlse[:, :, r0:r1],
+                    qdelta[:, :, r0:r1],
+                    kb,
+                    vb,
+                    vis,
+                    args.scale,
+                    (q_grid, k_grid, v_grid),
+                    [x[:, :, r0:r1] for x in dq_parts],
+                    [x[:, :, c0:c1] for x in dk_f],
+                    [x[:, :, c0:c1] for x in dv_f],
+                    hkv,
+                )
+                p_max = max(p_max, pmax)
+                pairs += int(vis.sum())
+                tiles += (r1 - r0) * (c1 - c0)
+        compute_s += time.perf_counter() - t0
+        if size > 1:  # the block and its folds to the next rank; after P hops it is home
+            t0 = time.perf_counter()
+            with watch(f"reproducible backward step {step}: the K/V block from rank {prev}"):
+                comm.Sendrecv(pkg, dest=nxt, sendtag=7340, recvbuf=spare, source=prev,
+                              recvtag=7340)  # fmt: skip
+            pkg, spare = spare, pkg
+            t_wait += time.perf_counter() - t0
+
+    # the bound the grids assumed: checked on every rank (a maximum, the same everywhere)
+    worst = np.array([p_max])
+    comm.Allreduce(MPI.IN_PLACE, worst, op=MPI.MAX)
+    if worst[0] > P_BOUND:  # NaN inputs pass (and give NaN), as in the default mode
+        raise ValueError(
+            "ring_attention_backward(reproducible=True): exp(s - lse) reached "
+            f"{worst[0]:.3g} > {P_BOUND}: lse is not the forward's log-sum-exp of these inputs"
+        )
+
+    # each row: the fold sums in fold order, times the scale, rounded once; dealt back
+    dq = _total(dq_parts) * args.scale  # (B, H, cq, Dk)
+    dq = undeal_rows(comm, np.moveaxis(dq, 2, 0).reshape(cq, b * h * dk_w), back_q)
+    dq = np.moveaxis(dq.reshape(nql, b, h, dk_w), 0, 2).astype(dtype)
+    kv = pkg[:ck].reshape(ck, 1 + nf, b, hkv, dk_w + dv_w)
+    dkv = _total([kv[:, 1 + f] for f in range(nf)])  # (ck, B, Hkv, Dk + Dv)
+    dkv[..., :dk_w] *= args.scale
+    dkv = undeal_rows(comm, dkv.reshape(ck, wk), back_k).reshape(nkl, b, hkv, dk_w + dv_w)
+    dkv = np.moveaxis(dkv, 0, 2).astype(dtype)
+    grads = []
+    for x, n_here, full in ((dq, nql, sq), (dkv[..., :dk_w], nkl, sk), (dkv[..., dk_w:], nkl, sk)):
+        if n_here < full:  # rows past the layout's positions (padding): no gradient
+            x = np.concatenate(
+                [x, np.zeros(x.shape[:2] + (full - n_here,) + x.shape[3:], dtype)], 2
+            )
+        grads.append(np.ascontiguousarray(x))
+    stats = dict(
+        compute_s=compute_s,
+        wait_s=t_wait,
+        flops=cost.flops(pairs, dk_w, h, b, backward=True, dv=dv_w),
+        tile_flops=cost.flops(tiles, dk_w, h, b, backward=True, dv=dv_w),
+        steps=size,
+        steps_computed=size,
+        steps_skipped=0,
+        bytes_sent=(size - 1) * pkg.nbytes if size > 1 else 0,
+        alltoall_bytes=8 * (wq * b * nql + wk * nkl) * 2,
+    )
+    return (*grads, stats)
+
+
+def _total(parts):
+    """(f_1 + f_2) + f_3 ...: the fold sums added in fold order (a fixed sequence)."""
+    acc = np.array(parts[0], dtype=np.float64)
+    for x in parts[1:]:
+        acc += x
+    return acc
+
+
+def _tile(q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums, hkv):
+    """One (query block, key block) tile for every batch and head; returns max P.
+
+    q (B, H, r, Dk), do (B, H, r, Dv), lse and delta (B, H, r), k (B, H, c, Dk) and
+    v (B, H, c, Dv) (the K/V head of each query head), vis (r, c). Adds the fold parts
+    of the tile's block partials into ``dq_sums`` (per fold (B, H, r, Dk)), ``dk_sums``
+    and ``dv_sums`` (per fold (B, Hkv, c, D): the group's heads summed exactly).
+    """
+    q_grid, k_grid, v_grid = consts
+    b, h, r, _ = q.shape
+    c = k.shape[2]
+    s = scores_batched(q, k, scale)  # (B, H, r, c): the forward's score of each pair
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = np.where(vis, s - lse[..., None], -np.inf)
+        p = det_exp(t)  # 0 for an invisible key
+    dp = _dots(do, v)
+    ds = p * (dp - delta[..., None])
+    pmax = float(p.max()) if p.size else 0.0
+    g = h // hkv
+    fold_into(_chain(ds, k, False)[None], q_grid, dq_sums, 0, scratch=True)
+    dkb = _chain(ds, q, True).reshape(b, hkv, g, c, -1)
+    fold_into(dkb, k_grid, dk_sums, 2, scratch=True)
+    dvb = _chain(p, do, True).reshape(b, hkv, g, c, -1)
+    fold_into(dvb, v_grid, dv_sums, 2, scratch=True)
+    return pmax
+
+
+def scores_batched(q, k, scale: float):
+    """(..., r, c) scores of :func:`ringmpi.reproducible.scores`, batched over leading axes.
+
+    ((q_0 k_0 + q_1 k_1) + ...) in float64, then times ``scale``: per entry the
+    operations of :func:`~ringmpi.reproducible.scores`, so the same numbers.
+    """
+    s = _dots(q, k)
+    s *= scale
+    return s

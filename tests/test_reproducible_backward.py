@@ -1,0 +1,113 @@
+"""Reproducible backward (issue 40) on one rank: threads, numpy's CPU dispatch, the deal.
+
+The multi-rank cases (every P, layout and mask) are in
+tests/test_reproducible_backward_mpi.py; here the bits must not move with the OpenMP and
+BLAS thread counts, numpy's SIMD loops (``NPY_DISABLE_CPU_FEATURES``) or the forward's
+CPU kernel, which each run in a fresh interpreter.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringmpi import reproducible_backward
+
+_HASH_SCRIPT = """
+import hashlib, numpy as np
+from mpi4py import MPI
+import ringmpi
+from ringmpi.testing import random_qkv
+h = []
+for dtype in (np.float32, np.float64):
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 200, 4, 2, 16, dtype=dtype, realistic=True)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    kw = dict(causal=True, window=(90, -1), reproducible=True)
+    out, lse = ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, return_lse=True, **kw)
+    grads = ringmpi.ring_attention_backward(dout, q, k, v, out, lse, MPI.COMM_SELF, **kw)
+    h.append(hashlib.sha256(b"".join(g.tobytes() for g in grads)).hexdigest())
+print(" ".join(h))
+"""
+
+
+def _features():
+    try:  # numpy >= 2
+        from numpy._core import _multiarray_umath as umath
+    except ImportError:  # numpy 1.x
+        from numpy.core import _multiarray_umath as umath
+    return umath.__cpu_features__, list(getattr(umath, "__cpu_dispatch__", []))
+
+
+def _hashes(**extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    proc = subprocess.run(
+        [sys.executable, "-c", _HASH_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.split()
+
+
+def test_threads_and_numpy_cpu_dispatch_do_not_change_the_bits():
+    """OMP_NUM_THREADS 1 and 2 (OpenMP and BLAS pools), numpy's AVX-512 loops off, every
+    dispatched SIMD target off (baseline loops only), the forward's numpy code instead of
+    its C kernel: the same dq, dk, dv hashes, float32 and float64."""
+    feats, dispatch = _features()
+    avx512 = [f for f, on in feats.items() if on and (f.startswith("AVX512") or f == "X86_V4")]
+    targets = [f for f in dispatch if feats.get(f)] + avx512
+    runs = {
+        "1 thread": _hashes(),
+        "2 threads": _hashes(OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2"),
+        "forward numpy": _hashes(RINGMPI_CPU_KERNEL="numpy"),
+    }
+    if avx512:
+        runs["AVX-512 off"] = _hashes(NPY_DISABLE_CPU_FEATURES=" ".join(avx512))
+    if targets:
+        runs["dispatch off"] = _hashes(NPY_DISABLE_CPU_FEATURES=" ".join(dict.fromkeys(targets)))
+    want = runs["1 thread"]
+    assert len(want) == 2, runs
+    assert all(h == want for h in runs.values()), runs
+    if not targets:
+        pytest.skip("numpy dispatches no SIMD target above its baseline on this host")
+
+
+def test_deal_rows_round_trip():
+    """deal_rows puts every row at its global position; undeal_rows brings it back."""
+    rng = np.random.default_rng(2)
+    pos = rng.permutation(150)
+    rows = rng.standard_normal((150, 3))
+    for balanced in (False, True):
+        mine, at, back = reproducible_backward.deal_rows(MPI.COMM_SELF, rows, pos, 150, balanced)
+        assert np.array_equal(at, np.arange(150))
+        assert np.array_equal(mine[pos], rows)
+        assert np.array_equal(reproducible_backward.undeal_rows(MPI.COMM_SELF, mine, back), rows)
+
+
+def test_block_owners():
+    """Contiguous runs of blocks, or a zigzag of runs; every rank's blocks in order."""
+    owners = reproducible_backward.block_owners
+    assert owners(64 * 10, 2).tolist() == [0] * 5 + [1] * 5
+    assert owners(64 * 8, 2, balanced=True).tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert owners(10, 3, balanced=True).tolist() == [0]  # one block, P = 3
+    assert owners(301, 5).tolist() == owners(301, 5, balanced=False).tolist()
+
+
+def test_chains_are_fixed_sequences():
+    """The block partials are the left-to-right sums of the products, entry by entry."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 5, 7))
+    x = rng.standard_normal((2, 7, 4))
+    got = reproducible_backward._chain(w, x, False)
+    want = np.zeros((2, 5, 4))
+    for j in range(7):
+        want = want + w[:, :, j, None] * x[:, None, j, :] if j else w[:, :, 0, None] * x[:, None, 0]
+    assert np.array_equal(got, want)
+    y = rng.standard_normal((2, 5, 4))
+    got = reproducible_backward._chain(w, y, True)
+    want = w[:, 0, :, None] * y[:, 0:1, :]
+    for i in range(1, 5):
+        want = want + w[:, i, :, None] * y[:, i : i + 1, :]
+    assert np.array_equal(got, want)

@@ -1,0 +1,224 @@
+"""Reproducible backward (issue 40): the same dq, dk, dv bits at every P and layout.
+
+Each case runs the reproducible forward and ``ring_attention_backward(...,
+reproducible=True)`` on the communicator of the test, gathers the gradients to
+global order, hashes them (SHA-256) and compares the hashes of every rank with those
+of the same calls on COMM_SELF (P = 1, zigzag, computed on rank 0 in the same test).
+Accuracy: against the dense float64 reference gradients with the rule of
+tests/test_backward_mpi.py (float64: 1e-11 relative; float32: 3 x the dense float32
+peer's error), and against the default mode's backward on the same inputs and
+communicator: the reproducible error must not exceed it by more than a small factor.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from tools.fingerprint import digest
+
+import ringmpi
+from ringmpi import reproducible
+from ringmpi.backward import ring_attention_backward
+from ringmpi.reference import attention, attention_backward
+from ringmpi.spec import AttentionSpec
+from ringmpi.testing import assert_all, dense_backward, once, raises_everywhere, random_qkv
+
+pytestmark = pytest.mark.mpi
+
+N = 301  # a multiple of neither 64 nor any P
+CU = (0, 40, 41, 170, N)
+MASKS = {
+    "none": {},
+    "causal": dict(causal=True),
+    "causal window": dict(causal=True, window=(50, -1)),
+    "packed window": dict(cu_seqlens=np.array(CU), window=(20, 7)),
+}
+
+
+def _inputs(dtype, seed=0, n=N, h=4, hkv=2, d=24, batch=None):
+    """Global q, k, v (shaped like real data: nonzero means, a few huge keys) and dout."""
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, n, h, hkv, d, batch, dtype=dtype, realistic=True)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    return q, k, v, dout
+
+
+def _grads(comm, q, k, v, dout, layout, kw, reproducible=True):
+    """(dq, dk, dv) gathered to global order, after the forward of the same mode."""
+    cut = dict(cu_seqlens=kw.get("cu_seqlens"))
+    cut_k = dict(cu_seqlens=kw.get("cu_seqlens_k", kw.get("cu_seqlens")))
+    if layout == "balanced":  # computed from the whole mask (self-attention here)
+        cut = cut_k = dict(dict(causal=False), **kw)
+    ql, dl = (ringmpi.shard(x, comm, layout, **cut) for x in (q, dout))
+    kl, vl = (ringmpi.shard(x, comm, layout, **cut_k) for x in (k, v))
+    mode = dict(layout=layout, reproducible=reproducible, **kw)
+    out, lse = ringmpi.ring_attention(ql, kl, vl, comm, return_lse=True, **mode)
+    local = ring_attention_backward(dl, ql, kl, vl, out, lse, comm, **mode)
+    same = all(g.shape == x.shape and g.dtype == x.dtype for g, x in zip(local, (ql, kl, vl)))
+    assert_all(comm, same, f"{layout}: gradient shapes/dtypes differ from the inputs")
+    return tuple(
+        ringmpi.gather(g, n, comm, layout, **c)
+        for g, n, c in zip(local, (q.shape[-3], k.shape[-3], k.shape[-3]), (cut, cut_k, cut_k))
+    )
+
+
+def _single(comm, *inputs, kw):
+    """The P = 1 hash of the calls, computed on rank 0 alone (COMM_SELF), sent to every rank."""
+    h = digest(*_grads(MPI.COMM_SELF, *inputs, "zigzag", kw)) if comm.rank == 0 else None
+    return comm.bcast(h, root=0)
+
+
+def _same_everywhere(comm, mine: str, want: str, tag: str) -> None:
+    got = comm.allgather(mine)
+    bad = [r for r, x in enumerate(got) if x != want]
+    assert_all(comm, not bad, f"{tag}: P={comm.size} hash differs from P=1 on ranks {bad}")
+
+
+def _check_accuracy(comm, got, default, q, k, v, dout, kw, tag):
+    """The tests/test_backward_mpi.py rule, and at most 2x (float64: 4x) the default's error."""
+    ref = once(comm, attention_backward, dout, q, k, v, **kw)
+    f32 = q.dtype == np.float32
+    peer = once(comm, dense_backward, dout, q, k, v, **kw) if f32 else ref
+    for name, a, d, want, other in zip("qkv", got, default, ref, peer):
+        err, err_d = np.abs(a - want).max(), np.abs(d - want).max()
+        if f32:
+            tol = 3 * np.abs(other - want).max() + 1e-6
+        else:
+            tol = 1e-11 * max(1.0, np.abs(want).max())
+        assert_all(comm, err <= tol, f"{tag} d{name}: max err {err:.3g} > tol {tol:.3g}")
+        factor, floor = (2.0, 1e-7) if f32 else (4.0, 1e-15 * max(1.0, np.abs(want).max()))
+        msg = f"{tag} d{name}: max err {err:.3g} > {factor} x the default mode's {err_d:.3g}"
+        assert_all(comm, err <= factor * err_d + floor, msg)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
+    """GQA (4 query heads on 2 K/V heads), N = 301, every layout: one set of hashes."""
+    kw = MASKS[mask]
+    inputs = _inputs(dtype)
+    want = _single(comm, *inputs, kw=kw)
+    for layout in ringmpi.LAYOUTS + ringmpi.layout.MASK_LAYOUTS:
+        tag = f"{mask} {np.dtype(dtype)} {layout}"
+        got = _grads(comm, *inputs, layout, kw)
+        _same_everywhere(comm, digest(*got), want, tag)
+        if layout == "zigzag":
+            default = _grads(comm, *inputs, layout, kw, reproducible=False)
+            _check_accuracy(comm, got, default, *inputs, kw, tag)
+
+
+def test_batched_cross_attention_and_empty_rows(comm):
+    """A batch axis, Nq != Nk (517 keys), 8 query heads on 2 K/V heads, rows that see no
+    key (no gradient): the same bits at every P, within the reference's rule."""
+    q = _inputs(np.float32, seed=5, n=131, h=8, hkv=2, d=16, batch=2)[0]
+    _, k, v, _ = _inputs(np.float32, seed=6, n=517, h=8, hkv=2, d=16, batch=2)
+    dout = np.random.default_rng(7).standard_normal(q.shape).astype(np.float32)
+    kw = dict(cu_seqlens=np.array([0, 60, 131]), cu_seqlens_k=np.array([0, 0, 517]), causal=True)
+    want = _single(comm, q, k, v, dout, kw=kw)
+    for layout in ("striped", "contiguous"):
+        got = _grads(comm, q, k, v, dout, layout, kw)
+        _same_everywhere(comm, digest(*got), want, f"cross {layout}")
+    assert_all(comm, not got[0][:, :60].any(), "rows that see no key got a gradient")
+    default = _grads(comm, q, k, v, dout, "zigzag", kw, reproducible=False)
+    _check_accuracy(comm, got, default, q, k, v, dout, kw, "cross")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_accuracy_on_long_rows(comm, dtype):
+    """N = 1024, D = 64, causal: at least as accurate as the default mode (same P, layout)."""
+    inputs = _inputs(dtype, seed=23, n=1024, h=4, hkv=2, d=64)
+    kw = dict(causal=True)
+    got = _grads(comm, *inputs, "zigzag", kw)
+    default = _grads(comm, *inputs, "zigzag", kw, reproducible=False)
+    _check_accuracy(comm, got, default, *inputs, kw, f"N=1024 {np.dtype(dtype)}")
+
+
+def test_refusals_name_the_reason(comm):
+    """Score modifiers, slices and the GPU stay refused in the backward, with the reason."""
+    q, k, v, dout = _inputs(np.float64, n=40)
+    cut = [ringmpi.shard(x, comm) for x in (q, k, v, dout)]
+    out, lse = ringmpi.ring_attention(*cut[:3], comm, reproducible=True, return_lse=True)
+    for name, value in (("softcap", 20.0), ("sinks", [0.5] * 4), ("alibi_slopes", [0.1] * 4)):
+        call = functools.partial(
+            ring_attention_backward, cut[3], *cut[:3], out, lse, comm, reproducible=True
+        )
+        raises_everywhere(
+            comm,
+            functools.partial(call, **{name: value}),
+            f"reproducible=True in the backward with {name}",
+        )
+    sliced = AttentionSpec(reproducible=True, slices=ringmpi.slices.prefix_lm(40, 8))
+    why = reproducible.refusals(sliced, np, backward=True)
+    assert_all(comm, any("with slices" in w for w in why), f"slices: {why}")
+    gpu = reproducible.refusals(AttentionSpec(reproducible=True), xp=object(), backward=True)
+    assert_all(comm, any("GPU" in w for w in gpu), f"no GPU refusal: {gpu}")
+    assert_all(comm, reproducible.refusals(AttentionSpec(reproducible=True), np, backward=True)
+               == [], "the plain backward refused")  # fmt: skip
+
+
+def test_default_mode_unchanged(comm):
+    """reproducible=False is the default backward: the same bits as without the keyword."""
+    q, k, v, dout = _inputs(np.float32, seed=9)
+    cut = [ringmpi.shard(x, comm) for x in (q, k, v, dout)]
+    out, lse = ringmpi.ring_attention(*cut[:3], comm, causal=True, return_lse=True)
+    a = ring_attention_backward(cut[3], *cut[:3], out, lse, comm, causal=True)
+    b = ring_attention_backward(cut[3], *cut[:3], out, lse, comm, causal=True, reproducible=False)
+    same = all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
+    assert_all(comm, same, "reproducible=False changed the default bits")
+
+
+def test_value_width_and_spec(comm):
+    """Dk != Dv (issue 42) and the options given as ``spec=``: P-independent bits, accurate."""
+    q, k, _, _ = _inputs(np.float32, seed=12)
+    rng = np.random.default_rng(13)
+    v = (1.0 + 0.1 * rng.standard_normal((N, 2, 40))).astype(np.float32)
+    dout = rng.standard_normal((N, 4, 40)).astype(np.float32)
+    kw = dict(causal=True, window=(70, -1))
+    want = _single(comm, q, k, v, dout, kw=kw)
+    got = _grads(comm, q, k, v, dout, "striped", kw)
+    _same_everywhere(comm, digest(*got), want, "dv=40")
+    cut = [ringmpi.shard(x, comm, "striped") for x in (q, k, v, dout)]
+    spec = AttentionSpec(layout="striped", reproducible=True, **kw)
+    out, lse = ringmpi.ring_attention(*cut[:3], comm, return_lse=True, spec=spec)
+    local = ring_attention_backward(cut[3], *cut[:3], out, lse, comm, spec=spec)
+    by_spec = [ringmpi.gather(g, N, comm, "striped") for g in local]
+    _same_everywhere(comm, digest(*by_spec), want, "spec=")
+    default = _grads(comm, q, k, v, dout, "zigzag", kw, reproducible=False)
+    _check_accuracy(comm, got, default, q, k, v, dout, kw, "dv=40")
+
+
+def test_an_lse_that_is_not_the_forwards_raises_everywhere(comm):
+    """The grids assume exp(s - lse) <= 2: an lse far below the forward's is refused on
+    every rank after the ring (one rank's rows alone may not show it)."""
+    q, k, v, dout = _inputs(np.float64, seed=14, n=150)
+    cut = [ringmpi.shard(x, comm) for x in (q, k, v, dout)]
+    out, lse = ringmpi.ring_attention(*cut[:3], comm, reproducible=True, return_lse=True)
+    low = lse - (5.0 if comm.rank == comm.size - 1 else 0.0)
+    raises_everywhere(
+        comm,
+        lambda: ring_attention_backward(cut[3], *cut[:3], out, low, comm, reproducible=True),
+        "lse is not the forward's",
+    )
+
+
+@pytest.mark.parametrize("n", [2, 65])
+def test_ranks_without_rows(comm, n):
+    """N = 2 (most ranks hold no token) and 65 (one full block and one of a single row):
+    the same bits. out and lse come from the dense reference, rounded to float32 (the
+    backward's bits depend on its inputs only, whichever forward made them)."""
+    q, k, v, dout = _inputs(np.float32, seed=15, n=n)
+    kw = dict(causal=True)
+    out, lse = (x.astype(np.float32) for x in once(comm, attention, q, k, v, **kw))
+
+    def grads(c, layout):
+        cut = [ringmpi.shard(x, c, layout) for x in (q, k, v, dout, out)]
+        lse_l = ringmpi.shard(lse, c, layout, axis=-1)
+        local = ring_attention_backward(
+            cut[3], *cut[:3], cut[4], lse_l, c, layout=layout, reproducible=True, **kw
+        )
+        return digest(*(ringmpi.gather(g, n, c, layout) for g in local))
+
+    want = comm.bcast(grads(MPI.COMM_SELF, "zigzag") if comm.rank == 0 else None, root=0)
+    for layout in ringmpi.LAYOUTS:
+        _same_everywhere(comm, grads(comm, layout), want, f"n={n} {layout}")
