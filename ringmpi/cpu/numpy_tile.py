@@ -401,7 +401,8 @@ def _row_groups(a: np.ndarray, b: np.ndarray, slack: float = ROW_SLACK, cap: int
     s, ka, kb, seen = 0, al[0], bl[0], bl[0] - al[0]
     done_area = done_seen = 0  # the closed groups' scored and visible pairs
     for i in range(1, len(al)):
-        wide, w = max(kb, bl[i]), bl[i] - al[i]
+        bi = bl[i]
+        wide, w = (kb if kb >= bi else bi), bi - al[i]
         area = done_area + (i - s + 1) * (wide - ka)
         if i - s < cap and area <= (1 + slack) * (done_seen + seen + w):
             kb, seen = wide, seen + w
