@@ -380,7 +380,9 @@ def _fused_reason() -> str:
 # contiguous (zigzag, striped and packed layouts). What "block" means, and so
 # the flops returned, is the tile's own (the fused C tile counts per strip of
 # rows, see :func:`ringmpi.cpu.fused.forward_tile`); every visible pair is
-# always counted.
+# always counted. For a mask of slices ``bounds`` is a :class:`ringmpi.mask.Layer`,
+# still a pair (lo, hi), whose ranges need not move with the rows' positions:
+# a tile may group rows by range for it (the numpy tile does) or ignore the tag.
 #
 # Score modifiers (:class:`ringmpi.spec.AttentionSpec` fields registered in
 # :mod:`ringmpi.scoremods`; built by :func:`ringmpi.mask.tile_modifiers`) come as

@@ -1,8 +1,9 @@
 """The cost model in one place: flops of visible pairs, bytes on the wire.
 
 What a tile computes depends on its blocking (the numpy tile scores whole 256 x
-1024 blocks of a masked tile, the fused C tile strips of 6 rows, the CUDA tile
-its own blocks), so the flops a tile returns differ between backends for the
+1024 blocks of a masked tile, or for a mask of slices groups of rows over the
+union of their key ranges, the fused C tile strips of 6 rows, the CUDA tile its
+own blocks), so the flops a tile returns differ between backends for the
 same call. The numbers here count the work the mask asks for, the same on every
 backend:
 

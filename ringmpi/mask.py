@@ -29,7 +29,7 @@ every one computed with the row's global lse.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -41,11 +41,32 @@ from .spec import AttentionSpec
 __all__ = [
     "mask_of",
     "Mask",
+    "Layer",
     "make_mask",
     "StepPlan",
     "plan_steps",
     "tile_modifiers",
 ]
+
+
+class Layer(NamedTuple):
+    """One layer of a mask of slices: the tiles' ``bounds`` (lo, hi), tagged as such.
+
+    A plain pair to every tile (``lo, hi = bounds``). Unlike the single-range
+    masks, whose ranges move with the query position (so rows close in position
+    see nearly the same keys and blocks of rows have tight bounds), a layer's
+    ranges may differ from row to row in any way: the numpy tile groups the rows
+    by their range instead of by position for it, so that the work it scores
+    follows the visible pairs (issue 41); other tiles may ignore the tag.
+
+    Attributes
+    ----------
+    lo, hi : int64 arrays (Sq,)
+        First and last visible key position of each query row (lo > hi: none).
+    """
+
+    lo: np.ndarray
+    hi: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -100,12 +121,13 @@ class Mask:
         One layer, :meth:`bounds`, for the single-range masks; for slices, layer t
         holds the t-th of each query's sorted disjoint ranges (lo > hi where a
         query has fewer), :meth:`ringmpi.slices.Slices.row_intervals`; no layer
-        when none of these queries sees a key.
+        when none of these queries sees a key. A mask of slices gives :class:`Layer`
+        pairs (the tiles may group rows by range for them), the others a plain tuple.
         """
         if self.slices is None:
             return [self.bounds(q_pos)]
         lo, hi = self.slices.row_intervals(q_pos)
-        return list(zip(lo, hi))
+        return [Layer(a, b) for a, b in zip(lo, hi)]
 
     def alibi_positions(self, q_pos: np.ndarray) -> np.ndarray:
         """ALiBi query positions in key coordinates: int64 (Sq,) for the tiles' ``alibi``.
@@ -172,7 +194,7 @@ class StepPlan:
         Ring steps to run: after the last step any rank needs, no block moves.
     compute : list of bool
         Per step, whether this rank's queries see any key of the block it holds.
-    layers : list of (lo, hi), optional
+    layers : list of Layer, optional
         A mask of slices: this rank's layers (:meth:`Mask.layers`); ``bounds`` is None.
     layer_steps : list of list of int, optional
         A mask of slices: per step, the layers that see a key of the block.
@@ -187,10 +209,10 @@ class StepPlan:
 
     def tile_at(self, tile, step: int):
         """The tile to call at ``step``: ``tile`` itself, or for a mask of slices a tile that
-        calls ``tile`` once per layer seeing the block (``bounds=`` that layer's ranges;
-        returns the summed flops). The layers' keys are disjoint per row: forward they fold
-        into one online-softmax state, backward their gradients (each with the row's
-        global lse) add up.
+        calls ``tile`` once per layer seeing the block (``bounds=`` that layer's ranges, a
+        :class:`Layer`; returns the summed flops). The layers' keys are disjoint per row:
+        forward they fold into one online-softmax state, backward their gradients (each
+        with the row's global lse) add up.
         """
         if self.layers is None:
             return tile

@@ -23,6 +23,16 @@ into runs of evenly spaced positions and then into blocks, so each block has
 tight position bounds: a block pair with max(q_pos) < min(k_pos) is skipped
 without computing anything, one with min(q_pos) >= max(k_pos) needs no mask.
 
+Masks of slices: one layer of a union of slices (``bounds`` a
+:class:`ringmpi.mask.Layer`) gives each row a key range unrelated to its
+neighbours' (a global token next to a windowed one, block-sparse rows), so
+blocks of positions would score whole blocks for a few visible keys. For it the
+rows are grouped by their range instead: in key-position order a row's range is
+an index range [a, b), the rows are taken in order of (a, b), and a group grows
+while the pairs scored over the call's groups so far (each group's rows times
+the union of their ranges) stay within 1 + ROW_SLACK of the visible pairs. The
+running sums are those above. Calls without slices keep the blocks of positions.
+
 Backward, for one head with P = softmax(scale * Q K^T) (rows normalised by the
 saved log-sum-exp: P_ij = exp(scale * q_i.k_j - lse_i)), O = P V and upstream dO:
 
@@ -52,6 +62,7 @@ import numpy as np
 
 from .. import scoremods
 from ..layout import runs
+from ..mask import Layer
 
 __all__ = [
     "compute_dtype",
@@ -67,6 +78,7 @@ __all__ = [
 BLOCK_Q = 256
 BLOCK_K = 1024
 PV_CHUNK = 128  # keys per float32 P.V product, summed in float64 (forward)
+ROW_SLACK = 1 / 16  # a layer's row group scores at most this share more than its visible pairs
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -133,8 +145,40 @@ def forward_tile(
 ) -> int:
     """Fold one K/V block into the online-softmax state, in place (see :mod:`ringmpi.backend`).
 
+    Blocks of positions (:func:`_forward_blocks`), or for one layer of a mask of
+    slices (``bounds`` a :class:`ringmpi.mask.Layer`) groups of rows by their
+    key range (:func:`_forward_rows`).
+
     Returns the flops of the two matrix products (2 * pairs * (Dk + Dv) per head:
     4 * pairs * D for equal widths) over the blocks that were not skipped.
+    """
+    tile = _forward_rows if isinstance(bounds, Layer) else _forward_blocks
+    return tile(
+        q, k, v, q_pos, k_pos, acc, m, l,
+        scale=scale, causal=causal, progress=progress, bounds=bounds, **modifiers,
+    )  # fmt: skip
+
+
+def _forward_blocks(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    acc: np.ndarray,
+    m: np.ndarray,
+    l: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
+    **modifiers,
+) -> int:
+    """:func:`forward_tile` over blocks of positions: BLOCK_Q query rows by key blocks.
+
+    Every call without a :class:`ringmpi.mask.Layer` (causal, windows, packed
+    sequences, cross-attention) runs here; returns the flops of the blocks scored.
     """
     bsz, h, sq, d = q.shape
     hkv = k.shape[1]
@@ -218,8 +262,43 @@ def backward_tile(
 ) -> int:
     """Add one K/V block's gradient contributions, in place (see :mod:`ringmpi.backend`).
 
+    Blocks of positions (:func:`_backward_blocks`), or for one layer of a mask of
+    slices (``bounds`` a :class:`ringmpi.mask.Layer`) groups of rows by their
+    key range (:func:`_backward_rows`).
+
     Returns the flops of the five matrix products (2 * pairs * (3 Dk + 2 Dv) per
     head: 10 * pairs * D for equal widths) over the blocks that were not skipped.
+    """
+    tile = _backward_rows if isinstance(bounds, Layer) else _backward_blocks
+    return tile(
+        q, k, v, dout, lse, delta, q_pos, k_pos, dq, dk, dv,
+        scale=scale, causal=causal, progress=progress, bounds=bounds, **modifiers,
+    )  # fmt: skip
+
+
+def _backward_blocks(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    lse: np.ndarray,
+    delta: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
+    **modifiers,
+) -> int:
+    """:func:`backward_tile` over blocks of positions: BLOCK_Q query rows by key blocks.
+
+    Every call without a :class:`ringmpi.mask.Layer` runs here; returns the flops
+    of the blocks scored.
     """
     bsz, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -274,4 +353,233 @@ def backward_tile(
             if progress is not None:
                 progress()
         dq5[:, :, :, qa:qb] += dt(scale) * dq_b.reshape(bsz, hkv, g, n, d)
+    return flops
+
+
+class _Keys:
+    """A K/V block in key-position order, for one layer's rows: index ranges, not positions.
+
+    ``k_pos`` is sorted in every layout, but the contract does not promise it: an
+    unsorted block is read through its sorting permutation (gathered per chunk).
+    In sorted order one row's range lo <= k_pos <= hi is the index range
+    [a, b) (b <= a: no key).
+    """
+
+    def __init__(self, k_pos: np.ndarray, bounds: tuple):
+        k_pos = np.asarray(k_pos)
+        self.order = None
+        if len(k_pos) > 1 and bool((k_pos[1:] < k_pos[:-1]).any()):
+            self.order = np.argsort(k_pos, kind="stable")
+            k_pos = k_pos[self.order]
+        self.pos = k_pos
+        lo, hi = bounds
+        self.a = np.searchsorted(k_pos, np.asarray(lo), side="left")
+        self.b = np.searchsorted(k_pos, np.asarray(hi), side="right")
+
+    def at(self, c0: int, c1: int):
+        """Keys [c0, c1) of the sorted order: a slice (a view) or the gathered indices."""
+        return slice(c0, c1) if self.order is None else self.order[c0:c1]
+
+
+def _row_groups(a: np.ndarray, b: np.ndarray, slack: float = ROW_SLACK, cap: int = BLOCK_Q):
+    """Groups of rows scored together: [(rows, ka, kb)], rows sorted, keys [ka, kb).
+
+    The rows that see a key (b > a), in order of (a, b), each group a run of them
+    of at most ``cap`` rows scored over the rectangle rows x [min a, max b). A
+    group takes the next row while the pairs scored so far, this group's
+    rectangle included, stay within (1 + ``slack``) of the visible pairs of the
+    rows so far: the call's work never exceeds (1 + ``slack``) times its visible
+    pairs, and what groups of rows sharing a range (global tokens, a block row of
+    a block-sparse mask) save pays for wider groups on a diagonal or a window.
+    """
+    live = np.flatnonzero(b > a)
+    if len(live) == 0:
+        return []
+    order = live[np.lexsort((b[live], a[live]))]
+    al, bl = a[order].tolist(), b[order].tolist()
+    out = []
+    s, ka, kb, seen = 0, al[0], bl[0], bl[0] - al[0]
+    done_area = done_seen = 0  # the closed groups' scored and visible pairs
+    for i in range(1, len(al)):
+        bi = bl[i]
+        wide, w = (kb if kb >= bi else bi), bi - al[i]
+        area = done_area + (i - s + 1) * (wide - ka)
+        if i - s < cap and area <= (1 + slack) * (done_seen + seen + w):
+            kb, seen = wide, seen + w
+        else:
+            out.append((np.sort(order[s:i]), ka, kb))
+            done_area += (i - s) * (kb - ka)
+            done_seen += seen
+            s, ka, kb, seen = i, al[i], bl[i], w
+    out.append((np.sort(order[s:]), ka, kb))
+    return out
+
+
+def _rows(rows: np.ndarray):
+    """The sorted row indices ``rows`` as a slice where they are consecutive (views)."""
+    first, last = int(rows[0]), int(rows[-1])
+    return slice(first, last + 1) if last - first + 1 == len(rows) else rows
+
+
+def _chunk_bias(ra, rb, c0: int, c1: int, dtype):
+    """(n, c1 - c0) 0 / -inf for keys [c0, c1) of rows seeing [ra, rb); None: all visible."""
+    if ra.max() <= c0 and rb.min() >= c1:
+        return None
+    j = np.arange(c0, c1)
+    vis = (ra[:, None] <= j[None, :]) & (j[None, :] < rb[:, None])
+    return np.where(vis, 0.0, -np.inf).astype(dtype)
+
+
+def _forward_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    acc: np.ndarray,
+    m: np.ndarray,
+    l: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
+    **modifiers,
+) -> int:
+    """:func:`forward_tile` for one layer of a mask of slices: rows grouped by key range.
+
+    Each group of :func:`_row_groups` scores its rows against the union of their
+    key ranges, BLOCK_K keys at a time, with the same float64 running sums and
+    PV_CHUNK products as :func:`_forward_blocks` (``causal`` is ignored: the
+    layer's ranges say it all). Returns the flops of the pairs scored, within
+    (1 + ROW_SLACK) of the visible pairs.
+    """
+    bsz, h, sq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    dv = v.shape[-1]
+    if sq == 0 or k.shape[2] == 0:
+        return 0
+    q5 = q.reshape(bsz, hkv, g, sq, d)
+    acc5 = acc.reshape(bsz, hkv, g, sq, dv)
+    m5 = m.reshape(bsz, hkv, g, sq)
+    l5 = l.reshape(bsz, hkv, g, sq)
+    keys = _Keys(k_pos, bounds)
+    mods = scoremods.pack(modifiers, h, sq)
+    wide = np.float64
+    flops = 0
+    for rows, ka, kb in _row_groups(keys.a, keys.b):
+        n, sel = len(rows), _rows(rows)
+        ra, rb = keys.a[sel], keys.b[sel]
+        rows_qa = None if mods is None or mods.qpos is None else mods.qpos[sel]
+        qs2 = (q5[:, :, :, sel] * q.dtype.type(scale)).reshape(bsz, hkv, g * n, d)
+        # the group's state goes back whole at its end (see _forward_blocks)
+        mo = m5[:, :, :, sel].copy()
+        lo = l5[:, :, :, sel].astype(wide)
+        ao = acc5[:, :, :, sel].astype(wide)
+        for c0 in range(ka, kb, BLOCK_K):
+            c1 = min(c0 + BLOCK_K, kb)
+            at = keys.at(c0, c1)
+            vc = v[:, :, at]
+            s = qs2 @ np.swapaxes(k[:, :, at], -1, -2)  # (B, Hkv, G*n, nk)
+            s5 = s.reshape(bsz, hkv, g, n, c1 - c0)
+            scoremods.apply(s5, mods, rows_qa, keys.pos[c0:c1], (hkv, g))
+            bias = _chunk_bias(ra, rb, c0, c1, s.dtype)
+            if bias is not None:
+                s5 += bias
+            m_new = np.maximum(mo, s5.max(axis=-1))
+            m_safe = np.where(np.isneginf(m_new), 0, m_new).astype(s.dtype)
+            s5 -= m_safe[..., None]
+            np.exp(s5, out=s5)
+            alpha = np.exp(mo - m_safe)
+            lo *= alpha
+            lo += s5.sum(axis=-1)
+            ao *= alpha[..., None]
+            for c in range(0, c1 - c0, PV_CHUNK):  # P.V over short runs of keys
+                ao += (s[..., c : c + PV_CHUNK] @ vc[:, :, c : c + PV_CHUNK]).reshape(ao.shape)
+            mo[...] = m_new
+            flops += 2 * bsz * h * n * (c1 - c0) * (d + dv)
+            if progress is not None:
+                progress()
+        m5[:, :, :, sel] = mo
+        l5[:, :, :, sel] = lo
+        acc5[:, :, :, sel] = ao
+    return flops
+
+
+def _backward_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    lse: np.ndarray,
+    delta: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    progress: Optional[Callable[[], None]] = None,
+    bounds: Optional[tuple] = None,
+    **modifiers,
+) -> int:
+    """:func:`backward_tile` for one layer of a mask of slices: rows grouped by key range.
+
+    The groups of :func:`_forward_rows`, each against the union of its rows' key
+    ranges, BLOCK_K keys at a time, with the products of :func:`_backward_blocks`.
+    Returns the flops of the pairs scored, within (1 + ROW_SLACK) of the visible pairs.
+    """
+    bsz, h, sq, d = q.shape
+    hkv = k.shape[1]
+    dvw = v.shape[-1]
+    g = h // hkv
+    if sq == 0 or k.shape[2] == 0:
+        return 0
+    dt = dq.dtype.type
+    q5 = q.reshape(bsz, hkv, g, sq, d)
+    do5 = dout.reshape(bsz, hkv, g, sq, dvw)
+    dq5 = dq.reshape(bsz, hkv, g, sq, d)
+    lse4 = lse.reshape(bsz, hkv, g, sq)
+    delta4 = delta.reshape(bsz, hkv, g, sq)
+    keys = _Keys(k_pos, bounds)
+    mods = scoremods.pack(modifiers, h, sq)
+    flops = 0
+    for rows, ka, kb in _row_groups(keys.a, keys.b):
+        n, sel = len(rows), _rows(rows)
+        ra, rb = keys.a[sel], keys.b[sel]
+        rows_qa = None if mods is None or mods.qpos is None else mods.qpos[sel]
+        qs = (q5[:, :, :, sel] * dt(scale)).reshape(bsz, hkv, g * n, d)
+        dob = np.ascontiguousarray(do5[:, :, :, sel]).reshape(bsz, hkv, g * n, dvw)
+        # p = exp(s - lse): a row with lse = -inf saw no key; +inf makes its p zero
+        lse_b = lse4[..., sel]
+        lse_b = np.where(np.isneginf(lse_b), np.inf, lse_b).astype(dt).reshape(bsz, hkv, g * n, 1)
+        delta_b = delta4[..., sel].astype(dt).reshape(bsz, hkv, g * n, 1)
+        dq_b = np.zeros((bsz, hkv, g * n, d), dtype=dt)
+        for c0 in range(ka, kb, BLOCK_K):
+            c1 = min(c0 + BLOCK_K, kb)
+            at = keys.at(c0, c1)
+            kk, vv = k[:, :, at], v[:, :, at]
+            p = qs @ np.swapaxes(kk, -1, -2)  # scores, (B, Hkv, G*n, nk)
+            p5 = p.reshape(bsz, hkv, g, n, c1 - c0)
+            dmod = scoremods.apply(p5, mods, rows_qa, keys.pos[c0:c1], (hkv, g))
+            bias = _chunk_bias(ra, rb, c0, c1, dt)
+            if bias is not None:
+                p5 += bias
+            p -= lse_b
+            np.exp(p, out=p)  # probabilities, masked entries exactly 0
+            dv[:, :, at] += np.swapaxes(p, -1, -2) @ dob
+            ds = dob @ np.swapaxes(vv, -1, -2)  # dP = dO V^T
+            ds -= delta_b
+            ds *= p  # dS = P * (dP - delta); scale is folded into qs and dq
+            if dmod is not None:
+                ds.reshape(p5.shape)[...] *= dmod
+            dq_b += ds @ kk
+            dk[:, :, at] += np.swapaxes(ds, -1, -2) @ qs
+            flops += 2 * bsz * h * n * (c1 - c0) * (3 * d + 2 * dvw)
+            if progress is not None:
+                progress()
+        dq5[:, :, :, sel] += dt(scale) * dq_b.reshape(bsz, hkv, g, n, d)
     return flops
