@@ -175,12 +175,7 @@ def _chain(w, x, axis_rows: bool):
     else:
         ws = np.ascontiguousarray(np.moveaxis(w, -1, 0))[..., None]  # (c, ..., r, 1)
     xs = np.ascontiguousarray(np.moveaxis(x, -2, 0))[..., None, :]  # (n, ..., 1, D)
-    out = ws[0] * xs[0]
-    tmp = np.empty_like(out)
-    for j in range(1, len(ws)):
-        np.multiply(ws[j], xs[j], out=tmp)
-        out += tmp
-    return out
+    return _terms(ws, xs)
 
 
 def _dots(a, b):
@@ -191,10 +186,19 @@ def _dots(a, b):
     """
     at = np.ascontiguousarray(np.moveaxis(a, -1, 0))[..., None]  # (D, ..., r, 1)
     bt = np.ascontiguousarray(np.moveaxis(b, -1, 0))[..., None, :]  # (D, ..., 1, c)
-    s = at[0] * bt[0]
+    return _terms(at, bt)
+
+
+def _terms(a, b):
+    """((a_0 b_0 + a_1 b_1) + a_2 b_2) + ... over the first axis, broadcast elementwise.
+
+    One correctly rounded product and one addition per term, in index order, into a
+    buffer reused for the products: each entry is the same number whatever the shape.
+    """
+    s = a[0] * b[0]
     tmp = np.empty_like(s)
-    for j in range(1, len(at)):
-        np.multiply(at[j], bt[j], out=tmp)
+    for j in range(1, len(a)):
+        np.multiply(a[j], b[j], out=tmp)
         s += tmp
     return s
 

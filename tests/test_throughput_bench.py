@@ -180,32 +180,20 @@ def test_bad_arguments_and_a_failing_launcher(tmp_path):
     assert os.listdir(tmp_path) == []  # the private folder is gone
 
 
-def test_repeat_takes_turns_and_reports_the_median_and_range(tmp_path):
+def _tiny_run(tmp_path, uniform: str, *extra: str) -> tuple:
+    """(process, JSON rows) of one dataset of ``uniform`` sequences at P = 1, ring size 1,
+    no torch, a 64-token rate probe, in ``tmp_path``; ``extra``: more options."""
     out_json = str(tmp_path / "r.json")
-    p = _run(
-        "--uniform",
-        "2x64",
-        "--lognormal",
-        "0",
-        "--ranks",
-        "1",
-        "--ring-sizes",
-        "1",
-        "--variant",
-        "RINGMPI_FSYNC_S=0",
-        "--repeat",
-        "3",
-        "--no-torch",
-        "--tile-max",
-        "64",
-        "--dir",
-        str(tmp_path),
-        "--json",
-        out_json,
-    )
+    args = ["--uniform", uniform, "--lognormal", "0", "--ranks", "1", "--ring-sizes", "1"]
+    args += ["--no-torch", "--tile-max", "64", "--dir", str(tmp_path), "--json", out_json]
+    p = _run(*args, *extra)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(out_json) as f:
-        rows = json.load(f)["rows"]
+        return p, json.load(f)["rows"]
+
+
+def test_repeat_takes_turns_and_reports_the_median_and_range(tmp_path):
+    p, rows = _tiny_run(tmp_path, "2x64", "--variant", "RINGMPI_FSYNC_S=0", "--repeat", "3")
     assert [r["ring size"] for r in rows] == ["1", "1 [RINGMPI_FSYNC_S=0]"]
     for r in rows:
         assert r["runs"] == 3 and 0 < r["job min s"] <= r["job s"] <= r["job max s"]
@@ -229,29 +217,7 @@ def test_reproducible_row_runs_the_job_in_that_mode(tmp_path):
     (issue 40's throughput row); its output says it was made in that mode, the plain one not."""
     import h5py
 
-    out_json = str(tmp_path / "r.json")
-    p = _run(
-        "--uniform",
-        "3x96",
-        "--lognormal",
-        "0",
-        "--ranks",
-        "1",
-        "--ring-sizes",
-        "1",
-        "--reproducible",
-        "--no-torch",
-        "--tile-max",
-        "64",
-        "--dir",
-        str(tmp_path),
-        "--keep",
-        "--json",
-        out_json,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    with open(out_json) as f:
-        rows = json.load(f)["rows"]
+    p, rows = _tiny_run(tmp_path, "3x96", "--reproducible", "--keep")
     assert [r["ring size"] for r in rows] == ["1", "1 [--reproducible]"]
     assert all(r["job s"] > 0 for r in rows)
     modes = []
