@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
+from tools.modcases import MODS
 
 import ringmpi
 from ringmpi import reproducible
@@ -46,6 +47,13 @@ def _by_every_path(q, k, v, kw, monkeypatch):
     return got
 
 
+def _all_give_the_numpy_bits(got: dict, tag: str) -> None:
+    """Every result of :func:`_by_every_path` hashes like the numpy code's."""
+    want = digest(*got["numpy"])
+    bad = [name for name, res in got.items() if digest(*res) != want]
+    assert not bad, f"{tag}: {bad} differ from the numpy code"
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_kernel_on_every_isa_gives_the_numpy_bits(dtype, mask, monkeypatch):
@@ -55,23 +63,12 @@ def test_kernel_on_every_isa_gives_the_numpy_bits(dtype, mask, monkeypatch):
     v = (0.5 + 0.1 * rng.standard_normal((283, 2, 40))).astype(dtype)
     kw = MASKS[mask]
     got = _by_every_path(q, k, v, kw, monkeypatch)
-    want = digest(*got["numpy"])
-    bad = [name for name, res in got.items() if digest(*res) != want]
-    assert not bad, f"{mask} {np.dtype(dtype)}: {bad} differ from the numpy code"
+    _all_give_the_numpy_bits(got, f"{mask} {np.dtype(dtype)}")
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw) if dtype == np.float32 else (None, None)
     out, lse = got[host_isas()[0]]
     assert_close(SELF, out, ref[0], peer[0], f"{mask} out")
     assert_close(SELF, lse, ref[1], peer[1], f"{mask} lse")
-
-
-SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])  # ALiBi's geometric slopes for 4 heads
-MODS = {
-    "softcap": dict(softcap=3.0),  # below the largest scores: tanh saturates on the huge keys
-    "alibi": dict(alibi_slopes=SLOPES),
-    "sinks": dict(sinks=np.array([0.5, 3.0, -2.0, 40.0])),  # the last above every score
-    "all three": dict(softcap=5.0, alibi_slopes=SLOPES, sinks=np.array([1.0, -1.0, 6.0, 0.0])),
-}
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -90,9 +87,7 @@ def test_modifiers_give_the_numpy_bits_on_every_isa(dtype, causal, mod, monkeypa
     if causal and mod == "alibi":
         kw["cu_seqlens"] = np.array(CU)
     got = _by_every_path(q, k, v, kw, monkeypatch)
-    want = digest(*got["numpy"])
-    bad = [name for name, res in got.items() if digest(*res) != want]
-    assert not bad, f"{mod} {np.dtype(dtype)}: {bad} differ from the numpy code"
+    _all_give_the_numpy_bits(got, f"{mod} {np.dtype(dtype)}")
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw) if dtype == np.float32 else (None, None)
     out, lse = got["numpy"]
@@ -149,8 +144,7 @@ def test_batch_and_longer_rows_match_the_numpy_code(monkeypatch):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 700, 4, 1, 64, batch=2, realistic=True)
     got = _by_every_path(q, k, v, dict(causal=True), monkeypatch)
-    want = digest(*got["numpy"])
-    assert all(digest(*res) == want for res in got.values()), list(got)
+    _all_give_the_numpy_bits(got, "batch of 2, 700 keys")
     ref = attention(q, k, v, True)
     assert_close(SELF, got[host_isas()[0]][0], ref[0], dense(q, k, v, True)[0], "batch out")
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
+from tools.modcases import MODS
 
 import ringmpi
 from ringmpi import reproducible
@@ -84,13 +85,6 @@ def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
         assert_close(comm, lse, ref[1], peer[1], f"{tag} lse")
 
 
-SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
-MODS = {
-    "softcap": dict(softcap=3.0),
-    "alibi": dict(alibi_slopes=SLOPES),
-    "sinks": dict(sinks=np.array([0.5, 3.0, -2.0, 40.0])),  # the last above every score
-    "all three": dict(softcap=5.0, alibi_slopes=SLOPES, sinks=np.array([1.0, -1.0, 6.0, 0.0])),
-}
 MOD_MASKS = ("none", "causal", "packed causal window")
 
 
