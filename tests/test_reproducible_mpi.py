@@ -251,3 +251,40 @@ def test_ranks_holding_no_key_take_part(comm, n):
         out, lse = _run(comm, q, k, v, layout, kw)
         _same_everywhere(comm, digest(out, lse), want, f"N={n} {layout}")
         assert_close(comm, out, ref[0], None, f"N={n} {layout} out")
+
+
+def test_head_parallel_keeps_the_bits(comm):
+    """Heads x ring (head_parallel = U, every U > 1 dividing P): the P = 1 bits of out and lse,
+    with GQA (K/V heads split across the group or shared), a mask and all three score
+    modifiers (their per-head slopes and sinks follow each group's heads). The backward
+    refuses it with the reason."""
+    us = [u for u in (2, 3, 4) if comm.size % u == 0]
+    if not us:
+        pytest.skip(f"no head_parallel degree > 1 divides P={comm.size}")
+    h = 12  # divisible by every U tried
+    slopes = 2.0 ** -np.arange(1.0, h + 1.0)
+    sinks = np.linspace(-2.0, 6.0, h)
+    kw = dict(causal=True, window=(90, -1), softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+    for u in us:
+        for hkv in sorted({1, u}):
+            rng = np.random.default_rng(u * 10 + hkv)
+            q, k, v = random_qkv(rng, 301, h, hkv, 16, dtype=np.float32, realistic=True)
+            want = _single(comm, q, k, v, kw)
+            for layout in ("zigzag", "striped"):
+                cut = dict(layout=layout, head_parallel=u)
+                ql, kl, vl = (ringmpi.shard(x, comm, **cut) for x in (q, k, v))
+                out, lse = ringmpi.ring_attention(
+                    ql, kl, vl, comm, return_lse=True, reproducible=True, **cut, **kw
+                )
+                out = ringmpi.gather(out, 301, comm, **cut)
+                lse = ringmpi.gather(lse, 301, comm, axis=-1, **cut)
+                tag = f"U={u} Hkv={hkv} {layout}"
+                _same_everywhere(comm, digest(out, lse), want, tag)
+            dout = np.ones_like(ql)
+            raises_everywhere(
+                comm,
+                lambda: ringmpi.ring_attention_backward(
+                    dout, ql, kl, vl, ql, ql[..., 0].T, comm, reproducible=True, **cut
+                ),
+                "head_parallel > 1",
+            )
