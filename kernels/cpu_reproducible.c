@@ -331,6 +331,14 @@ static inline void rmr_fold8(v8 x, int64_t folds, double *o, int64_t ostride, co
     }
 }
 
+/* Whether row i sees key position p in a layer t >= 1 (layer 0 is tested by the caller). */
+static inline int rmr_seen(const int64_t *lo, const int64_t *hi, int64_t nlay, int64_t Sq,
+                           int64_t i, int64_t p) {
+    for (int64_t t = 1; t < nlay; t++)
+        if (p >= lo[t * Sq + i] && p <= hi[t * Sq + i]) return 1;
+    return 0;
+}
+
 /* One K/V block against the query rows row0 <= i < row1, every (batch, head).
  *
  * q: (B, H, Sq, D) float64
@@ -338,7 +346,9 @@ static inline void rmr_fold8(v8 x, int64_t folds, double *o, int64_t ostride, co
  *     RMR_BK (the padding keys are never visible);  v: (B, Hkv, Sk, Dv) float64
  * kpos: (Sk,) int64 global positions, kpos[0] a multiple of RMR_BK: key j belongs to the global
  *       key block j / RMR_BK (ringmpi/reproducible.py deals the keys out in whole blocks)
- * lo, hi: (Sq,) int64 visible key range of each row
+ * lo, hi: (nlay, Sq) int64: row i sees key position p when lo[t, i] <= p <= hi[t, i] for some
+ *         layer t (one layer for the single-range masks; a mask of slices gives each row its
+ *         sorted disjoint intervals, lo > hi for a layer a row lacks)
  * m: (B, H, Sq) float64 row maxima: pass 0 updates them, pass 1 reads them
  * lconst: (folds,) grids of the block sums of p;  vconst: (folds, B, Hkv, Dv) grids of p v's
  * lsum: (folds, B, H, Sq);  osum: (folds, B, H, Sq, Dv): fold sums, added to
@@ -356,10 +366,11 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                   int64_t pass, int64_t folds, int64_t row0, int64_t row1, int64_t fused,
                   double *m,
                   const double *lconst, const double *vconst, double *lsum, double *osum,
-                  int64_t mods, double cap, const double *slopes, const int64_t *qa) {
+                  int64_t mods, double cap, const double *slopes, const int64_t *qa,
+                  int64_t nlay) {
     if ((mods & ~INT64_C(3)) || ((mods & 1) && !(cap > 0)) || ((mods & 2) && (!slopes || !qa)))
         return -1;
-    if (Skp % RMR_BK || Skp < Sk || D < 1 || H % Hkv || folds < 1 || folds > RMR_MAXF ||
+    if (Skp % RMR_BK || Skp < Sk || D < 1 || H % Hkv || folds < 1 || folds > RMR_MAXF || nlay < 1 ||
         row0 < 0 || row1 > Sq || row0 > row1 || (Sk > 0 && kpos[0] % RMR_BK))
         return -1;
     const int64_t g = H / Hkv, nchunk = Skp / RMR_K;
@@ -391,11 +402,14 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
             for (int64_t kb0 = 0; kb0 < Sk; kb0 += RMR_BK)
             for (int64_t i0 = row0; i0 < row1; i0 += RMR_R) {
                 const int64_t nr = row1 - i0 < RMR_R ? row1 - i0 : RMR_R;
-                int64_t rlo = INT64_MAX, rhi = INT64_MIN;
-                for (int64_t r = 0; r < nr; r++) {
-                    rlo = lo[i0 + r] < rlo ? lo[i0 + r] : rlo;
-                    rhi = hi[i0 + r] > rhi ? hi[i0 + r] : rhi;
-                }
+                int64_t rlo = INT64_MAX, rhi = INT64_MIN; /* the rows' visible keys lie inside */
+                for (int64_t t = 0; t < nlay; t++)
+                    for (int64_t r = 0; r < nr; r++) {
+                        const int64_t a = lo[t * Sq + i0 + r], b = hi[t * Sq + i0 + r];
+                        if (a > b) continue;
+                        rlo = a < rlo ? a : rlo;
+                        rhi = b > rhi ? b : rhi;
+                    }
                 const double *qr[RMR_R];
                 int64_t qar[RMR_R] = {0};
                 for (int64_t r = 0; r < RMR_R; r++) {
@@ -418,7 +432,7 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                             double mx = mh[i];
                             for (int64_t j = 0; j < nk; j++) {
                                 const int64_t p = kpos[j0 + j];
-                                if (p < a || p > b) continue;
+                                if ((p < a || p > b) && !rmr_seen(lo, hi, nlay, Sq, i, p)) continue;
                                 const double x = sm[r][j];
                                 if (x != x || mx != mx)
                                     mx = x != x ? x : mx;
@@ -457,7 +471,10 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                                 const v8 e = rmr_exp8(ld8(sm[r] + h8) - mi[r]);
                                 v8i p8;
                                 memcpy(&p8, kp + h8, sizeof p8);
-                                st8(pw[r] + jc + h8, sel8((p8 >= a) & (p8 <= b), e, (v8){0}));
+                                v8i vis = (p8 >= a) & (p8 <= b);
+                                for (int64_t t = 1; t < nlay; t++)
+                                    vis |= (p8 >= lo[t * Sq + i]) & (p8 <= hi[t * Sq + i]);
+                                st8(pw[r] + jc + h8, sel8(vis, e, (v8){0}));
                             }
                         }
                     }

@@ -96,8 +96,8 @@ def refusals(spec, xp, *, backward: bool = False, tiles: bool = True) -> list:
         why += backward_refusals(spec)
     if not tiles:
         why.append("reproducible=True in decode (not written yet)")
-    if getattr(spec, "slices", None) is not None:
-        why.append("reproducible=True with slices (not written yet)")
+    if backward and getattr(spec, "slices", None) is not None:
+        why.append("reproducible=True in the backward with slices (not written yet)")
     if backward and spec.head_parallel > 1:  # the forward runs per head group: same bits
         why.append(
             "reproducible=True in the backward with head_parallel > 1 (not written yet: the "
@@ -307,8 +307,10 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     mask, layout = args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
     plan = plan_steps(mask, rank, size, layout)  # for the query positions and the pair count
-    lo, hi = mask.bounds(plan.q_pos)
-    lo, hi = (np.ascontiguousarray(x, dtype=np.int64) for x in (lo, hi))
+    # (L, Sq) visible key ranges: row i sees p when lo[t, i] <= p <= hi[t, i] for some layer t
+    # (one layer, or a mask of slices' sorted disjoint intervals: each key once, in key order)
+    layers = mask.layers(plan.q_pos) or [(np.ones(len(plan.q_pos)), np.zeros(len(plan.q_pos)))]
+    lo, hi = (np.ascontiguousarray(np.stack(x), dtype=np.int64) for x in zip(*layers))
     b, h, sq, d = qi.shape
     hkv, dv = ki.shape[1], vi.shape[-1]  # dv: the value width (issue 42)
     q64 = np.ascontiguousarray(qi, dtype=np.float64)
@@ -336,7 +338,8 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     o_parts = np.zeros((nf, b, h, sq, dv))
     stats = dict(compute_s=0.0, wait_s=0.0, flops=0, tile_flops=0, bytes_sent=0)
     computed = 0
-    row_lo, row_hi = (lo.min(), hi.max()) if sq else (1, 0)
+    seen = lo <= hi
+    row_lo, row_hi = (lo[seen].min(), hi[seen].max()) if seen.any() else (1, 0)
 
     def tick(step):
         if on_tick is not None:
@@ -347,7 +350,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
         with kv_ring as kv:
             for step, src, kb, vb in kv:
                 k_pos = np.arange(starts[src], starts[src] + counts[src], dtype=np.int64)
-                if counts[src] and k_pos[0] <= row_hi and k_pos[-1] >= row_lo:
+                if counts[src] and seen.any() and k_pos[0] <= row_hi and k_pos[-1] >= row_lo:
                     t0 = time.perf_counter()
                     v64 = np.ascontiguousarray(vb, dtype=np.float64) if pass_ else None
                     state = (m, l_grid, v_grid, l_parts, o_parts)
@@ -490,7 +493,10 @@ def _kernel_block(kern, q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, p
 
 
 def _numpy_block(q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_, mods) -> None:
-    """One K/V block by numpy: the oracle of the C kernel (the same operations)."""
+    """One K/V block by numpy: the oracle of the C kernel (the same operations).
+
+    lo, hi : (L, Sq) int64: row i sees key p when lo[t, i] <= p <= hi[t, i] for some t.
+    """
     m, l_grid, v_grid, l_parts, o_parts = state
     cap, slopes, qa = mods
     b, h, sq, _ = q64.shape
@@ -502,7 +508,7 @@ def _numpy_block(q64, kb, v64, k_pos, lo, hi, scale, state, tick, step, pass_, m
         for k0 in range(0, len(k_pos), KEY_BLOCK):  # k_pos[0] is a block's first key
             k1 = min(len(k_pos), k0 + KEY_BLOCK)
             kp = k_pos[k0:k1]
-            vis = (kp[None, :] >= lo[r0:r1, None]) & (kp[None, :] <= hi[r0:r1, None])
+            vis = ((kp >= lo[:, r0:r1, None]) & (kp <= hi[:, r0:r1, None])).any(axis=0)
             if not vis.any():
                 continue
             for bb in range(b):

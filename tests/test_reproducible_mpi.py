@@ -16,6 +16,7 @@ import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
 from tools.modcases import MODS
+from tools.slicecases import builder_cases, dense_of, random_slices
 
 import ringmpi
 from ringmpi import reproducible
@@ -173,10 +174,13 @@ def test_refusals_name_the_reason(comm):
     q, k, v = _inputs(np.float64, n=40)
     cut = [ringmpi.shard(x, comm) for x in (q, k, v)]
     prefix = ringmpi.Slices([(0, 10, 0, 10, "full"), (10, 40, 0, 40, "causal")])
+    out, lse = ringmpi.ring_attention(*cut, comm, reproducible=True, slices=prefix, return_lse=True)
     raises_everywhere(
         comm,
-        lambda: ringmpi.ring_attention(*cut, comm, reproducible=True, slices=prefix),
-        "reproducible=True with slices",
+        lambda: ringmpi.ring_attention_backward(
+            cut[0], *cut, out, lse, comm, reproducible=True, slices=prefix
+        ),
+        "reproducible=True in the backward with slices",
     )
     gpu = reproducible.refusals(AttentionSpec(reproducible=True), xp=object())
     assert_all(comm, any("GPU" in w for w in gpu), f"no GPU refusal: {gpu}")
@@ -298,3 +302,35 @@ def test_head_parallel_keeps_the_bits(comm):
                 ),
                 "head_parallel > 1",
             )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_slices_keep_the_bits_at_every_p_and_layout(comm, dtype):
+    """Masks of slices (global + local, prefix-LM, shared prompts, block-sparse, random
+    unions, a cross shape): the P = 1 hash at every P and layout (the cost-balanced one
+    included), within the default mode's tolerance of the dense float64 reference on the
+    explicit mask; rows that see no key give out 0 and lse -inf."""
+    n = 197
+    cases = [(name, n, n, s, dense_of(s, n, n)) for name, s, _ in builder_cases(n)]
+    raw = random_slices(np.random.default_rng(4), n // 2, n + 29, 6)
+    cases.append(
+        ("random cross", n // 2, n + 29, ringmpi.Slices(raw), dense_of(raw, n // 2, n + 29))
+    )
+    f32 = dtype == np.float32
+    for i, (name, nq, nk, s, mask) in enumerate(cases):
+        rng = np.random.default_rng(30 + i)
+        q, k, v = random_qkv(rng, nq, 4, 2, 16, nk=nk, dtype=dtype, realistic=True)
+        kw = dict(slices=s)
+        want = _single(comm, q, k, v, kw)
+        ref = once(comm, attention, q, k, v, mask=mask)
+        peer = once(comm, dense, q, k, v, mask=mask) if f32 else (None, None)
+        layouts = ringmpi.LAYOUTS + (("balanced",) if nq == nk else ())
+        for layout in layouts:
+            tag = f"{name} {np.dtype(dtype)} {layout}"
+            out, lse = _run(comm, q, k, v, layout, kw)
+            _same_everywhere(comm, digest(out, lse), want, tag)
+            assert_close(comm, out, ref[0], peer[0], f"{tag} out")
+            assert_close(comm, lse, ref[1], peer[1], f"{tag} lse")
+            empty = ~mask.any(axis=1)
+            ok = (out[empty] == 0).all() and (lse[:, empty] == -np.inf).all()
+            assert_all(comm, ok, f"{tag}: rows with no visible key give out 0 and lse -inf")

@@ -39,7 +39,7 @@ class ReproKernel(Library):
         lib.rmr_block.restype = i64
         lib.rmr_block.argtypes = (
             [p] * 6 + [i64] * 8 + [ctypes.c_double] + [i64] * 5 + [p] * 5
-            + [i64, ctypes.c_double, p, p]
+            + [i64, ctypes.c_double, p, p, i64]
         )  # fmt: skip
 
     def pad_keys(self, k: np.ndarray) -> np.ndarray:
@@ -81,7 +81,9 @@ class ReproKernel(Library):
         kt : (B, Hkv, Skp / W, D, W) float64 from :meth:`pad_keys`
         v : (B, Hkv, Sk, Dv) float64, C-contiguous (pass 1)
         k_pos : (Sk,) int64, contiguous from a multiple of ``tile_keys`` (whole key blocks)
-        lo, hi : (Sq,) int64
+        lo, hi : (Sq,) or (L, Sq) int64
+            Row i sees key position p when lo[t, i] <= p <= hi[t, i] for a layer t (one
+            layer for the single-range masks; :meth:`ringmpi.mask.Mask.layers` for slices).
         m : (B, H, Sq) float64 row maxima (updated by pass 0, read by pass 1)
         sk : int
             The real key count (``kt`` is padded).
@@ -98,6 +100,9 @@ class ReproKernel(Library):
         """
         b, h, sq, d = q.shape
         hkv, skp = kt.shape[1], kt.shape[2] * kt.shape[4]
+        lo, hi = (x.reshape(-1, x.shape[-1]) for x in (lo, hi))
+        if lo.shape != hi.shape or lo.shape[1] != sq or len(lo) < 1:
+            raise ValueError(f"reproducible kernel: lo, hi of shape (L, {sq}), L >= 1")
         args = [q, kt, v, k_pos, lo, hi, m]
         if consts is None:
             folds, dv, lc, vc, ls, os_ = 1, 0, None, None, None, None
@@ -120,7 +125,7 @@ class ReproKernel(Library):
             b, h, hkv, sq, sk, skp, d, dv, float(scale), 0 if consts is None else 1, folds,
             rows[0], sq if rows[1] is None else rows[1], int(bool(narrow)),
             ptr(m), ptr(lc), ptr(vc), ptr(ls), ptr(os_),
-            bits, 0.0 if cap is None else float(cap), ptr(slopes), ptr(qa),
+            bits, 0.0 if cap is None else float(cap), ptr(slopes), ptr(qa), len(lo),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"reproducible kernel refused its arguments ({rc})")

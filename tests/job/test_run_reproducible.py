@@ -137,3 +137,33 @@ def test_score_modifiers_keep_the_bits_at_p2_and_p3(request, tmp_path, inputs, m
     for other in outs[1:]:
         res = compare(outs[0], other)
         assert res["identical"] and res["datasets"] >= 2, res
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory):
+    """Sequences with their masks of slices (each builder, a random union with rows that
+    see nothing, a cross-attention one): tests/job/test_run_slices.py's input."""
+    from job.test_run_slices import references, write_input
+
+    path = str(tmp_path_factory.mktemp("sliced") / "in.h5")
+    write_input(path)
+    return path, references(path)
+
+
+def test_masks_of_slices_keep_the_bits(sliced, tmp_path):
+    """An input whose sequences carry masks of slices: the outputs at P = 1, at P = 2
+    (zigzag) and at P = 3 (the cost-balanced layout) are identical, and the first is within
+    the default mode's tolerance of the dense float64 reference under the explicit mask."""
+    from job.test_run_slices import check_output
+
+    src, refs = sliced
+    outs = []
+    for p, flags in ((1, ()), (2, ()), (3, ("--layout", "balanced"))):
+        out = str(tmp_path / f"p{p}.h5")
+        rc, text = _run(p, src, out, *flags)
+        assert rc == 0, text
+        outs.append(out)
+    assert check_output(outs[0], refs) == []
+    for other in outs[1:]:
+        res = compare(outs[0], other)
+        assert res["identical"] and res["datasets"] == 2 * len(refs), res
