@@ -51,7 +51,7 @@ def refusals(spec) -> list:
     Called by :func:`ringmpi.reproducible.refusals` for the backward, next to the
     mode's general limits (GPU, decode, head_parallel > 1).
     """
-    why = []  # slices: refused for both directions by ringmpi.reproducible.refusals
+    why = []
     for name in ("alibi_slopes", "softcap", "sinks"):
         if getattr(spec, name, None) is not None:
             why.append(f"reproducible=True in the backward with {name} (not written yet)")
@@ -309,8 +309,11 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
     spare = np.empty_like(pkg) if size > 1 else None
     del mine_k, krows, qrows, mine_q
 
-    # visible key range of each dealt query row (the mask is a function of positions)
-    lo, hi = mask.bounds(q_mine)
+    # visible key ranges of each dealt query row (the mask is a function of positions):
+    # (L, cq), row i sees p when lo[t, i] <= p <= hi[t, i] for some layer t (one layer, or
+    # the sorted disjoint intervals of a mask of slices)
+    layers = mask.layers(q_mine) or [(np.ones(cq), np.zeros(cq))]
+    lo, hi = (np.stack(x).astype(np.int64) for x in zip(*layers))
     p_max = 0.0
     pairs, tiles, compute_s = 0, 0, 0.0
     prev, nxt = (rank - 1) % size, (rank + 1) % size
@@ -330,7 +333,7 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
             vb = np.ascontiguousarray(vt[:, kh, c0:c1])
             for r0 in range(0, cq, KEY_BLOCK):  # whole blocks: a block starts at each r0
                 r1 = min(cq, r0 + KEY_BLOCK)
-                vis = (kp[None, :] >= lo[r0:r1, None]) & (kp[None, :] <= hi[r0:r1, None])
+                vis = ((kp >= lo[:, r0:r1, None]) & (kp <= hi[:, r0:r1, None])).any(axis=0)
                 if not vis.any():
                     continue
                 pmax = _tile(
