@@ -1,5 +1,5 @@
 """Score-modifier cases of the reproducible-mode tests: one set, used by the kernel tests
-(tests/test_reproducible_kernel.py) and the ring tests (tests/test_reproducible_mpi.py)."""
+(tests/cpu/test_fused_reproducible.py) and the ring tests (tests/test_reproducible_mpi.py)."""
 
 from __future__ import annotations
 
