@@ -96,11 +96,6 @@ def refusals(spec, xp, *, backward: bool = False, tiles: bool = True) -> list:
         why += backward_refusals(spec)
     if not tiles:
         why.append("reproducible=True in decode (not written yet)")
-    if backward and spec.head_parallel > 1:  # the forward runs per head group: same bits
-        why.append(
-            "reproducible=True in the backward with head_parallel > 1 (not written yet: the "
-            "group's dk/dv partials are added across its members)"
-        )
     return why
 
 

@@ -37,6 +37,7 @@ from mpi4py import MPI
 from . import cost
 from .arguments import report
 from .layout import positions
+from .parallel import HeadGroups
 from .reproducible import KEY_BLOCK, det_exp, fold_into, folds, grids
 from .runtime.watchdog import watch
 
@@ -64,16 +65,41 @@ def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
     ``args``: what every rank agreed on (:func:`ringmpi.arguments.agree`); the arrays as
     the caller gave them. Returns (dq, dk, dv) with the shapes and dtypes of q, k, v
     and fills ``stats`` like the default mode.
+
+    Heads x ring (``head_parallel`` = U > 1): each member runs :func:`loop` on its head
+    group's ring for its query heads and the K/V heads they read. A head's gradients
+    depend on nothing outside its head, so they are the P = 1 bits, provided the K/V
+    heads are split over the group (Hkv % U == 0). Where members share a K/V head
+    (U % Hkv == 0, Hkv < U) each would hold a part of its dk, dv: refused.
     """
-    inner = [np.moveaxis(x if x.ndim == 4 else x[None], -3, -2) for x in (q, k, v, dout, out)]
     lse = np.asarray(lse)
-    dq, dk, dv, st = loop(comm, args, *inner, lse if lse.ndim == 3 else lse[None])
-    grads = []
-    for g, like in zip((dq, dk, dv), (q, k, v)):
-        g = np.ascontiguousarray(np.moveaxis(g, -2, -3))
-        grads.append(g if like.ndim == 4 else g[0])
+    h, hkv = q.shape[-2], k.shape[-2]
+    u = args.spec.head_parallel
+    if u > 1 and hkv % u:
+        raise ValueError(
+            f"ring_attention_backward(reproducible=True): head_parallel={u} with Hkv={hkv} "
+            "K/V heads shares each K/V head among several members, whose dk/dv parts would "
+            "be added (not written yet); use Hkv a multiple of head_parallel, or "
+            "head_parallel=1"
+        )
+    with HeadGroups(comm, args, h, hkv) as groups:
+        kinds = ((q, "q"), (k, "kv"), (v, "kv"), (dout, "q"), (out, "q"))
+        cut = [groups.scatter(x if x.ndim == 4 else x[None], kind) for x, kind in kinds]
+        lse_g = groups.scatter(lse if lse.ndim == 3 else lse[None], "lse")
+        inner = [np.moveaxis(x, -3, -2) for x in cut]
+        del cut
+        dq, dk, dv, st = loop(groups.ring, args, *inner, lse_g)
+        del inner
+        # back to sequence shards: a permutation of the rounded gradients (heads disjoint)
+        grads = [groups.gather(np.moveaxis(g, -2, -3), kind)
+                 for g, kind in ((dq, "q"), (dk, "kv"), (dv, "kv"))]  # fmt: skip
+    out_ = []
+    for g, like in zip(grads, (q, k, v)):
+        g = np.ascontiguousarray(g)
+        out_.append(g if like.ndim == 4 else g[0])
+    st["alltoall_bytes"] += groups.alltoall_bytes
     report(stats, t_start, **st, backend=args.backend.name, tile="reproducible numpy")
-    return tuple(grads)
+    return tuple(out_)
 
 
 def _starts(n: int, size: int) -> list:

@@ -160,6 +160,40 @@ def test_slices_keep_the_bits(comm, dtype):
         _check_accuracy(comm, got, default, q, k, v, dout, dict(mask=mask), name)
 
 
+def test_head_parallel_keeps_the_bits(comm):
+    """Heads x ring (head_parallel = U, every U > 1 dividing P) with the K/V heads split over
+    the group: the P = 1 bits of dq, dk, dv on every layout, with a mask; where members
+    would share a K/V head (Hkv < U) the call is refused on every rank with the reason."""
+    us = [u for u in (2, 3, 4) if comm.size % u == 0]
+    if not us:
+        pytest.skip(f"no head_parallel degree > 1 divides P={comm.size}")
+    h = 12  # divisible by every U tried
+    kw = dict(causal=True, window=(90, -1))
+    for u in us:
+        for hkv in sorted({u, 2 * u} & {2, 3, 4, 6}):
+            q, k, v, dout = _inputs(np.float32, seed=u * 10 + hkv, n=301, h=h, hkv=hkv, d=16)
+            want = _single(comm, q, k, v, dout, kw=kw)
+            for layout in ("zigzag", "striped"):
+                cut = dict(layout=layout, head_parallel=u)
+                ql, kl, vl, dl = (ringmpi.shard(x, comm, **cut) for x in (q, k, v, dout))
+                out, lse = ringmpi.ring_attention(
+                    ql, kl, vl, comm, return_lse=True, reproducible=True, **cut, **kw
+                )
+                grads = ring_attention_backward(
+                    dl, ql, kl, vl, out, lse, comm, reproducible=True, **cut, **kw
+                )
+                full = [ringmpi.gather(g, 301, comm, **cut) for g in grads]
+                _same_everywhere(comm, digest(*full), want, f"U={u} Hkv={hkv} {layout}")
+        q, k, v, dout = _inputs(np.float32, seed=3, n=64, h=h, hkv=1, d=8)
+        cut = dict(head_parallel=u)
+        ql, kl, vl, dl = (ringmpi.shard(x, comm, **cut) for x in (q, k, v, dout))
+        out, lse = ringmpi.ring_attention(ql, kl, vl, comm, return_lse=True, **cut)
+        call = functools.partial(
+            ring_attention_backward, dl, ql, kl, vl, out, lse, comm, reproducible=True, **cut
+        )
+        raises_everywhere(comm, call, "shares each K/V head")
+
+
 def test_refusals_name_the_reason(comm):
     """Score modifiers and the GPU stay refused in the backward, with the reason."""
     q, k, v, dout = _inputs(np.float64, n=40)
