@@ -10,12 +10,11 @@ peer's error), and against the default mode's backward on the same inputs and
 communicator: the reproducible error must not exceed it by more than a small factor.
 """
 
-import functools
-
 import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
+from tools.modcases import MODS
 from tools.slicecases import builder_cases, dense_of, random_slices
 
 import ringmpi
@@ -46,11 +45,13 @@ def _inputs(dtype, seed=0, n=N, h=4, hkv=2, d=24, batch=None):
 
 
 def _grads(comm, q, k, v, dout, layout, kw, reproducible=True):
-    """(dq, dk, dv) gathered to global order, after the forward of the same mode."""
+    """(dq, dk, dv) gathered to global order, after the forward of the same mode; with
+    sinks, dsinks (H,) after them as the call returned it (one value for every rank)."""
     cut = dict(cu_seqlens=kw.get("cu_seqlens"))
     cut_k = dict(cu_seqlens=kw.get("cu_seqlens_k", kw.get("cu_seqlens")))
     if layout == "balanced":  # computed from the whole mask (self-attention here)
-        cut = cut_k = dict(dict(causal=False), **kw)
+        mods = ("softcap", "alibi_slopes", "sinks")  # not the mask's
+        cut = cut_k = dict(dict(causal=False), **{x: y for x, y in kw.items() if x not in mods})
     ql, dl = (ringmpi.shard(x, comm, layout, **cut) for x in (q, dout))
     kl, vl = (ringmpi.shard(x, comm, layout, **cut_k) for x in (k, v))
     mode = dict(layout=layout, reproducible=reproducible, **kw)
@@ -58,10 +59,15 @@ def _grads(comm, q, k, v, dout, layout, kw, reproducible=True):
     local = ring_attention_backward(dl, ql, kl, vl, out, lse, comm, **mode)
     same = all(g.shape == x.shape and g.dtype == x.dtype for g, x in zip(local, (ql, kl, vl)))
     assert_all(comm, same, f"{layout}: gradient shapes/dtypes differ from the inputs")
+    assert_all(comm, len(local) == 3 + ("sinks" in kw), f"{layout}: {len(local)} results")
+    if "sinks" in kw:
+        ds = local[3]
+        same = ds.shape == (q.shape[-2],) and ds.dtype == q.dtype
+        assert_all(comm, same, f"{layout}: dsinks is {ds.dtype} {ds.shape}")
     return tuple(
         ringmpi.gather(g, n, comm, layout, **c)
         for g, n, c in zip(local, (q.shape[-3], k.shape[-3], k.shape[-3]), (cut, cut_k, cut_k))
-    )
+    ) + tuple(local[3:])
 
 
 def _single(comm, *inputs, kw):
@@ -77,11 +83,12 @@ def _same_everywhere(comm, mine: str, want: str, tag: str) -> None:
 
 
 def _check_accuracy(comm, got, default, q, k, v, dout, kw, tag):
-    """The tests/test_backward_mpi.py rule, and at most 2x (float64: 4x) the default's error."""
+    """The tests/test_backward_mpi.py rule, and at most 2x (float64: 4x) the default's error
+    (dq, dk, dv, and dsinks when the call has sinks)."""
     ref = once(comm, attention_backward, dout, q, k, v, **kw)
     f32 = q.dtype == np.float32
     peer = once(comm, dense_backward, dout, q, k, v, **kw) if f32 else ref
-    for name, a, d, want, other in zip("qkv", got, default, ref, peer):
+    for name, a, d, want, other in zip(("q", "k", "v", "sinks"), got, default, ref, peer):
         err, err_d = np.abs(a - want).max(), np.abs(d - want).max()
         if f32:
             tol = 3 * np.abs(other - want).max() + 1e-6
@@ -160,20 +167,39 @@ def test_slices_keep_the_bits(comm, dtype):
         _check_accuracy(comm, got, default, q, k, v, dout, dict(mask=mask), name)
 
 
+MOD_MASKS = {
+    "none": {},
+    "causal": dict(causal=True),
+    "packed causal window": dict(cu_seqlens=np.array(CU), causal=True, window=(20, -1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_modifiers_keep_the_bits(comm, dtype, mod):
+    """Softcap, ALiBi and sinks, alone and together (tools/modcases.py), GQA, without and
+    with causality and packing (ALiBi's positions restart per sequence): the P = 1 hash of
+    dq, dk, dv (and dsinks) at every P and layout; within the reference's rule and the
+    default mode's error (zigzag)."""
+    inputs = _inputs(dtype, seed=21, d=16)
+    for mask, kw in MOD_MASKS.items():
+        kw = dict(kw, **MODS[mod])
+        want = _single(comm, *inputs, kw=kw)
+        for layout in ringmpi.LAYOUTS + ringmpi.layout.MASK_LAYOUTS:
+            tag = f"{mod} {mask} {np.dtype(dtype)} {layout}"
+            got = _grads(comm, *inputs, layout, kw)
+            _same_everywhere(comm, digest(*got), want, tag)
+            if layout == "zigzag":
+                default = _grads(comm, *inputs, layout, kw, reproducible=False)
+                _check_accuracy(comm, got, default, *inputs, kw, tag)
+
+
 def test_refusals_name_the_reason(comm):
-    """Score modifiers and the GPU stay refused in the backward, with the reason."""
-    q, k, v, dout = _inputs(np.float64, n=40)
-    cut = [ringmpi.shard(x, comm) for x in (q, k, v, dout)]
-    out, lse = ringmpi.ring_attention(*cut[:3], comm, reproducible=True, return_lse=True)
+    """The GPU stays refused in the backward, with the reason; the score modifiers are not."""
     for name, value in (("softcap", 20.0), ("sinks", [0.5] * 4), ("alibi_slopes", [0.1] * 4)):
-        call = functools.partial(
-            ring_attention_backward, cut[3], *cut[:3], out, lse, comm, reproducible=True
-        )
-        raises_everywhere(
-            comm,
-            functools.partial(call, **{name: value}),
-            f"reproducible=True in the backward with {name}",
-        )
+        spec = AttentionSpec(reproducible=True, **{name: value})
+        why = reproducible.refusals(spec, np, backward=True)
+        assert_all(comm, why == [], f"{name} refused: {why}")
     gpu = reproducible.refusals(AttentionSpec(reproducible=True), xp=object(), backward=True)
     assert_all(comm, any("GPU" in w for w in gpu), f"no GPU refusal: {gpu}")
     assert_all(comm, reproducible.refusals(AttentionSpec(reproducible=True), np, backward=True)
