@@ -116,20 +116,32 @@ def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
             _check_accuracy(comm, got, default, *inputs, kw, tag)
 
 
-def test_batched_cross_attention_and_empty_rows(comm):
+CROSS_MODS = {  # for 8 query heads
+    "plain": {},
+    "all three": dict(
+        softcap=4.0, alibi_slopes=0.5 ** np.arange(1, 9), sinks=np.linspace(-3.0, 9.0, 8)
+    ),
+}
+
+
+@pytest.mark.parametrize("mod", list(CROSS_MODS))
+def test_batched_cross_attention_and_empty_rows(comm, mod):
     """A batch axis, Nq != Nk (517 keys), 8 query heads on 2 K/V heads, rows that see no
-    key (no gradient): the same bits at every P, within the reference's rule."""
+    key (no gradient; with sinks, lse = sink and no share of dsinks), without and with
+    softcap, ALiBi (query positions aligned to the end of their sequence's keys) and
+    sinks: the same bits at every P, within the reference's rule."""
     q = _inputs(np.float32, seed=5, n=131, h=8, hkv=2, d=16, batch=2)[0]
     _, k, v, _ = _inputs(np.float32, seed=6, n=517, h=8, hkv=2, d=16, batch=2)
     dout = np.random.default_rng(7).standard_normal(q.shape).astype(np.float32)
     kw = dict(cu_seqlens=np.array([0, 60, 131]), cu_seqlens_k=np.array([0, 0, 517]), causal=True)
+    kw.update(CROSS_MODS[mod])
     want = _single(comm, q, k, v, dout, kw=kw)
     for layout in ("striped", "contiguous"):
         got = _grads(comm, q, k, v, dout, layout, kw)
-        _same_everywhere(comm, digest(*got), want, f"cross {layout}")
+        _same_everywhere(comm, digest(*got), want, f"cross {mod} {layout}")
     assert_all(comm, not got[0][:, :60].any(), "rows that see no key got a gradient")
     default = _grads(comm, q, k, v, dout, "zigzag", kw, reproducible=False)
-    _check_accuracy(comm, got, default, q, k, v, dout, kw, "cross")
+    _check_accuracy(comm, got, default, q, k, v, dout, kw, f"cross {mod}")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
