@@ -91,9 +91,10 @@ def ring_attention_backward(
         Exactly as given to the forward call, and so are the score modifiers:
     {modifiers}
     reproducible : bool
-        dq, dk, dv bitwise the same for the same global inputs whatever P, the layout,
-        the threads and numpy's CPU dispatch (issue 40; :mod:`ringmpi.reproducible_backward`,
-        docs/reproducible.md): numpy arrays; no score modifiers or slices yet.
+        dq, dk, dv (and dsinks) bitwise the same for the same global inputs whatever P,
+        the layout, the threads and numpy's CPU dispatch (issue 40;
+        :mod:`ringmpi.reproducible_backward`, docs/reproducible.md): numpy arrays, every
+        mask and score modifier; not with head_parallel > 1 yet.
     check_finite : bool
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
         (or lse holds NaN or +Inf).

@@ -1,15 +1,20 @@
-"""Reproducible backward (issue 40): dq, dk, dv bitwise independent of P, layout, threads, ISA.
+"""Reproducible backward (issue 40): dq, dk, dv (dsinks) bitwise independent of P, layout, threads.
 
 ``ring_attention_backward(..., reproducible=True)`` replaces the backward ring loop of
 :mod:`ringmpi.backward` by :func:`loop`. With the forward's out and lse (whatever
 bits they have) the gradients are
 
 - P_ij = :func:`~ringmpi.reproducible.det_exp` (s_ij - lse_i), s_ij the float64
-  score chain of :func:`~ringmpi.reproducible.scores` (0 for an invisible key),
+  score chain of :func:`~ringmpi.reproducible.scores` (0 for an invisible key), then
+  through the forward's softcap and ALiBi (:func:`modify_batched`, the operations of
+  :func:`~ringmpi.reproducible.modify`),
 - delta_i = ((dO_i0 O_i0 + dO_i1 O_i1) + ...) and dP_ij = ((dO_i0 v_j0 + ...) ...),
   both in index order in float64,
-- dS_ij = P_ij (dP_ij - delta_i),
-- dQ_i = scale sum_j dS_ij k_j, dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i.
+- dS_ij = P_ij (dP_ij - delta_i), times softcap's derivative 1 - t_ij^2 (t_ij the
+  det_tanh value of the forward's score; ALiBi adds a constant: no factor),
+- dQ_i = scale sum_j dS_ij k_j, dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i,
+- with sinks, dsinks_h = -sum_i det_exp(sink_h - lse_i) delta_i over every batch and
+  row (:func:`sink_grad`: the lse includes the sink, a key of value 0).
 
 Both the query rows and the keys are dealt out in fixed global blocks of
 :data:`~ringmpi.reproducible.KEY_BLOCK` positions (one ``Alltoallv`` each, like
@@ -22,9 +27,11 @@ parts whose sums are exact in float64 in any order: the dQ folds stay with the q
 block, the dK/dV folds travel the ring with their K/V block and come home after P
 hops. Each gradient row is then the fold sums added in fold order, times the scale,
 rounded once to the input dtype, and dealt back to the rank and place the layout gives
-it. Only elementwise numpy operations (correctly rounded per element, whatever the
-shape, the threads or the SIMD loop) touch a value; no BLAS, no ``np.exp``/``np.log``.
-docs/reproducible.md has the argument and the limits.
+it. dsinks sums per-row terms held by every rank: fold parts on grids of its own, one
+exact ``Allreduce``, the folds added in fold order. Only elementwise numpy operations
+(correctly rounded per element, whatever the shape, the threads or the SIMD loop) touch
+a value; no BLAS, no ``np.exp``/``np.log``/``np.tanh``. docs/reproducible.md has the
+argument and the limits.
 """
 
 from __future__ import annotations
