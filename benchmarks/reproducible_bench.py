@@ -13,9 +13,10 @@ give both modes those score modifiers; the reproducible mode without them is the
 in the same repeats too (column "plain s"), so the modifiers' own cost shows.
 
 ``--backward``: the same for ``ring_attention_backward`` (each mode's forward run once,
-untimed; the max |diff| is over dq, dk, dv; no score modifiers):
+untimed, with the same modifiers; the max |diff| is over dq, dk, dv, and dsinks with
+``--sinks``):
 
-    OMP_NUM_THREADS=1 python benchmarks/reproducible_bench.py --backward --n 1024
+    OMP_NUM_THREADS=1 python benchmarks/reproducible_bench.py --backward --n 1024 --softcap 5
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ def main() -> None:
         mods["alibi_slopes"] = [2.0 ** (-8 * (i + 1) / args.heads) for i in range(args.heads)]
     if args.sinks:
         mods["sinks"] = np.linspace(-1.0, 3.0, args.heads)
-    if mods and args.backward:
-        ap.error("--backward takes no score modifiers (the reproducible backward refuses them)")
     modes = [(False, mods), (True, mods)] + ([(True, {})] if mods else [])
     rows = []
     dtypes = [np.float32, np.float64] if args.dtype == "both" else [np.dtype(args.dtype).type]
@@ -69,9 +68,9 @@ def main() -> None:
             outs = {}
             fwd = {}
             if args.backward:  # each mode's own forward, untimed
-                for rep in (False, True):
-                    fwd[rep] = ringmpi.ring_attention(
-                        *cut, comm, causal=causal, reproducible=rep, return_lse=True
+                for i, (rep, kw) in enumerate(modes):
+                    fwd[i] = ringmpi.ring_attention(
+                        *cut, comm, causal=causal, reproducible=rep, return_lse=True, **kw
                     )
             for _ in range(args.repeat):
                 for i, (rep, kw) in enumerate(modes):
@@ -80,8 +79,9 @@ def main() -> None:
                     st = {}
                     if args.backward:
                         outs[i] = ringmpi.ring_attention_backward(
-                            dout, *cut, *fwd[rep], comm, causal=causal, reproducible=rep, stats=st
-                        )
+                            dout, *cut, *fwd[i], comm, causal=causal, reproducible=rep, stats=st,
+                            **kw,
+                        )  # fmt: skip
                     else:
                         outs[i] = (
                             ringmpi.ring_attention(

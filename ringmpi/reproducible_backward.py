@@ -1,15 +1,20 @@
-"""Reproducible backward (issue 40): dq, dk, dv bitwise independent of P, layout, threads, ISA.
+"""Reproducible backward (issue 40): dq, dk, dv (dsinks) bitwise independent of P, layout, threads.
 
 ``ring_attention_backward(..., reproducible=True)`` replaces the backward ring loop of
 :mod:`ringmpi.backward` by :func:`loop`. With the forward's out and lse (whatever
 bits they have) the gradients are
 
 - P_ij = :func:`~ringmpi.reproducible.det_exp` (s_ij - lse_i), s_ij the float64
-  score chain of :func:`~ringmpi.reproducible.scores` (0 for an invisible key),
+  score chain of :func:`~ringmpi.reproducible.scores` (0 for an invisible key), then
+  through the forward's softcap and ALiBi (:func:`modify_batched`, the operations of
+  :func:`~ringmpi.reproducible.modify`),
 - delta_i = ((dO_i0 O_i0 + dO_i1 O_i1) + ...) and dP_ij = ((dO_i0 v_j0 + ...) ...),
   both in index order in float64,
-- dS_ij = P_ij (dP_ij - delta_i),
-- dQ_i = scale sum_j dS_ij k_j, dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i.
+- dS_ij = P_ij (dP_ij - delta_i), times softcap's derivative 1 - t_ij^2 (t_ij the
+  det_tanh value of the forward's score; ALiBi adds a constant: no factor),
+- dQ_i = scale sum_j dS_ij k_j, dK_j = scale sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i,
+- with sinks, dsinks_h = -sum_i det_exp(sink_h - lse_i) delta_i over every batch and
+  row (:func:`sink_grad`: the lse includes the sink, a key of value 0).
 
 Both the query rows and the keys are dealt out in fixed global blocks of
 :data:`~ringmpi.reproducible.KEY_BLOCK` positions (one ``Alltoallv`` each, like
@@ -22,9 +27,11 @@ parts whose sums are exact in float64 in any order: the dQ folds stay with the q
 block, the dK/dV folds travel the ring with their K/V block and come home after P
 hops. Each gradient row is then the fold sums added in fold order, times the scale,
 rounded once to the input dtype, and dealt back to the rank and place the layout gives
-it. Only elementwise numpy operations (correctly rounded per element, whatever the
-shape, the threads or the SIMD loop) touch a value; no BLAS, no ``np.exp``/``np.log``.
-docs/reproducible.md has the argument and the limits.
+it. dsinks sums per-row terms held by every rank: fold parts on grids of its own, one
+exact ``Allreduce``, the folds added in fold order. Only elementwise numpy operations
+(correctly rounded per element, whatever the shape, the threads or the SIMD loop) touch
+a value; no BLAS, no ``np.exp``/``np.log``/``np.tanh``. docs/reproducible.md has the
+argument and the limits.
 """
 
 from __future__ import annotations
@@ -38,10 +45,19 @@ from . import cost
 from .arguments import report
 from .layout import positions
 from .parallel import HeadGroups
-from .reproducible import KEY_BLOCK, det_exp, fold_into, folds, grids
+from .reproducible import KEY_BLOCK, _modifiers, det_exp, det_tanh, fold_into, folds, grids
 from .runtime.watchdog import watch
 
-__all__ = ["refusals", "backward", "loop", "block_owners", "deal_rows", "undeal_rows", "P_BOUND"]
+__all__ = [
+    "refusals",
+    "backward",
+    "loop",
+    "sink_grad",
+    "block_owners",
+    "deal_rows",
+    "undeal_rows",
+    "P_BOUND",
+]
 
 P_BOUND = 2.0  # the bound the grids assume for P = exp(s - lse); checked after the ring
 
@@ -50,21 +66,19 @@ def refusals(spec) -> list:
     """Why a backward call with ``spec.reproducible`` cannot run in this mode (empty: it can).
 
     Called by :func:`ringmpi.reproducible.refusals` for the backward, next to the
-    mode's general limits (GPU, decode, head_parallel > 1).
+    mode's general limits (GPU, decode, head_parallel > 1). The score modifiers
+    (softcap, ALiBi, sinks) all run here: nothing is refused for this mode's own reasons.
     """
-    why = []
-    for name in ("alibi_slopes", "softcap", "sinks"):
-        if getattr(spec, name, None) is not None:
-            why.append(f"reproducible=True in the backward with {name} (not written yet)")
-    return why
+    return []
 
 
 def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
     """:func:`ringmpi.backward.ring_attention_backward` after its checks, in this mode.
 
     ``args``: what every rank agreed on (:func:`ringmpi.arguments.agree`); the arrays as
-    the caller gave them. Returns (dq, dk, dv) with the shapes and dtypes of q, k, v
-    and fills ``stats`` like the default mode.
+    the caller gave them. Returns (dq, dk, dv) with the shapes and dtypes of q, k, v,
+    and dsinks (H,) in the accumulation dtype after them when the call has sinks (as the
+    default mode); fills ``stats`` like the default mode.
 
     Heads x ring (``head_parallel`` = U > 1): each member runs :func:`loop` on its head
     group's ring for its query heads and the K/V heads they read. A head's gradients
@@ -88,18 +102,69 @@ def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
         lse_g = groups.scatter(lse if lse.ndim == 3 else lse[None], "lse")
         inner = [np.moveaxis(x, -3, -2) for x in cut]
         del cut
-        dq, dk, dv, st = loop(groups.ring, args, *inner, lse_g)
-        del inner
+        dq, dk, dv, st = loop(groups.ring, args, *inner, lse_g, heads=groups.heads)
         # back to sequence shards: a permutation of the rounded gradients (heads disjoint)
         grads = [groups.gather(np.moveaxis(g, -2, -3), kind)
                  for g, kind in ((dq, "q"), (dk, "kv"), (dv, "kv"))]  # fmt: skip
+        if args.spec.sinks is not None:  # this member's heads, then every head in order
+            ds = sink_grad(groups.ring, args, inner[3], inner[4], lse_g, groups.heads)
+            grads.append(ds if u == 1 else np.concatenate(groups.head.allgather(ds)))
     out_ = []
-    for g, like in zip(grads, (q, k, v)):
+    for g, like in zip(grads[:3], (q, k, v)):
         g = np.ascontiguousarray(g)
         out_.append(g if like.ndim == 4 else g[0])
     st["alltoall_bytes"] += groups.alltoall_bytes
     report(stats, t_start, **st, backend=args.backend.name, tile="reproducible numpy")
-    return tuple(out_)
+    return (*out_, *grads[3:])
+
+
+def sink_grad(comm, args, dout, out, lse, heads=slice(None)):
+    """dsinks (H,) in the accumulation dtype, the same bits on every rank for every P.
+
+    dsinks_h = -sum over batches and rows i of t_i, t_i = det_exp(sink_h - lse_i) delta_i
+    (the sink is a key of value 0 whose probability the forward's lse includes; delta_i
+    the fixed chain of :func:`loop`). Each t_i is a function of row i's values alone.
+    The rows lie on every rank, so the sum is made exact: each rank splits its t_i on
+    fixed grids (:func:`~ringmpi.reproducible.grids`, from the global count B Nq and the
+    exact global max |t| per head, an ``Allreduce(MAX)``) and sums the fold parts
+    exactly; an ``Allreduce(SUM)`` of the fold sums is exact in any order (every partial
+    sum of fold parts is); the folds are then added in fold order, negated and rounded
+    once.
+
+    Parameters
+    ----------
+    dout, out : (B, H, S, Dv) ; lse : (B, H, S)
+        This rank's rows as the caller gave them (the first ``len(q_pos)`` real).
+    heads : slice
+        The call's heads that ``dout`` holds (heads x ring): dsinks of those.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mask = args.mask
+    nq = int(args.n)
+    nql = len(positions(nq, rank, size, args.layout, cu_seqlens=mask.cu_q, mask=mask))
+    b = dout.shape[0]
+    sinks = np.asarray(args.spec.sinks, dtype=np.float64)[heads]  # the heads of dout
+    do64, o64 = (np.asarray(x, dtype=np.float64)[:, :, :nql] for x in (dout, out))
+    delta = _row_dot(do64, o64)  # loop's chain: the same numbers
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = det_exp(sinks[None, :, None] - np.asarray(lse, dtype=np.float64)[:, :, :nql])
+    term = p * delta  # (B, H, nql)
+    term = np.moveaxis(term, 1, 0).reshape(len(sinks), b * nql)  # (H, rows)
+    top = np.zeros((2, len(sinks)))  # max P_sink (the bound loop checks), max |t|
+    if term.shape[1]:
+        top[0], top[1] = p.max(axis=(0, 2)), np.abs(term).max(axis=1)
+    comm.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    if top[0].max() > P_BOUND:  # NaN passes (and gives NaN), as in loop
+        raise ValueError(
+            "ring_attention_backward(reproducible=True): exp(sink - lse) reached "
+            f"{top[0].max():.3g} > {P_BOUND}: lse is not the forward's log-sum-exp of these inputs"
+        )
+    n = max(b * nq, 1)
+    nf = folds(n, np.float64)
+    parts = np.zeros((nf, len(sinks)))
+    fold_into(term, [c[:, None] for c in grids(n, top[1], nf)], list(parts), 1)
+    comm.Allreduce(MPI.IN_PLACE, parts, op=MPI.SUM)  # exact: multiples of each fold's quantum
+    return (-_total(list(parts))).astype(args.acc_dtype)
 
 
 def _starts(n: int, size: int) -> list:
@@ -237,7 +302,7 @@ def _row_dot(a, b):
     return s
 
 
-def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
+def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None)) -> tuple:
     """The reproducible backward over ``comm``: (dq, dk, dv, stats) in the tile layout.
 
     Parameters
@@ -246,6 +311,9 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
         This rank's query rows in the layout's order (any float dtype; used as float64).
     k : (B, Hkv, S_k, Dk) ; v : (B, Hkv, S_k, Dv)
         This rank's keys and values.
+    heads : slice
+        The query heads of ``q`` among the call's (heads x ring), for the per-head ALiBi
+        slopes.
 
     Returns
     -------
@@ -340,6 +408,9 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
     # the sorted disjoint intervals of a mask of slices)
     layers = mask.layers(q_mine) or [(np.ones(cq), np.zeros(cq))]
     lo, hi = (np.stack(x).astype(np.int64) for x in zip(*layers))
+    # softcap and ALiBi (the forward's, on the dealt rows' positions); sinks: sink_grad
+    cap, slopes, qa = _modifiers(args.spec, mask, q_mine, heads, h)
+    modified = cap is not None or slopes is not None
     p_max = 0.0
     pairs, tiles, compute_s = 0, 0, 0.0
     prev, nxt = (rank - 1) % size, (rank + 1) % size
@@ -376,6 +447,7 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
                     [x[:, :, c0:c1] for x in dk_f],
                     [x[:, :, c0:c1] for x in dv_f],
                     hkv,
+                    (cap, slopes, None if qa is None else qa[r0:r1], kp) if modified else None,
                 )
                 p_max = max(p_max, pmax)
                 pairs += int(vis.sum())
@@ -436,23 +508,30 @@ def _total(parts):
     return acc
 
 
-def _tile(q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums, hkv):
+def _tile(q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums, hkv,
+          mods=None):  # fmt: skip
     """One (query block, key block) tile for every batch and head; returns max P.
 
     q (B, H, r, Dk), do (B, H, r, Dv), lse and delta (B, H, r), k (B, H, c, Dk) and
     v (B, H, c, Dv) (the K/V head of each query head), vis (r, c). Adds the fold parts
     of the tile's block partials into ``dq_sums`` (per fold (B, H, r, Dk)), ``dk_sums``
     and ``dv_sums`` (per fold (B, Hkv, c, D): the group's heads summed exactly).
+    ``mods``: None, or the score modifiers (softcap or None, ALiBi slopes (H,) or None,
+    the rows' ALiBi positions (r,) or None, the keys' positions (c,)) for
+    :func:`modify_batched`.
     """
     q_grid, k_grid, v_grid = consts
     b, h, r, _ = q.shape
     c = k.shape[2]
     s = scores_batched(q, k, scale)  # (B, H, r, c): the forward's score of each pair
+    dmod = None if mods is None else modify_batched(s, *mods)
     with np.errstate(invalid="ignore", over="ignore"):
         t = np.where(vis, s - lse[..., None], -np.inf)
         p = det_exp(t)  # 0 for an invisible key
     dp = _dots(do, v)
     ds = p * (dp - delta[..., None])
+    if dmod is not None:  # the gradient through softcap: d s / d x = 1 - tanh^2 (<= 1)
+        ds *= dmod
     pmax = float(p.max()) if p.size else 0.0
     g = h // hkv
     fold_into(_chain(ds, k, False)[None], q_grid, dq_sums, 0, scratch=True)
@@ -472,3 +551,28 @@ def scores_batched(q, k, scale: float):
     s = _dots(q, k)
     s *= scale
     return s
+
+
+def modify_batched(s, cap, slopes, qa, kp):
+    """The forward's score modifiers on (B, H, r, c) scores ``s`` in place; d s'/d s or None.
+
+    Per entry the operations of :func:`ringmpi.reproducible.modify` (so the forward's
+    numbers): softcap t = det_tanh(x (1 / cap)), s = cap t, then ALiBi
+    s = s - slope_h |qa_i - k_j| (the distance exact in float64, the product rounded
+    once). Returns softcap's derivative 1 - t t (B, H, r, c), a fixed elementwise
+    sequence in [0, 1], or None without softcap (ALiBi adds a constant: derivative 1).
+
+    Parameters
+    ----------
+    cap : float or None ; slopes : (H,) float64 or None
+    qa : (r,) int64 ALiBi query positions (None without ALiBi) ; kp : (c,) int64 key positions
+    """
+    dmod = None
+    if cap is not None:
+        t = det_tanh(s * (1.0 / cap))
+        np.multiply(cap, t, out=s)
+        dmod = 1.0 - t * t
+    if slopes is not None:
+        dist = np.abs(qa[:, None] - kp[None, :]).astype(np.float64)
+        s -= slopes[:, None, None] * dist
+    return dmod

@@ -11,11 +11,13 @@ communicator: the reproducible error must not exceed it by more than a small fac
 """
 
 import functools
+import math
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
+from tools.modcases import MODS
 from tools.slicecases import builder_cases, dense_of, random_slices
 
 import ringmpi
@@ -46,11 +48,13 @@ def _inputs(dtype, seed=0, n=N, h=4, hkv=2, d=24, batch=None):
 
 
 def _grads(comm, q, k, v, dout, layout, kw, reproducible=True):
-    """(dq, dk, dv) gathered to global order, after the forward of the same mode."""
+    """(dq, dk, dv) gathered to global order, after the forward of the same mode; with
+    sinks, dsinks (H,) after them as the call returned it (one value for every rank)."""
     cut = dict(cu_seqlens=kw.get("cu_seqlens"))
     cut_k = dict(cu_seqlens=kw.get("cu_seqlens_k", kw.get("cu_seqlens")))
     if layout == "balanced":  # computed from the whole mask (self-attention here)
-        cut = cut_k = dict(dict(causal=False), **kw)
+        mods = ("softcap", "alibi_slopes", "sinks")  # not the mask's
+        cut = cut_k = dict(dict(causal=False), **{x: y for x, y in kw.items() if x not in mods})
     ql, dl = (ringmpi.shard(x, comm, layout, **cut) for x in (q, dout))
     kl, vl = (ringmpi.shard(x, comm, layout, **cut_k) for x in (k, v))
     mode = dict(layout=layout, reproducible=reproducible, **kw)
@@ -58,10 +62,15 @@ def _grads(comm, q, k, v, dout, layout, kw, reproducible=True):
     local = ring_attention_backward(dl, ql, kl, vl, out, lse, comm, **mode)
     same = all(g.shape == x.shape and g.dtype == x.dtype for g, x in zip(local, (ql, kl, vl)))
     assert_all(comm, same, f"{layout}: gradient shapes/dtypes differ from the inputs")
+    assert_all(comm, len(local) == 3 + ("sinks" in kw), f"{layout}: {len(local)} results")
+    if "sinks" in kw:
+        ds = local[3]
+        same = ds.shape == (q.shape[-2],) and ds.dtype == q.dtype
+        assert_all(comm, same, f"{layout}: dsinks is {ds.dtype} {ds.shape}")
     return tuple(
         ringmpi.gather(g, n, comm, layout, **c)
         for g, n, c in zip(local, (q.shape[-3], k.shape[-3], k.shape[-3]), (cut, cut_k, cut_k))
-    )
+    ) + tuple(local[3:])
 
 
 def _single(comm, *inputs, kw):
@@ -77,20 +86,60 @@ def _same_everywhere(comm, mine: str, want: str, tag: str) -> None:
 
 
 def _check_accuracy(comm, got, default, q, k, v, dout, kw, tag):
-    """The tests/test_backward_mpi.py rule, and at most 2x (float64: 4x) the default's error."""
+    """The tests/test_backward_mpi.py rule (dq, dk, dv, and dsinks when the call has sinks),
+    and at most 2x (float64: 4x) the default's error (dq, dk, dv).
+
+    dsinks sums one term per row, each set by the forward's rounding of that row's lse
+    and out; the two modes' forwards round differently, so their dsinks errors against the
+    reference are two draws of that noise (either may be 6x the other): dsinks is held to
+    the exact value of its own inputs instead (:func:`_check_dsinks`).
+    """
     ref = once(comm, attention_backward, dout, q, k, v, **kw)
     f32 = q.dtype == np.float32
     peer = once(comm, dense_backward, dout, q, k, v, **kw) if f32 else ref
-    for name, a, d, want, other in zip("qkv", got, default, ref, peer):
+    for name, a, d, want, other in zip(("q", "k", "v", "sinks"), got, default, ref, peer):
         err, err_d = np.abs(a - want).max(), np.abs(d - want).max()
         if f32:
             tol = 3 * np.abs(other - want).max() + 1e-6
         else:
             tol = 1e-11 * max(1.0, np.abs(want).max())
         assert_all(comm, err <= tol, f"{tag} d{name}: max err {err:.3g} > tol {tol:.3g}")
+        if name == "sinks":
+            _check_dsinks(comm, q, k, v, dout, kw, tag)
+            continue
         factor, floor = (2.0, 1e-7) if f32 else (4.0, 1e-15 * max(1.0, np.abs(want).max()))
         msg = f"{tag} d{name}: max err {err:.3g} > {factor} x the default mode's {err_d:.3g}"
         assert_all(comm, err <= factor * err_d + floor, msg)
+
+
+def _check_dsinks(comm, q, k, v, dout, kw, tag):
+    """dsinks within one rounding of the exact -sum_i exp(sink_h - lse_i) delta_i of the
+    out and lse it was given (the reproducible forward's, zigzag, on ``comm``).
+
+    The exact value: float64 terms (np.exp: within an ulp or two of det_exp's) summed by
+    math.fsum; allowed: half a unit in the last place of the result's dtype at dsinks_h,
+    plus 1e-14 sum_i |term_i| for the float64 terms' own errors.
+    """
+    cut = dict(cu_seqlens=kw.get("cu_seqlens"))
+    cut_k = dict(cu_seqlens=kw.get("cu_seqlens_k", kw.get("cu_seqlens")))
+    ql, dl = (ringmpi.shard(x, comm, **cut) for x in (q, dout))
+    kl, vl = (ringmpi.shard(x, comm, **cut_k) for x in (k, v))
+    mode = dict(reproducible=True, **kw)
+    out, lse = ringmpi.ring_attention(ql, kl, vl, comm, return_lse=True, **mode)
+    ds = ring_attention_backward(dl, ql, kl, vl, out, lse, comm, **mode)[3]
+    n = q.shape[-3]
+    out = ringmpi.gather(out, n, comm, **cut).astype(np.float64)
+    lse = ringmpi.gather(lse, n, comm, axis=-1, **cut).astype(np.float64)
+    delta = np.moveaxis((dout.astype(np.float64) * out).sum(axis=-1), -1, -2)  # (.., H, S)
+    sinks = np.asarray(kw["sinks"], dtype=np.float64)
+    terms = np.exp(sinks[:, None] - lse) * delta
+    terms = np.moveaxis(terms, -2, 0).reshape(len(sinks), -1)
+    exact = -np.array([math.fsum(t) for t in terms])
+    tol = 0.5 * np.spacing(np.abs(exact).astype(ds.dtype)) + 1e-14 * np.abs(terms).sum(axis=1)
+    err = np.abs(ds.astype(np.float64) - exact)
+    w = np.argmax(err / tol)
+    msg = f"{tag} dsinks[{w}]: err {err[w]:.3g} from its inputs' exact value > {tol[w]:.3g}"
+    assert_all(comm, (err <= tol).all(), msg)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -109,20 +158,32 @@ def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
             _check_accuracy(comm, got, default, *inputs, kw, tag)
 
 
-def test_batched_cross_attention_and_empty_rows(comm):
+CROSS_MODS = {  # for 8 query heads
+    "plain": {},
+    "all three": dict(
+        softcap=4.0, alibi_slopes=0.5 ** np.arange(1, 9), sinks=np.linspace(-3.0, 9.0, 8)
+    ),
+}
+
+
+@pytest.mark.parametrize("mod", list(CROSS_MODS))
+def test_batched_cross_attention_and_empty_rows(comm, mod):
     """A batch axis, Nq != Nk (517 keys), 8 query heads on 2 K/V heads, rows that see no
-    key (no gradient): the same bits at every P, within the reference's rule."""
+    key (no gradient; with sinks, lse = sink and no share of dsinks), without and with
+    softcap, ALiBi (query positions aligned to the end of their sequence's keys) and
+    sinks: the same bits at every P, within the reference's rule."""
     q = _inputs(np.float32, seed=5, n=131, h=8, hkv=2, d=16, batch=2)[0]
     _, k, v, _ = _inputs(np.float32, seed=6, n=517, h=8, hkv=2, d=16, batch=2)
     dout = np.random.default_rng(7).standard_normal(q.shape).astype(np.float32)
     kw = dict(cu_seqlens=np.array([0, 60, 131]), cu_seqlens_k=np.array([0, 0, 517]), causal=True)
+    kw.update(CROSS_MODS[mod])
     want = _single(comm, q, k, v, dout, kw=kw)
     for layout in ("striped", "contiguous"):
         got = _grads(comm, q, k, v, dout, layout, kw)
-        _same_everywhere(comm, digest(*got), want, f"cross {layout}")
+        _same_everywhere(comm, digest(*got), want, f"cross {mod} {layout}")
     assert_all(comm, not got[0][:, :60].any(), "rows that see no key got a gradient")
     default = _grads(comm, q, k, v, dout, "zigzag", kw, reproducible=False)
-    _check_accuracy(comm, got, default, q, k, v, dout, kw, "cross")
+    _check_accuracy(comm, got, default, q, k, v, dout, kw, f"cross {mod}")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -162,13 +223,16 @@ def test_slices_keep_the_bits(comm, dtype):
 
 def test_head_parallel_keeps_the_bits(comm):
     """Heads x ring (head_parallel = U, every U > 1 dividing P) with the K/V heads split over
-    the group: the P = 1 bits of dq, dk, dv on every layout, with a mask; where members
+    the group: the P = 1 bits of dq, dk, dv and dsinks on two layouts, with a mask and all
+    three score modifiers (per-head slopes and sinks follow the group's heads); where members
     would share a K/V head (Hkv < U) the call is refused on every rank with the reason."""
     us = [u for u in (2, 3, 4) if comm.size % u == 0]
     if not us:
         pytest.skip(f"no head_parallel degree > 1 divides P={comm.size}")
     h = 12  # divisible by every U tried
-    kw = dict(causal=True, window=(90, -1))
+    slopes = 2.0 ** -np.arange(1.0, h + 1.0)
+    sinks = np.linspace(-2.0, 6.0, h)
+    kw = dict(causal=True, window=(90, -1), softcap=5.0, alibi_slopes=slopes, sinks=sinks)
     for u in us:
         for hkv in sorted({u, 2 * u} & {2, 3, 4, 6}):
             q, k, v, dout = _inputs(np.float32, seed=u * 10 + hkv, n=301, h=h, hkv=hkv, d=16)
@@ -182,7 +246,7 @@ def test_head_parallel_keeps_the_bits(comm):
                 grads = ring_attention_backward(
                     dl, ql, kl, vl, out, lse, comm, reproducible=True, **cut, **kw
                 )
-                full = [ringmpi.gather(g, 301, comm, **cut) for g in grads]
+                full = [ringmpi.gather(g, 301, comm, **cut) for g in grads[:3]] + [grads[3]]
                 _same_everywhere(comm, digest(*full), want, f"U={u} Hkv={hkv} {layout}")
         q, k, v, dout = _inputs(np.float32, seed=3, n=64, h=h, hkv=1, d=8)
         cut = dict(head_parallel=u)
@@ -194,20 +258,39 @@ def test_head_parallel_keeps_the_bits(comm):
         raises_everywhere(comm, call, "shares each K/V head")
 
 
+MOD_MASKS = {
+    "none": {},
+    "causal": dict(causal=True),
+    "packed causal window": dict(cu_seqlens=np.array(CU), causal=True, window=(20, -1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_modifiers_keep_the_bits(comm, dtype, mod):
+    """Softcap, ALiBi and sinks, alone and together (tools/modcases.py), GQA, without and
+    with causality and packing (ALiBi's positions restart per sequence): the P = 1 hash of
+    dq, dk, dv (and dsinks) at every P and layout; within the reference's rule and the
+    default mode's error (zigzag)."""
+    inputs = _inputs(dtype, seed=21, d=16)
+    for mask, kw in MOD_MASKS.items():
+        kw = dict(kw, **MODS[mod])
+        want = _single(comm, *inputs, kw=kw)
+        for layout in ringmpi.LAYOUTS + ringmpi.layout.MASK_LAYOUTS:
+            tag = f"{mod} {mask} {np.dtype(dtype)} {layout}"
+            got = _grads(comm, *inputs, layout, kw)
+            _same_everywhere(comm, digest(*got), want, tag)
+            if layout == "zigzag":
+                default = _grads(comm, *inputs, layout, kw, reproducible=False)
+                _check_accuracy(comm, got, default, *inputs, kw, tag)
+
+
 def test_refusals_name_the_reason(comm):
-    """Score modifiers and the GPU stay refused in the backward, with the reason."""
-    q, k, v, dout = _inputs(np.float64, n=40)
-    cut = [ringmpi.shard(x, comm) for x in (q, k, v, dout)]
-    out, lse = ringmpi.ring_attention(*cut[:3], comm, reproducible=True, return_lse=True)
+    """The GPU stays refused in the backward, with the reason; the score modifiers are not."""
     for name, value in (("softcap", 20.0), ("sinks", [0.5] * 4), ("alibi_slopes", [0.1] * 4)):
-        call = functools.partial(
-            ring_attention_backward, cut[3], *cut[:3], out, lse, comm, reproducible=True
-        )
-        raises_everywhere(
-            comm,
-            functools.partial(call, **{name: value}),
-            f"reproducible=True in the backward with {name}",
-        )
+        spec = AttentionSpec(reproducible=True, **{name: value})
+        why = reproducible.refusals(spec, np, backward=True)
+        assert_all(comm, why == [], f"{name} refused: {why}")
     gpu = reproducible.refusals(AttentionSpec(reproducible=True), xp=object(), backward=True)
     assert_all(comm, any("GPU" in w for w in gpu), f"no GPU refusal: {gpu}")
     assert_all(comm, reproducible.refusals(AttentionSpec(reproducible=True), np, backward=True)
