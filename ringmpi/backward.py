@@ -94,8 +94,7 @@ def ring_attention_backward(
         dq, dk, dv (and dsinks) bitwise the same for the same global inputs whatever P,
         the layout, the threads and numpy's CPU dispatch (issue 40;
         :mod:`ringmpi.reproducible_backward`, docs/reproducible.md): numpy arrays, every
-        mask and score modifier, heads x ring with the K/V heads split over the group
-        (refused where its members share a K/V head).
+        mask and score modifier, heads x ring.
     check_finite : bool
         Raise ValueError on every rank if q, k, v, dout or out hold NaN or Inf
         (or lse holds NaN or +Inf).

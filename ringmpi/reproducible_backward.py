@@ -81,33 +81,36 @@ def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
     default mode); fills ``stats`` like the default mode.
 
     Heads x ring (``head_parallel`` = U > 1): each member runs :func:`loop` on its head
-    group's ring for its query heads and the K/V heads they read. A head's gradients
-    depend on nothing outside its head, so they are the P = 1 bits, provided the K/V
-    heads are split over the group (Hkv % U == 0). Where members share a K/V head
-    (U % Hkv == 0, Hkv < U) each would hold a part of its dk, dv: refused.
+    group's ring for its query heads and the K/V heads they read. dq and dsinks of a
+    head depend on nothing outside it; so do dk, dv where the K/V heads are split over
+    the group (Hkv % U == 0). Where members share a K/V head (U % Hkv == 0, Hkv < U),
+    each holds its heads' fold sums of its dk, dv on the grids of P = 1 (bounds joined
+    over the members): their exact sum over the members is the P = 1 fold sum. The
+    gradients are the P = 1 bits either way.
     """
     lse = np.asarray(lse)
     h, hkv = q.shape[-2], k.shape[-2]
     u = args.spec.head_parallel
-    if u > 1 and hkv % u:
-        raise ValueError(
-            f"ring_attention_backward(reproducible=True): head_parallel={u} with Hkv={hkv} "
-            "K/V heads shares each K/V head among several members, whose dk/dv parts would "
-            "be added (not written yet); use Hkv a multiple of head_parallel, or "
-            "head_parallel=1"
-        )
     with HeadGroups(comm, args, h, hkv) as groups:
+        share = None
+        if u > 1 and hkv % u:  # K/V heads replicated: the members holding the same one
+            share = groups.head.Split((groups.me * h // u) // (h // hkv), groups.me)
         kinds = ((q, "q"), (k, "kv"), (v, "kv"), (dout, "q"), (out, "q"))
         cut = [groups.scatter(x if x.ndim == 4 else x[None], kind) for x, kind in kinds]
         lse_g = groups.scatter(lse if lse.ndim == 3 else lse[None], "lse")
         inner = [np.moveaxis(x, -3, -2) for x in cut]
         del cut
-        dq, dk, dv, st = loop(groups.ring, args, *inner, lse_g, heads=groups.heads)
+        try:
+            dq, dk, dv, st = loop(groups.ring, args, *inner, lse_g, heads=groups.heads,
+                                  share=share, g_all=h // hkv, world=comm)  # fmt: skip
+        finally:
+            if share is not None:
+                share.Free()
         # back to sequence shards: a permutation of the rounded gradients (heads disjoint)
         grads = [groups.gather(np.moveaxis(g, -2, -3), kind)
                  for g, kind in ((dq, "q"), (dk, "kv"), (dv, "kv"))]  # fmt: skip
         if args.spec.sinks is not None:  # this member's heads, then every head in order
-            ds = sink_grad(groups.ring, args, inner[3], inner[4], lse_g, groups.heads)
+            ds = sink_grad(groups.ring, args, inner[3], inner[4], lse_g, groups.heads, comm)
             grads.append(ds if u == 1 else np.concatenate(groups.head.allgather(ds)))
     out_ = []
     for g, like in zip(grads[:3], (q, k, v)):
@@ -118,7 +121,7 @@ def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
     return (*out_, *grads[3:])
 
 
-def sink_grad(comm, args, dout, out, lse, heads=slice(None)):
+def sink_grad(comm, args, dout, out, lse, heads=slice(None), world=None):
     """dsinks (H,) in the accumulation dtype, the same bits on every rank for every P.
 
     dsinks_h = -sum over batches and rows i of t_i, t_i = det_exp(sink_h - lse_i) delta_i
@@ -137,6 +140,8 @@ def sink_grad(comm, args, dout, out, lse, heads=slice(None)):
         This rank's rows as the caller gave them (the first ``len(q_pos)`` real).
     heads : slice
         The call's heads that ``dout`` holds (heads x ring): dsinks of those.
+    world : mpi4py.MPI.Comm, optional
+        Every rank of the call (default ``comm``): the bound check fails on all together.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     mask = args.mask
@@ -154,7 +159,9 @@ def sink_grad(comm, args, dout, out, lse, heads=slice(None)):
     if term.shape[1]:
         top[0], top[1] = p.max(axis=(0, 2)), np.abs(term).max(axis=1)
     comm.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
-    if top[0].max() > P_BOUND:  # NaN passes (and gives NaN), as in loop
+    if world is not None and world is not comm:  # the other head groups' verdicts too
+        top[0] = world.allreduce(float(top[0].max()) if top.shape[1] else 0.0, op=MPI.MAX)
+    if top.shape[1] and top[0].max() > P_BOUND:  # NaN passes (and gives NaN), as in loop
         raise ValueError(
             "ring_attention_backward(reproducible=True): exp(sink - lse) reached "
             f"{top[0].max():.3g} > {P_BOUND}: lse is not the forward's log-sum-exp of these inputs"
@@ -302,7 +309,8 @@ def _row_dot(a, b):
     return s
 
 
-def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None)) -> tuple:
+def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_all=None,
+         world=None) -> tuple:  # fmt: skip
     """The reproducible backward over ``comm``: (dq, dk, dv, stats) in the tile layout.
 
     Parameters
@@ -314,6 +322,15 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None)) -> tuple:
     heads : slice
         The query heads of ``q`` among the call's (heads x ring), for the per-head ALiBi
         slopes.
+    share : mpi4py.MPI.Comm, optional
+        Heads x ring with K/V heads replicated over the group: the members holding the
+        same K/V heads (and key blocks). Their bounds are joined (so the grids are those
+        of P = 1) and their dK/dV fold sums added, exactly, before the totals.
+    g_all : int, optional
+        Query heads per K/V head in the whole call (default H / Hkv here): the grids'
+        summand count.
+    world : mpi4py.MPI.Comm, optional
+        Every rank of the call (default ``comm``): the bound check fails on all together.
 
     Returns
     -------
@@ -374,6 +391,8 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None)) -> tuple:
     if cq:
         maxima[1] = grp.max(axis=2)
     comm.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
+    if share is not None:  # |q|, |dO| of the heads the other members hold
+        share.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
     kmax, vmax = maxima[0, ..., :dk_w], maxima[0, ..., dk_w:]
     qmax, domax = maxima[1, ..., :dk_w], maxima[1, ..., dk_w:]
     # |dS_ij| <= P_BOUND (|dP_ij| + |delta_i|) with |dP_ij| <= sum_d |dO_id| max|v_d|:
@@ -383,11 +402,13 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None)) -> tuple:
     if cq:
         sb = a.reshape(b, hkv, g * cq).max(axis=2)
     comm.Allreduce(MPI.IN_PLACE, sb, op=MPI.MAX)
+    if share is not None:
+        share.Allreduce(MPI.IN_PLACE, sb, op=MPI.MAX)
     sb = 2.0 * P_BOUND * sb
 
     # the grids: dQ sums at most 64 nb_k summands per row; dK and dV 64 nb_q x G per key
     n_k = -(-nk // KEY_BLOCK) * KEY_BLOCK
-    n_q = -(-nq // KEY_BLOCK) * KEY_BLOCK * g
+    n_q = -(-nq // KEY_BLOCK) * KEY_BLOCK * (g if g_all is None else g_all)
     nf = max(folds(n_k, np.float64), folds(n_q, np.float64))
     q_grid = [c[:, kh, None, :] for c in grids(n_k, sb[..., None] * kmax, nf)]
     k_grid = [c[:, :, None, None, :] for c in grids(n_q, sb[..., None] * qmax, nf)]
@@ -463,7 +484,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None)) -> tuple:
 
     # the bound the grids assumed: checked on every rank (a maximum, the same everywhere)
     worst = np.array([p_max])
-    comm.Allreduce(MPI.IN_PLACE, worst, op=MPI.MAX)
+    (comm if world is None else world).Allreduce(MPI.IN_PLACE, worst, op=MPI.MAX)
     if worst[0] > P_BOUND:  # NaN inputs pass (and give NaN), as in the default mode
         raise ValueError(
             "ring_attention_backward(reproducible=True): exp(s - lse) reached "
@@ -474,6 +495,10 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None)) -> tuple:
     dq = _total(dq_parts) * args.scale  # (B, H, cq, Dk)
     dq = undeal_rows(comm, np.moveaxis(dq, 2, 0).reshape(cq, b * h * dk_w), back_q)
     dq = np.moveaxis(dq.reshape(nql, b, h, dk_w), 0, 2).astype(dtype)
+    if share is not None:  # the other members' heads' parts of the same keys: exact sums
+        folds_here = np.ascontiguousarray(pkg[:ck, wk:])
+        share.Allreduce(MPI.IN_PLACE, folds_here, op=MPI.SUM)
+        pkg[:ck, wk:] = folds_here
     kv = pkg[:ck].reshape(ck, 1 + nf, b, hkv, dk_w + dv_w)
     dkv = _total([kv[:, 1 + f] for f in range(nf)])  # (ck, B, Hkv, Dk + Dv)
     dkv[..., :dk_w] *= args.scale
