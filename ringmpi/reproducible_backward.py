@@ -24,7 +24,11 @@ hops. Each gradient row is then the fold sums added in fold order, times the sca
 rounded once to the input dtype, and dealt back to the rank and place the layout gives
 it. Only elementwise numpy operations (correctly rounded per element, whatever the
 shape, the threads or the SIMD loop) touch a value; no BLAS, no ``np.exp``/``np.log``.
-docs/reproducible.md has the argument and the limits.
+A tile runs in the C kernel ``kernels/cpu_reproducible_backward.c``
+(:mod:`ringmpi.cpu.fused_reproducible_backward`: the same operations in the same order,
+the same bits on every ISA path) or, with ``RINGMPI_CPU_KERNEL=numpy`` or where it cannot
+be built, in :func:`_tile`, its oracle (:func:`kernel`). docs/reproducible.md has the
+argument and the limits.
 """
 
 from __future__ import annotations
@@ -36,11 +40,22 @@ from mpi4py import MPI
 
 from . import cost
 from .arguments import report
+from .cpu import fused_reproducible_backward
 from .layout import positions
 from .reproducible import KEY_BLOCK, det_exp, fold_into, folds, grids
+from .runtime import env
 from .runtime.watchdog import watch
 
-__all__ = ["refusals", "backward", "loop", "block_owners", "deal_rows", "undeal_rows", "P_BOUND"]
+__all__ = [
+    "refusals",
+    "backward",
+    "loop",
+    "kernel",
+    "block_owners",
+    "deal_rows",
+    "undeal_rows",
+    "P_BOUND",
+]
 
 P_BOUND = 2.0  # the bound the grids assume for P = exp(s - lse); checked after the ring
 
@@ -72,7 +87,7 @@ def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
     for g, like in zip((dq, dk, dv), (q, k, v)):
         g = np.ascontiguousarray(np.moveaxis(g, -2, -3))
         grads.append(g if like.ndim == 4 else g[0])
-    report(stats, t_start, **st, backend=args.backend.name, tile="reproducible numpy")
+    report(stats, t_start, **st, backend=args.backend.name)
     return tuple(grads)
 
 
@@ -227,6 +242,7 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
     rounded once from float64), stats : dict.
     """
     t_wait = 0.0
+    tile, tile_name = _tile_function()
     rank, size = comm.Get_rank(), comm.Get_size()
     mask, layout = args.mask, args.layout
     dtype = np.dtype(args.in_dtype)
@@ -336,7 +352,7 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
                 vis = ((kp >= lo[:, r0:r1, None]) & (kp <= hi[:, r0:r1, None])).any(axis=0)
                 if not vis.any():
                     continue
-                pmax = _tile(
+                pmax = tile(
                     qq[:, :, r0:r1],
                     qdo[:, :, r0:r1],
                     qlse[:, :, r0:r1],
@@ -398,8 +414,42 @@ def loop(comm, args, q, k, v, dout, out, lse) -> tuple:
         steps_skipped=0,
         bytes_sent=(size - 1) * pkg.nbytes if size > 1 else 0,
         alltoall_bytes=8 * (wq * b * nql + wk * nkl) * 2,
+        tile=tile_name,
     )
     return (*grads, stats)
+
+
+def kernel():
+    """The backward's C kernel of ``$RINGMPI_CPU_KERNEL`` / ``$RINGMPI_CPU_ISA``, or None.
+
+    The rules of :func:`ringmpi.reproducible.kernel`: ``numpy``: None (:func:`_tile`, the
+    oracle); ``auto``: the kernel where it builds, else None; ``fused``: the kernel, or
+    RuntimeError. Both give the same bits.
+    """
+    choice = env.get("RINGMPI_CPU_KERNEL")
+    if choice == "numpy":
+        return None
+    kern = fused_reproducible_backward.default()
+    if kern is not None and kern.tile_keys != KEY_BLOCK:
+        raise RuntimeError(f"{kern.path}: tiles of {kern.tile_keys}, not {KEY_BLOCK}")
+    if kern is None and choice == "fused":
+        raise RuntimeError(
+            "RINGMPI_CPU_KERNEL=fused but the reproducible backward C kernel is unavailable: "
+            f"{fused_reproducible_backward.LOADER.error()}"
+        )
+    return kern
+
+
+def _tile_function():
+    """(the tile function, its name for the stats): the C kernel's tile, or :func:`_tile`.
+
+    Both take the same arguments and give the same bits; the C kernel's runs the tile's
+    chains as one compiled loop nest instead of numpy passes over (B, H, 64, 64) arrays.
+    """
+    kern = kernel()
+    if kern is None:
+        return _tile, "reproducible numpy"
+    return kern.tile, f"reproducible C {kern.isa}"
 
 
 def _total(parts):
