@@ -60,15 +60,16 @@ static inline vw ldw(const double *p) { return *(const vw *)p; }
 static inline void stw(double *p, vw x) { *(vw *)p = x; }
 
 /* out[o][col] = ((a[o][0] x[0][col] + a[o][1] x[1][col]) + ...) over t < n (n >= 1), for
- * o < no and col < nc. a: rows lda apart (terms contiguous); x: rows ldx apart (columns
- * contiguous); out: rows ldo apart. 4 outputs x 2 vectors of columns at a time (8 vector
- * accumulators: no spills on any path), then the remaining columns one at a time; every
- * element gets the same sequence of operations whichever branch computes it. */
-static void rmb_chain(const double *a, int64_t lda, const double *x, int64_t ldx, int64_t no,
-                      int64_t n, int64_t nc, double *out, int64_t ldo) {
+ * o < no and col < nc. a[o][t] at a + o * ao + t * at (a weight is broadcast: any layout,
+ * so ds serves both as (rows, keys) and as (keys, rows) without a transpose); x: rows ldx
+ * apart (columns contiguous); out: rows ldo apart. 4 outputs x 2 vectors of columns at a
+ * time (8 vector accumulators: no spills on any path), then the remaining columns one at a
+ * time; every element gets the same sequence of operations whichever branch computes it. */
+static void rmb_chain(const double *a, int64_t ao, int64_t at, const double *x, int64_t ldx,
+                      int64_t no, int64_t n, int64_t nc, double *out, int64_t ldo) {
     int64_t o = 0;
     for (; o + 4 <= no; o += 4) {
-        const double *a0 = a + o * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        const double *a0 = a + o * ao, *a1 = a0 + ao, *a2 = a1 + ao, *a3 = a2 + ao;
         double *o0 = out + o * ldo, *o1 = o0 + ldo, *o2 = o1 + ldo, *o3 = o2 + ldo;
         int64_t col = 0;
         for (; col + 2 * RMB_VW <= nc; col += 2 * RMB_VW) {
@@ -79,7 +80,8 @@ static void rmb_chain(const double *a, int64_t lda, const double *x, int64_t ldx
             for (int64_t t = 1; t < n; t++) {
                 x0 = ldw(xc + t * ldx);
                 x1 = ldw(xc + t * ldx + RMB_VW);
-                const double b0 = a0[t], b1 = a1[t], b2 = a2[t], b3 = a3[t];
+                const int64_t ta = t * at;
+                const double b0 = a0[ta], b1 = a1[ta], b2 = a2[ta], b3 = a3[ta];
                 s00 = s00 + b0 * x0;
                 s01 = s01 + b0 * x1;
                 s10 = s10 + b1 * x0;
@@ -99,26 +101,27 @@ static void rmb_chain(const double *a, int64_t lda, const double *x, int64_t ldx
                    s3 = a3[0] * x[col];
             for (int64_t t = 1; t < n; t++) {
                 const double xt = x[t * ldx + col];
-                s0 = s0 + a0[t] * xt;
-                s1 = s1 + a1[t] * xt;
-                s2 = s2 + a2[t] * xt;
-                s3 = s3 + a3[t] * xt;
+                const int64_t ta = t * at;
+                s0 = s0 + a0[ta] * xt;
+                s1 = s1 + a1[ta] * xt;
+                s2 = s2 + a2[ta] * xt;
+                s3 = s3 + a3[ta] * xt;
             }
             o0[col] = s0, o1[col] = s1, o2[col] = s2, o3[col] = s3;
         }
     }
     for (; o < no; o++) { /* the last outputs, one at a time */
-        const double *ao = a + o * lda;
+        const double *a0 = a + o * ao;
         double *oo = out + o * ldo;
         int64_t col = 0;
         for (; col + RMB_VW <= nc; col += RMB_VW) {
-            vw s = ao[0] * ldw(x + col);
-            for (int64_t t = 1; t < n; t++) s = s + ao[t] * ldw(x + t * ldx + col);
+            vw s = a0[0] * ldw(x + col);
+            for (int64_t t = 1; t < n; t++) s = s + a0[t * at] * ldw(x + t * ldx + col);
             stw(oo + col, s);
         }
         for (; col < nc; col++) {
-            double s = ao[0] * x[col];
-            for (int64_t t = 1; t < n; t++) s = s + ao[t] * x[t * ldx + col];
+            double s = a0[0] * x[col];
+            for (int64_t t = 1; t < n; t++) s = s + a0[t * at] * x[t * ldx + col];
             oo[col] = s;
         }
     }
@@ -169,57 +172,54 @@ int64_t rmb_tile(const double *q, const int64_t *qs, const double *dO, const int
     *pmax = 0.0;
     if (B == 0 || r == 0 || c == 0) return 0; /* numpy: no p, max 0 */
     const int64_t g = H / Hkv, dmax = Dk > Dv ? Dk : Dv;
-    /* scratch: k^T and v^T (D x 64), s then p, dp then ds, p^T, ds^T (64 x 64), a block
-     * partial (64 x max(Dk, Dv)); zeroed once, so the lanes past c are finite */
-    const size_t nbuf = (size_t)(Dk + Dv + dmax) * RMB_BK + 4 * RMB_BK * RMB_BK;
+    /* scratch: k^T and v^T (D x 64), s then p, dp then ds (64 x 64), a block partial
+     * (64 x max(Dk, Dv)), the visibility as lane masks (64 x 64 int64: -1 visible, 0 not or
+     * past c, built once for every head); zeroed once, so the lanes past c are finite */
+    const size_t nbuf = (size_t)(Dk + Dv + dmax) * RMB_BK + 3 * RMB_BK * RMB_BK;
     double *buf = calloc(nbuf, sizeof(double));
     if (!buf) return -2;
     double *kT = buf, *vT = kT + Dk * RMB_BK, *sp = vT + Dv * RMB_BK;
-    double *dpds = sp + RMB_BK * RMB_BK, *pT = dpds + RMB_BK * RMB_BK;
-    double *dsT = pT + RMB_BK * RMB_BK, *part = dsT + RMB_BK * RMB_BK;
+    double *dpds = sp + RMB_BK * RMB_BK, *part = dpds + RMB_BK * RMB_BK;
+    int64_t *vmask = (int64_t *)(part + dmax * RMB_BK);
     const int64_t cw = (c + 7) / 8 * 8; /* the columns the 8-lane steps touch */
-    double pm = 0.0;
-    int nan = 0, big = 0;
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t j = 0; j < c; j++) vmask[i * RMB_BK + j] = vis[i * visr + j] ? -1 : 0;
+    /* the largest p lane by lane (p >= 0, and 0 past c), NaN lanes, visible s - lse > 709 */
+    v8 pm8 = {0};
+    v8i nan8 = {0}, big8 = {0};
+    const v8 tbig = {RMB_TBIG, RMB_TBIG, RMB_TBIG, RMB_TBIG, RMB_TBIG, RMB_TBIG, RMB_TBIG,
+                     RMB_TBIG};
     for (int64_t bb = 0; bb < B; bb++)
         for (int64_t h = 0; h < H; h++) {
             const int64_t kh = h / g;
             const double *qh = q + bb * qs[0] + h * qs[1], *doh = dO + bb * dos[0] + h * dos[1];
             const double *kh_ = k + bb * ks[0] + h * ks[1], *vh = v + bb * vs[0] + h * vs[1];
-            for (int64_t j = 0; j < c; j++) { /* k^T, v^T: the keys along the columns */
-                for (int64_t d = 0; d < Dk; d++) kT[d * RMB_BK + j] = kh_[j * ks[2] + d];
-                for (int64_t d = 0; d < Dv; d++) vT[d * RMB_BK + j] = vh[j * vs[2] + d];
-            }
-            rmb_chain(qh, qs[2], kT, RMB_BK, r, Dk, c, sp, RMB_BK);    /* s before the scale */
-            rmb_chain(doh, dos[2], vT, RMB_BK, r, Dv, c, dpds, RMB_BK); /* dp */
+            /* k^T, v^T: the keys along the columns (strided reads, contiguous writes) */
+            for (int64_t d = 0; d < Dk; d++)
+                for (int64_t j = 0; j < c; j++) kT[d * RMB_BK + j] = kh_[j * ks[2] + d];
+            for (int64_t d = 0; d < Dv; d++)
+                for (int64_t j = 0; j < c; j++) vT[d * RMB_BK + j] = vh[j * vs[2] + d];
+            rmb_chain(qh, qs[2], 1, kT, RMB_BK, r, Dk, c, sp, RMB_BK);    /* s before the scale */
+            rmb_chain(doh, dos[2], 1, vT, RMB_BK, r, Dv, c, dpds, RMB_BK); /* dp */
             for (int64_t i = 0; i < r; i++) {
                 const double li = lse[bb * ls[0] + h * ls[1] + i * ls[2]];
                 const double di = delta[bb * es[0] + h * es[1] + i * es[2]];
                 double *si = sp + i * RMB_BK, *dsi = dpds + i * RMB_BK;
                 for (int64_t j0 = 0; j0 < cw; j0 += 8) {
                     v8i vm;
-                    for (int l = 0; l < 8; l++)
-                        vm[l] = j0 + l < c && vis[i * visr + j0 + l] ? -1 : 0;
+                    memcpy(&vm, vmask + i * RMB_BK + j0, sizeof vm);
                     const v8 t = ld8(si + j0) * scale - li;
                     const v8 p = sel8(vm, rmr_exp8(t), (v8){0});
                     const v8 ds = p * (ld8(dsi + j0) - di);
                     st8(si + j0, p);
                     st8(dsi + j0, ds);
-                    for (int l = 0; l < 8 && j0 + l < c; l++) {
-                        if (vm[l] && t[l] > RMB_TBIG) big = 1;
-                        const double pl = p[l];
-                        if (pl != pl)
-                            nan = 1;
-                        else if (pl > pm)
-                            pm = pl;
-                    }
-                }
-                for (int64_t j = 0; j < c; j++) { /* the transposes: rows along the terms */
-                    pT[j * RMB_BK + i] = si[j];
-                    dsT[j * RMB_BK + i] = dsi[j];
+                    nan8 |= p != p;
+                    big8 |= vm & (t > tbig);
+                    pm8 = sel8(p > pm8, p, pm8);
                 }
             }
             /* dq: per row, over the keys in key order; into (b, h, i) */
-            rmb_chain(dpds, RMB_BK, kh_, ks[2], r, c, Dk, part, dmax);
+            rmb_chain(dpds, RMB_BK, 1, kh_, ks[2], r, c, Dk, part, dmax);
             const double *gq[RMB_MAXF], *gk[RMB_MAXF], *gv[RMB_MAXF];
             double *acc[RMB_MAXF];
             for (int64_t f = 0; f < folds; f++) {
@@ -233,14 +233,14 @@ int64_t rmb_tile(const double *q, const int64_t *qs, const double *dO, const int
                 rmb_fold_row(part + i * dmax, Dk, folds, acc, gq);
             }
             /* dk: per key, over the rows in row order; into (b, h / G, j) */
-            rmb_chain(dsT, RMB_BK, qh, qs[2], c, r, Dk, part, dmax);
+            rmb_chain(dpds, 1, RMB_BK, qh, qs[2], c, r, Dk, part, dmax);
             for (int64_t j = 0; j < c; j++) {
                 for (int64_t f = 0; f < folds; f++)
                     acc[f] = dk[f] + bb * dks[0] + kh * dks[1] + j * dks[2];
                 rmb_fold_row(part + j * dmax, Dk, folds, acc, gk);
             }
             /* dv: per key, p times dO over the rows in row order; into (b, h / G, j) */
-            rmb_chain(pT, RMB_BK, doh, dos[2], c, r, Dv, part, dmax);
+            rmb_chain(sp, 1, RMB_BK, doh, dos[2], c, r, Dv, part, dmax);
             for (int64_t j = 0; j < c; j++) {
                 for (int64_t f = 0; f < folds; f++)
                     acc[f] = dv[f] + bb * dvs[0] + kh * dvs[1] + j * dvs[2];
@@ -248,6 +248,13 @@ int64_t rmb_tile(const double *q, const int64_t *qs, const double *dO, const int
             }
         }
     free(buf);
+    double pm = 0.0;
+    int nan = 0, big = 0;
+    for (int l = 0; l < 8; l++) {
+        nan |= nan8[l] != 0;
+        big |= big8[l] != 0;
+        pm = pm8[l] > pm ? pm8[l] : pm;
+    }
     *pmax = nan ? NAN : big ? INFINITY : pm;
     return 0;
 }
