@@ -147,25 +147,26 @@ static void rmb_fold_row(const double *x, int64_t n, int64_t folds, double *cons
     }
 }
 
-/* One tile, every (batch, head). Strides are in elements (float64 or bytes of vis); the last
- * axis of every float array is contiguous.
+/* One tile, every (batch, head). The last axis of every float array is contiguous; the
+ * (batch, head, row or key) strides of the others, in float64 elements, are st[0..27):
+ * 3 each for q, dO, lse, delta, k, v, the dq sums, the dk sums, the dv sums, in that order.
  *
- * q (B, H, r, Dk): qs = (b, h, row) strides;  dO (B, H, r, Dv): ds_;  lse, delta (B, H, r):
- * ls, es;  k (B, H, c, Dk), v (B, H, c, Dv): the K/V head of each query head, ks, vs;
- * vis (r, c) uint8, rows visr apart: 1 where row i sees key j;
+ * q (B, H, r, Dk);  dO (B, H, r, Dv);  lse, delta (B, H, r);  k (B, H, c, Dk),
+ * v (B, H, c, Dv): the K/V head of each query head;
+ * vis (r, c) uint8, rows visr bytes apart: 1 where row i sees key j;
  * qgrid (F, B, H, Dk), kgrid (F, B, Hkv, Dk), vgrid (F, B, Hkv, Dv): C-contiguous grids;
  * dq[f] (B, H, r, Dk), dk[f] (B, Hkv, c, Dk), dv[f] (B, Hkv, c, Dv): fold sums (one pointer
- * per fold, the same strides for every fold: dqs, dks, dvs), added to;
+ * per fold, the same strides for every fold), added to;
  * pmax: the largest p (see the header).
  * Returns 0; -1 for a bad argument; -2 when no scratch memory was available. */
-int64_t rmb_tile(const double *q, const int64_t *qs, const double *dO, const int64_t *dos,
-                 const double *lse, const int64_t *ls, const double *delta, const int64_t *es,
-                 const double *k, const int64_t *ks, const double *v, const int64_t *vs,
-                 const uint8_t *vis, int64_t visr, int64_t B, int64_t H, int64_t Hkv, int64_t r,
-                 int64_t c, int64_t Dk, int64_t Dv, double scale, int64_t folds,
-                 const double *qgrid, const double *kgrid, const double *vgrid,
-                 double *const *dq, const int64_t *dqs, double *const *dk, const int64_t *dks,
-                 double *const *dv, const int64_t *dvs, double *pmax) {
+int64_t rmb_tile(const double *q, const double *dO, const double *lse, const double *delta,
+                 const double *k, const double *v, const int64_t *st, const uint8_t *vis,
+                 int64_t visr, int64_t B, int64_t H, int64_t Hkv, int64_t r, int64_t c,
+                 int64_t Dk, int64_t Dv, double scale, int64_t folds, const double *qgrid,
+                 const double *kgrid, const double *vgrid, double *const *dq,
+                 double *const *dk, double *const *dv, double *pmax) {
+    const int64_t *qs = st, *dos = st + 3, *ls = st + 6, *es = st + 9, *ks = st + 12;
+    const int64_t *vs = st + 15, *dqs = st + 18, *dks = st + 21, *dvs = st + 24;
     if (B < 0 || H < 1 || Hkv < 1 || H % Hkv || r < 0 || r > RMB_BK || c < 0 || c > RMB_BK ||
         Dk < 1 || Dv < 1 || folds < 1 || folds > RMB_MAXF || visr < c || !pmax)
         return -1;

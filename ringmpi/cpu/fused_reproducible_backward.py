@@ -25,18 +25,18 @@ from .loader import Library, Loader, ptr
 __all__ = ["ReproBackwardKernel", "LOADER", "load", "default"]
 
 
-def _strides(a: np.ndarray, name: str, lead: int) -> np.ndarray:
-    """The element strides of ``a``'s first ``lead`` axes; ValueError unless the last axis is
-    contiguous (or ``lead`` is the whole array) and every stride is whole float64s."""
+def _strides(a: np.ndarray, name: str) -> list:
+    """The element strides of ``a``'s first three axes; ValueError unless ``a`` is float64,
+    every stride is whole float64s and a fourth axis (if any) is contiguous."""
     if a.dtype != np.float64:
         raise ValueError(f"reproducible backward kernel: {name} must be float64, not {a.dtype}")
     st = a.strides
-    if any(s % 8 for s in st) or (a.ndim > lead and a.shape[-1] > 1 and st[-1] != 8):
+    if any(s % 8 for s in st) or (a.ndim > 3 and a.shape[-1] > 1 and st[-1] != 8):
         raise ValueError(
             f"reproducible backward kernel: {name} needs float64 strides and a contiguous "
             f"last axis (strides {st})"
         )
-    return np.array([s // 8 for s in st[:lead]], dtype=np.int64)
+    return [s // 8 for s in st[:3]]
 
 
 class ReproBackwardKernel(Library):
@@ -56,13 +56,12 @@ class ReproBackwardKernel(Library):
         lib.rmb_tile_keys.restype = i64
         self.tile_keys = int(lib.rmb_tile_keys())
         lib.rmb_tile.restype = i64
-        lib.rmb_tile.argtypes = (
-            [p] * 12 + [p, i64] + [i64] * 7 + [f64, i64] + [p] * 3 + [p] * 6 + [p]
-        )
-        self._grids = None  # (the caller's grid lists, their stacked float64 arrays)
+        lib.rmb_tile.argtypes = [p] * 8 + [i64] * 8 + [f64, i64] + [p] * 7
+        self._grids = None  # (the caller's grid lists, their stacked float64 arrays, pointers)
 
     def _stacked(self, consts: tuple, b: int, h: int, hkv: int, dk: int, dv: int) -> tuple:
-        """The grids as C-contiguous (F, B, H, Dk), (F, B, Hkv, Dk), (F, B, Hkv, Dv) arrays.
+        """The grids as C-contiguous (F, B, H, Dk), (F, B, Hkv, Dk), (F, B, Hkv, Dv) arrays,
+        and their addresses.
 
         ``reproducible_backward.loop`` passes the same three lists for every tile of a
         call: they are stacked once (the cache keeps the lists alive, so their identity
@@ -70,7 +69,7 @@ class ReproBackwardKernel(Library):
         """
         cached = self._grids  # one read: another thread may replace it
         if cached is not None and all(x is y for x, y in zip(cached[0], consts)):
-            return cached[1]
+            return cached[1], cached[2]
         shapes = ((b, h, 1, dk), (b, hkv, 1, 1, dk), (b, hkv, 1, 1, dv))
         out = []
         for name, grid, shape in zip(("q", "k", "v"), consts, shapes):
@@ -82,8 +81,9 @@ class ReproBackwardKernel(Library):
                     f"reproducible backward kernel: the {name} grids do not broadcast to {shape}"
                 ) from None
             out.append(np.ascontiguousarray(np.stack([x.reshape(flat) for x in parts])))
-        self._grids = (tuple(consts), tuple(out))
-        return tuple(out)
+        addr = [x.ctypes.data for x in out]
+        self._grids = (tuple(consts), tuple(out), addr)
+        return tuple(out), addr
 
     def tile(self, q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums,
              hkv) -> float:  # fmt: skip
@@ -148,25 +148,21 @@ class ReproBackwardKernel(Library):
                 )
             if not all(x.flags.writeable for x in sums):
                 raise ValueError(f"reproducible backward kernel: {name} sums are read-only")
-        st = [_strides(a, n, 3) for a, n in ((q, "q"), (do, "do"), (k, "k"), (v, "v"))]
-        st += [_strides(a, n, 3) for a, n in ((lse, "lse"), (delta, "delta"))]
-        sums = []
-        for name, group in (("dq", dq_sums), ("dk", dk_sums), ("dv", dv_sums)):
-            strides = _strides(group[0], name, 3)
-            sums += [(ctypes.c_void_p * nf)(*(x.ctypes.data for x in group)), strides]
-        grids = self._stacked(consts, b, h, hkv, dk, dv)
+        named = (("q", q), ("do", do), ("lse", lse), ("delta", delta), ("k", k), ("v", v))
+        named += (("dq", dq_sums[0]), ("dk", dk_sums[0]), ("dv", dv_sums[0]))
+        st = (ctypes.c_int64 * 27)(*(s for name, a in named for s in _strides(a, name)))
+        folds = [
+            (ctypes.c_void_p * nf)(*(x.ctypes.data for x in group))
+            for group in (dq_sums, dk_sums, dv_sums)
+        ]
+        grids, addr = self._stacked(consts, b, h, hkv, dk, dv)
         if any(len(g) != nf for g in grids):
             raise ValueError(f"reproducible backward kernel: {nf} folds, grids of another count")
         pmax = ctypes.c_double(0.0)
         rc = self._lib.rmb_tile(
-            ptr(q), ptr(st[0]), ptr(do), ptr(st[1]), ptr(lse), ptr(st[4]), ptr(delta),
-            ptr(st[5]), ptr(k), ptr(st[2]), ptr(v), ptr(st[3]),
-            ptr(vis), c, b, h, hkv, r, c, dk, dv, float(scale), nf,
-            ptr(grids[0]), ptr(grids[1]), ptr(grids[2]),
-            ctypes.cast(sums[0], ctypes.c_void_p), ptr(sums[1]),
-            ctypes.cast(sums[2], ctypes.c_void_p), ptr(sums[3]),
-            ctypes.cast(sums[4], ctypes.c_void_p), ptr(sums[5]),
-            ctypes.addressof(pmax),
+            ptr(q), ptr(do), ptr(lse), ptr(delta), ptr(k), ptr(v), ctypes.addressof(st),
+            ptr(vis), c, b, h, hkv, r, c, dk, dv, float(scale), nf, *addr,
+            *(ctypes.addressof(x) for x in folds), ctypes.addressof(pmax),
         )  # fmt: skip
         if rc == -2:
             raise MemoryError("reproducible backward kernel: no scratch memory")
