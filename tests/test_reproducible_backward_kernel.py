@@ -258,3 +258,23 @@ def test_every_isa_path_compiles(tmp_path):
         except FileNotFoundError:
             continue
         assert "vfmadd" not in dis.stdout and "vfnmadd" not in dis.stdout, f"{isa}: an FMA"
+
+
+def test_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch, tmp_path):
+    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: the kernel's own flags win (a
+    fresh build in a fresh cache gives the numpy tile's bits)."""
+    inputs = _inputs(np.float64, seed=11, n=150, dk=16, dv=24)
+    kw = dict(causal=True)
+    want = digest(*_by_every_path(*inputs, kw, monkeypatch)["numpy"])
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
+    fresh = fused_reproducible_backward.Loader(
+        fused_reproducible_backward.ReproBackwardKernel,
+        "reproducible backward C kernel",
+        warn=False,
+    )
+    monkeypatch.setattr(fused_reproducible_backward, "LOADER", fresh)
+    got = _by_every_path(*inputs, kw, monkeypatch)
+    assert all(str(tmp_path) in str(fresh.load(isa).path) for isa in host_isas())
+    _all_give_the_numpy_bits(got, "RINGMPI_CFLAGS=-ffast-math")
+    assert digest(*got["numpy"]) == want
