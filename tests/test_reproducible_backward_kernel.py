@@ -179,6 +179,22 @@ def test_tile_gives_the_numpy_bits(shape):
         assert digest(got[1], got[2]) == digest(want[1], want[2]), f"{isa}: fold sums differ"
 
 
+def test_empty_tile_adds_nothing():
+    """The kernel on no rows (or no keys): largest P 0 and the sums untouched (loop never
+    passes such a tile; the numpy code's chains need one term)."""
+    args, hkv = _tile_args(4)
+    for cut in ("rows", "keys"):
+        a = list(args)
+        if cut == "rows":
+            a[:4] = [x[:, :, :0] for x in a[:4]]
+            a[6] = a[6][:0]
+        else:
+            a[4:6] = [x[:, :, :0] for x in a[4:6]]
+            a[6] = a[6][:, :0]
+        pmax, dq, pkg = _run_tile(fused_reproducible_backward.load().tile, a, hkv)
+        assert pmax == 0.0 and not dq.any() and not pkg.any(), cut
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_tile_largest_p_nan_and_a_wrong_lse():
     """A NaN query row: max P NaN, as numpy's max; an lse far below the scores (s - lse

@@ -30,6 +30,8 @@ def _strides(a: np.ndarray, name: str) -> list:
     every stride is whole float64s and a fourth axis (if any) is contiguous."""
     if a.dtype != np.float64:
         raise ValueError(f"reproducible backward kernel: {name} must be float64, not {a.dtype}")
+    if a.size == 0:  # nothing is read or written (numpy gives such views any strides)
+        return [0, 0, 0]
     st = a.strides
     if any(s % 8 for s in st) or (a.ndim > 3 and a.shape[-1] > 1 and st[-1] != 8):
         raise ValueError(
@@ -65,7 +67,7 @@ class ReproBackwardKernel(Library):
 
         ``reproducible_backward.loop`` passes the same three lists for every tile of a
         call: they are stacked once (the cache keeps the lists alive, so their identity
-        is a safe key; a caller must not change a list it has passed).
+        is a safe key; a caller must not change a list it has passed, nor its arrays).
         """
         cached = self._grids  # one read: another thread may replace it
         if cached is not None and all(x is y for x, y in zip(cached[0], consts)):
@@ -94,7 +96,8 @@ class ReproBackwardKernel(Library):
         q : (B, H, r, Dk) ; do : (B, H, r, Dv) ; lse, delta : (B, H, r)
             The block's query rows (float64 views; the last axis contiguous), r <= 64.
         k : (B, H, c, Dk) ; v : (B, H, c, Dv)
-            The key block, the K/V head of each query head, c <= 64.
+            The key block, the K/V head of each query head, c <= 64 (an empty tile adds
+            nothing and returns 0).
         vis : (r, c) bool
             Whether row i sees key j.
         scale : float
@@ -117,7 +120,7 @@ class ReproBackwardKernel(Library):
         c, dv = k.shape[2], v.shape[-1]
         nf = len(dq_sums)
         tk = self.tile_keys
-        if not (0 < r <= tk and 0 < c <= tk) or h % hkv:
+        if not (0 <= r <= tk and 0 <= c <= tk) or h % hkv:
             raise ValueError(
                 f"reproducible backward kernel: {r} rows x {c} keys (at most {tk} each), "
                 f"{h} heads on {hkv} kv heads"
