@@ -1,60 +1,32 @@
 /* Reproducible mode (issue 40): the two passes of ringmpi/reproducible.py over one K/V block.
  *
- * Loaded by ringmpi/reproducible_c.py (compiled on first use per ISA path and cached like the
- * fused tiles, ringmpi/cpu/build.py). The same numbers as the numpy oracle of
+ * Loaded by ringmpi/cpu/fused_reproducible.py (compiled on first use per ISA path and cached
+ * like the fused tiles, ringmpi/cpu/build.py). The same numbers as the numpy oracle of
  * ringmpi/reproducible.py, bit for bit, on every ISA path:
  *
  *   score   s = scale * (((q_0 k_0 + q_1 k_1) + q_2 k_2) + ... + q_{D-1} k_{D-1}) in float64,
  *           summed over the head dim in index order (one product, then one addition per d),
  *           then the score modifiers (rmr_modify: softcap by rmr_tanh8, ALiBi);
  *   pass 0  m_i = max over visible keys of s_ij (a maximum: exact; NaN propagates);
- *   pass 1  p_ij = rm_exp(s_ij - m_i) and p_ij v_j, each split on the fixed grids of the
+ *   pass 1  p_ij = rmr_exp8(s_ij - m_i) and p_ij v_j, each split on the fixed grids of the
  *           caller (constants c_f): hi = (x + c_f) - c_f, added to fold f's row sum, and
  *           x = x - hi goes on to fold f + 1 (the last fold's remainder is dropped).
  *
  * Why the ISA cannot change the bits: every line below is a sequence of IEEE 754 basic
  * operations (+, -, *, comparisons, exact conversions and power-of-two scalings) on float64,
  * written in one order. The file is compiled with -ffp-contract=off and without -ffast-math
- * (ringmpi/reproducible_c.py adds the flags after $RINGMPI_CFLAGS; the #errors below check what
- * the preprocessor can see), so the compiler may vectorize the loops (each lane does the same
- * operations as the scalar code) but may neither reassociate a sum nor fuse a multiply and an
- * add. The fold sums are exact (their grids), so the order in which keys reach a row sum (the
- * vector lanes, the chunks, the ring steps) does not change them either.
+ * (ringmpi/cpu/fused_reproducible.py adds the flags after $RINGMPI_CFLAGS; the #errors of
+ * cpu_reproducible_math.h check what the preprocessor can see), so the compiler may vectorize
+ * the loops (each lane does the same operations as the scalar code) but may neither
+ * reassociate a sum nor fuse a multiply and an add. The fold sums are exact (their grids), so
+ * the order in which keys reach a row sum (the vector lanes, the chunks, the ring steps) does
+ * not change them either.
  *
- * rm_exp (t <= 0, or NaN): 0 for t < -708 (the folds would drop any such weight anyway: it is
- * far below the last grid's quantum); otherwise n = round(t / ln 2) by the 1.5 * 2^52 trick,
- * r = (t - n ln2_hi) - n ln2_lo (ln2_hi has 32 significant bits, so n ln2_hi is exact), a
- * degree-12 Taylor polynomial in r by Horner's rule (|r| <= 0.347: truncation below 2e-16
- * relative), times 2^n built from the exponent bits (a normal number: exact). No libm call:
- * libm's exp may pick another code path on another CPU (glibc selects FMA variants at run
- * time), and numpy's np.exp has SIMD loops per CPU feature set.
+ * p = rmr_exp8 (det_exp), the vector types, the fold (rmr_fold8, RMR_FOLD) and the compiler
+ * checks are in cpu_reproducible_math.h, shared with the backward's kernel
+ * (cpu_reproducible_backward.c).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#ifdef __FAST_MATH__
-#error "cpu_reproducible.c must be compiled without -ffast-math"
-#endif
-/* 0: float and double evaluate in their own precision (16: the same, with _Float16 promoted) */
-#if defined(__FLT_EVAL_METHOD__) && __FLT_EVAL_METHOD__ != 0 && __FLT_EVAL_METHOD__ != 16
-#error "cpu_reproducible.c needs float64 arithmetic without excess precision (FLT_EVAL_METHOD 0)"
-#endif
-
-#if (defined(__i386__) || defined(__x86_64__)) && !defined(__SSE2_MATH__)
-#error "cpu_reproducible.c needs SSE2 float64 arithmetic (not the x87's 80-bit registers)"
-#endif
-
-#if defined(__AVX512F__)
-#define RMR_ISA "avx512"
-#define RMR_WIDTH 64
-#elif defined(__AVX2__) && defined(__FMA__)
-#define RMR_ISA "avx2"
-#define RMR_WIDTH 32
-#else
-#define RMR_ISA "scalar"
-#define RMR_WIDTH 0
-#endif
+#include "cpu_reproducible_math.h"
 
 const char *rmr_isa_name(void) { return RMR_ISA; }
 int rmr_simd_width_bytes(void) { return RMR_WIDTH; }
@@ -69,95 +41,6 @@ int rmr_simd_width_bytes(void) { return RMR_WIDTH; }
 
 int64_t rmr_tile_keys(void) { return RMR_BK; }
 int64_t rmr_panel_keys(void) { return RMR_K; }
-
-/* 8 float64 lanes in GCC/Clang's generic vectors: one zmm on AVX-512, two ymm on AVX2, four
- * xmm on the scalar path; every operation is the lane-wise IEEE operation of the scalar code
- * (the vectors only say what to do side by side, the bits are the scalar code's). */
-typedef double v8 __attribute__((vector_size(64), aligned(8)));
-typedef int64_t v8i __attribute__((vector_size(64), aligned(8)));
-typedef uint64_t v8u __attribute__((vector_size(64), aligned(8)));
-
-typedef double v8m __attribute__((vector_size(64), aligned(8), may_alias)); /* unaligned */
-static inline v8 ld8(const double *p) { return *(const v8m *)p; }
-static inline void st8(double *p, v8 x) { *(v8m *)p = x; }
-static inline v8 sel8(v8i mask, v8 a, v8 b) { /* mask lanes -1: a, 0: b */
-    return (v8)(((v8i)a & mask) | ((v8i)b & ~mask));
-}
-
-/* the exp constants: ringmpi/reproducible.py (EXP_*) holds the same doubles */
-#define RMR_SHIFT 0x1.8p52
-#define RMR_INVLN2 0x1.71547652b82fep+0
-#define RMR_LN2HI 0x1.62e42fee00000p-1
-#define RMR_LN2LO 0x1.a39ef35793c76p-33
-#define RMR_TMIN (-345.0)
-
-static const double rmr_c[13] = {
-    0x1.0000000000000p+0, 0x1.0000000000000p+0, 0x1.0000000000000p-1, 0x1.5555555555555p-3,
-    0x1.5555555555555p-5, 0x1.1111111111111p-7, 0x1.6c16c16c16c17p-10, 0x1.a01a01a01a01ap-13,
-    0x1.a01a01a01a01ap-16, 0x1.71de3a556c734p-19, 0x1.27e4fb7789f5cp-22, 0x1.ae64567f544e4p-26,
-    0x1.1eed8eff8d898p-29,
-};
-
-/* Fold x into the row sums acc[f] (f < folds) on the grids c[f]: hi = (x + c) - c exact. */
-#define RMR_FOLD(x, cf, accf)                     \
-    do {                                          \
-        double hi_ = ((x) + (cf)) - (cf);         \
-        (accf) += hi_;                            \
-        (x) = (x) - hi_;                          \
-    } while (0)
-
-/* exp(t) for t <= 0 or NaN on 8 lanes (see the header): the same operations as
- * reproducible.det_exp, lane by lane; kk's significand holds 2^51 + n exactly, n in
- * [-1022, 0], so ((kk - shift) + 1023) << 52 are the bits of 2^n, a normal number */
-static inline v8 rmr_exp8(v8 t) {
-    const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
-                     RMR_TMIN};
-    const v8 zero = {0};
-    const v8i low = t < tmin;
-    v8 tc = sel8(low, tmin, t);
-    const v8i nan = tc != tc;
-    tc = sel8(nan, zero, tc);
-    const v8 kk = tc * RMR_INVLN2 + RMR_SHIFT;
-    const v8 n = kk - RMR_SHIFT;
-    const v8 r = (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
-    v8 p = rmr_c[12] * r + rmr_c[11];
-    for (int i = 10; i >= 0; i--) p = p * r + rmr_c[i];
-    const double shift = RMR_SHIFT;
-    uint64_t sb;
-    memcpy(&sb, &shift, sizeof sb);
-    const v8u bits = (((v8u)kk - sb) + 1023) << 52;
-    const v8 y = p * (v8)bits;
-    return sel8(low, zero, sel8(nan, t, y));
-}
-
-/* tanh(x) on 8 lanes: the same operations as reproducible.det_tanh, lane by lane. With
- * t = -2|x| (clamped at RMR_TMIN; NaN lanes computed on 0), n and r as in rmr_exp8,
- * u = e^t - 1 = (2^n - 1) + 2^n (r Q(r)) with Q the Taylor polynomial of (e^r - 1) / r
- * (rmr_c[1..12], Horner): for |t| < ln2 / 2, n = 0 and u = r Q(r), so small |x| keep their
- * relative precision. Then tanh|x| = -u / (2 + u), and x's sign by a bit copy (exact). */
-static inline v8 rmr_tanh8(v8 x) {
-    const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
-                     RMR_TMIN};
-    const v8 zero = {0};
-    const uint64_t sgn = UINT64_C(1) << 63;
-    const v8 ax = (v8)((v8u)x & ~sgn);
-    const v8 t = -2.0 * ax;
-    v8 tc = sel8(t < tmin, tmin, t);
-    tc = sel8(tc != tc, zero, tc);
-    const v8 kk = tc * RMR_INVLN2 + RMR_SHIFT;
-    const v8 n = kk - RMR_SHIFT;
-    const v8 r = (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
-    v8 p = rmr_c[12] * r + rmr_c[11];
-    for (int i = 10; i >= 1; i--) p = p * r + rmr_c[i];
-    const double shift = RMR_SHIFT;
-    uint64_t sb;
-    memcpy(&sb, &shift, sizeof sb);
-    const v8 two_n = (v8)((((v8u)kk - sb) + 1023) << 52);
-    const v8 u = (two_n - 1.0) + two_n * (r * p);
-    v8 y = (-u) / (2.0 + u);
-    y = sel8(x != x, x, y);
-    return (v8)(((v8u)y & ~sgn) | ((v8u)x & sgn));
-}
 
 /* The scaled, modified scores of a 4 x 16 tile (reproducible.modify, the same operations):
  * x = s * scale; softcap (mods bit 0): x = cap * tanh(x * icap), icap = 1 / cap rounded once
@@ -319,17 +202,6 @@ static inline void rmr_pv(const double pw[RMR_R][RMR_BK], const double *vb, int6
     o[2][0] = a20, o[2][1] = a21, o[3][0] = a30, o[3][1] = a31;
 }
 #endif
-
-/* Fold the 8 lanes x into the sums o[f][0..7] on the grids c[f][0..7] */
-static inline void rmr_fold8(v8 x, int64_t folds, double *o, int64_t ostride, const double *c,
-                             int64_t cstride) {
-    for (int64_t f = 0; f < folds; f++) {
-        const v8 cf = ld8(c + f * cstride);
-        const v8 hi = (x + cf) - cf;
-        st8(o + f * ostride, ld8(o + f * ostride) + hi);
-        x = x - hi;
-    }
-}
 
 /* Whether row i sees key position p in a layer t >= 1 (layer 0 is tested by the caller). */
 static inline int rmr_seen(const int64_t *lo, const int64_t *hi, int64_t nlay, int64_t Sq,

@@ -50,6 +50,7 @@ __all__ = [
     "det_log",
     "det_tanh",
     "modify",
+    "score_modifiers",
     "folds",
     "grids",
     "fold_into",
@@ -311,7 +312,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     n_sum = -(-nk // KEY_BLOCK) * KEY_BLOCK  # the grids' summand count (see grids)
     nf = folds(n_sum, qi.dtype)
     kern = kernel()
-    mods = _modifiers(args.spec, mask, plan.q_pos, heads, h)
+    mods = score_modifiers(args.spec, mask, plan.q_pos, heads, h)
     sinks = args.spec.sinks
     sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)[heads]
 
@@ -454,7 +455,7 @@ def kernel():
     return kern
 
 
-def _modifiers(spec, mask, q_pos, heads, h: int) -> tuple:
+def score_modifiers(spec, mask, q_pos, heads, h: int) -> tuple:
     """(softcap or None, ALiBi slopes (H,) float64 or None, ALiBi query positions or None).
 
     The score modifiers of ``spec`` for the query heads ``heads`` (``h`` of them) and the

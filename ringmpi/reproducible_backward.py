@@ -30,7 +30,11 @@ rounded once to the input dtype, and dealt back to the rank and place the layout
 it. dsinks sums per-row terms held by every rank: fold parts on grids of its own, one
 exact ``Allreduce``, the folds added in fold order. Only elementwise numpy operations
 (correctly rounded per element, whatever the shape, the threads or the SIMD loop) touch
-a value; no BLAS, no ``np.exp``/``np.log``/``np.tanh``. docs/reproducible.md has the
+a value; no BLAS, no ``np.exp``/``np.log``/``np.tanh``. A tile runs in the C kernel
+``kernels/cpu_reproducible_backward.c`` (:mod:`ringmpi.cpu.fused_reproducible_backward`:
+the same operations in the same order, the same bits on every ISA path) or, with
+``RINGMPI_CPU_KERNEL=numpy``, where it cannot be built or with softcap or ALiBi, in
+:func:`_tile`, its oracle (:func:`kernel`). docs/reproducible.md has the
 argument and the limits.
 """
 
@@ -43,9 +47,11 @@ from mpi4py import MPI
 
 from . import cost
 from .arguments import report
+from .cpu import fused_reproducible_backward
 from .layout import positions
 from .parallel import HeadGroups
-from .reproducible import KEY_BLOCK, _modifiers, det_exp, det_tanh, fold_into, folds, grids
+from .reproducible import KEY_BLOCK, det_exp, det_tanh, fold_into, folds, grids, score_modifiers
+from .runtime import env
 from .runtime.watchdog import watch
 
 __all__ = [
@@ -53,6 +59,7 @@ __all__ = [
     "backward",
     "loop",
     "sink_grad",
+    "kernel",
     "block_owners",
     "deal_rows",
     "undeal_rows",
@@ -117,7 +124,7 @@ def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
         g = np.ascontiguousarray(g)
         out_.append(g if like.ndim == 4 else g[0])
     st["alltoall_bytes"] += groups.alltoall_bytes
-    report(stats, t_start, **st, backend=args.backend.name, tile="reproducible numpy")
+    report(stats, t_start, **st, backend=args.backend.name)
     return (*out_, *grads[3:])
 
 
@@ -430,8 +437,9 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     layers = mask.layers(q_mine) or [(np.ones(cq), np.zeros(cq))]
     lo, hi = (np.stack(x).astype(np.int64) for x in zip(*layers))
     # softcap and ALiBi (the forward's, on the dealt rows' positions); sinks: sink_grad
-    cap, slopes, qa = _modifiers(args.spec, mask, q_mine, heads, h)
+    cap, slopes, qa = score_modifiers(args.spec, mask, q_mine, heads, h)
     modified = cap is not None or slopes is not None
+    tile, tile_name = _tile_function(modified)
     p_max = 0.0
     pairs, tiles, compute_s = 0, 0, 0.0
     prev, nxt = (rank - 1) % size, (rank + 1) % size
@@ -454,7 +462,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
                 vis = ((kp >= lo[:, r0:r1, None]) & (kp <= hi[:, r0:r1, None])).any(axis=0)
                 if not vis.any():
                     continue
-                pmax = _tile(
+                pmax = tile(
                     qq[:, :, r0:r1],
                     qdo[:, :, r0:r1],
                     qlse[:, :, r0:r1],
@@ -468,7 +476,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
                     [x[:, :, c0:c1] for x in dk_f],
                     [x[:, :, c0:c1] for x in dv_f],
                     hkv,
-                    (cap, slopes, None if qa is None else qa[r0:r1], kp) if modified else None,
+                    mods=(cap, slopes, None if qa is None else qa[r0:r1], kp) if modified else None,
                 )
                 p_max = max(p_max, pmax)
                 pairs += int(vis.sum())
@@ -521,8 +529,43 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         steps_skipped=0,
         bytes_sent=(size - 1) * pkg.nbytes if size > 1 else 0,
         alltoall_bytes=8 * (wq * b * nql + wk * nkl) * 2,
+        tile=tile_name,
     )
     return (*grads, stats)
+
+
+def kernel():
+    """The backward's C kernel of ``$RINGMPI_CPU_KERNEL`` / ``$RINGMPI_CPU_ISA``, or None.
+
+    The rules of :func:`ringmpi.reproducible.kernel`: ``numpy``: None (:func:`_tile`, the
+    oracle); ``auto``: the kernel where it builds, else None; ``fused``: the kernel, or
+    RuntimeError. Both give the same bits.
+    """
+    choice = env.get("RINGMPI_CPU_KERNEL")
+    if choice == "numpy":
+        return None
+    kern = fused_reproducible_backward.default()
+    if kern is not None and kern.tile_keys != KEY_BLOCK:
+        raise RuntimeError(f"{kern.path}: tiles of {kern.tile_keys}, not {KEY_BLOCK}")
+    if kern is None and choice == "fused":
+        raise RuntimeError(
+            "RINGMPI_CPU_KERNEL=fused but the reproducible backward C kernel is unavailable: "
+            f"{fused_reproducible_backward.LOADER.error()}"
+        )
+    return kern
+
+
+def _tile_function(modified: bool = False):
+    """(the tile function, its name for the stats): the C kernel's tile, or :func:`_tile`.
+
+    Both take the same arguments and give the same bits; the C kernel's runs the tile's
+    chains as one compiled loop nest instead of numpy passes over (B, H, 64, 64) arrays.
+    ``modified`` (softcap or ALiBi): :func:`_tile`, which has them (the kernel not yet).
+    """
+    kern = kernel()
+    if kern is None or modified:
+        return _tile, "reproducible numpy"
+    return kern.tile, f"reproducible C {kern.isa}"
 
 
 def _total(parts):

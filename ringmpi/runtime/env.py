@@ -96,7 +96,8 @@ _VARS = [
         _choice("auto", "fused", "numpy"),
         "CPU tiles: `auto` (fused if it builds, else numpy, said in `ringmpi info` and "
         '`stats["tile"]`), `fused` (an error where a fused tile is unavailable), `numpy`; '
-        "the same for the reproducible mode's C kernel (same bits either way)",
+        "the same for the reproducible mode's C kernels, forward and backward (same bits either "
+        "way)",
     ),
     Var(
         "RINGMPI_CPU_ISA",

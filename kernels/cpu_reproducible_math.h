@@ -1,0 +1,152 @@
+/* The reproducible kernels' shared arithmetic (issue 40): included by kernels/cpu_reproducible.c
+ * (the forward's two passes) and kernels/cpu_reproducible_backward.c (the backward's tile).
+ *
+ * What both need to give the numpy oracles' bits (ringmpi/reproducible.py) on every ISA path:
+ * the checks that the compiler evaluates float64 as float64 (no -ffast-math, no x87 excess
+ * precision; ringmpi/cpu/fused_reproducible.py adds -ffp-contract=off -fno-fast-math after
+ * $RINGMPI_CFLAGS, so no multiply and add is fused), the ISA path's name, 8-lane float64
+ * vectors, det_exp (rmr_exp8), det_tanh (rmr_tanh8) and the fold of a summand into its grid
+ * sums (RMR_FOLD, rmr_fold8). The build hashes this header with each source that includes it
+ * (ringmpi/cpu/build.py, kernel_sources), so a change here rebuilds both kernels.
+ *
+ * rmr_exp8 (t <= 0, or NaN): 0 for t < -345 (far below the last fold's quantum: such a weight
+ * never reaches a sum); otherwise n = round(t / ln 2) by the 1.5 * 2^52 trick,
+ * r = (t - n ln2_hi) - n ln2_lo (ln2_hi has 32 significant bits, so n ln2_hi is exact), a
+ * degree-12 Taylor polynomial in r by Horner's rule (|r| <= 0.347: truncation below 2e-16
+ * relative), times 2^n built from the exponent bits (a normal number: exact). No libm call:
+ * libm's exp may pick another code path on another CPU (glibc selects FMA variants at run
+ * time), and numpy's np.exp has SIMD loops per CPU feature set. The backward also feeds it
+ * t slightly above 0 (its lse is rounded): the exponent bits stay exact up to n = 1023
+ * (t < 709), and up to there the result is det_exp's.
+ */
+#ifndef RINGMPI_CPU_REPRODUCIBLE_MATH_H
+#define RINGMPI_CPU_REPRODUCIBLE_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __FAST_MATH__
+#error "the reproducible kernels must be compiled without -ffast-math"
+#endif
+/* 0: float and double evaluate in their own precision (16: the same, with _Float16 promoted) */
+#if defined(__FLT_EVAL_METHOD__) && __FLT_EVAL_METHOD__ != 0 && __FLT_EVAL_METHOD__ != 16
+#error "the reproducible kernels need float64 without excess precision (FLT_EVAL_METHOD 0)"
+#endif
+
+#if (defined(__i386__) || defined(__x86_64__)) && !defined(__SSE2_MATH__)
+#error "the reproducible kernels need SSE2 float64 arithmetic (not the x87's 80-bit registers)"
+#endif
+
+#if defined(__AVX512F__)
+#define RMR_ISA "avx512"
+#define RMR_WIDTH 64
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RMR_ISA "avx2"
+#define RMR_WIDTH 32
+#else
+#define RMR_ISA "scalar"
+#define RMR_WIDTH 0
+#endif
+
+/* 8 float64 lanes in GCC/Clang's generic vectors: one zmm on AVX-512, two ymm on AVX2, four
+ * xmm on the scalar path; every operation is the lane-wise IEEE operation of the scalar code
+ * (the vectors only say what to do side by side, the bits are the scalar code's). */
+typedef double v8 __attribute__((vector_size(64), aligned(8)));
+typedef int64_t v8i __attribute__((vector_size(64), aligned(8)));
+typedef uint64_t v8u __attribute__((vector_size(64), aligned(8)));
+
+typedef double v8m __attribute__((vector_size(64), aligned(8), may_alias)); /* unaligned */
+static inline v8 ld8(const double *p) { return *(const v8m *)p; }
+static inline void st8(double *p, v8 x) { *(v8m *)p = x; }
+static inline v8 sel8(v8i mask, v8 a, v8 b) { /* mask lanes -1: a, 0: b */
+    return (v8)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+/* the exp constants: ringmpi/reproducible.py (EXP_*) holds the same doubles */
+#define RMR_SHIFT 0x1.8p52
+#define RMR_INVLN2 0x1.71547652b82fep+0
+#define RMR_LN2HI 0x1.62e42fee00000p-1
+#define RMR_LN2LO 0x1.a39ef35793c76p-33
+#define RMR_TMIN (-345.0)
+
+static const double rmr_c[13] = {
+    0x1.0000000000000p+0, 0x1.0000000000000p+0, 0x1.0000000000000p-1, 0x1.5555555555555p-3,
+    0x1.5555555555555p-5, 0x1.1111111111111p-7, 0x1.6c16c16c16c17p-10, 0x1.a01a01a01a01ap-13,
+    0x1.a01a01a01a01ap-16, 0x1.71de3a556c734p-19, 0x1.27e4fb7789f5cp-22, 0x1.ae64567f544e4p-26,
+    0x1.1eed8eff8d898p-29,
+};
+
+/* Fold x into the row sums acc[f] (f < folds) on the grids c[f]: hi = (x + c) - c exact. */
+#define RMR_FOLD(x, cf, accf)                     \
+    do {                                          \
+        double hi_ = ((x) + (cf)) - (cf);         \
+        (accf) += hi_;                            \
+        (x) = (x) - hi_;                          \
+    } while (0)
+
+/* exp(t) for t <= 0 or NaN on 8 lanes (see the header): the same operations as
+ * reproducible.det_exp, lane by lane; kk's significand holds 2^51 + n exactly, n in
+ * [-1022, 0], so ((kk - shift) + 1023) << 52 are the bits of 2^n, a normal number */
+static inline v8 rmr_exp8(v8 t) {
+    const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
+                     RMR_TMIN};
+    const v8 zero = {0};
+    const v8i low = t < tmin;
+    v8 tc = sel8(low, tmin, t);
+    const v8i nan = tc != tc;
+    tc = sel8(nan, zero, tc);
+    const v8 kk = tc * RMR_INVLN2 + RMR_SHIFT;
+    const v8 n = kk - RMR_SHIFT;
+    const v8 r = (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
+    v8 p = rmr_c[12] * r + rmr_c[11];
+    for (int i = 10; i >= 0; i--) p = p * r + rmr_c[i];
+    const double shift = RMR_SHIFT;
+    uint64_t sb;
+    memcpy(&sb, &shift, sizeof sb);
+    const v8u bits = (((v8u)kk - sb) + 1023) << 52;
+    const v8 y = p * (v8)bits;
+    return sel8(low, zero, sel8(nan, t, y));
+}
+
+/* tanh(x) on 8 lanes: the same operations as reproducible.det_tanh, lane by lane. With
+ * t = -2|x| (clamped at RMR_TMIN; NaN lanes computed on 0), n and r as in rmr_exp8,
+ * u = e^t - 1 = (2^n - 1) + 2^n (r Q(r)) with Q the Taylor polynomial of (e^r - 1) / r
+ * (rmr_c[1..12], Horner): for |t| < ln2 / 2, n = 0 and u = r Q(r), so small |x| keep their
+ * relative precision. Then tanh|x| = -u / (2 + u), and x's sign by a bit copy (exact). */
+static inline v8 rmr_tanh8(v8 x) {
+    const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
+                     RMR_TMIN};
+    const v8 zero = {0};
+    const uint64_t sgn = UINT64_C(1) << 63;
+    const v8 ax = (v8)((v8u)x & ~sgn);
+    const v8 t = -2.0 * ax;
+    v8 tc = sel8(t < tmin, tmin, t);
+    tc = sel8(tc != tc, zero, tc);
+    const v8 kk = tc * RMR_INVLN2 + RMR_SHIFT;
+    const v8 n = kk - RMR_SHIFT;
+    const v8 r = (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
+    v8 p = rmr_c[12] * r + rmr_c[11];
+    for (int i = 10; i >= 1; i--) p = p * r + rmr_c[i];
+    const double shift = RMR_SHIFT;
+    uint64_t sb;
+    memcpy(&sb, &shift, sizeof sb);
+    const v8 two_n = (v8)((((v8u)kk - sb) + 1023) << 52);
+    const v8 u = (two_n - 1.0) + two_n * (r * p);
+    v8 y = (-u) / (2.0 + u);
+    y = sel8(x != x, x, y);
+    return (v8)(((v8u)y & ~sgn) | ((v8u)x & sgn));
+}
+
+/* Fold the 8 lanes x into the sums o[f][0..7] on the grids c[f][0..7] */
+static inline void rmr_fold8(v8 x, int64_t folds, double *o, int64_t ostride, const double *c,
+                             int64_t cstride) {
+    for (int64_t f = 0; f < folds; f++) {
+        const v8 cf = ld8(c + f * cstride);
+        const v8 hi = (x + cf) - cf;
+        st8(o + f * ostride, ld8(o + f * ostride) + hi);
+        x = x - hi;
+    }
+}
+
+#endif /* RINGMPI_CPU_REPRODUCIBLE_MATH_H */
