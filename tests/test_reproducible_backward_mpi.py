@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
 from tools.modcases import MODS
-from tools.slicecases import builder_cases, dense_of, random_slices
+from tools.slicecases import ring_cases
 
 import ringmpi
 from ringmpi import reproducible
@@ -200,13 +200,7 @@ def test_slices_keep_the_bits(comm, dtype):
     """Masks of slices (each builder, a random union, a cross shape with rows that see no
     key): the P = 1 hashes of dq, dk, dv at every P and layout (the cost-balanced one for
     self-attention), within the reference's rule under the explicit mask."""
-    n = 197
-    cases = [(name, n, n, s, dense_of(s, n, n)) for name, s, _ in builder_cases(n)]
-    raw = random_slices(np.random.default_rng(4), n // 2, n + 29, 6)
-    cases.append(
-        ("random cross", n // 2, n + 29, ringmpi.Slices(raw), dense_of(raw, n // 2, n + 29))
-    )
-    for i, (name, nq, nk, s, mask) in enumerate(cases):
+    for i, (name, nq, nk, s, mask) in enumerate(ring_cases(197)):
         q, _, _, dout = _inputs(dtype, seed=30 + i, n=nq, d=16)
         _, k, v, _ = _inputs(dtype, seed=50 + i, n=nk, d=16)
         kw = dict(slices=s)

@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
 from tools.modcases import MODS
-from tools.slicecases import builder_cases, dense_of, random_slices
+from tools.slicecases import ring_cases
 
 import ringmpi
 from ringmpi import reproducible
@@ -285,14 +285,8 @@ def test_slices_keep_the_bits_at_every_p_and_layout(comm, dtype):
     unions, a cross shape): the P = 1 hash at every P and layout (the cost-balanced one
     included), within the default mode's tolerance of the dense float64 reference on the
     explicit mask; rows that see no key give out 0 and lse -inf."""
-    n = 197
-    cases = [(name, n, n, s, dense_of(s, n, n)) for name, s, _ in builder_cases(n)]
-    raw = random_slices(np.random.default_rng(4), n // 2, n + 29, 6)
-    cases.append(
-        ("random cross", n // 2, n + 29, ringmpi.Slices(raw), dense_of(raw, n // 2, n + 29))
-    )
     f32 = dtype == np.float32
-    for i, (name, nq, nk, s, mask) in enumerate(cases):
+    for i, (name, nq, nk, s, mask) in enumerate(ring_cases(197)):
         rng = np.random.default_rng(30 + i)
         q, k, v = random_qkv(rng, nq, 4, 2, 16, nk=nk, dtype=dtype, realistic=True)
         kw = dict(slices=s)

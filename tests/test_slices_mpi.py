@@ -6,7 +6,7 @@ straight from the slices' definition (not ringmpi.slices' normal form).
 
 import numpy as np
 import pytest
-from tools.slicecases import builder_cases, dense_of, random_slices
+from tools.slicecases import dense_of, random_slices, ring_cases
 
 import ringmpi
 from ringmpi import slices as sl
@@ -25,17 +25,6 @@ from ringmpi.testing import (
 pytestmark = pytest.mark.mpi
 
 N = 150
-
-
-def _cases(n: int) -> list:
-    """(name, nq, nk, Slices, explicit bool mask) for each builder and random unions."""
-    out = [(name, n, n, s, dense_of(s, n, n)) for name, s, _ in builder_cases(n)]
-    for seed, (nq, nk, count) in enumerate(((n, n, 7), (n, n, 3), (n // 2, n + 31, 6))):
-        raw = random_slices(np.random.default_rng(seed), nq, nk, count)
-        out.append(
-            (f"random {count} slices {nq}x{nk}", nq, nk, sl.Slices(raw), dense_of(raw, nq, nk))
-        )
-    return out
 
 
 def _run(comm, rng, case, layout, dtype, **mods):
@@ -82,14 +71,14 @@ def _run(comm, rng, case, layout, dtype, **mods):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_slices_match_the_explicit_mask(comm, layout, dtype, kernel, monkeypatch):
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", kernel)  # auto: the fused tiles where they build
-    for i, case in enumerate(_cases(N)):
+    for i, case in enumerate(ring_cases(N)):
         _run(comm, np.random.default_rng(10 + i), case, layout, dtype)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_slices_with_score_modifiers(comm, layout):
     mods = dict(softcap=20.0, alibi_slopes=[0.25, 0.0625, 0.5, 0.125], sinks=[1.0, 0.0, -1.0, 2.0])
-    cases = [c for c in _cases(N) if c[0] in ("prefix_lm", "random 7 slices 150x150")]
+    cases = [c for c in ring_cases(N) if c[0] in ("prefix_lm", "random 7 slices 150x150")]
     for i, case in enumerate(cases):  # with sinks an empty row gets out 0 and lse = sink_h
         _run_mods(comm, np.random.default_rng(40 + i), case, layout, mods)
 

@@ -79,3 +79,16 @@ def builder_cases(n: int) -> list:
             lambda i, j: blk(i, j) & (j <= i),
         ),
     ]
+
+
+def ring_cases(n: int) -> list:
+    """(name, nq, nk, Slices, explicit bool mask) for the ring tests: each builder at
+    length n, two random unions of n x n (overlapping, rows that see nothing) and a
+    random cross-attention one (n // 2 queries, n + 31 keys)."""
+    out = [(name, n, n, s, dense_of(s, n, n)) for name, s, _ in builder_cases(n)]
+    for seed, (nq, nk, count) in enumerate(((n, n, 7), (n, n, 3), (n // 2, n + 31, 6))):
+        raw = random_slices(np.random.default_rng(seed), nq, nk, count)
+        out.append(
+            (f"random {count} slices {nq}x{nk}", nq, nk, sl.Slices(raw), dense_of(raw, nq, nk))
+        )
+    return out
