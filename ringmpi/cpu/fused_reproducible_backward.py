@@ -1,16 +1,17 @@
 """The reproducible backward's C kernel (``kernels/cpu_reproducible_backward.c``): loader, call.
 
 The kernel computes one (query block, key block) tile of
-:mod:`ringmpi.reproducible_backward` for every batch and head: the scores, P, dP and dS of
-the tile and the fold parts of its three block partials (dQ over the keys, dK and dV over
-the rows), added into the caller's fold sums. It does the operations of the numpy code
-(``reproducible_backward._tile``, its oracle and fallback) in the same order, so it gives
-the same bits, on every ISA path: it is compiled per path like the other CPU kernels
-(:mod:`ringmpi.cpu.build`: private cache keyed on the source and the shared header
-``cpu_reproducible_math.h``, verified load, ``$RINGMPI_CPU_ISA``) with
-``-ffp-contract=off -fno-fast-math`` after ``$RINGMPI_CFLAGS``, so no path fuses or
-reorders an operation. ``$RINGMPI_CPU_KERNEL`` picks it as it picks the forward's kernel
-(:func:`ringmpi.reproducible_backward.tile_function`).
+:mod:`ringmpi.reproducible_backward` for every batch and head: the scores (through the
+forward's softcap and ALiBi, when the call has them), P, dP and dS (times softcap's
+derivative) of the tile and the fold parts of its three block partials (dQ over the
+keys, dK and dV over the rows), added into the caller's fold sums. It does the
+operations of the numpy code (``reproducible_backward._tile``, its oracle and fallback)
+in the same order, so it gives the same bits, on every ISA path: it is compiled per
+path like the other CPU kernels (:mod:`ringmpi.cpu.build`: private cache keyed on the
+source and the shared header ``cpu_reproducible_math.h``, verified load,
+``$RINGMPI_CPU_ISA``) with ``-ffp-contract=off -fno-fast-math`` after
+``$RINGMPI_CFLAGS``, so no path fuses or reorders an operation. ``$RINGMPI_CPU_KERNEL``
+picks it as it picks the forward's kernel (:func:`ringmpi.reproducible_backward.kernel`).
 """
 
 from __future__ import annotations
