@@ -42,7 +42,8 @@ int rmr_simd_width_bytes(void) { return RMR_WIDTH; }
 int64_t rmr_tile_keys(void) { return RMR_BK; }
 int64_t rmr_panel_keys(void) { return RMR_K; }
 
-/* The scaled, modified scores of a 4 x 16 tile (reproducible.modify, the same operations):
+/* The scaled, modified scores of a 4 x 16 tile (reproducible.modify, the same operations;
+ * rmr_mod8 of cpu_reproducible_math.h, shared with the backward's kernel):
  * x = s * scale; softcap (mods bit 0): x = cap * tanh(x * icap), icap = 1 / cap rounded once
  * (as the default mode's tiles: no division per score); ALiBi (bit 1):
  * x = x - slope * |qa_r - kp_j|, the distance exactly in float64 (positions below 2^53 are
@@ -57,17 +58,11 @@ static inline void rmr_modify(const double s[RMR_R][RMR_K], double scale, int64_
         for (int r = 0; r < RMR_R; r++) qd[r] = (double)qa[r];
         for (int j = 0; j < RMR_K; j++) kd[j] = kp[j] == INT64_MIN ? 0.0 : (double)kp[j];
     }
-    const uint64_t sgn = UINT64_C(1) << 63;
     for (int r = 0; r < RMR_R; r++)
         for (int h8 = 0; h8 < RMR_K; h8 += 8) {
-            v8 x = ld8(s[r] + h8) * scale;
-            if (mods & 1) x = cap * rmr_tanh8(x * icap);
-            if (mods & 2) {
-                const v8 k8 = ld8(kd + h8);
-                const v8 d = (v8)((v8u)(qd[r] - k8) & ~sgn); /* |qa - k|: exact */
-                x = x - slope * d;
-            }
-            st8(out[r] + h8, x);
+            const v8 x = ld8(s[r] + h8) * scale;
+            const v8 k8 = (mods & 2) ? ld8(kd + h8) : (v8){0};
+            st8(out[r] + h8, rmr_mod8(x, mods, cap, icap, slope, (mods & 2) ? qd[r] : 0.0, k8, 0));
         }
 }
 

@@ -8,9 +8,11 @@
  * query rows i and c <= 64 keys j, everything in float64:
  *
  *   s_ij   = (((q_i0 k_j0 + q_i1 k_j1) + q_i2 k_j2) + ...) * scale   (index order over Dk)
+ *   softcap: t_ij = det_tanh(s_ij * (1 / cap)), s_ij = cap * t_ij      (rmr_tanh8)
+ *   ALiBi:   s_ij = s_ij - slope_h * |qa_i - kp_j|                     (rmr_mod8, both)
  *   p_ij   = det_exp(s_ij - lse_i) for a visible pair, else 0       (rmr_exp8)
  *   dp_ij  = ((do_i0 v_j0 + do_i1 v_j1) + ...)                        (index order over Dv)
- *   ds_ij  = p_ij * (dp_ij - delta_i)
+ *   ds_ij  = p_ij * (dp_ij - delta_i), then times (1 - t_ij * t_ij) with softcap
  *   dqb_i  = ((ds_i0 k_0 + ds_i1 k_1) + ...)   over the keys in key order, per column
  *   dkb_j  = ((ds_0j q_0 + ds_1j q_1) + ...)   over the rows in row order, per column
  *   dvb_j  = ((p_0j do_0 + p_1j do_1) + ...)   over the rows in row order, per column
@@ -151,6 +153,8 @@ static void rmb_fold_row(const double *x, int64_t n, int64_t folds, double *cons
  * (batch, head, row or key) strides of the others, in float64 elements, are st[0..27):
  * 3 each for q, dO, lse, delta, k, v, the dq sums, the dk sums, the dv sums, in that order.
  *
+ * mods: the score modifiers (bit 0 softcap cap > 0; bit 1 ALiBi: slopes (H,), the rows'
+ * ALiBi positions qa (r,) and the keys' positions kp (c,), both below 2^53 in magnitude);
  * q (B, H, r, Dk);  dO (B, H, r, Dv);  lse, delta (B, H, r);  k (B, H, c, Dk),
  * v (B, H, c, Dv): the K/V head of each query head;
  * vis (r, c) uint8, rows visr bytes apart: 1 where row i sees key j;
@@ -164,11 +168,15 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
                  int64_t visr, int64_t B, int64_t H, int64_t Hkv, int64_t r, int64_t c,
                  int64_t Dk, int64_t Dv, double scale, int64_t folds, const double *qgrid,
                  const double *kgrid, const double *vgrid, double *const *dq,
-                 double *const *dk, double *const *dv, double *pmax) {
+                 double *const *dk, double *const *dv, double *pmax, int64_t mods, double cap,
+                 const double *slopes, const int64_t *qa, const int64_t *kp) {
     const int64_t *qs = st, *dos = st + 3, *ls = st + 6, *es = st + 9, *ks = st + 12;
     const int64_t *vs = st + 15, *dqs = st + 18, *dks = st + 21, *dvs = st + 24;
     if (B < 0 || H < 1 || Hkv < 1 || H % Hkv || r < 0 || r > RMB_BK || c < 0 || c > RMB_BK ||
         Dk < 1 || Dv < 1 || folds < 1 || folds > RMB_MAXF || visr < c || !pmax)
+        return -1;
+    if ((mods & ~INT64_C(3)) || ((mods & 1) && !(cap > 0)) ||
+        ((mods & 2) && (!slopes || !qa || !kp)))
         return -1;
     *pmax = 0.0;
     if (B == 0 || r == 0 || c == 0) return 0; /* numpy: no p, max 0 */
@@ -182,6 +190,10 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
     double *kT = buf, *vT = kT + Dk * RMB_BK, *sp = vT + Dv * RMB_BK;
     double *dpds = sp + RMB_BK * RMB_BK, *part = dpds + RMB_BK * RMB_BK;
     int64_t *vmask = (int64_t *)(part + dmax * RMB_BK);
+    const double icap = (mods & 1) ? 1.0 / cap : 0.0; /* rounded once, as numpy's 1.0 / cap */
+    double kd[RMB_BK] = {0}; /* the keys' ALiBi positions as doubles, 0 past c (unused lanes) */
+    if (mods & 2)
+        for (int64_t j = 0; j < c; j++) kd[j] = (double)kp[j];
     const int64_t cw = (c + 7) / 8 * 8; /* the columns the 8-lane steps touch */
     for (int64_t i = 0; i < r; i++)
         for (int64_t j = 0; j < c; j++) vmask[i * RMB_BK + j] = vis[i * visr + j] ? -1 : 0;
@@ -193,6 +205,7 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
     for (int64_t bb = 0; bb < B; bb++)
         for (int64_t h = 0; h < H; h++) {
             const int64_t kh = h / g;
+            const double slope = (mods & 2) ? slopes[h] : 0.0;
             const double *qh = q + bb * qs[0] + h * qs[1], *doh = dO + bb * dos[0] + h * dos[1];
             const double *kh_ = k + bb * ks[0] + h * ks[1], *vh = v + bb * vs[0] + h * vs[1];
             /* k^T, v^T: the keys along the columns (strided reads, contiguous writes) */
@@ -205,13 +218,17 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
             for (int64_t i = 0; i < r; i++) {
                 const double li = lse[bb * ls[0] + h * ls[1] + i * ls[2]];
                 const double di = delta[bb * es[0] + h * es[1] + i * es[2]];
+                const double qd = (mods & 2) ? (double)qa[i] : 0.0;
                 double *si = sp + i * RMB_BK, *dsi = dpds + i * RMB_BK;
                 for (int64_t j0 = 0; j0 < cw; j0 += 8) {
                     v8i vm;
                     memcpy(&vm, vmask + i * RMB_BK + j0, sizeof vm);
-                    const v8 t = ld8(si + j0) * scale - li;
+                    v8 x = ld8(si + j0) * scale, dm = {0};
+                    if (mods) x = rmr_mod8(x, mods, cap, icap, slope, qd, ld8(kd + j0), &dm);
+                    const v8 t = x - li;
                     const v8 p = sel8(vm, rmr_exp8(t), (v8){0});
-                    const v8 ds = p * (ld8(dsi + j0) - di);
+                    v8 ds = p * (ld8(dsi + j0) - di);
+                    if (mods & 1) ds = ds * dm; /* numpy: ds *= dmod, after the product */
                     st8(si + j0, p);
                     st8(dsi + j0, ds);
                     nan8 |= p != p;

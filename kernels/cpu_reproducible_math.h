@@ -5,7 +5,8 @@
  * the checks that the compiler evaluates float64 as float64 (no -ffast-math, no x87 excess
  * precision; ringmpi/cpu/fused_reproducible.py adds -ffp-contract=off -fno-fast-math after
  * $RINGMPI_CFLAGS, so no multiply and add is fused), the ISA path's name, 8-lane float64
- * vectors, det_exp (rmr_exp8), det_tanh (rmr_tanh8) and the fold of a summand into its grid
+ * vectors, det_exp (rmr_exp8), det_tanh (rmr_tanh8), the score modifiers (rmr_mod8: softcap
+ * and ALiBi, with softcap's derivative for the backward) and the fold of a summand into its grid
  * sums (RMR_FOLD, rmr_fold8). The build hashes this header with each source that includes it
  * (ringmpi/cpu/build.py, kernel_sources), so a change here rebuilds both kernels.
  *
@@ -136,6 +137,28 @@ static inline v8 rmr_tanh8(v8 x) {
     v8 y = (-u) / (2.0 + u);
     y = sel8(x != x, x, y);
     return (v8)(((v8u)y & ~sgn) | ((v8u)x & sgn));
+}
+
+/* The score modifiers on 8 scaled scores x of one row (reproducible.modify and
+ * reproducible_backward.modify_batched, the same operations): softcap (mods bit 0)
+ * t = tanh(x * icap), x = cap * t, icap = 1 / cap rounded once by the caller (no division per
+ * score); ALiBi (bit 1) x = x - slope * |qd - kd|, qd and kd the row's and the keys'
+ * positions as doubles: exact below 2^53, and so is their difference, the value of numpy's
+ * integer distance converted; the product rounded once. dm (may be NULL): softcap's
+ * derivative 1 - t t (the backward's factor of dS; left alone without softcap). */
+static inline v8 rmr_mod8(v8 x, int64_t mods, double cap, double icap, double slope,
+                          double qd, v8 kd, v8 *dm) {
+    if (mods & 1) {
+        const v8 t = rmr_tanh8(x * icap);
+        x = cap * t;
+        if (dm) *dm = 1.0 - t * t;
+    }
+    if (mods & 2) {
+        const uint64_t sgn = UINT64_C(1) << 63;
+        const v8 d = (v8)((v8u)(qd - kd) & ~sgn); /* |qa - k|: exact */
+        x = x - slope * d;
+    }
+    return x;
 }
 
 /* Fold the 8 lanes x into the sums o[f][0..7] on the grids c[f][0..7] */

@@ -33,8 +33,8 @@ exact ``Allreduce``, the folds added in fold order. Only elementwise numpy opera
 a value; no BLAS, no ``np.exp``/``np.log``/``np.tanh``. A tile runs in the C kernel
 ``kernels/cpu_reproducible_backward.c`` (:mod:`ringmpi.cpu.fused_reproducible_backward`:
 the same operations in the same order, the same bits on every ISA path) or, with
-``RINGMPI_CPU_KERNEL=numpy``, where it cannot be built or with softcap or ALiBi, in
-:func:`_tile`, its oracle (:func:`kernel`). docs/reproducible.md has the
+``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in :func:`_tile`, its oracle
+(:func:`kernel`); both have the score modifiers. docs/reproducible.md has the
 argument and the limits.
 """
 
@@ -439,7 +439,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     # softcap and ALiBi (the forward's, on the dealt rows' positions); sinks: sink_grad
     cap, slopes, qa = score_modifiers(args.spec, mask, q_mine, heads, h)
     modified = cap is not None or slopes is not None
-    tile, tile_name = _tile_function(modified)
+    tile, tile_name = _tile_function()
     p_max = 0.0
     pairs, tiles, compute_s = 0, 0, 0.0
     prev, nxt = (rank - 1) % size, (rank + 1) % size
@@ -555,15 +555,15 @@ def kernel():
     return kern
 
 
-def _tile_function(modified: bool = False):
+def _tile_function():
     """(the tile function, its name for the stats): the C kernel's tile, or :func:`_tile`.
 
-    Both take the same arguments and give the same bits; the C kernel's runs the tile's
-    chains as one compiled loop nest instead of numpy passes over (B, H, 64, 64) arrays.
-    ``modified`` (softcap or ALiBi): :func:`_tile`, which has them (the kernel not yet).
+    Both take the same arguments (the score modifiers included) and give the same bits;
+    the C kernel's runs the tile's chains as one compiled loop nest instead of numpy
+    passes over (B, H, 64, 64) arrays.
     """
     kern = kernel()
-    if kern is None or modified:
+    if kern is None:
         return _tile, "reproducible numpy"
     return kern.tile, f"reproducible C {kern.isa}"
 

@@ -1,16 +1,17 @@
 """The reproducible backward's C kernel (``kernels/cpu_reproducible_backward.c``): loader, call.
 
 The kernel computes one (query block, key block) tile of
-:mod:`ringmpi.reproducible_backward` for every batch and head: the scores, P, dP and dS of
-the tile and the fold parts of its three block partials (dQ over the keys, dK and dV over
-the rows), added into the caller's fold sums. It does the operations of the numpy code
-(``reproducible_backward._tile``, its oracle and fallback) in the same order, so it gives
-the same bits, on every ISA path: it is compiled per path like the other CPU kernels
-(:mod:`ringmpi.cpu.build`: private cache keyed on the source and the shared header
-``cpu_reproducible_math.h``, verified load, ``$RINGMPI_CPU_ISA``) with
-``-ffp-contract=off -fno-fast-math`` after ``$RINGMPI_CFLAGS``, so no path fuses or
-reorders an operation. ``$RINGMPI_CPU_KERNEL`` picks it as it picks the forward's kernel
-(:func:`ringmpi.reproducible_backward.tile_function`).
+:mod:`ringmpi.reproducible_backward` for every batch and head: the scores (through the
+forward's softcap and ALiBi, when the call has them), P, dP and dS (times softcap's
+derivative) of the tile and the fold parts of its three block partials (dQ over the
+keys, dK and dV over the rows), added into the caller's fold sums. It does the
+operations of the numpy code (``reproducible_backward._tile``, its oracle and fallback)
+in the same order, so it gives the same bits, on every ISA path: it is compiled per
+path like the other CPU kernels (:mod:`ringmpi.cpu.build`: private cache keyed on the
+source and the shared header ``cpu_reproducible_math.h``, verified load,
+``$RINGMPI_CPU_ISA``) with ``-ffp-contract=off -fno-fast-math`` after
+``$RINGMPI_CFLAGS``, so no path fuses or reorders an operation. ``$RINGMPI_CPU_KERNEL``
+picks it as it picks the forward's kernel (:func:`ringmpi.reproducible_backward.kernel`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,47 @@ def _strides(a: np.ndarray, name: str) -> list:
     return [s // 8 for s in st[:3]]
 
 
+def _modifiers(mods, h: int, r: int, c: int) -> tuple:
+    """The kernel's view of ``mods`` (see :meth:`ReproBackwardKernel.tile`): (the mods bits,
+    the cap (0.0 without softcap), the addresses of slopes, qa and kp (None without ALiBi),
+    the arrays those addresses belong to). ValueError for a malformed tuple."""
+    if mods is None:
+        return 0, 0.0, (None, None, None), ()
+    try:
+        cap, slopes, qa, kp = mods
+    except (TypeError, ValueError):
+        raise ValueError(
+            "reproducible backward kernel: mods is (cap, slopes, qa, kp) or None"
+        ) from None
+    flags, capv = 0, 0.0
+    if cap is not None:
+        capv = float(cap)
+        if not capv > 0 or not np.isfinite(capv):  # the numpy code's 1 / cap: a finite cap > 0
+            raise ValueError(f"reproducible backward kernel: softcap {cap} is not finite > 0")
+        flags |= 1
+    if slopes is None:
+        return flags, capv, (None, None, None), ()
+    slopes = np.ascontiguousarray(slopes, dtype=np.float64)
+    if slopes.shape != (h,):
+        raise ValueError(f"reproducible backward kernel: ALiBi slopes {slopes.shape}, not ({h},)")
+    pos = []
+    for name, x, n in (("qa", qa, r), ("kp", kp, c)):
+        if x is None:
+            raise ValueError(f"reproducible backward kernel: ALiBi needs {name}")
+        x = np.asarray(x)
+        if x.shape != (n,) or x.dtype.kind not in "iu":
+            raise ValueError(
+                f"reproducible backward kernel: ALiBi {name} {x.shape} {x.dtype}, not ({n},) int"
+            )
+        x = np.ascontiguousarray(x, dtype=np.int64)
+        # the kernel's distance (qa - kp in float64) is numpy's integer one below 2^53
+        if n and (int(x.max()) >= 2**53 or int(x.min()) <= -(2**53)):
+            raise ValueError(f"reproducible backward kernel: ALiBi {name} beyond 2^53")
+        pos.append(x)
+    keep = (slopes, *pos)
+    return flags | 2, capv, tuple(x.ctypes.data for x in keep), keep
+
+
 class ReproBackwardKernel(Library):
     """The reproducible backward's tile kernel for one ISA path (attributes: :class:`Library`).
 
@@ -58,7 +100,7 @@ class ReproBackwardKernel(Library):
         lib.rmb_tile_keys.restype = i64
         self.tile_keys = int(lib.rmb_tile_keys())
         lib.rmb_tile.restype = i64
-        lib.rmb_tile.argtypes = [p] * 8 + [i64] * 8 + [f64, i64] + [p] * 7
+        lib.rmb_tile.argtypes = [p] * 8 + [i64] * 8 + [f64, i64] + [p] * 7 + [i64, f64] + [p] * 3
         self._grids = None  # (the caller's grid lists, their stacked float64 arrays, pointers)
 
     def _stacked(self, consts: tuple, b: int, h: int, hkv: int, dk: int, dv: int) -> tuple:
@@ -109,9 +151,11 @@ class ReproBackwardKernel(Library):
             The fold sums (views; every fold with the same strides), added to.
         hkv : int
             K/V heads (H is a multiple).
-        mods : None
-            Score modifiers are not in this kernel (softcap and ALiBi run in the numpy
-            tile): anything but None is refused.
+        mods : tuple, optional
+            The score modifiers, as ``_tile`` takes them: (cap, slopes, qa, kp) with cap
+            a float > 0 or None (no softcap), slopes (H,) float64 or None (no ALiBi), qa
+            (r,) int64 the rows' ALiBi positions (None without ALiBi), kp (c,) int64 the
+            keys' positions; None: no modifier.
 
         Returns
         -------
@@ -119,10 +163,9 @@ class ReproBackwardKernel(Library):
             The largest P of the tile (NaN if one is NaN; +inf if a visible s - lse
             exceeds 709, where the numpy code's P is at least 8e307 too).
         """
-        if mods is not None:
-            raise ValueError("the reproducible backward kernel has no score modifiers")
         b, h, r, dk = q.shape
         c, dv = k.shape[2], v.shape[-1]
+        flags, cap, mod_ptrs, keep = _modifiers(mods, h, r, c)
         nf = len(dq_sums)
         tk = self.tile_keys
         if not (0 <= r <= tk and 0 <= c <= tk) or h % hkv:
@@ -171,7 +214,9 @@ class ReproBackwardKernel(Library):
             ptr(q), ptr(do), ptr(lse), ptr(delta), ptr(k), ptr(v), ctypes.addressof(st),
             ptr(vis), c, b, h, hkv, r, c, dk, dv, float(scale), nf, *addr,
             *(ctypes.addressof(x) for x in folds), ctypes.addressof(pmax),
+            flags, cap, *mod_ptrs,
         )  # fmt: skip
+        del keep  # the modifier arrays lived through the call
         if rc == -2:
             raise MemoryError("reproducible backward kernel: no scratch memory")
         if rc != 0:

@@ -6,17 +6,21 @@ Single rank (COMM_SELF); the P-independence is tests/test_reproducible_backward_
 (``RINGMPI_CPU_KERNEL=numpy``, ``reproducible_backward._tile``) and by the kernel built for
 every ISA path this host runs (AVX-512, AVX2, scalar where available), on values shaped
 like real data, and checks the result against the dense float64 reference gradients
-(the rule of tests/test_backward_mpi.py). The tile-level tests call the kernel and
-``_tile`` directly: strided views as ``loop`` passes them, partial tiles, the largest P
-(NaN and an lse that is not the forward's).
+(the rule of tests/test_backward_mpi.py), without and with the score modifiers of
+tests/tools/modcases.py (softcap and ALiBi run in the tile; sinks outside it). The
+tile-level tests call the kernel and ``_tile`` directly: strided views as ``loop`` passes
+them, partial tiles, the modifiers, the largest P (NaN and an lse that is not the
+forward's).
 """
 
 import subprocess
+from functools import partial
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
+from tools.modcases import MODS, SLOPES
 
 import ringmpi
 from ringmpi import reproducible_backward
@@ -117,6 +121,36 @@ def test_batch_and_one_kv_head_per_query_head(dtype, monkeypatch):
     _check_accuracy(got[host_isas()[0]], *inputs, kw, f"batch {np.dtype(dtype)}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_modifiers_on_every_isa_give_the_numpy_bits(mod, mask, dtype, monkeypatch):
+    """Softcap, ALiBi, sinks and all three (tests/tools/modcases.py) at N = 283, GQA 4 on 2:
+    the kernel on every ISA path gives the numpy tile's bits, within the reference's rule
+    (``attention_backward`` with the same modifiers)."""
+    kw = dict(MASKS[mask], **MODS[mod])
+    inputs = _inputs(dtype, seed=17)
+    got = _by_every_path(*inputs, kw, monkeypatch)
+    tag = f"{mod} {mask} {np.dtype(dtype)}"
+    _all_give_the_numpy_bits(got, tag)
+    _check_accuracy(got[host_isas()[0]], *inputs, kw, tag)
+
+
+@pytest.mark.parametrize("mod", ["alibi", "all three"])
+def test_cross_attention_with_alibi(mod, monkeypatch):
+    """Nq = 131 rows on Nk = 300 keys in two packed sequences (cu_seqlens_k != cu_seqlens),
+    a batch of 2, causal: ALiBi's query positions are shifted to the end of each
+    sequence's keys, so qa_i - k_j differs from the rows' own positions; float64 (the
+    tight rule) and every ISA path."""
+    q, _, _, dout = _inputs(np.float64, seed=5, n=131, batch=2)
+    _, k, v, _ = _inputs(np.float64, seed=6, n=300, batch=2)
+    kw = dict(cu_seqlens=np.array([0, 60, 131]), cu_seqlens_k=np.array([0, 110, 300]))
+    kw.update(causal=True, **MODS[mod])
+    got = _by_every_path(q, k, v, dout, kw, monkeypatch)
+    _all_give_the_numpy_bits(got, f"cross {mod}")
+    _check_accuracy(got[host_isas()[0]], q, k, v, dout, kw, f"cross {mod}")
+
+
 def test_accuracy_can_fail(monkeypatch):
     """The accuracy check above catches a wrong gradient (the tolerance is not vacuous)."""
     inputs = _inputs(np.float64, seed=7)
@@ -177,6 +211,59 @@ def test_tile_gives_the_numpy_bits(shape):
         got = _run_tile(fused_reproducible_backward.load(isa).tile, args, hkv)
         assert got[0] == want[0], f"{isa}: max P {got[0]} != {want[0]}"
         assert digest(got[1], got[2]) == digest(want[1], want[2]), f"{isa}: fold sums differ"
+
+
+def _mods(which, h, r, c, cap=3.0):
+    """``mods`` of a tile at rows 100.. and keys 70.. (ALiBi distances of both signs)."""
+    slopes = np.resize(SLOPES, h) if "alibi" in which else None
+    qa = np.arange(100, 100 + r, dtype=np.int64) if slopes is not None else None
+    return (cap if "softcap" in which else None, slopes, qa, np.arange(70, 70 + c))
+
+
+@pytest.mark.parametrize("which", ["softcap", "alibi", "softcap alibi"])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(), dict(b=2, h=2, hkv=1, r=27, c=37, dk=5, dv=64)],
+    ids=["full", "partial"],
+)
+def test_tile_with_modifiers_gives_the_numpy_bits(which, shape):
+    """One tile with softcap (saturating on part of the scores), ALiBi or both, every ISA
+    path: P's maximum and every fold sum; and the modifiers change them (not a no-op)."""
+    args, hkv = _tile_args(5, **shape)
+    args[0] *= 3.0  # scores up to ~10: softcap 3 is nonlinear on many, saturates on some
+    h, r, c = args[0].shape[1], args[0].shape[2], args[4].shape[2]
+    mods = _mods(which, h, r, c)
+
+    want = _run_tile(partial(reproducible_backward._tile, mods=mods), args, hkv)
+    plain = _run_tile(reproducible_backward._tile, args, hkv)
+    assert digest(want[1], want[2]) != digest(plain[1], plain[2])
+    for isa in host_isas():
+        kern = fused_reproducible_backward.load(isa)
+        got = _run_tile(partial(kern.tile, mods=mods), args, hkv)
+        assert got[0] == want[0], f"{isa} {which}: max P {got[0]} != {want[0]}"
+        assert digest(got[1], got[2]) == digest(want[1], want[2]), f"{isa} {which}: sums differ"
+
+
+def test_kernel_refuses_bad_modifiers():
+    """Malformed ``mods``: a clear ValueError naming what is wrong, before the kernel runs."""
+    kern = fused_reproducible_backward.load(host_isas()[-1])
+    args, hkv = _tile_args(3)
+    h, r, c = args[0].shape[1], args[0].shape[2], args[4].shape[2]
+    good = _mods("softcap alibi", h, r, c)
+    cases = {
+        "mods is": (1.0, None),
+        "softcap 0.0": (0.0,) + good[1:],
+        "softcap inf": (np.inf,) + good[1:],
+        r"slopes \(3,\)": (good[0], good[1][:3], good[2], good[3]),
+        "needs qa": (good[0], good[1], None, good[3]),
+        "needs kp": (good[0], good[1], good[2], None),
+        "qa": (good[0], good[1], good[2][:5], good[3]),
+        "kp": (good[0], good[1], good[2], good[3].astype(np.float64)),
+        "beyond 2": (good[0], good[1], good[2], good[3] + 2**53),
+    }
+    for msg, mods in cases.items():
+        with pytest.raises(ValueError, match=msg):
+            _run_tile(partial(kern.tile, mods=mods), args, hkv)
 
 
 def test_empty_tile_adds_nothing():
