@@ -3,7 +3,8 @@
 #   make install  ringmpi for users: runtime dependencies only (no pytest, ruff,
 #                 shellcheck), a regular (not editable) install into $(VENV)
 #   make venv     the development environment: editable, with the test tools
-#   make test     lint + single-rank tests + multi-rank tests at P = 1..4
+#   make test     lint + single-rank tests + multi-rank tests at P = 1, 2, 3
+#   make test-p4  make test-p5  the multi-rank tests at P = 4 (all) and 5 (CI runs both)
 #   make test-cuda  the CUDA compile checks for every GPU arch (make test: sm_90)
 #   make run      sample data -> mpiexec -n 4 ringmpi run -> verify -> summary
 #   make docs     the Sphinx pages of docs/ into $(DOCS_OUT) (warnings are errors)
@@ -33,12 +34,14 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 TEST_TIMEOUT ?= 1200
-# P = 1 runs inside test-serial (--with-mpi: the multi-rank tests on a communicator of one)
-RANKS ?= 2 3 4
+# P = 1 runs inside test-serial (--with-mpi: the multi-rank tests on a communicator of one);
+# P = 4 is make test-p4, which CI runs after make test (2.5 minutes: make test stays
+# under 15 minutes on two cores)
+RANKS ?= 2 3
 # built pages: inside the (private) virtual environment, not a shared /tmp
 DOCS_OUT ?= $(VENV)/docs-html
 
-.PHONY: venv install constraints lint docs test test-fast test-serial test-mpi test-cuda test-p5 test-site test-cluster test-security run bench stress gpu-check clean
+.PHONY: venv install constraints lint docs test test-fast test-serial test-mpi test-cuda test-p4 test-p5 test-site test-cluster test-security run bench stress gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -104,6 +107,10 @@ test-mpi: $(VENV)/.installed
 	    $(PYTEST_ARGS) --with-mpi -m mpi $(MPI_FILES) || exit $$?; \
 	done
 
+# every multi-rank file at P = 4 (a power of two above the cores); CI runs it after make test
+test-p4: $(VENV)/.installed
+	$(MAKE) test-mpi RANKS=4
+
 # P = 5 (odd, above the cores) for the files whose issues ask for P = 1..5: reproducible
 # mode (forward, backward), masks of slices, the agreements; CI runs it after make test
 P5_FILES ?= tests/test_reproducible_mpi.py tests/test_reproducible_backward_mpi.py \
@@ -121,7 +128,7 @@ test: lint docs test-serial test-mpi
 
 # the inner loop (about a minute and a half here): lint, the tile/spec/mask unit tests and
 # the conformance suite on every core, then the ring at P = 3 (odd, not a power of two,
-# oversubscribed on 2 cores; make test runs P = 1..4)
+# oversubscribed on 2 cores; make test runs P = 1, 2, 3, make test-p4 and test-p5 P = 4, 5)
 FAST_TESTS ?= tests/test_backend_conformance.py tests/test_spec.py tests/test_spec_keywords.py \
 	tests/test_mask.py tests/test_softmax.py tests/test_layout.py tests/test_package.py \
 	tests/job/test_resources_batches.py tests/job/test_run_ring_sizes.py
