@@ -51,6 +51,7 @@ __all__ = [
     "det_tanh",
     "modify",
     "score_modifiers",
+    "choose_kernel",
     "folds",
     "grids",
     "fold_into",
@@ -441,16 +442,25 @@ def kernel():
     ``numpy``: None (the numpy code, the oracle); ``auto``: the kernel where it builds,
     else None; ``fused``: the kernel, or RuntimeError. Both give the same bits.
     """
+    return choose_kernel(fused_reproducible, "reproducible C kernel")
+
+
+def choose_kernel(module, what: str):
+    """``module.default()`` (a C kernel of this mode) by ``$RINGMPI_CPU_KERNEL``, or None.
+
+    ``numpy``: None; ``auto``: the kernel where it builds, else None; ``fused``: the
+    kernel, or RuntimeError naming ``what`` and why it is unavailable. A kernel built
+    for other blocks than :data:`KEY_BLOCK` is a RuntimeError (its bits would differ).
+    """
     choice = env.get("RINGMPI_CPU_KERNEL")
     if choice == "numpy":
         return None
-    kern = fused_reproducible.default()
+    kern = module.default()
     if kern is not None and kern.tile_keys != KEY_BLOCK:
-        raise RuntimeError(f"{kern.path}: key blocks of {kern.tile_keys}, not {KEY_BLOCK}")
+        raise RuntimeError(f"{kern.path}: blocks of {kern.tile_keys} keys, not {KEY_BLOCK}")
     if kern is None and choice == "fused":
         raise RuntimeError(
-            "RINGMPI_CPU_KERNEL=fused but the reproducible C kernel is unavailable: "
-            f"{fused_reproducible.LOADER.error()}"
+            f"RINGMPI_CPU_KERNEL=fused but the {what} is unavailable: {module.LOADER.error()}"
         )
     return kern
 

@@ -50,8 +50,16 @@ from .arguments import report
 from .cpu import fused_reproducible_backward
 from .layout import positions
 from .parallel import HeadGroups
-from .reproducible import KEY_BLOCK, det_exp, det_tanh, fold_into, folds, grids, score_modifiers
-from .runtime import env
+from .reproducible import (
+    KEY_BLOCK,
+    choose_kernel,
+    det_exp,
+    det_tanh,
+    fold_into,
+    folds,
+    grids,
+    score_modifiers,
+)
 from .runtime.watchdog import watch
 
 __all__ = [
@@ -541,18 +549,7 @@ def kernel():
     oracle); ``auto``: the kernel where it builds, else None; ``fused``: the kernel, or
     RuntimeError. Both give the same bits.
     """
-    choice = env.get("RINGMPI_CPU_KERNEL")
-    if choice == "numpy":
-        return None
-    kern = fused_reproducible_backward.default()
-    if kern is not None and kern.tile_keys != KEY_BLOCK:
-        raise RuntimeError(f"{kern.path}: tiles of {kern.tile_keys}, not {KEY_BLOCK}")
-    if kern is None and choice == "fused":
-        raise RuntimeError(
-            "RINGMPI_CPU_KERNEL=fused but the reproducible backward C kernel is unavailable: "
-            f"{fused_reproducible_backward.LOADER.error()}"
-        )
-    return kern
+    return choose_kernel(fused_reproducible_backward, "reproducible backward C kernel")
 
 
 def _tile_function():

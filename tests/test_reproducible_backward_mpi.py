@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
-from tools.modcases import MODS
+from tools.modcases import MODS, head_parallel_case
 from tools.slicecases import ring_cases
 
 import ringmpi
@@ -145,16 +145,18 @@ def _check_dsinks(comm, q, k, v, dout, kw, tag):
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_bits_do_not_depend_on_p_or_layout(comm, dtype, mask):
     """GQA (4 query heads on 2 K/V heads), N = 301, every layout: one set of hashes."""
-    kw = MASKS[mask]
-    inputs = _inputs(dtype)
+    _every_layout(comm, _inputs(dtype), MASKS[mask], f"{mask} {np.dtype(dtype)}")
+
+
+def _every_layout(comm, inputs, kw, tag):
+    """The P = 1 hashes on every layout (the balanced one too); accuracy at zigzag."""
     want = _single(comm, *inputs, kw=kw)
     for layout in ringmpi.LAYOUTS + ringmpi.layout.MASK_LAYOUTS:
-        tag = f"{mask} {np.dtype(dtype)} {layout}"
         got = _grads(comm, *inputs, layout, kw)
-        _same_everywhere(comm, digest(*got), want, tag)
+        _same_everywhere(comm, digest(*got), want, f"{tag} {layout}")
         if layout == "zigzag":
             default = _grads(comm, *inputs, layout, kw, reproducible=False)
-            _check_accuracy(comm, got, default, *inputs, kw, tag)
+            _check_accuracy(comm, got, default, *inputs, kw, f"{tag} {layout}")
 
 
 CROSS_MODS = {  # for 8 query heads
@@ -219,13 +221,7 @@ def test_head_parallel_keeps_the_bits(comm):
     the group (Hkv a multiple of U) or shared by its members (U a multiple of Hkv): the
     P = 1 bits of dq, dk, dv and dsinks on two layouts, with a mask and all three score
     modifiers (per-head slopes and sinks follow the group's heads)."""
-    us = [u for u in (2, 3, 4) if comm.size % u == 0]
-    if not us:
-        pytest.skip(f"no head_parallel degree > 1 divides P={comm.size}")
-    h = 12  # divisible by every U tried
-    slopes = 2.0 ** -np.arange(1.0, h + 1.0)
-    sinks = np.linspace(-2.0, 6.0, h)
-    kw = dict(causal=True, window=(90, -1), softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+    us, h, kw = head_parallel_case(comm.size)
     for u in us:
         for hkv in [x for x in (1, 2, 3, 4, 6) if x % u == 0 or u % x == 0]:
             q, k, v, dout = _inputs(np.float32, seed=u * 10 + hkv, n=301, h=h, hkv=hkv, d=16)
@@ -261,15 +257,7 @@ def test_modifiers_keep_the_bits(comm, dtype, mod):
     default mode's error (zigzag)."""
     inputs = _inputs(dtype, seed=21, d=16)
     for mask, kw in MOD_MASKS.items():
-        kw = dict(kw, **MODS[mod])
-        want = _single(comm, *inputs, kw=kw)
-        for layout in ringmpi.LAYOUTS + ringmpi.layout.MASK_LAYOUTS:
-            tag = f"{mod} {mask} {np.dtype(dtype)} {layout}"
-            got = _grads(comm, *inputs, layout, kw)
-            _same_everywhere(comm, digest(*got), want, tag)
-            if layout == "zigzag":
-                default = _grads(comm, *inputs, layout, kw, reproducible=False)
-                _check_accuracy(comm, got, default, *inputs, kw, tag)
+        _every_layout(comm, inputs, dict(kw, **MODS[mod]), f"{mod} {mask} {np.dtype(dtype)}")
 
 
 def test_refusals_name_the_reason(comm):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
-from tools.modcases import MODS
+from tools.modcases import MODS, head_parallel_case
 from tools.slicecases import ring_cases
 
 import ringmpi
@@ -255,13 +255,7 @@ def test_head_parallel_keeps_the_bits(comm):
     with GQA (K/V heads split across the group or shared), a mask and all three score
     modifiers (their per-head slopes and sinks follow each group's heads). The backward's:
     tests/test_reproducible_backward_mpi.py."""
-    us = [u for u in (2, 3, 4) if comm.size % u == 0]
-    if not us:
-        pytest.skip(f"no head_parallel degree > 1 divides P={comm.size}")
-    h = 12  # divisible by every U tried
-    slopes = 2.0 ** -np.arange(1.0, h + 1.0)
-    sinks = np.linspace(-2.0, 6.0, h)
-    kw = dict(causal=True, window=(90, -1), softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+    us, h, kw = head_parallel_case(comm.size)
     for u in us:
         for hkv in sorted({1, u}):
             rng = np.random.default_rng(u * 10 + hkv)
