@@ -83,6 +83,8 @@ def refusals(spec, xp, *, backward: bool = False, tiles: bool = True) -> list:
     """Why a call with ``spec.reproducible`` cannot run (empty: it can, or the mode is off).
 
     For :meth:`ringmpi.backend.Backend.supports`; ``xp`` is the backend's array module.
+    ``backward``: the same limits as the forward's (every mask, score modifier and heads x
+    ring runs in both; ringmpi.reproducible_backward).
     """
     if not getattr(spec, "reproducible", False):
         return []
@@ -92,10 +94,6 @@ def refusals(spec, xp, *, backward: bool = False, tiles: bool = True) -> list:
             "reproducible=True (the GPU kernels sum in an order that depends on the block "
             "split and the launch configuration; the mode runs on numpy arrays only)"
         )
-    if backward:  # the backward's own limits: ringmpi.reproducible_backward
-        from .reproducible_backward import refusals as backward_refusals
-
-        why += backward_refusals(spec)
     if not tiles:
         why.append("reproducible=True in decode (not written yet)")
     return why

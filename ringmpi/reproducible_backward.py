@@ -63,7 +63,6 @@ from .reproducible import (
 from .runtime.watchdog import watch
 
 __all__ = [
-    "refusals",
     "backward",
     "loop",
     "sink_grad",
@@ -75,16 +74,6 @@ __all__ = [
 ]
 
 P_BOUND = 2.0  # the bound the grids assume for P = exp(s - lse); checked after the ring
-
-
-def refusals(spec) -> list:
-    """Why a backward call with ``spec.reproducible`` cannot run in this mode (empty: it can).
-
-    Called by :func:`ringmpi.reproducible.refusals` for the backward, next to the
-    mode's general limits (GPU, decode, head_parallel > 1). The score modifiers
-    (softcap, ALiBi, sinks) all run here: nothing is refused for this mode's own reasons.
-    """
-    return []
 
 
 def backward(comm, args, dout, q, k, v, out, lse, stats, t_start):
