@@ -86,53 +86,52 @@ static const double rmr_c[13] = {
         (x) = (x) - hi_;                          \
     } while (0)
 
-/* exp(t) for t <= 0 or NaN on 8 lanes (see the header): the same operations as
- * reproducible.det_exp, lane by lane; kk's significand holds 2^51 + n exactly, n in
- * [-1022, 0], so ((kk - shift) + 1023) << 52 are the bits of 2^n, a normal number */
-static inline v8 rmr_exp8(v8 t) {
+/* The range reduction of rmr_exp8 and rmr_tanh8 (reproducible.det_exp's first steps): t
+ * clamped at RMR_TMIN and NaN lanes computed on 0, kk = t / ln2 + shift (its significand
+ * holds 2^51 + n exactly, n = round(t / ln2) in [-1022, 0]), r = (t - n ln2_hi) - n ln2_lo;
+ * *two_n = 2^n from kk's bits ((kk - shift) + 1023) << 52, a normal number. Returns r. */
+static inline v8 rmr_reduce8(v8 t, v8 *two_n) {
     const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
                      RMR_TMIN};
     const v8 zero = {0};
-    const v8i low = t < tmin;
-    v8 tc = sel8(low, tmin, t);
-    const v8i nan = tc != tc;
-    tc = sel8(nan, zero, tc);
-    const v8 kk = tc * RMR_INVLN2 + RMR_SHIFT;
-    const v8 n = kk - RMR_SHIFT;
-    const v8 r = (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
-    v8 p = rmr_c[12] * r + rmr_c[11];
-    for (int i = 10; i >= 0; i--) p = p * r + rmr_c[i];
-    const double shift = RMR_SHIFT;
-    uint64_t sb;
-    memcpy(&sb, &shift, sizeof sb);
-    const v8u bits = (((v8u)kk - sb) + 1023) << 52;
-    const v8 y = p * (v8)bits;
-    return sel8(low, zero, sel8(nan, t, y));
-}
-
-/* tanh(x) on 8 lanes: the same operations as reproducible.det_tanh, lane by lane. With
- * t = -2|x| (clamped at RMR_TMIN; NaN lanes computed on 0), n and r as in rmr_exp8,
- * u = e^t - 1 = (2^n - 1) + 2^n (r Q(r)) with Q the Taylor polynomial of (e^r - 1) / r
- * (rmr_c[1..12], Horner): for |t| < ln2 / 2, n = 0 and u = r Q(r), so small |x| keep their
- * relative precision. Then tanh|x| = -u / (2 + u), and x's sign by a bit copy (exact). */
-static inline v8 rmr_tanh8(v8 x) {
-    const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
-                     RMR_TMIN};
-    const v8 zero = {0};
-    const uint64_t sgn = UINT64_C(1) << 63;
-    const v8 ax = (v8)((v8u)x & ~sgn);
-    const v8 t = -2.0 * ax;
     v8 tc = sel8(t < tmin, tmin, t);
     tc = sel8(tc != tc, zero, tc);
     const v8 kk = tc * RMR_INVLN2 + RMR_SHIFT;
     const v8 n = kk - RMR_SHIFT;
-    const v8 r = (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
-    v8 p = rmr_c[12] * r + rmr_c[11];
-    for (int i = 10; i >= 1; i--) p = p * r + rmr_c[i];
     const double shift = RMR_SHIFT;
     uint64_t sb;
     memcpy(&sb, &shift, sizeof sb);
-    const v8 two_n = (v8)((((v8u)kk - sb) + 1023) << 52);
+    *two_n = (v8)((((v8u)kk - sb) + 1023) << 52);
+    return (tc - n * RMR_LN2HI) - n * RMR_LN2LO;
+}
+
+/* exp(t) for t <= 0 or NaN on 8 lanes (see the header): the same operations as
+ * reproducible.det_exp, lane by lane: 2^n P(r), P the degree-12 Taylor polynomial of e^r
+ * (rmr_c, Horner); 0 below RMR_TMIN, NaN lanes returned as they are. */
+static inline v8 rmr_exp8(v8 t) {
+    const v8 tmin = {RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN, RMR_TMIN,
+                     RMR_TMIN};
+    const v8 zero = {0};
+    v8 two_n;
+    const v8 r = rmr_reduce8(t, &two_n);
+    v8 p = rmr_c[12] * r + rmr_c[11];
+    for (int i = 10; i >= 0; i--) p = p * r + rmr_c[i];
+    const v8 y = p * two_n;
+    return sel8(t < tmin, zero, sel8(t != t, t, y));
+}
+
+/* tanh(x) on 8 lanes: the same operations as reproducible.det_tanh, lane by lane. With
+ * t = -2|x|, n and r as in rmr_reduce8, u = e^t - 1 = (2^n - 1) + 2^n (r Q(r)) with Q the
+ * Taylor polynomial of (e^r - 1) / r (rmr_c[1..12], Horner): for |t| < ln2 / 2, n = 0 and
+ * u = r Q(r), so small |x| keep their relative precision. Then tanh|x| = -u / (2 + u), and
+ * x's sign by a bit copy (exact). */
+static inline v8 rmr_tanh8(v8 x) {
+    const uint64_t sgn = UINT64_C(1) << 63;
+    const v8 ax = (v8)((v8u)x & ~sgn);
+    v8 two_n;
+    const v8 r = rmr_reduce8(-2.0 * ax, &two_n);
+    v8 p = rmr_c[12] * r + rmr_c[11];
+    for (int i = 10; i >= 1; i--) p = p * r + rmr_c[i];
     const v8 u = (two_n - 1.0) + two_n * (r * p);
     v8 y = (-u) / (2.0 + u);
     y = sel8(x != x, x, y);
