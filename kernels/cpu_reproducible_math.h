@@ -78,6 +78,32 @@ static const double rmr_c[13] = {
     0x1.1eed8eff8d898p-29,
 };
 
+/* fma(a, b, c) rounded once to float32 (IEEE 754 fusedMultiplyAdd): the instruction where the
+ * path has it; else a b exactly in float64 (24 + 24 bits), s = a b + c and its error e exactly
+ * (TwoSum), s rounded to odd where e != 0 (its neighbour toward e when its last bit is even),
+ * then to float32: the correctly rounded value (53 >= 24 + 2 bits), as
+ * reproducible_float32.fma32 computes it. */
+static inline float rmr_fmaf(float a, float b, float c) {
+#if defined(__FMA__)
+    return __builtin_fmaf(a, b, c);
+#else
+    const double p = (double)a * (double)b, cc = (double)c;
+    const double s = p + cc, bb = s - p;
+    const double e = (p - (s - bb)) + (cc - bb);
+    if (e != 0 && s - s == 0) {
+        int64_t bits;
+        memcpy(&bits, &s, sizeof bits);
+        if (!(bits & 1)) {
+            bits += ((e > 0) == (s > 0)) ? 1 : -1;
+            double t;
+            memcpy(&t, &bits, sizeof t);
+            return (float)t;
+        }
+    }
+    return (float)s;
+#endif
+}
+
 /* Fold x into the row sums acc[f] (f < folds) on the grids c[f]: hi = (x + c) - c exact. */
 #define RMR_FOLD(x, cf, accf)                     \
     do {                                          \

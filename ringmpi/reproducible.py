@@ -18,7 +18,7 @@ one ``Alltoallv``), then two passes go over the ring:
 A score is a fixed sequence of float64 operations over the head dim (:func:`scores`),
 then through the score modifiers softcap (:func:`det_tanh`) and ALiBi (:func:`modify`),
 the same number whatever the shape of the call it is part of. The sinks join the
-maximum and the denominator once per row, after the exact fold sums (:func:`_finish`).
+maximum and the denominator once per row, after the exact fold sums (`finish`).
 The work runs in the C kernel ``kernels/cpu_reproducible.c``
 (:mod:`ringmpi.cpu.fused_reproducible`, every ISA path), or, with
 ``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in this module's numpy code,
@@ -56,6 +56,8 @@ __all__ = [
     "grids",
     "fold_into",
     "loop",
+    "deal_keys",
+    "finish",
 ]
 
 FOLDS = 3  # each fold keeps about 51 - log2(nk) more bits of every summand
@@ -363,7 +365,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
                     on_step(pass_ * size + step + 1, 2 * size)
         stats["wait_s"] += kv.ring.wait_s
         stats["bytes_sent"] += kv.bytes_sent
-    out, lse = _finish(l_parts, o_parts, m, args.acc_dtype, sinks)
+    out, lse = finish(l_parts, o_parts, m, args.acc_dtype, sinks)
     stats.update(
         steps=size,
         steps_computed=computed,
@@ -374,10 +376,11 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     return out, lse, stats
 
 
-def deal_keys(comm, k, v, pos, nk: int):
+def deal_keys(comm, k, v, pos, nk: int, block: int = KEY_BLOCK):
     """The keys and values dealt out in whole global key blocks: (k, v, starts, counts).
 
-    Block c holds the keys at positions [64 c, 64 c + 64) (:data:`KEY_BLOCK`); rank r
+    Block c holds the keys at positions [block c, block c + block) (``block``: by default
+    :data:`KEY_BLOCK`; :mod:`ringmpi.reproducible_float32` deals blocks of 256); rank r
     gets the blocks [r nb / P, (r + 1) nb / P) (nb blocks), so every block lies whole on
     one rank and a block's partial sums are computed by the same code on the same keys
     in the same order for every P and layout. One ``Alltoallv`` (each key travels at
@@ -396,8 +399,8 @@ def deal_keys(comm, k, v, pos, nk: int):
     starts, counts: lists over ranks (rank r holds positions starts[r] + 0..counts[r]-1).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    nb = -(-nk // KEY_BLOCK)
-    starts = [min(r * nb // size * KEY_BLOCK, nk) for r in range(size + 1)]
+    nb = -(-nk // block)
+    starts = [min(r * nb // size * block, nk) for r in range(size + 1)]
     counts = [starts[r + 1] - starts[r] for r in range(size)]
     pos = np.asarray(pos, dtype=np.int64)
     n = len(pos)
@@ -443,19 +446,19 @@ def kernel():
     return choose_kernel(fused_reproducible, "reproducible C kernel")
 
 
-def choose_kernel(module, what: str):
+def choose_kernel(module, what: str, block: int = KEY_BLOCK):
     """``module.default()`` (a C kernel of this mode) by ``$RINGMPI_CPU_KERNEL``, or None.
 
     ``numpy``: None; ``auto``: the kernel where it builds, else None; ``fused``: the
     kernel, or RuntimeError naming ``what`` and why it is unavailable. A kernel built
-    for other blocks than :data:`KEY_BLOCK` is a RuntimeError (its bits would differ).
+    for other blocks than ``block`` is a RuntimeError (its bits would differ).
     """
     choice = env.get("RINGMPI_CPU_KERNEL")
     if choice == "numpy":
         return None
     kern = module.default()
-    if kern is not None and kern.tile_keys != KEY_BLOCK:
-        raise RuntimeError(f"{kern.path}: blocks of {kern.tile_keys} keys, not {KEY_BLOCK}")
+    if kern is not None and kern.tile_keys != block:
+        raise RuntimeError(f"{kern.path}: blocks of {kern.tile_keys} keys, not {block}")
     if kern is None and choice == "fused":
         raise RuntimeError(
             f"RINGMPI_CPU_KERNEL=fused but the {what} is unavailable: {module.LOADER.error()}"
@@ -467,7 +470,7 @@ def score_modifiers(spec, mask, q_pos, heads, h: int) -> tuple:
     """(softcap or None, ALiBi slopes (H,) float64 or None, ALiBi query positions or None).
 
     The score modifiers of ``spec`` for the query heads ``heads`` (``h`` of them) and the
-    rows at the global positions ``q_pos``; the sinks are not among them (:func:`_finish`).
+    rows at the global positions ``q_pos``; the sinks are not among them (`finish`).
     """
     cap = None if spec.softcap is None else float(spec.softcap)
     slopes, qa = None, None
@@ -555,9 +558,11 @@ def block_sums(p, v):
     return lb, ob
 
 
-def _finish(l_parts, o_parts, m, dtype, sinks=None):
+def finish(l_parts, o_parts, m, dtype, sinks=None):
     """out (B, S, H, D) and lse (B, H, S) in ``dtype`` from the fold sums, added in fold order.
 
+    ``l_parts`` (F, B, H, S) and ``o_parts`` (F, B, H, S, D) float64 arrays: their first
+    fold is overwritten (the sums are made in place: no copies of the largest arrays).
     ``sinks`` (H,) float64: each row's sink logit joins the maximum and the denominator
     here, once per row: with M' = max(M, sink_h), a = det_exp(M - M') and
     b = det_exp(sink_h - M') (one of them is 1), l' = l a + b, o' = o a, out = o' / l'
@@ -565,8 +570,8 @@ def _finish(l_parts, o_parts, m, dtype, sinks=None):
     used as they are (exact products). A row with no visible key gets out 0 and
     lse = sink_h.
     """
-    l = l_parts[0].copy()  # (l_1 + l_2) + l_3 ...: a fixed order
-    o = o_parts[0].copy()
+    l = l_parts[0]  # (l_1 + l_2) + l_3 ...: a fixed order
+    o = o_parts[0]
     for x, y in zip(l_parts[1:], o_parts[1:]):
         l += x
         o += y
@@ -575,14 +580,16 @@ def _finish(l_parts, o_parts, m, dtype, sinks=None):
         with np.errstate(invalid="ignore"):
             top = np.maximum(m, sink)  # NaN propagates
             a, b = det_exp(m - top), det_exp(sink - top)
-        l = l * a + b
-        o = o * a[..., None]
+        l *= a  # l a + b: the product rounded, then the sum
+        l += b
+        o *= a[..., None]
         m = top
     seen = l > 0
     safe = np.where(seen, l, 1.0)
-    out = np.where(seen[..., None], o / safe[..., None], 0.0)
+    np.divide(o, safe[..., None], out=o)
+    o[~seen] = 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(seen, m + det_log(safe), -np.inf)
     lse = np.where(np.isnan(l), np.nan, lse)
-    out = np.ascontiguousarray(np.moveaxis(out, 1, 2)).astype(dtype)
+    out = np.moveaxis(o, 1, 2).astype(dtype, order="C")
     return out, lse.astype(dtype)

