@@ -37,7 +37,6 @@ int rmf_simd_width_bytes(void) { return RMR_WIDTH; }
 #define RMF_F 3     /* levels (reproducible_float32.FOLDS) */
 #define RMF_W 32.0  /* the window, in powers of two (reproducible_float32.WINDOW) */
 
-
 /* float32 vectors of the path's native width (zmm, ymm, or xmm on the scalar path: GCC splits
  * wider generic vectors into scalar code for some operations): lane-wise IEEE operations */
 #if defined(__AVX512F__)
@@ -207,7 +206,8 @@ static inline double rmf_pow2(int64_t n) { /* 2^n, -1022 <= n <= 1023 */
 }
 
 /* reproducible_float32.fold_rows for one row: the block partial (lb, ob) x 2^r into the row's
- * window R and levels L[f * ls], O[f * os + c] (grids lg[f], vg[f * vs + c]). */
+ * window R and levels L[f], O[f * Dv + c] (grids lg[f], vg[f * Dv + c]); ob is made here from
+ * the row's four chain sums os4[q][c]: ((o_0 + o_1) + o_2) + o_3 in float64. */
 static void rmf_fold(double r, double lb, const float *const os4[RMF_NC], int64_t Dv, double *R,
                      double *L, double *O, const double *lg, const double *vg) {
     if (r != r || *R == INFINITY) {
