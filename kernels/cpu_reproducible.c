@@ -338,9 +338,14 @@ int64_t rmr_block(const double *q, const double *kt, const double *v, const int6
                                 const v8 e = rmr_exp8(ld8(sm[r] + h8) - mi[r]);
                                 v8i p8;
                                 memcpy(&p8, kp + h8, sizeof p8);
-                                v8i vis = (p8 >= a) & (p8 <= b);
-                                for (int64_t t = 1; t < nlay; t++)
-                                    vis |= (p8 >= lo[t * Sq + i]) & (p8 <= hi[t * Sq + i]);
+                                const v8i av = {a, a, a, a, a, a, a, a}, bv = {b, b, b, b, b, b, b, b};
+                                v8i vis = ige8(p8, av) & ile8(p8, bv);
+                                for (int64_t t = 1; t < nlay; t++) {
+                                    const int64_t l0 = lo[t * Sq + i], h0 = hi[t * Sq + i];
+                                    const v8i lv = {l0, l0, l0, l0, l0, l0, l0, l0};
+                                    const v8i hv = {h0, h0, h0, h0, h0, h0, h0, h0};
+                                    vis |= ige8(p8, lv) & ile8(p8, hv);
+                                }
                                 st8(pw[r] + jc + h8, sel8(vis, e, (v8){0}));
                             }
                         }

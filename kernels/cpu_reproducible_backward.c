@@ -247,9 +247,9 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
                     if (mods & 1) ds = ds * dm; /* numpy: ds *= dmod, after the product */
                     st8(si + j0, p);
                     st8(dsi + j0, ds);
-                    nan8 |= p != p;
-                    big8 |= vm & (t > tbig);
-                    pm8 = sel8(p > pm8, p, pm8);
+                    nan8 |= ne8(p, p);
+                    big8 |= vm & gt8(t, tbig);
+                    pm8 = sel8(gt8(p, pm8), p, pm8);
                 }
             }
             /* dq: per row, over the keys in key order; into (b, h, i) */
