@@ -13,12 +13,13 @@ import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
 from tools.modcases import MODS
+from tools.reprokernels import by_every_path, isa_objects
 from tools.slicecases import builder_cases, dense_of, random_slices
 
 import ringmpi
 from ringmpi import reproducible
-from ringmpi.cpu import fused_reproducible, fused_reproducible_float32
-from ringmpi.cpu.isa import host_isas, is_x86
+from ringmpi.cpu import fused_reproducible
+from ringmpi.cpu.isa import host_isas
 from ringmpi.cpu.loader import Loader
 from ringmpi.reference import attention
 from ringmpi.testing import assert_close, dense, random_qkv
@@ -37,24 +38,6 @@ def _call(q, k, v, kw):
     return ringmpi.ring_attention(q, k, v, SELF, return_lse=True, reproducible=True, **kw)
 
 
-def _by_every_path(q, k, v, kw, monkeypatch):
-    """{"numpy": (out, lse), "<isa>": (out, lse), ...} of the same call."""
-    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
-    got = {"numpy": _call(q, k, v, kw)}
-    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
-    for isa in host_isas():  # float32 inputs run the float32 method's kernel (its loader)
-        with fused_reproducible.LOADER.pinned(isa), fused_reproducible_float32.LOADER.pinned(isa):
-            got[isa] = _call(q, k, v, kw)
-    return got
-
-
-def _all_give_the_numpy_bits(got: dict, tag: str) -> None:
-    """Every result of :func:`_by_every_path` hashes like the numpy code's."""
-    want = digest(*got["numpy"])
-    bad = [name for name, res in got.items() if digest(*res) != want]
-    assert not bad, f"{tag}: {bad} differ from the numpy code"
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_kernel_on_every_isa_gives_the_numpy_bits(dtype, mask, monkeypatch):
@@ -63,8 +46,7 @@ def test_kernel_on_every_isa_gives_the_numpy_bits(dtype, mask, monkeypatch):
     q, k, _ = random_qkv(rng, 283, 4, 2, 24, dtype=dtype, realistic=True)
     v = (0.5 + 0.1 * rng.standard_normal((283, 2, 40))).astype(dtype)
     kw = MASKS[mask]
-    got = _by_every_path(q, k, v, kw, monkeypatch)
-    _all_give_the_numpy_bits(got, f"{mask} {np.dtype(dtype)}")
+    got = by_every_path(q, k, v, kw, monkeypatch)
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw) if dtype == np.float32 else (None, None)
     out, lse = got[host_isas()[0]]
@@ -89,8 +71,7 @@ def test_slices_give_the_numpy_bits_on_every_isa(dtype, monkeypatch):
     for c, (name, s, mask) in enumerate(cases):
         rng = np.random.default_rng(60 + c)
         q, k, v = random_qkv(rng, n, 4, 2, 24, dtype=dtype, realistic=True)
-        got = _by_every_path(q, k, v, dict(slices=s), monkeypatch)
-        _all_give_the_numpy_bits(got, f"{name} {np.dtype(dtype)}")
+        got = by_every_path(q, k, v, dict(slices=s), monkeypatch)
         ref = attention(q, k, v, mask=mask)
         peer = dense(q, k, v, mask=mask) if dtype == np.float32 else (None, None)
         out, lse = got[host_isas()[0]]
@@ -113,8 +94,7 @@ def test_modifiers_give_the_numpy_bits_on_every_isa(dtype, causal, mod, monkeypa
     kw = dict(MODS[mod], causal=causal)
     if causal and mod == "alibi":
         kw["cu_seqlens"] = np.array(CU)
-    got = _by_every_path(q, k, v, kw, monkeypatch)
-    _all_give_the_numpy_bits(got, f"{mod} {np.dtype(dtype)}")
+    got = by_every_path(q, k, v, kw, monkeypatch)
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw) if dtype == np.float32 else (None, None)
     out, lse = got["numpy"]
@@ -147,31 +127,14 @@ def test_every_isa_path_compiles(tmp_path):
     """The AVX-512, AVX2 and scalar paths of the kernel compile with the kernel's flags, also
     the ones this host cannot run (compiled here, not run: the bits of a path are checked
     only where the host runs it, in the tests above)."""
-    import subprocess
-
-    from ringmpi.cpu import build
-    from ringmpi.runtime.kernel_files import kernel_path
-
-    if not is_x86():
-        pytest.skip("the ISA paths are x86's")
-    src = kernel_path("cpu_reproducible.c")
-    flags = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "scalar": []}
-    cc = build._compiler()
-    for isa, extra in flags.items():
-        cmd = [cc, "-O3", *extra, "-ffp-contract=off", "-fno-fast-math", "-c", str(src),
-               "-o", str(tmp_path / f"{isa}.o")]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode and "x86-64-v" in proc.stderr:
-            pytest.skip(f"{cc} does not know {extra}")
-        assert proc.returncode == 0, f"{isa}: {proc.stderr[-2000:]}"
+    assert set(isa_objects("cpu_reproducible.c", tmp_path)) == {"avx512", "avx2", "scalar"}
 
 
 def test_batch_and_longer_rows_match_the_numpy_code(monkeypatch):
     """A batch of 2, 700 keys (11 blocks), D = 64 = Dv: full register tiles and panels."""
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 700, 4, 1, 64, batch=2, realistic=True)
-    got = _by_every_path(q, k, v, dict(causal=True), monkeypatch)
-    _all_give_the_numpy_bits(got, "batch of 2, 700 keys")
+    got = by_every_path(q, k, v, dict(causal=True), monkeypatch)
     ref = attention(q, k, v, True)
     assert_close(SELF, got[host_isas()[0]][0], ref[0], dense(q, k, v, True)[0], "batch out")
 

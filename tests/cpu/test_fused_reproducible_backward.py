@@ -13,8 +13,6 @@ them, partial tiles, the modifiers, the largest P (NaN and an lse that is not th
 forward's).
 """
 
-import re
-import subprocess
 from functools import partial
 
 import numpy as np
@@ -22,14 +20,14 @@ import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
 from tools.modcases import MODS, SLOPES
+from tools.reprokernels import fma_instructions, isa_objects
 
 import ringmpi
 from ringmpi import reproducible_backward
-from ringmpi.cpu import build, fused_reproducible_backward
-from ringmpi.cpu.isa import host_isas, is_x86
+from ringmpi.cpu import fused_reproducible_backward
+from ringmpi.cpu.isa import host_isas
 from ringmpi.reference import attention_backward
 from ringmpi.reproducible import grids
-from ringmpi.runtime.kernel_files import kernel_path
 from ringmpi.testing import dense_backward, random_qkv
 
 SELF = MPI.COMM_SELF
@@ -346,24 +344,10 @@ def test_every_isa_path_compiles(tmp_path):
     host runs it, above); none of them contains a float64 fused multiply-add instruction
     (the float32 ones of the narrow scores, rmr_fmaf, are the single-rounding operation the
     numpy oracle emulates; the scalar path has none at all)."""
-    if not is_x86():
-        pytest.skip("the ISA paths are x86's")
-    src = kernel_path("cpu_reproducible_backward.c")
-    flags = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "scalar": []}
-    cc = build._compiler()
-    for isa, extra in flags.items():
-        obj = tmp_path / f"{isa}.o"
-        cmd = [cc, "-O3", *extra, "-ffp-contract=off", "-fno-fast-math", "-c", str(src),
-               "-o", str(obj)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode and "x86-64-v" in proc.stderr:
-            pytest.skip(f"{cc} does not know {extra}")
-        assert proc.returncode == 0, f"{isa}: {proc.stderr[-2000:]}"
-        try:
-            dis = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True)
-        except FileNotFoundError:
+    for isa, dis in isa_objects("cpu_reproducible_backward.c", tmp_path).items():
+        if dis is None:  # no objdump
             continue
-        fused = re.findall(r"\bvf(?:n?m(?:add|sub)|maddsub|msubadd)\w*", dis.stdout)
+        fused = fma_instructions(dis)
         assert not [x for x in fused if x.endswith(("pd", "sd"))], f"{isa}: a float64 FMA"
         assert isa != "scalar" or not fused, "scalar: an FMA instruction"
 

@@ -6,21 +6,20 @@ cases run this method). The kernel runs on every ISA path this host executes; th
 of :mod:`ringmpi.reproducible_float32` is its oracle.
 """
 
-import subprocess
 from fractions import Fraction
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
+from tools.reprokernels import by_every_path, fma_instructions, isa_objects
 
 import ringmpi
 from ringmpi import reproducible_float32 as rf
-from ringmpi.cpu import build, fused_reproducible_float32
-from ringmpi.cpu.isa import host_isas, is_x86
+from ringmpi.cpu import fused_reproducible_float32
+from ringmpi.cpu.isa import host_isas
 from ringmpi.cpu.loader import Loader
 from ringmpi.reference import attention
-from ringmpi.runtime.kernel_files import kernel_path
 from ringmpi.spec import AttentionSpec
 from ringmpi.testing import assert_close, dense, random_qkv
 
@@ -125,20 +124,6 @@ def _call(q, k, v, kw):
     return ringmpi.ring_attention(q, k, v, SELF, return_lse=True, reproducible=True, **kw)
 
 
-def _by_every_path(q, k, v, kw, monkeypatch):
-    """{"numpy": (out, lse), "<isa>": ...} of the same float32 call."""
-    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
-    got = {"numpy": _call(q, k, v, kw)}
-    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
-    for isa in host_isas():
-        with fused_reproducible_float32.LOADER.pinned(isa):
-            got[isa] = _call(q, k, v, kw)
-    want = digest(*got["numpy"])
-    bad = [name for name, res in got.items() if digest(*res) != want]
-    assert not bad, f"{kw}: {bad} differ from the numpy code"
-    return got
-
-
 MASKS = {
     "none": {},
     "causal": dict(causal=True),
@@ -156,7 +141,7 @@ def test_kernel_on_every_isa_gives_the_numpy_bits(mask, monkeypatch):
     q, k, _ = random_qkv(rng, 283, 4, 2, 24, dtype=np.float32, realistic=True)
     v = (0.5 + 0.1 * rng.standard_normal((283, 2, 40))).astype(np.float32)
     kw = MASKS[mask]
-    got = _by_every_path(q, k, v, kw, monkeypatch)
+    got = by_every_path(q, k, v, kw, monkeypatch)
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw)
     out, lse = got["numpy"]
@@ -172,7 +157,7 @@ def test_cross_attention_gives_the_numpy_bits(monkeypatch):
     q, _, _ = random_qkv(rng, nq, 2, 1, 16, dtype=np.float32, realistic=True)
     _, k, v = random_qkv(rng, nk, 2, 1, 16, dtype=np.float32, realistic=True)
     kw = dict(cu_seqlens=np.array([0, 30, nq]), cu_seqlens_k=np.array([0, 0, nk]))
-    got = _by_every_path(q, k, v, kw, monkeypatch)
+    got = by_every_path(q, k, v, kw, monkeypatch)
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw)
     assert_close(SELF, got["numpy"][0], ref[0], peer[0], "cross out")
@@ -189,7 +174,7 @@ def test_rows_of_70k_keys_are_accurate(monkeypatch):
     q = (1.0 + 0.2 * rng.standard_normal((4, 1, 16))).astype(np.float32)
     k[rng.choice(nk, 5, replace=False)] *= 30.0  # a few huge keys: scores far above the rest
     kw = dict(cu_seqlens=np.array([0, 4]), cu_seqlens_k=np.array([0, nk]))
-    got = _by_every_path(q, k, v, kw, monkeypatch)
+    got = by_every_path(q, k, v, kw, monkeypatch)
     ref = attention(q, k, v, **kw)
     peer = dense(q, k, v, **kw)
     assert_close(SELF, got["numpy"][0], ref[0], peer[0], "70k keys out")
@@ -215,26 +200,10 @@ def test_every_isa_path_compiles_without_float64_fmas(tmp_path):
     """AVX-512, AVX2 and scalar compile (the ones this host cannot run too); the float32
     fused multiply-adds are the method's, the float64 code (the folds) has none, and the
     scalar path no FMA instruction at all (it emulates the float32 one exactly)."""
-    import re
-
-    if not is_x86():
-        pytest.skip("the ISA paths are x86's")
-    src = kernel_path("cpu_reproducible_float32.c")
-    flags = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "scalar": []}
-    cc = build._compiler()
-    for isa, extra in flags.items():
-        obj = tmp_path / f"{isa}.o"
-        cmd = [cc, "-O3", *extra, "-ffp-contract=off", "-fno-fast-math", "-c", str(src),
-               "-o", str(obj)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode and "x86-64-v" in proc.stderr:
-            pytest.skip(f"{cc} does not know {extra}")
-        assert proc.returncode == 0, f"{isa}: {proc.stderr[-2000:]}"
-        try:
-            dis = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True)
-        except FileNotFoundError:
+    for isa, dis in isa_objects("cpu_reproducible_float32.c", tmp_path).items():
+        if dis is None:  # no objdump
             continue
-        fused = re.findall(r"\bvf(?:n?m(?:add|sub)|maddsub|msubadd)\w*", dis.stdout)
+        fused = fma_instructions(dis)
         assert not [x for x in fused if x.endswith(("pd", "sd"))], f"{isa}: a float64 FMA"
         assert (isa == "scalar") == (not fused), f"{isa}: FMAs {sorted(set(fused))}"
 
