@@ -10,13 +10,14 @@ peer's error), and against the default mode's backward on the same inputs and
 communicator: the reproducible error must not exceed it by more than a small factor.
 """
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
-from tools.modcases import MODS, head_parallel_case
+from tools.modcases import MODS, head_parallel_case, without_score_modifiers
 from tools.slicecases import ring_cases
 
 import ringmpi
@@ -228,9 +229,10 @@ def test_head_parallel_keeps_the_bits(comm):
     """Heads x ring (head_parallel = U, every U > 1 dividing P), the K/V heads split over
     the group (Hkv a multiple of U) or shared by its members (U a multiple of Hkv): the
     P = 1 bits of dq, dk, dv and dsinks on two layouts, with a mask and all three score
-    modifiers (per-head slopes and sinks follow the group's heads)."""
-    us, h, kw = head_parallel_case(comm.size)
-    for u in us:
+    modifiers (per-head slopes and sinks follow the group's heads), and with the sinks alone
+    (the float32 method's forward and its float32 scores in the backward)."""
+    us, h, kw_all = head_parallel_case(comm.size)
+    for u, kw in itertools.product(us, (kw_all, without_score_modifiers(kw_all))):
         for hkv in [x for x in (1, 2, 3, 4, 6) if x % u == 0 or u % x == 0]:
             q, k, v, dout = _inputs(np.float32, seed=u * 10 + hkv, n=301, h=h, hkv=hkv, d=16)
             q[:, h // 2 :] *= 8.0  # members' bounds differ: the grids must be joined
@@ -246,7 +248,8 @@ def test_head_parallel_keeps_the_bits(comm):
                     dl, ql, kl, vl, out, lse, comm, reproducible=True, **cut, **kw
                 )
                 full = [ringmpi.gather(g, 301, comm, **cut) for g in grads[:3]] + [grads[3]]
-                _same_everywhere(comm, digest(*full), want, f"U={u} Hkv={hkv} {layout}")
+                tag = f"U={u} Hkv={hkv} {layout} {sorted(kw)}"
+                _same_everywhere(comm, digest(*full), want, tag)
 
 
 MOD_MASKS = {

@@ -9,12 +9,13 @@ for float32), on values shaped like real data.
 """
 
 import contextlib
+import itertools
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 from tools.fingerprint import digest
-from tools.modcases import MODS, head_parallel_case
+from tools.modcases import MODS, head_parallel_case, without_score_modifiers
 from tools.slicecases import ring_cases
 
 import ringmpi
@@ -253,10 +254,10 @@ def test_ranks_holding_no_key_take_part(comm, n):
 def test_head_parallel_keeps_the_bits(comm):
     """Heads x ring (head_parallel = U, every U > 1 dividing P): the P = 1 bits of out and lse,
     with GQA (K/V heads split across the group or shared), a mask and all three score
-    modifiers (their per-head slopes and sinks follow each group's heads). The backward's:
-    tests/test_reproducible_backward_mpi.py."""
-    us, h, kw = head_parallel_case(comm.size)
-    for u in us:
+    modifiers (their per-head slopes and sinks follow each group's heads), and with the
+    sinks alone (the float32 method). The backward's: tests/test_reproducible_backward_mpi.py."""
+    us, h, kw_all = head_parallel_case(comm.size)
+    for u, kw in itertools.product(us, (kw_all, without_score_modifiers(kw_all))):
         for hkv in sorted({1, u}):
             rng = np.random.default_rng(u * 10 + hkv)
             q, k, v = random_qkv(rng, 301, h, hkv, 16, dtype=np.float32, realistic=True)
@@ -269,7 +270,7 @@ def test_head_parallel_keeps_the_bits(comm):
                 )
                 out = ringmpi.gather(out, 301, comm, **cut)
                 lse = ringmpi.gather(lse, 301, comm, axis=-1, **cut)
-                tag = f"U={u} Hkv={hkv} {layout}"
+                tag = f"U={u} Hkv={hkv} {layout} {sorted(kw)}"
                 _same_everywhere(comm, digest(out, lse), want, tag)
 
 

@@ -28,3 +28,9 @@ def head_parallel_case(size: int) -> tuple:
     slopes = 2.0 ** -np.arange(1.0, h + 1.0)
     sinks = np.linspace(-2.0, 6.0, h)
     return us, h, dict(causal=True, window=(90, -1), softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+
+
+def without_score_modifiers(kw: dict) -> dict:
+    """``kw`` without softcap and ALiBi (sinks kept): float32 inputs then run the
+    reproducible mode's float32 method (ringmpi.reproducible_float32.eligible)."""
+    return {k: v for k, v in kw.items() if k not in ("softcap", "alibi_slopes")}
