@@ -34,7 +34,7 @@ int rmf_simd_width_bytes(void) { return RMR_WIDTH; }
 #define RMF_BK 256  /* keys per global key block */
 #define RMF_CH 64   /* keys per float32 chain of the block sums */
 #define RMF_NC (RMF_BK / RMF_CH)
-#define RMF_F 3     /* levels (reproducible_float32.FOLDS) */
+#define RMF_F 3     /* levels (reproducible_float32.FOLDS; rmf_fold writes the 3 out) */
 #define RMF_W 32.0  /* the window, in powers of two (reproducible_float32.WINDOW) */
 
 /* float32 vectors of the path's native width (zmm, ymm, or xmm on the scalar path: GCC splits
@@ -243,6 +243,24 @@ static void rmf_fold(double r, double lb, const float *const os4[RMF_NC], int64_
     /* ob = ((o_0 + o_1) + o_2) + o_3 in float64, times 2^(r - Rw), folded: 8 columns at a time
      * (lane by lane the operations of the scalar tail below) */
     int64_t c = 0;
+    if (kk == 0) /* the common case, written out: h x 1 = h and the last y - h unused */
+        for (; c + RMF_DN <= Dv; c += RMF_DN) {
+            vd y = __builtin_convertvector(*(const vfh *)(os4[0] + c), vd);
+            for (int q = 1; q < RMF_NC; q++)
+                y = y + __builtin_convertvector(*(const vfh *)(os4[q] + c), vd);
+            y = y * s;
+            const vd g0 = *(const vd *)(vg + c), g1 = *(const vd *)(vg + Dv + c);
+            const vd g2 = *(const vd *)(vg + 2 * Dv + c);
+            vd *o0 = (vd *)(O + c), *o1 = (vd *)(O + Dv + c), *o2 = (vd *)(O + 2 * Dv + c);
+            const vd h0 = (y + g0) - g0;
+            y = y - h0;
+            const vd h1 = (y + g1) - g1;
+            y = y - h1;
+            const vd h2 = (y + g2) - g2;
+            *o0 = *o0 + h0;
+            *o1 = *o1 + h1;
+            *o2 = *o2 + h2;
+        }
     for (; c + RMF_DN <= Dv; c += RMF_DN) {
         vd y = __builtin_convertvector(*(const vfh *)(os4[0] + c), vd);
         for (int q = 1; q < RMF_NC; q++) y = y + __builtin_convertvector(*(const vfh *)(os4[q] + c), vd);
