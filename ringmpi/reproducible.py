@@ -58,6 +58,8 @@ __all__ = [
     "loop",
     "deal_keys",
     "finish",
+    "visible_ranges",
+    "sees",
 ]
 
 FOLDS = 3  # each fold keeps about 51 - log2(nk) more bits of every summand
@@ -302,10 +304,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     mask, layout = args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
     plan = plan_steps(mask, rank, size, layout)  # for the query positions and the pair count
-    # (L, Sq) visible key ranges: row i sees p when lo[t, i] <= p <= hi[t, i] for some layer t
-    # (one layer, or a mask of slices' sorted disjoint intervals: each key once, in key order)
-    layers = mask.layers(plan.q_pos) or [(np.ones(len(plan.q_pos)), np.zeros(len(plan.q_pos)))]
-    lo, hi = (np.ascontiguousarray(np.stack(x), dtype=np.int64) for x in zip(*layers))
+    lo, hi, span = visible_ranges(mask, plan.q_pos)
     b, h, sq, d = qi.shape
     hkv, dv = ki.shape[1], vi.shape[-1]  # dv: the value width (issue 42)
     q64 = np.ascontiguousarray(qi, dtype=np.float64)
@@ -333,8 +332,6 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     o_parts = np.zeros((nf, b, h, sq, dv))
     stats = dict(compute_s=0.0, wait_s=0.0, flops=0, tile_flops=0, bytes_sent=0)
     computed = 0
-    seen = lo <= hi
-    row_lo, row_hi = (lo[seen].min(), hi[seen].max()) if seen.any() else (1, 0)
 
     def tick(step):
         if on_tick is not None:
@@ -345,7 +342,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
         with kv_ring as kv:
             for step, src, kb, vb in kv:
                 k_pos = np.arange(starts[src], starts[src] + counts[src], dtype=np.int64)
-                if counts[src] and seen.any() and k_pos[0] <= row_hi and k_pos[-1] >= row_lo:
+                if sees(span, k_pos):
                     t0 = time.perf_counter()
                     v64 = np.ascontiguousarray(vb, dtype=np.float64) if pass_ else None
                     state = (m, l_grid, v_grid, l_parts, o_parts)
@@ -374,6 +371,26 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
         reproducible_kernel=f"C {kern.isa}" if kern is not None else "numpy",
     )
     return out, lse, stats
+
+
+def visible_ranges(mask, q_pos):
+    """(lo, hi, span): the rows' visible key ranges and the span any of them sees.
+
+    lo, hi (L, n) int64: row i sees key position p when lo[t, i] <= p <= hi[t, i] for
+    some layer t (one layer, or a mask of slices' sorted disjoint intervals: each key
+    once, in key order); span: (first, last) position some row sees, or None.
+    """
+    n = len(q_pos)
+    layers = mask.layers(q_pos) or [(np.ones(n), np.zeros(n))]
+    lo, hi = (np.ascontiguousarray(np.stack(x), dtype=np.int64) for x in zip(*layers))
+    seen = lo <= hi
+    span = (int(lo[seen].min()), int(hi[seen].max())) if seen.any() else None
+    return lo, hi, span
+
+
+def sees(span, k_pos) -> bool:
+    """Whether a row of ``span`` (:func:`visible_ranges`) may see one of the sorted keys."""
+    return span is not None and len(k_pos) > 0 and k_pos[0] <= span[1] and k_pos[-1] >= span[0]
 
 
 def deal_keys(comm, k, v, pos, nk: int, block: int = KEY_BLOCK):

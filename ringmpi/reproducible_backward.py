@@ -59,6 +59,7 @@ from .reproducible import (
     folds,
     grids,
     score_modifiers,
+    visible_ranges,
 )
 from .runtime.watchdog import watch
 
@@ -428,11 +429,8 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     spare = np.empty_like(pkg) if size > 1 else None
     del mine_k, krows, qrows, mine_q
 
-    # visible key ranges of each dealt query row (the mask is a function of positions):
-    # (L, cq), row i sees p when lo[t, i] <= p <= hi[t, i] for some layer t (one layer, or
-    # the sorted disjoint intervals of a mask of slices)
-    layers = mask.layers(q_mine) or [(np.ones(cq), np.zeros(cq))]
-    lo, hi = (np.stack(x).astype(np.int64) for x in zip(*layers))
+    # visible key ranges of each dealt query row (the mask is a function of positions)
+    lo, hi, _ = visible_ranges(mask, q_mine)
     # softcap and ALiBi (the forward's, on the dealt rows' positions); sinks: sink_grad
     cap, slopes, qa = score_modifiers(args.spec, mask, q_mine, heads, h)
     modified = cap is not None or slopes is not None

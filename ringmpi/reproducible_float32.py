@@ -52,7 +52,7 @@ from . import cost
 from .cpu import fused_reproducible_float32
 from .layout import positions
 from .mask import plan_steps
-from .reproducible import choose_kernel, deal_keys, finish
+from .reproducible import choose_kernel, deal_keys, finish, sees, visible_ranges
 from .ring import KVRing
 
 __all__ = [
@@ -189,8 +189,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     mask, layout = args.mask, args.layout
     rank, size = comm.Get_rank(), comm.Get_size()
     plan = plan_steps(mask, rank, size, layout)
-    layers = mask.layers(plan.q_pos) or [(np.ones(len(plan.q_pos)), np.zeros(len(plan.q_pos)))]
-    lo, hi = (np.ascontiguousarray(np.stack(x), dtype=np.int64) for x in zip(*layers))
+    lo, hi, span = visible_ranges(mask, plan.q_pos)
     b, h, sq, d = qi.shape
     hkv, dv = ki.shape[1], vi.shape[-1]
     nk = int(args.nk)
@@ -216,13 +215,11 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     state = (ref, l_lev, o_lev, l_grid, v_grid)
     stats = dict(compute_s=0.0, wait_s=0.0, flops=0, tile_flops=0, bytes_sent=0)
     computed = 0
-    seen = lo <= hi
-    row_lo, row_hi = (lo[seen].min(), hi[seen].max()) if seen.any() else (1, 0)
     kv_ring = KVRing(comm, args.backend, kd, vd, counts, size)
     with kv_ring as kv:
         for step, src, kb, vb in kv:
             k_pos = np.arange(starts[src], starts[src] + counts[src], dtype=np.int64)
-            if counts[src] and seen.any() and k_pos[0] <= row_hi and k_pos[-1] >= row_lo:
+            if sees(span, k_pos):
                 t0 = time.perf_counter()
                 if kern is not None:
                     kt, vp = kern.pad_keys(kb), kern.pad_values(vb)

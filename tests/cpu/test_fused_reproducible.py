@@ -11,16 +11,14 @@ the result against the dense float64 reference (the rule of
 import numpy as np
 import pytest
 from mpi4py import MPI
-from tools.fingerprint import digest
 from tools.modcases import MODS
-from tools.reprokernels import by_every_path, isa_objects
+from tools.reprokernels import by_every_path, flags_keep_the_bits, isa_objects
 from tools.slicecases import builder_cases, dense_of, random_slices
 
 import ringmpi
 from ringmpi import reproducible
 from ringmpi.cpu import fused_reproducible
 from ringmpi.cpu.isa import host_isas
-from ringmpi.cpu.loader import Loader
 from ringmpi.reference import attention
 from ringmpi.testing import assert_close, dense, random_qkv
 
@@ -32,10 +30,6 @@ MASKS = {
     "window": dict(window=(37, 5)),
     "packed causal window": dict(cu_seqlens=np.array(CU), causal=True, window=(20, -1)),
 }
-
-
-def _call(q, k, v, kw):
-    return ringmpi.ring_attention(q, k, v, SELF, return_lse=True, reproducible=True, **kw)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -144,15 +138,9 @@ def test_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch,
     (softcap's tanh and ALiBi's products included)."""
     q, k, v = random_qkv(np.random.default_rng(2), 150, 2, 1, 16, realistic=True)
     kw = dict(causal=True, softcap=2.0, alibi_slopes=[0.25, 0.0625])
-    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
-    want = digest(*_call(q, k, v, kw))
-    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
-    fresh = Loader(fused_reproducible.ReproKernel, "reproducible C kernel", warn=False)
-    monkeypatch.setattr(fused_reproducible, "LOADER", fresh)
-    assert digest(*_call(q, k, v, kw)) == want
-    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
-    assert digest(*_call(q, k, v, kw)) == want
+    flags_keep_the_bits(
+        fused_reproducible, fused_reproducible.ReproKernel, q, k, v, kw, monkeypatch, tmp_path
+    )
 
 
 def test_det_exp_accuracy_and_edges():

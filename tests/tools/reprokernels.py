@@ -2,7 +2,8 @@
 
 ``isa_objects`` compiles a kernel for every x86 ISA path (the ones the host cannot run too)
 with the kernel's own flags and returns each build's disassembly; ``fma_instructions``
-lists the fused multiply-adds in one. ``by_every_path`` runs one forward call by the numpy
+lists the fused multiply-adds in one; ``flags_keep_the_bits`` checks that $RINGMPI_CFLAGS
+cannot change a kernel's bits. ``by_every_path`` runs one forward call by the numpy
 oracle and by both forward kernels (the float64 method's and the float32 method's) built
 for every ISA path the host executes, and checks that every result has the numpy bits.
 """
@@ -18,6 +19,7 @@ from mpi4py import MPI
 import ringmpi
 from ringmpi.cpu import build, fused_reproducible, fused_reproducible_float32
 from ringmpi.cpu.isa import host_isas, is_x86
+from ringmpi.cpu.loader import Loader
 from ringmpi.runtime.kernel_files import kernel_path
 from tools.fingerprint import digest
 
@@ -56,7 +58,7 @@ def fma_instructions(dis: str) -> list:
     return re.findall(r"\bvf(?:n?m(?:add|sub)|maddsub|msubadd)\w*", dis)
 
 
-def _call(q, k, v, kw):
+def call(q, k, v, kw):
     return ringmpi.ring_attention(q, k, v, MPI.COMM_SELF, return_lse=True, reproducible=True, **kw)
 
 
@@ -64,12 +66,27 @@ def by_every_path(q, k, v, kw, monkeypatch) -> dict:
     """{"numpy": (out, lse), "<isa>": (out, lse), ...} of the same reproducible call, each
     with the numpy code's bits (an assertion naming the paths that differ)."""
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
-    got = {"numpy": _call(q, k, v, kw)}
+    got = {"numpy": call(q, k, v, kw)}
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
     for isa in host_isas():  # float32 inputs run the float32 method's kernel (its loader)
         with fused_reproducible.LOADER.pinned(isa), fused_reproducible_float32.LOADER.pinned(isa):
-            got[isa] = _call(q, k, v, kw)
+            got[isa] = call(q, k, v, kw)
     want = digest(*got["numpy"])
     bad = [name for name, res in got.items() if digest(*res) != want]
     assert not bad, f"{kw}: {bad} differ from the numpy code"
     return got
+
+
+def flags_keep_the_bits(module, kernel_class, q, k, v, kw, monkeypatch, tmp_path) -> None:
+    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: a fresh build of ``module``'s
+    kernel (a private cache) gives the bits of the cached one and of the numpy code (the
+    kernel's own flags come after the environment's and win)."""
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
+    want = digest(*call(q, k, v, kw))
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
+    fresh = Loader(kernel_class, "reproducible kernel (test build)", warn=False)
+    monkeypatch.setattr(module, "LOADER", fresh)
+    assert digest(*call(q, k, v, kw)) == want
+    monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
+    assert digest(*call(q, k, v, kw)) == want
