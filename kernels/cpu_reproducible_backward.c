@@ -48,7 +48,6 @@ int rmb_simd_width_bytes(void) { return RMR_WIDTH; }
 #define RMB_TBIG 709.0 /* s - lse above this: p is reported as +inf (see the header) */
 
 int64_t rmb_tile_keys(void) { return RMB_BK; }
-#define RMB_LN2 0x1.62e42fefa39efp-1 /* reproducible_float32.LN2 */
 
 /* The chains' vectors: one register of the path (AVX-512 zmm, AVX2 ymm, SSE2 xmm). */
 #if defined(__AVX512F__)
@@ -170,7 +169,7 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
                  int64_t Dk, int64_t Dv, double scale, int64_t folds, const double *qgrid,
                  const double *kgrid, const double *vgrid, double *const *dq,
                  double *const *dk, double *const *dv, double *pmax, int64_t mods, double cap,
-                 const double *slopes, const int64_t *qa, const int64_t *kp, double narrow) {
+                 const double *slopes, const int64_t *qa, const int64_t *kp) {
     const int64_t *qs = st, *dos = st + 3, *ls = st + 6, *es = st + 9, *ks = st + 12;
     const int64_t *vs = st + 15, *dqs = st + 18, *dks = st + 21, *dvs = st + 24;
     if (B < 0 || H < 1 || Hkv < 1 || H % Hkv || r < 0 || r > RMB_BK || c < 0 || c > RMB_BK ||
@@ -214,22 +213,7 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
                 for (int64_t j = 0; j < c; j++) kT[d * RMB_BK + j] = kh_[j * ks[2] + d];
             for (int64_t d = 0; d < Dv; d++)
                 for (int64_t j = 0; j < c; j++) vT[d * RMB_BK + j] = vh[j * vs[2] + d];
-            if (narrow > 0) { /* the float32 forward's t (reproducible_backward.narrow_scores) */
-                const float c32 = (float)narrow;
-                float kf[Dk * RMB_BK], qv[Dk], tr[RMB_BK];
-                for (int64_t d = 0; d < Dk; d++)
-                    for (int64_t j = 0; j < RMB_BK; j++) kf[d * RMB_BK + j] = (float)kT[d * RMB_BK + j];
-                for (int64_t i = 0; i < r; i++) {
-                    for (int64_t d = 0; d < Dk; d++) qv[d] = (float)qh[i * qs[2] + d] * c32;
-                    for (int64_t j = 0; j < RMB_BK; j++) tr[j] = 0.0f;
-                    for (int64_t d = 0; d < Dk; d++)
-                        for (int64_t j = 0; j < RMB_BK; j++)
-                            tr[j] = rmr_fmaf(qv[d], kf[d * RMB_BK + j], tr[j]);
-                    for (int64_t j = 0; j < RMB_BK; j++) sp[i * RMB_BK + j] = (double)tr[j];
-                }
-            } else {
-                rmb_chain(qh, qs[2], 1, kT, RMB_BK, r, Dk, c, sp, RMB_BK); /* s before the scale */
-            }
+            rmb_chain(qh, qs[2], 1, kT, RMB_BK, r, Dk, c, sp, RMB_BK); /* s before the scale */
             rmb_chain(doh, dos[2], 1, vT, RMB_BK, r, Dv, c, dpds, RMB_BK); /* dp */
             for (int64_t i = 0; i < r; i++) {
                 const double li = lse[bb * ls[0] + h * ls[1] + i * ls[2]];
@@ -239,7 +223,7 @@ int64_t rmb_tile(const double *q, const double *dO, const double *lse, const dou
                 for (int64_t j0 = 0; j0 < cw; j0 += 8) {
                     v8i vm;
                     memcpy(&vm, vmask + i * RMB_BK + j0, sizeof vm);
-                    v8 x = ld8(si + j0) * (narrow > 0 ? RMB_LN2 : scale), dm = {0};
+                    v8 x = ld8(si + j0) * scale, dm = {0};
                     if (mods) x = rmr_mod8(x, mods, cap, icap, slope, qd, ld8(kd + j0), &dm);
                     const v8 t = x - li;
                     const v8 p = sel8(vm, rmr_exp8(t), (v8){0});

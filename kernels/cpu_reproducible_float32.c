@@ -22,6 +22,8 @@
  * without -ffast-math (cpu_reproducible_math.h checks what the preprocessor can see), so the
  * compiler may vectorize across rows, keys and columns but neither fuse nor reassociate.
  */
+#include <stdlib.h>
+
 #include "cpu_reproducible_math.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -432,5 +434,314 @@ int64_t rmf_block(const float *qs, const float *kt, const float *v, const int64_
                 }
             }
         }
+    return 0;
+}
+
+/* ===================================================================== the backward ====
+ * One (query block, key block) tile of the float32 method's backward
+ * (reproducible_float32.backward_tile, its numpy oracle), every batch and head. Rows and
+ * keys come in chains of 64 (a block's rows i0 + 64 a.., its keys 64 c..; past the block's
+ * last row or key, zero padding that no row sees). Per (batch, head) and sub-tile (a, c)
+ * in which some row sees some key (others are skipped: they would add +0):
+ *
+ *   t_ij  = fma chain over d of qs_id k_jd from +0 (the forward's scores)
+ *   u_ij  = min((t_ij - lh_i) - ll_i, 2) (lh + ll: lse / ln 2 split in two float32)
+ *   p_ij  = rmf_exp2(u_ij) where row i sees key j, else 0
+ *   dp_ij = fma chain over d of do_id v_jd from +0;   ds_ij = p_ij (dp_ij - dl_i)
+ *   dq_ic = fma chain over the chain's 64 keys of ds_ij k_jd, from +0, key order
+ *   dk_ja = fma chain over the chain's 64 rows of ds_ij q_id, from +0, row order
+ *   dv_ja = fma chain over the chain's 64 rows of p_ij do_id, from +0, row order
+ *
+ * The block partials are float64 sums from +0 in chain order: dQ_i = (0 + dq_i0) + dq_i1 ..
+ * over c, dK_j, dV_j over a; each is folded on the caller's grids into its fold sums
+ * (for f < F: hi = (x + g_f) - g_f, sum_f += hi, x = x - hi), whose every addition is exact.
+ * All five products are one register-tiled pattern (rmf_chain), the same operations lane by
+ * lane whatever the tiling or the vector width. */
+
+/* register tiles of the chains: RMF_BR outputs x RMF_BN vectors (RMF_BR x RMF_BN accumulators,
+ * RMF_BN loads and a broadcast in the register file), the last 64 % RMF_BR outputs 4 at a time */
+#if defined(__AVX512F__)
+#define RMF_BR 12
+#else
+#define RMF_BR 6
+#endif
+#define RMF_BN 2
+#define RMF_BW (RMF_BN * RMF_VN) /* the columns of one register tile; D is padded to them */
+#define RMF_MAXF 4               /* fold levels at most (ringmpi.reproducible.folds) */
+#define RMF_KG 4                 /* key blocks per group of a ring step (rmf_backward) */
+
+int64_t rmf_backward_width(void) { return RMF_BW; }
+
+/* NR outputs from o: out[o + r][col] = fma chain over t < n of a[(o + r) ao + t at]
+ * x[t ldx + col], from +0, col < nc (a multiple of RMF_BW) */
+#define RMF_CHAIN_ROWS(NAME, NR)                                                              \
+    static inline void NAME(const float *a, int64_t ao, int64_t at, const float *x,           \
+                            int64_t ldx, int64_t n, int64_t nc, float *out, int64_t ldo) {    \
+        for (int64_t col = 0; col < nc; col += RMF_BW) {                                      \
+            vf acc[NR][RMF_BN];                                                               \
+            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
+                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++) acc[r][c] = (vf){0}; \
+            for (int64_t t = 0; t < n; t++) {                                                 \
+                vf xv[RMF_BN];                                                                \
+                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                      \
+                    xv[c] = ldf(x + t * ldx + col + c * RMF_VN);                              \
+                _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++) {                       \
+                    const vf b = splat(a[r * ao + t * at]);                                   \
+                    _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                  \
+                        acc[r][c] = rmf_fmav(b, xv[c], acc[r][c]);                            \
+                }                                                                             \
+            }                                                                                 \
+            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
+                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                      \
+                    stf(out + r * ldo + col + c * RMF_VN, acc[r][c]);                         \
+        }                                                                                     \
+    }
+RMF_CHAIN_ROWS(rmf_chain_main, RMF_BR)
+RMF_CHAIN_ROWS(rmf_chain_four, 4)
+
+/* out[o][col] for o < 64: RMF_BR outputs at a time, then 4 (64 = 4 mod RMF_BR) */
+static void rmf_chain(const float *a, int64_t ao, int64_t at, const float *x, int64_t ldx,
+                      int64_t n, int64_t nc, float *out, int64_t ldo) {
+    int64_t o = 0;
+    for (; o + RMF_BR <= RMF_CH; o += RMF_BR)
+        rmf_chain_main(a + o * ao, ao, at, x, ldx, n, nc, out + o * ldo, ldo);
+    for (; o < RMF_CH; o += 4) rmf_chain_four(a + o * ao, ao, at, x, ldx, n, nc, out + o * ldo, ldo);
+}
+_Static_assert(RMF_CH % RMF_BR % 4 == 0, "the chains' last outputs go 4 at a time");
+
+/* acc[i][d] += (double)x[i][d] for i < n, d < nc */
+static void rmf_widen_add(double *acc, int64_t lda, const float *x, int64_t ldx, int64_t n,
+                          int64_t nc) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < nc; d++) acc[i * lda + d] = acc[i * lda + d] + (double)x[i * ldx + d];
+}
+
+/* Fold x[0..n) into the sums s[f][0..n) on the grid rows g[f][0..n), f < F */
+static void rmf_fold_row(const double *x, int64_t n, int64_t F, double *const s[],
+                         const double *const g[]) {
+    double y[n];
+    for (int64_t d = 0; d < n; d++) y[d] = x[d];
+    for (int64_t f = 0; f < F; f++) {
+        double *sf = s[f];
+        const double *gf = g[f];
+        for (int64_t d = 0; d < n; d++) {
+            const double h = (y[d] + gf[d]) - gf[d];
+            sf[d] = sf[d] + h;
+            y[d] = y[d] - h;
+        }
+    }
+}
+
+/* The tile. Arrays (C-contiguous; "rows" of the dealt query rows, "keys" of the key arrays):
+ * qs, q: (B, H, Sq, Dkp); dO: (B, H, Sq, Dvp); lh, ll, dl: (B, H, Sq) float32; k: (B, Hkv, Sk,
+ * Dkp), v: (B, Hkv, Sk, Dvp) float32 (columns past Dk, Dv zero; Dkp, Dvp multiples of RMF_BW).
+ * The tile: rows row0 .. row0 + nr - 1 (nr <= 256; the arrays hold zero rows up to the next
+ * multiple of 64), keys key0 .. key0 + nk - 1 (nk <= 256, zero keys likewise) at the global
+ * positions kpos0, kpos0 + 1, ...; lo, hi (nlay, Sq): row i sees position p when
+ * lo[l][i] <= p <= hi[l][i] for some l.
+ * qgrid (F, B, H, Dk), kgrid (F, B, Hkv, Dk), vgrid (F, B, Hkv, Dv): the grids; dq[f]: the
+ * tile's first row's dq fold sums, (b, h, i) strides dqs; dk[f], dv[f]: the tile's first key's
+ * sums, (b, kv head, j) strides dks, dvs; the last axis contiguous.
+ * pmax: the largest p (NaN if some p is NaN); pairs: the visible (row, key) pairs.
+ * Returns 0; -1 for a bad argument; -2 without scratch memory. */
+static int64_t rmf_backward_tile(const float *qs, const float *q, const float *dO, const float *lh,
+                     const float *ll, const float *dl, const float *k, const float *v,
+                     const int64_t *lo, const int64_t *hi, int64_t nlay, int64_t B, int64_t H,
+                     int64_t Hkv, int64_t Sq, int64_t Sk, int64_t Dk, int64_t Dkp, int64_t Dv,
+                     int64_t Dvp, int64_t row0, int64_t nr, int64_t key0, int64_t nk,
+                     int64_t kpos0, int64_t F, const double *qgrid, const double *kgrid,
+                     const double *vgrid, double *const *dq, const int64_t *dqs,
+                     double *const *dk, const int64_t *dks, double *const *dv,
+                     const int64_t *dvs, double *pmax, int64_t *pairs) {
+    if (B < 0 || H < 1 || Hkv < 1 || H % Hkv || nr < 0 || nr > RMF_BK || nk < 0 || nk > RMF_BK ||
+        Dk < 1 || Dv < 1 || Dkp < Dk || Dvp < Dv || Dkp % RMF_BW || Dvp % RMF_BW || nlay < 1 ||
+        F < 1 || F > RMF_MAXF || row0 < 0 || key0 < 0 || !pmax || !pairs)
+        return -1;
+    const int64_t na = (nr + RMF_CH - 1) / RMF_CH, nc = (nk + RMF_CH - 1) / RMF_CH;
+    if (row0 + na * RMF_CH > Sq || key0 + nc * RMF_CH > Sk) return -1;
+    *pmax = 0.0;
+    *pairs = 0;
+    if (B == 0 || nr == 0 || nk == 0) return 0;
+    const int64_t g = H / Hkv, dm = Dkp > Dvp ? Dkp : Dvp;
+    const size_t nvis = (size_t)RMF_BK * RMF_BK, nkt = (size_t)RMF_BK * (Dk + Dv);
+    const size_t n32 = nvis + nkt + 3 * RMF_CH * RMF_CH + (size_t)RMF_CH * dm;
+    const size_t n64 = (size_t)RMF_CH * Dkp + (size_t)RMF_BK * (Dkp + Dvp);
+    /* scratch kept per thread between calls (fresh pages on every call cost ~6%) */
+    static __thread double *buf64 = NULL;
+    static __thread float *buf32 = NULL;
+    static __thread size_t have64 = 0, have32 = 0;
+    if (n64 > have64 || n32 > have32) {
+        free(buf64);
+        free(buf32);
+        buf64 = malloc(n64 * sizeof(double));
+        buf32 = malloc(n32 * sizeof(float));
+        have64 = buf64 && buf32 ? n64 : 0;
+        have32 = buf64 && buf32 ? n32 : 0;
+        if (!have64) return -2;
+    }
+    memset(buf32, 0, n32 * sizeof(float)); /* the masks, and finite values in every lane */
+    int32_t *keep = (int32_t *)buf32;             /* (256, 256) lane masks: -1 row i sees key j */
+    float *kT = buf32 + nvis, *vT = kT + (size_t)RMF_BK * Dk; /* per chain c: (D, 64) */
+    float *sp = vT + (size_t)RMF_BK * Dv, *dpds = sp + RMF_CH * RMF_CH;
+    float *part = dpds + RMF_CH * RMF_CH;         /* (64, dm): one chain's products */
+    double *dq64 = buf64, *dk64 = dq64 + RMF_CH * Dkp, *dv64 = dk64 + (size_t)RMF_BK * Dkp;
+    /* visibility: every row of the tile against its keys (consecutive positions) */
+    int sub[RMF_NC][RMF_NC] = {{0}};
+    int64_t count = 0;
+    for (int64_t i = 0; i < nr; i++) {
+        int32_t *ki = keep + i * RMF_BK;
+        for (int64_t l = 0; l < nlay; l++) {
+            int64_t a = lo[l * Sq + row0 + i] - kpos0, b = hi[l * Sq + row0 + i] - kpos0;
+            a = a < 0 ? 0 : a;
+            b = b > nk - 1 ? nk - 1 : b;
+            for (int64_t j = a; j <= b; j++) ki[j] = -1;
+        }
+        for (int64_t j = 0; j < nk; j++)
+            if (ki[j]) {
+                count++;
+                sub[i / RMF_CH][j / RMF_CH] = 1;
+            }
+    }
+    *pairs = count;
+    vf pm = {0};
+    vi nanv = {0};
+    for (int64_t bb = 0; bb < B; bb++)
+        for (int64_t kh = 0; kh < Hkv; kh++) {
+            const float *kb = k + ((bb * Hkv + kh) * Sk + key0) * Dkp;
+            const float *vb = v + ((bb * Hkv + kh) * Sk + key0) * Dvp;
+            /* k^T, v^T per chain of 64 keys: (D, 64) */
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t j = 0; j < RMF_CH; j++) {
+                    const float *kj = kb + (c * RMF_CH + j) * Dkp, *vj = vb + (c * RMF_CH + j) * Dvp;
+                    for (int64_t d = 0; d < Dk; d++) kT[(c * Dk + d) * RMF_CH + j] = kj[d];
+                    for (int64_t d = 0; d < Dv; d++) vT[(c * Dv + d) * RMF_CH + j] = vj[d];
+                }
+            for (int64_t h = kh * g; h < (kh + 1) * g; h++) {
+                const int64_t hr = (bb * H + h) * Sq + row0;
+                for (size_t x = 0; x < (size_t)RMF_BK * (Dkp + Dvp); x++) dk64[x] = 0.0;
+                const double *gq[RMF_MAXF], *gk[RMF_MAXF], *gv[RMF_MAXF];
+                for (int64_t f = 0; f < F; f++) {
+                    gq[f] = qgrid + ((f * B + bb) * H + h) * Dk;
+                    gk[f] = kgrid + ((f * B + bb) * Hkv + kh) * Dk;
+                    gv[f] = vgrid + ((f * B + bb) * Hkv + kh) * Dv;
+                }
+                for (int64_t a = 0; a < na; a++) {
+                    const int64_t ir = hr + a * RMF_CH; /* the chain's first row */
+                    const float *qsa = qs + ir * Dkp, *qa = q + ir * Dkp, *doa = dO + ir * Dvp;
+                    for (size_t x = 0; x < (size_t)RMF_CH * Dkp; x++) dq64[x] = 0.0;
+                    for (int64_t c = 0; c < nc; c++) {
+                        if (!sub[a][c]) continue;
+                        rmf_chain(qsa, Dkp, 1, kT + c * Dk * RMF_CH, RMF_CH, Dk, RMF_CH, sp, RMF_CH);
+                        rmf_chain(doa, Dvp, 1, vT + c * Dv * RMF_CH, RMF_CH, Dv, RMF_CH, dpds,
+                                  RMF_CH);
+                        const vf two = (vf){0} + 2.0f, zero = {0};
+                        for (int64_t i = 0; i < RMF_CH; i++) {
+                            const vf lhi = splat(lh[ir + i]), lli = splat(ll[ir + i]);
+                            const vf dli = splat(dl[ir + i]);
+                            const int32_t *ki = keep + (a * RMF_CH + i) * RMF_BK + c * RMF_CH;
+                            float *si = sp + i * RMF_CH, *di = dpds + i * RMF_CH;
+                            for (int64_t j = 0; j < RMF_CH; j += RMF_VN) {
+                                vf u = (ldf(si + j) - lhi) - lli;
+                                u = self(u > two, two, u);
+                                const vf p = self(*(const vi *)(ki + j), rmf_exp2(u), zero);
+                                stf(si + j, p);
+                                stf(di + j, p * (ldf(di + j) - dli));
+                                nanv |= p != p;
+                                pm = self(p > pm, p, pm);
+                            }
+                        }
+                        rmf_chain(dpds, RMF_CH, 1, kb + c * RMF_CH * Dkp, Dkp, RMF_CH, Dkp, part, dm);
+                        rmf_widen_add(dq64, Dkp, part, dm, RMF_CH, Dk);
+                        rmf_chain(dpds, 1, RMF_CH, qa, Dkp, RMF_CH, Dkp, part, dm);
+                        rmf_widen_add(dk64 + c * RMF_CH * Dkp, Dkp, part, dm, RMF_CH, Dk);
+                        rmf_chain(sp, 1, RMF_CH, doa, Dvp, RMF_CH, Dvp, part, dm);
+                        rmf_widen_add(dv64 + c * RMF_CH * Dvp, Dvp, part, dm, RMF_CH, Dv);
+                    }
+                    double *acc[RMF_MAXF];
+                    for (int64_t i = 0; i < RMF_CH && a * RMF_CH + i < nr; i++) {
+                        const int64_t il = a * RMF_CH + i;
+                        for (int64_t f = 0; f < F; f++)
+                            acc[f] = dq[f] + bb * dqs[0] + h * dqs[1] + il * dqs[2];
+                        rmf_fold_row(dq64 + i * Dkp, Dk, F, acc, gq);
+                    }
+                }
+                double *acc[RMF_MAXF];
+                for (int64_t j = 0; j < nk; j++) {
+                    for (int64_t f = 0; f < F; f++) acc[f] = dk[f] + bb * dks[0] + kh * dks[1] + j * dks[2];
+                    rmf_fold_row(dk64 + j * Dkp, Dk, F, acc, gk);
+                    for (int64_t f = 0; f < F; f++) acc[f] = dv[f] + bb * dvs[0] + kh * dvs[1] + j * dvs[2];
+                    rmf_fold_row(dv64 + j * Dvp, Dv, F, acc, gv);
+                }
+            }
+        }
+    float m = 0.0f;
+    int nan = 0;
+    for (int l = 0; l < RMF_VN; l++) {
+        nan |= nanv[l] != 0;
+        m = pm[l] > m ? pm[l] : m;
+    }
+    *pmax = nan ? NAN : (double)m;
+    return 0;
+}
+
+/* One ring step: every (256-row block, 256-key block) tile of the rows 0 .. nrows - 1 and the
+ * keys 0 .. nkeys - 1 (at the global positions kpos0, kpos0 + 1, ...; kpos0 a block's first)
+ * in which some row's ranges meet the block's positions (rmf_backward_tile skips the
+ * 64 x 64 sub-tiles that no row sees). The arrays as rmf_backward_tile takes them; dq[f]: the
+ * fold sums of row 0, dk[f], dv[f]: those of key 0. pmax, pairs: over the tiles; cells: the
+ * tiles' rows x keys. Returns 0, -1 for a bad argument, -2 without scratch memory. */
+int64_t rmf_backward(const float *qs, const float *q, const float *dO, const float *lh,
+                     const float *ll, const float *dl, const float *k, const float *v,
+                     const int64_t *lo, const int64_t *hi, int64_t nlay, int64_t B, int64_t H,
+                     int64_t Hkv, int64_t Sq, int64_t Sk, int64_t Dk, int64_t Dkp, int64_t Dv,
+                     int64_t Dvp, int64_t nrows, int64_t nkeys, int64_t kpos0, int64_t F,
+                     const double *qgrid, const double *kgrid, const double *vgrid,
+                     double *const *dq, const int64_t *dqs, double *const *dk,
+                     const int64_t *dks, double *const *dv, const int64_t *dvs, double *pmax,
+                     int64_t *pairs, int64_t *cells) {
+    if (nrows < 0 || nkeys < 0 || nrows > Sq || nkeys > Sk || nlay < 1 || F < 1 ||
+        F > RMF_MAXF || !pmax || !pairs || !cells)
+        return -1;
+    *pmax = 0.0;
+    *pairs = 0;
+    *cells = 0;
+    int nan = 0;
+    /* groups of RMF_KG key blocks, each against every row block: the fold sums of the group's
+     * keys stay in the caches while the rows pass (the order changes no bit: every fold sum
+     * is exact) */
+    for (int64_t g0 = 0; g0 < nkeys; g0 += RMF_KG * RMF_BK)
+    for (int64_t r0 = 0; r0 < nrows; r0 += RMF_BK) {
+        const int64_t nr = nrows - r0 < RMF_BK ? nrows - r0 : RMF_BK;
+        int64_t blo = INT64_MAX, bhi = INT64_MIN; /* the union of the block's ranges */
+        for (int64_t l = 0; l < nlay; l++)
+            for (int64_t i = r0; i < r0 + nr; i++) {
+                const int64_t a = lo[l * Sq + i], b = hi[l * Sq + i];
+                if (a > b) continue;
+                blo = a < blo ? a : blo;
+                bhi = b > bhi ? b : bhi;
+            }
+        for (int64_t c0 = g0; c0 < nkeys && c0 < g0 + RMF_KG * RMF_BK; c0 += RMF_BK) {
+            const int64_t nk = nkeys - c0 < RMF_BK ? nkeys - c0 : RMF_BK;
+            if (blo > kpos0 + c0 + nk - 1 || bhi < kpos0 + c0) continue;
+            double *dqf[RMF_MAXF], *dkf[RMF_MAXF], *dvf[RMF_MAXF];
+            for (int64_t f = 0; f < F; f++) {
+                dqf[f] = dq[f] + r0 * dqs[2];
+                dkf[f] = dk[f] + c0 * dks[2];
+                dvf[f] = dv[f] + c0 * dvs[2];
+            }
+            double pm;
+            int64_t pr;
+            const int64_t rc = rmf_backward_tile(
+                qs, q, dO, lh, ll, dl, k, v, lo, hi, nlay, B, H, Hkv, Sq, Sk, Dk, Dkp, Dv, Dvp, r0,
+                nr, c0, nk, kpos0 + c0, F, qgrid, kgrid, vgrid, dqf, dqs, dkf, dks, dvf, dvs, &pm,
+                &pr);
+            if (rc) return rc;
+            nan |= pm != pm;
+            *pmax = pm > *pmax ? pm : *pmax;
+            *pairs += pr;
+            *cells += nr * nk;
+        }
+    }
+    if (nan) *pmax = NAN;
     return 0;
 }

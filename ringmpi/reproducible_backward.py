@@ -41,13 +41,14 @@ argument and the limits.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
 from . import cost, reproducible_float32
 from .arguments import report
-from .cpu import fused_reproducible_backward
+from .cpu import fused_reproducible_backward, fused_reproducible_float32
 from .layout import positions
 from .parallel import HeadGroups
 from .reproducible import (
@@ -179,14 +180,14 @@ def sink_grad(comm, args, dout, out, lse, heads=slice(None), world=None):
     return (-_total(list(parts))).astype(args.acc_dtype)
 
 
-def _starts(n: int, size: int) -> list:
+def _starts(n: int, size: int, block: int = KEY_BLOCK) -> list:
     """Rank r holds the global blocks [r nb / P, (r + 1) nb / P): their first positions."""
-    nb = -(-n // KEY_BLOCK)
-    return [min(r * nb // size * KEY_BLOCK, n) for r in range(size + 1)]
+    nb = -(-n // block)
+    return [min(r * nb // size * block, n) for r in range(size + 1)]
 
 
-def block_owners(n: int, size: int, balanced: bool = False):
-    """(nb,) the rank that holds each global block of 64 positions (nb = ceil(n / 64)).
+def block_owners(n: int, size: int, balanced: bool = False, block: int = KEY_BLOCK):
+    """(nb,) the rank that holds each global block of ``block`` positions (nb = ceil(n / block)).
 
     Not balanced: rank r holds the blocks [r nb / P, (r + 1) nb / P) (as
     :func:`ringmpi.reproducible.deal_keys`). Balanced: the blocks cut into 2P runs
@@ -194,7 +195,7 @@ def block_owners(n: int, size: int, balanced: bool = False):
     of blocks: under a causal mask every rank gets early and late rows). The choice
     moves work between ranks, never a bit.
     """
-    nb = -(-n // KEY_BLOCK)
+    nb = -(-n // block)
     c = np.arange(nb, dtype=np.int64)
     if not balanced:
         return np.searchsorted(np.arange(size) * nb // size, c, side="right") - 1
@@ -202,8 +203,8 @@ def block_owners(n: int, size: int, balanced: bool = False):
     return np.where(run < size, run, 2 * size - 1 - run)
 
 
-def deal_rows(comm, rows, pos, n: int, balanced: bool = False):
-    """Rows (one per global position) dealt out in whole global blocks of 64 positions.
+def deal_rows(comm, rows, pos, n: int, balanced: bool = False, block: int = KEY_BLOCK):
+    """Rows (one per global position) dealt out in whole global blocks of ``block`` positions.
 
     Rank r gets the blocks :func:`block_owners` gives it, rows in position order.
 
@@ -223,17 +224,17 @@ def deal_rows(comm, rows, pos, n: int, balanced: bool = False):
     mine : (count, W) float64
         The rows of this rank's blocks, in position order.
     mine_pos : (count,) int64
-        Their positions: whole blocks, ascending (each block starts at a multiple of 64).
+        Their positions: whole blocks, ascending (each starts at a multiple of ``block``).
     back : tuple
         What :func:`undeal_rows` needs to send rows of ``mine``'s shape back.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    owner = block_owners(n, size, balanced)
+    owner = block_owners(n, size, balanced, block)
     blocks = np.flatnonzero(owner == rank)
-    mine_pos = np.arange(n, dtype=np.int64)[np.isin(np.arange(n) // KEY_BLOCK, blocks)]
+    mine_pos = np.arange(n, dtype=np.int64)[np.isin(np.arange(n) // block, blocks)]
     pos = np.asarray(pos, dtype=np.int64)
     width = rows.shape[1]
-    dest = owner[pos // KEY_BLOCK] if len(pos) else np.zeros(0, dtype=np.int64)
+    dest = owner[pos // block] if len(pos) else np.zeros(0, dtype=np.int64)
     order = np.argsort(dest, kind="stable")
     send_n = np.bincount(dest, minlength=size).astype(np.int64)
     recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
@@ -354,6 +355,12 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     q_pos = positions(nq, rank, size, layout, cu_seqlens=mask.cu_q, mask=mask)
     k_pos = positions(nk, rank, size, layout, cu_seqlens=mask.cu_k, mask=mask)
     nql, nkl = len(q_pos), len(k_pos)
+    # the forward's scores: float32 chains where its float32 method ran (the same test);
+    # then the float32 backward (reproducible_float32.backward_step) on its 256-position blocks
+    narrow, blk = None, KEY_BLOCK
+    if reproducible_float32.eligible(args.spec, args.tile_dtype, nk):
+        narrow = float(np.float32(float(args.scale) * reproducible_float32.LOG2E))
+        blk = reproducible_float32.BLOCK
 
     # delta_i: a fixed chain per row, the same number on whichever rank the row is
     do64 = np.asarray(dout, dtype=np.float64)[:, :, :nql]
@@ -371,7 +378,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         axis=-1,
     )  # (B, H, nql, Dk + Dv + 2)
     qrows = np.moveaxis(qrows, 2, 0).reshape(nql, b * wq)
-    mine_q, q_mine, back_q = deal_rows(comm, qrows, q_pos, nq, balanced=True)
+    mine_q, q_mine, back_q = deal_rows(comm, qrows, q_pos, nq, balanced=True, block=blk)
     cq = len(q_mine)
     qd = np.moveaxis(mine_q.reshape(cq, b, h, dk_w + dv_w + 2), 0, 2)  # (B, H, cq, .)
     qq, qdo = qd[..., :dk_w], qd[..., dk_w : dk_w + dv_w]
@@ -381,9 +388,9 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         axis=-1,
     )
     krows = np.moveaxis(krows, 2, 0).reshape(nkl, b * hkv * (dk_w + dv_w))
-    mine_k, k_mine, back_k = deal_rows(comm, krows, k_pos, nk)
+    mine_k, k_mine, back_k = deal_rows(comm, krows, k_pos, nk, block=blk)
     ck = len(k_mine)
-    k_starts = _starts(nk, size)
+    k_starts = _starts(nk, size, blk)
     k_counts = [k_starts[r + 1] - k_starts[r] for r in range(size)]
 
     # global bounds (exact maxima, the same for every P): |k|, |v| per (batch, kv head,
@@ -411,21 +418,27 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         share.Allreduce(MPI.IN_PLACE, sb, op=MPI.MAX)
     sb = 2.0 * P_BOUND * sb
 
-    # the grids: dQ sums at most 64 nb_k summands per row; dK and dV 64 nb_q x G per key
-    n_k = -(-nk // KEY_BLOCK) * KEY_BLOCK
-    n_q = -(-nq // KEY_BLOCK) * KEY_BLOCK * (g if g_all is None else g_all)
-    nf = max(folds(n_k, np.float64), folds(n_q, np.float64))
+    # the grids: dQ sums at most blk nb_k summands per row; dK and dV blk nb_q x G per key
+    n_k = -(-nk // blk) * blk
+    n_q = -(-nq // blk) * blk * (g if g_all is None else g_all)
+    # float32 gradients of the float32 method: the folds of float32 results (2 up to 2^24)
+    kind = np.float64 if narrow is None else np.float32
+    nf = max(folds(n_k, kind), folds(n_q, kind))
     q_grid = [c[:, kh, None, :] for c in grids(n_k, sb[..., None] * kmax, nf)]
     k_grid = [c[:, :, None, None, :] for c in grids(n_q, sb[..., None] * qmax, nf)]
     v_grid = [c[:, :, None, None, :] for c in grids(n_q, P_BOUND * domax, nf)]
 
-    dq_parts = np.zeros((nf, b, h, cq, dk_w))
-    # the travelling package of a K/V block: per key (B, Hkv, Dk | Dv) for k | v, then per
-    # fold (B, Hkv, Dk | Dv) for dk | dv: the block's folds go round the ring with it
+    # the fold sums of a row (of a key) side by side: F levels far apart (at power-of-two
+    # distances) made the folds' additions miss the caches
+    dq_all = np.zeros((b, h, cq, nf, dk_w))
+    dq_parts = [dq_all[..., f, :] for f in range(nf)]
+    # the travelling package of a K/V block: per key (B, Hkv, Dk | Dv) for k | v, then the
+    # block's fold sums (B, Hkv, keys, F, Dk | Dv) for dk | dv: they go round the ring with it
     wk = b * hkv * (dk_w + dv_w)
     cmax = max(k_counts)
-    pkg = np.zeros((cmax, wk * (1 + nf)))
-    pkg[:ck, :wk] = mine_k
+    nkv = cmax * wk
+    pkg = np.zeros(nkv + b * hkv * cmax * nf * (dk_w + dv_w))
+    pkg[: ck * wk] = mine_k.reshape(-1)
     spare = np.empty_like(pkg) if size > 1 else None
     del mine_k, krows, qrows, mine_q
 
@@ -433,12 +446,17 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     lo, hi, _ = visible_ranges(mask, q_mine)
     # softcap and ALiBi (the forward's, on the dealt rows' positions); sinks: sink_grad
     cap, slopes, qa = score_modifiers(args.spec, mask, q_mine, heads, h)
-    modified = cap is not None or slopes is not None
-    tile, tile_name = _tile_function()
-    # the forward's scores: float32 chains where its float32 method ran (the same test)
-    narrow = None
-    if reproducible_float32.eligible(args.spec, args.tile_dtype, nk):
-        narrow = float(np.float32(float(args.scale) * reproducible_float32.LOG2E))
+    if narrow is None:
+        tile, tile_name = _tile_function()
+        mods = (cap, slopes, qa) if cap is not None or slopes is not None else None
+        run_step = partial(_step64, tile, (qq, qdo, qlse, qdelta), lo, hi, kh, args.scale,
+                           (q_grid, k_grid, v_grid), mods, dq_parts)  # fmt: skip
+    else:
+        tile32, tile_name, rows32 = _float32_rows(args, qd, dk_w, dv_w, lo, hi, narrow)
+        grids32 = tuple(np.ascontiguousarray(np.stack([x.reshape(x.shape[:2] + x.shape[-1:])
+                                                       for x in grid]))
+                        for grid in (q_grid, k_grid, v_grid))  # fmt: skip
+        run_step = partial(_step32, tile32, rows32, grids=grids32, dq_parts=dq_parts)
     p_max = 0.0
     pairs, tiles, compute_s = 0, 0, 0.0
     prev, nxt = (rank - 1) % size, (rank + 1) % size
@@ -446,41 +464,14 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         src = (rank - step) % size
         cnt, kstart = k_counts[src], k_starts[src]
         t0 = time.perf_counter()
-        kv = pkg[:cnt].reshape(cnt, 1 + nf, b, hkv, dk_w + dv_w)
-        kt = np.moveaxis(kv[:, 0, ..., :dk_w], 0, 2)  # (B, Hkv, cnt, Dk) views
-        vt = np.moveaxis(kv[:, 0, ..., dk_w:], 0, 2)
-        dk_f = [np.moveaxis(kv[:, 1 + f, ..., :dk_w], 0, 2) for f in range(nf)]
-        dv_f = [np.moveaxis(kv[:, 1 + f, ..., dk_w:], 0, 2) for f in range(nf)]
-        for c0 in range(0, cnt, KEY_BLOCK):  # kstart is a block's first key
-            c1 = min(cnt, c0 + KEY_BLOCK)
-            kp = np.arange(kstart + c0, kstart + c1, dtype=np.int64)
-            kb = np.ascontiguousarray(kt[:, kh, c0:c1])  # (B, H, c, Dk)
-            vb = np.ascontiguousarray(vt[:, kh, c0:c1])
-            for r0 in range(0, cq, KEY_BLOCK):  # whole blocks: a block starts at each r0
-                r1 = min(cq, r0 + KEY_BLOCK)
-                vis = ((kp >= lo[:, r0:r1, None]) & (kp <= hi[:, r0:r1, None])).any(axis=0)
-                if not vis.any():
-                    continue
-                pmax = tile(
-                    qq[:, :, r0:r1],
-                    qdo[:, :, r0:r1],
-                    qlse[:, :, r0:r1],
-                    qdelta[:, :, r0:r1],
-                    kb,
-                    vb,
-                    vis,
-                    args.scale,
-                    (q_grid, k_grid, v_grid),
-                    [x[:, :, r0:r1] for x in dq_parts],
-                    [x[:, :, c0:c1] for x in dk_f],
-                    [x[:, :, c0:c1] for x in dv_f],
-                    hkv,
-                    mods=(cap, slopes, None if qa is None else qa[r0:r1], kp) if modified else None,
-                    narrow=narrow,
-                )
-                p_max = max(p_max, pmax)
-                pairs += int(vis.sum())
-                tiles += (r1 - r0) * (c1 - c0)
+        kv = pkg[: cnt * wk].reshape(cnt, b, hkv, dk_w + dv_w)
+        kt = np.moveaxis(kv[..., :dk_w], 0, 2)  # (B, Hkv, cnt, Dk) views
+        vt = np.moveaxis(kv[..., dk_w:], 0, 2)
+        fk = pkg[nkv:].reshape(b, hkv, cmax, nf, dk_w + dv_w)[:, :, :cnt]
+        dk_f = [fk[..., f, :dk_w] for f in range(nf)]  # (B, Hkv, cnt, Dk) views
+        dv_f = [fk[..., f, dk_w:] for f in range(nf)]
+        pm, pr, tl = run_step(kt, vt, kstart, dk_f, dv_f)
+        p_max, pairs, tiles = max(p_max, pm), pairs + pr, tiles + tl
         compute_s += time.perf_counter() - t0
         if size > 1:  # the block and its folds to the next rank; after P hops it is home
             t0 = time.perf_counter()
@@ -503,12 +494,12 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     dq = _total(dq_parts) * args.scale  # (B, H, cq, Dk)
     dq = undeal_rows(comm, np.moveaxis(dq, 2, 0).reshape(cq, b * h * dk_w), back_q)
     dq = np.moveaxis(dq.reshape(nql, b, h, dk_w), 0, 2).astype(dtype)
+    fk = pkg[nkv:].reshape(b, hkv, cmax, nf, dk_w + dv_w)
     if share is not None:  # the other members' heads' parts of the same keys: exact sums
-        folds_here = np.ascontiguousarray(pkg[:ck, wk:])
+        folds_here = np.ascontiguousarray(fk)
         share.Allreduce(MPI.IN_PLACE, folds_here, op=MPI.SUM)
-        pkg[:ck, wk:] = folds_here
-    kv = pkg[:ck].reshape(ck, 1 + nf, b, hkv, dk_w + dv_w)
-    dkv = _total([kv[:, 1 + f] for f in range(nf)])  # (ck, B, Hkv, Dk + Dv)
+        fk = folds_here
+    dkv = np.moveaxis(_total([fk[:, :, :ck, f] for f in range(nf)]), 2, 0)  # (ck, B, Hkv, .)
     dkv[..., :dk_w] *= args.scale
     dkv = undeal_rows(comm, dkv.reshape(ck, wk), back_k).reshape(nkl, b, hkv, dk_w + dv_w)
     dkv = np.moveaxis(dkv, 0, 2).astype(dtype)
@@ -532,6 +523,105 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         tile=tile_name,
     )
     return (*grads, stats)
+
+
+def _float32_rows(args, qd, dk_w: int, dv_w: int, lo, hi, narrow: float) -> tuple:
+    """The dealt rows as the float32 backward's tile takes them, and the tile function.
+
+    ``qd`` (B, H, cq, Dk + Dv + 2): q | dO | lse | delta per dealt row (float64 holding
+    float32 values, and the float64 delta); ``lo``, ``hi`` (L, cq) their visible ranges.
+    Returns (the tile function: the float32 kernel's ``backward`` or its oracle
+    :func:`ringmpi.reproducible_float32.backward_step`, its name for the stats, the rows:
+    (qs, q, dO, lh, ll, dl) float32 with zero rows to a multiple of 64 and zero columns to
+    the kernel's width, lo and hi likewise (padding rows see nothing), the row count, the
+    column width)).
+    """
+    kern = choose_kernel(fused_reproducible_float32, "reproducible float32 C kernel",
+                         reproducible_float32.BLOCK)  # fmt: skip
+    width = 1 if kern is None else kern.backward_width
+    b, h, cq = qd.shape[:3]
+    chain = reproducible_float32.CHAIN
+    cqp = -(-cq // chain) * chain
+    dkp, dvp = -(-dk_w // width) * width, -(-dv_w // width) * width
+
+    def rows(x, w=None):  # zero rows past cq, zero columns past x's
+        if w is None:
+            out = np.zeros((b, h, cqp), dtype=np.float32)
+            out[:, :, :cq] = x
+        else:
+            out = np.zeros((b, h, cqp, w), dtype=np.float32)
+            out[:, :, :cq, : x.shape[-1]] = x
+        return out
+
+    q32 = rows(qd[..., :dk_w], dkp)
+    qs32 = q32 * np.float32(narrow)  # the forward's qs: a float32 product (0 stays 0)
+    lh, ll = reproducible_float32.split_lse(qd[..., dk_w + dv_w])
+    arrays = (qs32, q32, rows(qd[..., dk_w : dk_w + dv_w], dvp), rows(lh), rows(ll),
+              rows(qd[..., dk_w + dv_w + 1]))  # fmt: skip
+    lo_p = np.ones((len(lo), cqp), dtype=np.int64)
+    hi_p = np.zeros((len(lo), cqp), dtype=np.int64)
+    lo_p[:, :cq], hi_p[:, :cq] = lo, hi
+    if kern is None:
+        tile, name = reproducible_float32.backward_step, "reproducible numpy float32"
+    else:
+        tile, name = kern.backward, f"reproducible C {kern.isa} float32"
+    return tile, name, (arrays, lo_p, hi_p, cq, width)
+
+
+def _step64(tile, rows, lo, hi, kh, scale: float, consts, mods, dq_parts, kt, vt, kstart: int,
+            dk_f, dv_f) -> tuple:  # fmt: skip
+    """One ring step of the float64 method: every visible (64-row, 64-key) tile by ``tile``.
+
+    ``rows``: (q, dO, lse, delta) of the dealt rows; ``lo``, ``hi`` their visible ranges;
+    ``kh`` (H,) the K/V head of each query head; ``consts``: the grids; ``mods``: None or
+    (softcap, ALiBi slopes, the rows' ALiBi positions); ``kt``, ``vt``, ``kstart``, ``dk_f``,
+    ``dv_f`` as :func:`_step32` takes them. Returns (the largest p, the visible pairs, the
+    tiles' row x key count).
+    """
+    qq, qdo, qlse, qdelta = rows
+    cq, cnt = qq.shape[2], kt.shape[2]
+    p_max, pairs, tiles = 0.0, 0, 0
+    for c0 in range(0, cnt, KEY_BLOCK):  # kstart is a block's first key
+        c1 = min(cnt, c0 + KEY_BLOCK)
+        kp = np.arange(kstart + c0, kstart + c1, dtype=np.int64)
+        kb = np.ascontiguousarray(kt[:, kh, c0:c1])  # (B, H, c, Dk)
+        vb = np.ascontiguousarray(vt[:, kh, c0:c1])
+        for r0 in range(0, cq, KEY_BLOCK):  # whole blocks: a block starts at each r0
+            r1 = min(cq, r0 + KEY_BLOCK)
+            vis = ((kp >= lo[:, r0:r1, None]) & (kp <= hi[:, r0:r1, None])).any(axis=0)
+            if not vis.any():
+                continue
+            m = None
+            if mods is not None:
+                cap, slopes, qa = mods
+                m = (cap, slopes, None if qa is None else qa[r0:r1], kp)
+            pmax = tile(qq[:, :, r0:r1], qdo[:, :, r0:r1], qlse[:, :, r0:r1],
+                        qdelta[:, :, r0:r1], kb, vb, vis, scale, consts,
+                        [x[:, :, r0:r1] for x in dq_parts], [x[:, :, c0:c1] for x in dk_f],
+                        [x[:, :, c0:c1] for x in dv_f], kt.shape[1], mods=m)  # fmt: skip
+            p_max = max(p_max, pmax)
+            pairs += int(vis.sum())
+            tiles += (r1 - r0) * (c1 - c0)
+    return p_max, pairs, tiles
+
+
+def _step32(tile, rows, kt, vt, kstart: int, dk_f, dv_f, *, grids, dq_parts) -> tuple:
+    """One ring step of the float32 backward (the kernel's or the oracle's ``backward_step``).
+
+    ``rows``: from :func:`_float32_rows`; ``kt`` (B, Hkv, cnt, Dk), ``vt`` (B, Hkv, cnt,
+    Dv): the K/V block held now, its first key at the global position ``kstart`` (a
+    block's first); ``dk_f``, ``dv_f``: its travelling fold sums. Returns (the largest p,
+    the visible pairs, the tiles' row x key count).
+    """
+    arrays, lo, hi, cq, width = rows
+    chain = reproducible_float32.CHAIN
+    b, hkv, cnt, dk_w = kt.shape
+    dv_w = vt.shape[-1]
+    ckp = -(-cnt // chain) * chain
+    k32 = np.zeros((b, hkv, ckp, -(-dk_w // width) * width), dtype=np.float32)
+    v32 = np.zeros((b, hkv, ckp, -(-dv_w // width) * width), dtype=np.float32)
+    k32[:, :, :cnt, :dk_w], v32[:, :, :cnt, :dv_w] = kt, vt
+    return tile(arrays + (k32, v32), lo, hi, cq, cnt, kstart, grids, dq_parts, dk_f, dv_f)
 
 
 def kernel():
@@ -566,7 +656,7 @@ def _total(parts):
 
 
 def _tile(q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums, hkv,
-          mods=None, narrow=None):  # fmt: skip
+          mods=None):  # fmt: skip
     """One (query block, key block) tile for every batch and head; returns max P.
 
     q (B, H, r, Dk), do (B, H, r, Dv), lse and delta (B, H, r), k (B, H, c, Dk) and
@@ -575,17 +665,12 @@ def _tile(q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums
     and ``dv_sums`` (per fold (B, Hkv, c, D): the group's heads summed exactly).
     ``mods``: None, or the score modifiers (softcap or None, ALiBi slopes (H,) or None,
     the rows' ALiBi positions (r,) or None, the keys' positions (c,)) for
-    :func:`modify_batched`. ``narrow``: None, or the float32 C = scale x log2(e) of the
-    forward's float32 method (:mod:`ringmpi.reproducible_float32`), whose scores it then
-    takes: s = ln 2 x t, t the float32 chain of :func:`narrow_scores`.
+    :func:`modify_batched`.
     """
     q_grid, k_grid, v_grid = consts
     b, h, r, _ = q.shape
     c = k.shape[2]
-    if narrow is None:
-        s = scores_batched(q, k, scale)  # (B, H, r, c): the forward's score of each pair
-    else:
-        s = narrow_scores(q, k, narrow)
+    s = scores_batched(q, k, scale)  # (B, H, r, c): the forward's score of each pair
     dmod = None if mods is None else modify_batched(s, *mods)
     with np.errstate(invalid="ignore", over="ignore"):
         t = np.where(vis, s - lse[..., None], -np.inf)
@@ -613,22 +698,6 @@ def scores_batched(q, k, scale: float):
     s = _dots(q, k)
     s *= scale
     return s
-
-
-def narrow_scores(q, k, c32: float):
-    """(..., r, c) scores of the float32 forward (:mod:`ringmpi.reproducible_float32`), float64.
-
-    t = fma32 chain over the head dim (from +0, in index order) of qs = q x C rounded to
-    float32 (C = ``c32``) and k, as the forward's kernel computes it; s = ln 2 x t, one
-    float64 product: the forward's base-2 score in natural units. q and k hold float32
-    values.
-    """
-    qs = np.asarray(q, dtype=np.float32) * np.float32(c32)
-    kf = np.asarray(k, dtype=np.float32)
-    t = np.zeros(qs.shape[:-1] + (kf.shape[-2],), dtype=np.float32)
-    for x in range(qs.shape[-1]):
-        t = reproducible_float32.fma32(qs[..., :, x, None], kf[..., None, :, x], t)
-    return t.astype(np.float64) * reproducible_float32.LN2
 
 
 def modify_batched(s, cap, slopes, qa, kp):

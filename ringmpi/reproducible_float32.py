@@ -52,7 +52,7 @@ from . import cost
 from .cpu import fused_reproducible_float32
 from .layout import positions
 from .mask import plan_steps
-from .reproducible import choose_kernel, deal_keys, finish, sees, visible_ranges
+from .reproducible import choose_kernel, deal_keys, finish, fold_into, sees, visible_ranges
 from .ring import KVRing
 
 __all__ = [
@@ -66,6 +66,8 @@ __all__ = [
     "tree64",
     "window_grids",
     "loop",
+    "split_lse",
+    "backward_step",
 ]
 
 BLOCK = 256  # keys per global key block of this method (the C kernel's RMF_BK)
@@ -350,3 +352,146 @@ def fold_rows(state, bb, hh, kh, rows, r, lb, ob) -> None:
     ref[bb, hh, rows] = R
     l_lev[bb, hh, rows] = np.moveaxis(L, 0, 1)
     o_lev[bb, hh, rows] = np.moveaxis(O, 0, 1)
+
+
+def split_lse(lse):
+    """(lh, ll) float32: lse / ln 2 (float64) as a sum of two float32 (the backward's rows).
+
+    lh = float32(L), ll = float32(L - lh) with L = lse / ln 2 in float64; ll = 0 where L
+    is not finite (an lse of -inf gives u = +inf below, refused; NaN stays NaN).
+    """
+    big = np.asarray(lse, dtype=np.float64) / LN2
+    lh = big.astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ll = np.where(np.isfinite(lh), big - lh.astype(np.float64), 0.0).astype(np.float32)
+    return lh, ll
+
+
+def backward_step(arrays, lo, hi, nrows: int, nkeys: int, kpos0: int, grids, dq_sums, dk_sums,
+                  dv_sums) -> tuple:  # fmt: skip
+    """One ring step of the float32 backward: the C kernel's oracle.
+
+    Every (row block, key block) tile of :data:`BLOCK` rows of the dealt rows 0 ..
+    ``nrows`` - 1 (whole global blocks, from a block's first) and :data:`BLOCK` keys of the
+    keys 0 .. ``nkeys`` - 1 (at the consecutive global positions from ``kpos0``, a
+    block's first) in which a row's ranges (``lo``, ``hi``) meet the block's positions,
+    by :func:`_backward_tile`. ``dq_sums``: F arrays (B, H, nrows, Dk); ``dk_sums``,
+    ``dv_sums``: F arrays (B, Hkv, nkeys, Dk | Dv). Returns (the largest p, NaN if one
+    is; the visible pairs; the tiles' rows x keys).
+    """
+    p_max, pairs, cells, nan = 0.0, 0, 0, False
+    for r0 in range(0, nrows, BLOCK):
+        nr = min(BLOCK, nrows - r0)
+        ok = lo[:, r0 : r0 + nr] <= hi[:, r0 : r0 + nr]
+        if not ok.any():
+            continue
+        blo, bhi = lo[:, r0 : r0 + nr][ok].min(), hi[:, r0 : r0 + nr][ok].max()
+        for c0 in range(0, nkeys, BLOCK):
+            nk = min(BLOCK, nkeys - c0)
+            if blo > kpos0 + c0 + nk - 1 or bhi < kpos0 + c0:
+                continue
+            pm, pr = _backward_tile(arrays, lo, hi, (r0, nr), (c0, nk), kpos0 + c0, grids,
+                                    [x[:, :, r0 : r0 + nr] for x in dq_sums],
+                                    [x[:, :, c0 : c0 + nk] for x in dk_sums],
+                                    [x[:, :, c0 : c0 + nk] for x in dv_sums])  # fmt: skip
+            nan |= pm != pm
+            p_max = max(p_max, pm)
+            pairs += pr
+            cells += nr * nk
+    return (float("nan") if nan else p_max), pairs, cells
+
+
+def _backward_tile(arrays, lo, hi, rows, keys, kpos0, grids, dq_sums, dk_sums, dv_sums):
+    """One (query block, key block) tile of the float32 backward (:func:`backward_step`).
+
+    Per batch and head, rows and keys in chains of :data:`CHAIN` (a block's rows from its
+    first, its keys likewise; past the last one, zero padding that no row sees):
+    t_ij = the forward's float32 score chain (:func:`fma32` over the head dim from +0 of
+    qs_i = q_i x C and k_j); u_ij = min((t_ij - lh_i) - ll_i, 2) (:func:`split_lse`);
+    p_ij = :func:`exp2f` (u_ij) where row i sees key j, else 0; dp_ij = the fma chain of
+    dO_i . v_j; ds_ij = p_ij (dp_ij - dl_i) (dl = delta rounded to float32), all float32.
+    Per sub-tile (row chain a, key chain c) in which some row sees some key, float32 fma
+    chains from +0 in index order: dq over the chain's keys of ds_ij k_j; dk over its rows
+    of ds_ij q_i; dv of p_ij dO_i. The block partials are float64 sums from +0 in chain
+    order (skipped sub-tiles add nothing; they would add +0), folded on ``grids`` into the
+    fold sums (:func:`ringmpi.reproducible.fold_into`: exact, so any order of heads).
+
+    Parameters
+    ----------
+    arrays : (qs, q, do, lh, ll, dl, k, v)
+        float32: qs, q (B, H, Sq, >= Dk); do (B, H, Sq, >= Dv); lh, ll, dl (B, H, Sq);
+        k (B, Hkv, Sk, >= Dk), v (B, Hkv, Sk, >= Dv); zero rows and keys past the tile's
+        up to the next multiple of :data:`CHAIN`.
+    lo, hi : (L, Sq) int64
+        Row i sees position p when lo[l, i] <= p <= hi[l, i] for some l.
+    rows, keys : (first, count)
+        The tile's rows of the row arrays and keys of the key arrays (counts <= BLOCK).
+    kpos0 : int
+        The global position of the tile's first key (its keys are consecutive).
+    grids : (q (F, B, H, Dk), k (F, B, Hkv, Dk), v (F, B, Hkv, Dv)) float64
+    dq_sums : F arrays (B, H, nr, Dk) ; dk_sums, dv_sums : F arrays (B, Hkv, nk, Dk | Dv)
+        The fold sums of the tile's rows and keys, added to.
+
+    Returns
+    -------
+    (pmax, pairs): the largest p (NaN if one is), the visible (row, key) pairs.
+    """
+    qs, q, do, lh, ll, dl, k, v = arrays
+    (row0, nr), (key0, nk) = rows, keys
+    b, h = qs.shape[:2]
+    hkv = k.shape[1]
+    g = h // hkv
+    dk_w, dv_w = dq_sums[0].shape[-1], dv_sums[0].shape[-1]
+    na, nc = -(-nr // CHAIN), -(-nk // CHAIN)
+    rr, cc = na * CHAIN, nc * CHAIN
+    if nr == 0 or nk == 0 or b == 0:
+        return 0.0, 0
+    rs = slice(row0, row0 + rr)
+    kh = np.arange(h) // g
+    qs_t, q_t, do_t = qs[:, :, rs, :dk_w], q[:, :, rs, :dk_w], do[:, :, rs, :dv_w]
+    kt = k[:, :, key0 : key0 + cc, :dk_w][:, kh]  # (B, H, C, Dk)
+    vt = v[:, :, key0 : key0 + cc, :dv_w][:, kh]
+    pos = kpos0 + np.arange(cc, dtype=np.int64)
+    vis = ((pos >= lo[:, rs, None]) & (pos <= hi[:, rs, None])).any(axis=0)
+    vis[nr:] = False
+    vis[:, nk:] = False
+    sub = vis.reshape(na, CHAIN, nc, CHAIN).any(axis=(1, 3))
+    if not sub.any():
+        return 0.0, 0
+    t = np.zeros((b, h, rr, cc), dtype=np.float32)
+    for x in range(dk_w):
+        t = fma32(qs_t[..., :, x, None], kt[..., None, :, x], t)
+    with np.errstate(invalid="ignore", over="ignore"):
+        u = (t - lh[:, :, rs, None]) - ll[:, :, rs, None]
+        u = np.where(u > np.float32(2.0), np.float32(2.0), u).astype(np.float32)
+        p = np.where(vis, exp2f(u), np.float32(0.0)).astype(np.float32)
+    dp = np.zeros((b, h, rr, cc), dtype=np.float32)
+    for x in range(dv_w):
+        dp = fma32(do_t[..., :, x, None], vt[..., None, :, x], dp)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ds = p * (dp - dl[:, :, rs, None])
+    pmax = float(p.max())
+    dq64 = np.zeros((b, h, rr, dk_w))
+    for c in range(nc):
+        acc = np.zeros((b, h, rr, dk_w), dtype=np.float32)
+        for j in range(c * CHAIN, (c + 1) * CHAIN):
+            acc = fma32(ds[..., :, j, None], kt[..., j, None, :], acc)
+        live = np.repeat(sub[:, c], CHAIN)[:, None]
+        dq64 = dq64 + np.where(live, acc.astype(np.float64), 0.0)
+    dk64 = np.zeros((b, h, cc, dk_w))
+    dv64 = np.zeros((b, h, cc, dv_w))
+    for a in range(na):
+        acc_k = np.zeros((b, h, cc, dk_w), dtype=np.float32)
+        acc_v = np.zeros((b, h, cc, dv_w), dtype=np.float32)
+        for i in range(a * CHAIN, (a + 1) * CHAIN):
+            acc_k = fma32(ds[..., i, :, None], q_t[..., i, None, :], acc_k)
+            acc_v = fma32(p[..., i, :, None], do_t[..., i, None, :], acc_v)
+        live = np.repeat(sub[a], CHAIN)[:, None]
+        dk64 = dk64 + np.where(live, acc_k.astype(np.float64), 0.0)
+        dv64 = dv64 + np.where(live, acc_v.astype(np.float64), 0.0)
+    qg, kg, vg = grids
+    fold_into(dq64[:, :, :nr][None], [x[:, :, None, :] for x in qg], dq_sums, 0, scratch=True)
+    for part, grid, sums in ((dk64, kg, dk_sums), (dv64, vg, dv_sums)):
+        x = np.ascontiguousarray(part[:, :, :nk]).reshape(b, hkv, g, nk, -1)
+        fold_into(x, [y[:, :, None, None, :] for y in grid], sums, 2, scratch=True)
+    return pmax, int(vis.sum())

@@ -100,9 +100,7 @@ class ReproBackwardKernel(Library):
         lib.rmb_tile_keys.restype = i64
         self.tile_keys = int(lib.rmb_tile_keys())
         lib.rmb_tile.restype = i64
-        lib.rmb_tile.argtypes = (
-            [p] * 8 + [i64] * 8 + [f64, i64] + [p] * 7 + [i64, f64] + [p] * 3 + [f64]
-        )
+        lib.rmb_tile.argtypes = [p] * 8 + [i64] * 8 + [f64, i64] + [p] * 7 + [i64, f64] + [p] * 3
         self._grids = None  # (the caller's grid lists, their stacked float64 arrays, pointers)
 
     def _stacked(self, consts: tuple, b: int, h: int, hkv: int, dk: int, dv: int) -> tuple:
@@ -132,7 +130,7 @@ class ReproBackwardKernel(Library):
         return tuple(out), addr
 
     def tile(self, q, do, lse, delta, k, v, vis, scale, consts, dq_sums, dk_sums, dv_sums,
-             hkv, mods=None, narrow=None) -> float:  # fmt: skip
+             hkv, mods=None) -> float:  # fmt: skip
         """One tile: what ``reproducible_backward._tile`` does, the same arguments and bits.
 
         Parameters
@@ -158,9 +156,6 @@ class ReproBackwardKernel(Library):
             a float > 0 or None (no softcap), slopes (H,) float64 or None (no ALiBi), qa
             (r,) int64 the rows' ALiBi positions (None without ALiBi), kp (c,) int64 the
             keys' positions; None: no modifier.
-        narrow : float, optional
-            The float32 forward's C (``_tile``'s ``narrow``): the scores are then its float32
-            chains, times ln 2 (q and k must hold float32 values). Not with ``mods``.
 
         Returns
         -------
@@ -170,8 +165,6 @@ class ReproBackwardKernel(Library):
         """
         b, h, r, dk = q.shape
         c, dv = k.shape[2], v.shape[-1]
-        if narrow is not None and (mods is not None or not narrow > 0):
-            raise ValueError("reproducible backward kernel: narrow scores take no modifier")
         flags, cap, mod_ptrs, keep = _modifiers(mods, h, r, c)
         nf = len(dq_sums)
         tk = self.tile_keys
@@ -221,7 +214,7 @@ class ReproBackwardKernel(Library):
             ptr(q), ptr(do), ptr(lse), ptr(delta), ptr(k), ptr(v), ctypes.addressof(st),
             ptr(vis), c, b, h, hkv, r, c, dk, dv, float(scale), nf, *addr,
             *(ctypes.addressof(x) for x in folds), ctypes.addressof(pmax),
-            flags, cap, *mod_ptrs, 0.0 if narrow is None else float(narrow),
+            flags, cap, *mod_ptrs,
         )  # fmt: skip
         del keep  # the modifier arrays lived through the call
         if rc == -2:

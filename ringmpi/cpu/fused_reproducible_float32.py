@@ -39,6 +39,10 @@ class Float32Kernel(Library):
         self.levels = int(lib.rmf_levels())
         lib.rmf_block.restype = i64
         lib.rmf_block.argtypes = [p] * 6 + [i64] * 12 + [p] * 5
+        lib.rmf_backward_width.restype = i64
+        self.backward_width = int(lib.rmf_backward_width())
+        lib.rmf_backward.restype = i64
+        lib.rmf_backward.argtypes = [p] * 10 + [i64] * 14 + [p] * 12
 
     def pad_keys(self, k: np.ndarray) -> np.ndarray:
         """k (B, Hkv, Sk, D) as float32 k^T panels (B, Hkv, Skp / W, D, W), zero padded.
@@ -97,6 +101,87 @@ class Float32Kernel(Library):
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"reproducible float32 kernel refused its arguments ({rc})")
+
+    def backward(self, arrays, lo, hi, nrows: int, nkeys: int, kpos0: int, grids, dq_sums,
+                 dk_sums, dv_sums) -> tuple:  # fmt: skip
+        """One ring step of the float32 backward: what
+        :func:`ringmpi.reproducible_float32.backward_step` does, the same arguments and bits.
+
+        The row and key arrays' last axes must be padded with zeros to multiples of
+        ``backward_width``; returns (pmax, pairs, cells).
+        """
+        qs, q, do, lh, ll, dl, k, v = arrays
+        b, h, sq, dkp = qs.shape
+        hkv, sk, dvp = k.shape[1], k.shape[2], v.shape[-1]
+        nf = len(dq_sums)
+        dk_w, dv_w = dq_sums[0].shape[-1], dv_sums[0].shape[-1]
+        want = (
+            (qs, (b, h, sq, dkp)), (q, (b, h, sq, dkp)), (do, (b, h, sq, dvp)),
+            (lh, (b, h, sq)), (ll, (b, h, sq)), (dl, (b, h, sq)),
+            (k, (b, hkv, sk, dkp)), (v, (b, hkv, sk, dvp)),
+        )  # fmt: skip
+        for a, shape in want:
+            if a.shape != shape or a.dtype != np.float32 or not a.flags.c_contiguous:
+                raise ValueError(
+                    f"reproducible float32 backward: an array {a.shape} {a.dtype}, not "
+                    f"C-contiguous float32 {shape}"
+                )
+        if dkp % self.backward_width or dvp % self.backward_width:
+            raise ValueError(
+                f"reproducible float32 backward: widths {dkp}, {dvp} not multiples of "
+                f"{self.backward_width}"
+            )
+        if lo.shape != hi.shape or lo.ndim != 2 or lo.shape[1] != sq:
+            raise ValueError(f"reproducible float32 backward: lo, hi of shape (L, {sq})")
+        if (
+            lo.dtype != np.int64
+            or hi.dtype != np.int64
+            or not (lo.flags.c_contiguous and hi.flags.c_contiguous)
+        ):
+            raise ValueError("reproducible float32 backward: lo, hi must be C-contiguous int64")
+        strides = []
+        for name, sums, shape in (
+            ("dq", dq_sums, (b, h, nrows, dk_w)),
+            ("dk", dk_sums, (b, hkv, nkeys, dk_w)),
+            ("dv", dv_sums, (b, hkv, nkeys, dv_w)),
+        ):
+            if len(sums) != nf or any(x.shape != shape or x.strides != sums[0].strides
+                                      for x in sums):  # fmt: skip
+                raise ValueError(
+                    f"reproducible float32 backward: {nf} {name} sums of shape {shape}, "
+                    "one stride set"
+                )
+            x = sums[0]
+            if x.dtype == np.float64 and x.size == 0:  # nothing is read or written (numpy
+                strides.append((ctypes.c_int64 * 3)(0, 0, 0))  # gives such views any strides)
+                continue
+            if x.dtype != np.float64 or any(s % 8 for s in x.strides) or x.strides[-1] != 8:
+                raise ValueError(
+                    f"reproducible float32 backward: {name} sums float64, last axis contiguous"
+                )
+            if not all(y.flags.writeable for y in sums):
+                raise ValueError(f"reproducible float32 backward: {name} sums are read-only")
+            strides.append((ctypes.c_int64 * 3)(*(s // 8 for s in x.strides[:3])))
+        for grid, shape in zip(grids, ((nf, b, h, dk_w), (nf, b, hkv, dk_w), (nf, b, hkv, dv_w))):
+            if grid.shape != shape or grid.dtype != np.float64 or not grid.flags.c_contiguous:
+                raise ValueError(f"reproducible float32 backward: grids of shape {shape}")
+        folds = [(ctypes.c_void_p * nf)(*(x.ctypes.data for x in g))
+                 for g in (dq_sums, dk_sums, dv_sums)]  # fmt: skip
+        pmax, pairs, cells = ctypes.c_double(0.0), ctypes.c_int64(0), ctypes.c_int64(0)
+        rc = self._lib.rmf_backward(
+            *(ptr(a) for a in arrays), ptr(lo), ptr(hi),
+            len(lo), b, h, hkv, sq, sk, dk_w, dkp, dv_w, dvp, nrows, nkeys, int(kpos0), nf,
+            *(ptr(x) for x in grids),
+            ctypes.addressof(folds[0]), ctypes.addressof(strides[0]),
+            ctypes.addressof(folds[1]), ctypes.addressof(strides[1]),
+            ctypes.addressof(folds[2]), ctypes.addressof(strides[2]),
+            ctypes.addressof(pmax), ctypes.addressof(pairs), ctypes.addressof(cells),
+        )  # fmt: skip
+        if rc == -2:
+            raise MemoryError("reproducible float32 backward: no scratch memory")
+        if rc != 0:
+            raise ValueError(f"reproducible float32 backward refused its arguments ({rc})")
+        return float(pmax.value), int(pairs.value), int(cells.value)
 
 
 LOADER = Loader(Float32Kernel, "reproducible float32 C kernel")

@@ -14,6 +14,7 @@ forward's).
 """
 
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,8 +24,8 @@ from tools.modcases import MODS, SLOPES
 from tools.reprokernels import fma_instructions, isa_objects
 
 import ringmpi
-from ringmpi import reproducible_backward
-from ringmpi.cpu import fused_reproducible_backward
+from ringmpi import reproducible_backward, reproducible_float32
+from ringmpi.cpu import fused_reproducible_backward, fused_reproducible_float32
 from ringmpi.cpu.isa import host_isas
 from ringmpi.reference import attention_backward
 from ringmpi.reproducible import grids
@@ -65,15 +66,19 @@ def _by_every_path(q, k, v, dout, kw, monkeypatch):
         g = ringmpi.ring_attention_backward(dout, q, k, v, out, lse, SELF, stats=st, **call)
         return g, st["tile"]
 
+    # float32 inputs without softcap or ALiBi: the float32 method's kernel and oracle
+    spec = SimpleNamespace(softcap=kw.get("softcap"), alibi_slopes=kw.get("alibi_slopes"))
+    tail = " float32" if reproducible_float32.eligible(spec, q.dtype, k.shape[-3]) else ""
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "numpy")
     g, tile = grads()
-    assert tile == "reproducible numpy"
+    assert tile == "reproducible numpy" + tail
     got = {"numpy": g}
     monkeypatch.setenv("RINGMPI_CPU_KERNEL", "fused")
     for isa in host_isas():
-        with fused_reproducible_backward.LOADER.pinned(isa):
+        with fused_reproducible_backward.LOADER.pinned(isa), \
+                fused_reproducible_float32.LOADER.pinned(isa):  # fmt: skip
             got[isa], tile = grads()
-        assert tile == f"reproducible C {isa}", tile
+        assert tile == f"reproducible C {isa}" + tail, tile
     return got
 
 
@@ -341,15 +346,13 @@ def test_kernel_choice(monkeypatch):
 def test_every_isa_path_compiles(tmp_path):
     """The AVX-512, AVX2 and scalar paths compile with the kernel's flags, also the ones this
     host cannot run (compiled here, not run: the bits of a path are checked only where the
-    host runs it, above); none of them contains a float64 fused multiply-add instruction
-    (the float32 ones of the narrow scores, rmr_fmaf, are the single-rounding operation the
-    numpy oracle emulates; the scalar path has none at all)."""
+    host runs it, above); none of them contains a fused multiply-add instruction (the
+    float32 method's backward, with its single-rounding FMAs, is the float32 kernel's:
+    tests/cpu/test_fused_reproducible_float32.py)."""
     for isa, dis in isa_objects("cpu_reproducible_backward.c", tmp_path).items():
         if dis is None:  # no objdump
             continue
-        fused = fma_instructions(dis)
-        assert not [x for x in fused if x.endswith(("pd", "sd"))], f"{isa}: a float64 FMA"
-        assert isa != "scalar" or not fused, "scalar: an FMA instruction"
+        assert not fma_instructions(dis), f"{isa}: an FMA instruction"
 
 
 def test_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch, tmp_path):

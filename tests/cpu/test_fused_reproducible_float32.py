@@ -1,9 +1,13 @@
-"""The float32 reproducible forward's C kernel (issue 40) against its numpy oracle.
+"""The float32 reproducible method's C kernel (issue 40) against its numpy oracle.
 
-Single rank (COMM_SELF); the P-independence is tests/test_reproducible_mpi.py's (its float32
-cases run this method), the oracle's pieces against exact arithmetic
-tests/test_reproducible_float32.py's. The kernel runs on every ISA path this host executes;
-the numpy code of :mod:`ringmpi.reproducible_float32` is its oracle.
+Single rank (COMM_SELF); the P-independence is tests/test_reproducible_mpi.py's and
+tests/test_reproducible_backward_mpi.py's (their float32 cases run this method), the
+oracle's pieces against exact arithmetic tests/test_reproducible_float32.py's, the
+backward end to end on every ISA path tests/cpu/test_fused_reproducible_backward.py's.
+The kernel runs on every ISA path this host executes; the numpy code of
+:mod:`ringmpi.reproducible_float32` is its oracle: the forward's blocks here through
+``ring_attention``, the backward's tiles directly (partial tiles, several mask layers,
+huge keys, NaN, an lse that is not the forward's).
 """
 
 import numpy as np
@@ -16,9 +20,11 @@ from tools.reprokernels import (
     isa_objects,
 )
 
+from ringmpi import reproducible_float32
 from ringmpi.cpu import fused_reproducible_float32
 from ringmpi.cpu.isa import host_isas
 from ringmpi.reference import attention
+from ringmpi.reproducible import grids
 from ringmpi.testing import assert_close, dense, random_qkv
 
 SELF = MPI.COMM_SELF
@@ -122,3 +128,110 @@ def test_kernel_refuses_keys_off_the_block_grid():
              np.ones(3), np.ones((1, 1, 3, 8)))  # fmt: skip
     with pytest.raises(ValueError, match="refused"):
         kern.block(q, kt, vp, pos, lo, hi, state, sk=10, dv=8, rows=(0, 4))
+
+
+def _step_case(seed, nrows, nkeys, width, *, kpos0=1024, dk=24, dv=40):
+    """A backward ring step with real-shaped values (nonzero means, small spreads, a huge
+    key), rows seeing keys through two mask layers (all keys up to a diagonal far behind,
+    and a window), GQA 4 on 2, padded for ``width`` columns: the arguments of
+    ``backward_step`` and the kernel's ``backward``, the sums zero."""
+    rng = np.random.default_rng(seed)
+    b, h, hkv = 2, 4, 2
+    sq, sk = -(-nrows // 64) * 64, -(-nkeys // 64) * 64
+    dkp, dvp = -(-dk // width) * width, -(-dv // width) * width
+
+    def arr(shape, mean, spread, n, w):
+        x = np.zeros(shape[:-1] + (w,), dtype=np.float32)
+        x[..., : shape[-1]] = rng.normal(mean, spread, shape)
+        x[:, :, n:] = 0  # rows (keys) past the last: zero
+        return x
+
+    q = arr((b, h, sq, dk), 0.3, 0.5, nrows, dkp)
+    k = arr((b, hkv, sk, dk), 0.2, 0.5, nkeys, dkp)
+    k[0, 1, min(7, nkeys - 1)] *= 25.0  # a huge key
+    v = arr((b, hkv, sk, dv), 1.0, 0.3, nkeys, dvp)
+    do = arr((b, h, sq, dv), 0.0, 1.0, nrows, dvp)
+    qs = (q * np.float32(0.2 * reproducible_float32.LOG2E)).astype(np.float32)
+    t = np.einsum("bhid,bhjd->bhij", qs[:, :, :nrows].astype(np.float64),
+                  k[:, np.arange(h) // 2, :nkeys].astype(np.float64))  # fmt: skip
+    lse = np.zeros((b, h, sq))
+    lse[:, :, :nrows] = np.log(np.exp2(t).sum(-1)) + 1.0  # p <= 1
+    lh, ll = reproducible_float32.split_lse(lse)
+    lh[:, :, nrows:], ll[:, :, nrows:] = 0, 0
+    dl = np.zeros((b, h, sq), dtype=np.float32)
+    dl[:, :, :nrows] = rng.normal(0.5, 0.2, (b, h, nrows))
+    rowpos = kpos0 + 10 + np.arange(sq)  # row i at kpos0 + 10 + i
+    lo = np.stack([np.zeros(sq), rowpos - 20]).astype(np.int64)
+    hi = np.stack([rowpos - 100, rowpos]).astype(np.int64)
+    lo[:, nrows:], hi[:, nrows:] = 1, 0
+    nf = 3
+    gq = np.ascontiguousarray(np.stack(grids(5000, np.full((b, h, dk), 30.0), nf)))
+    gk = np.ascontiguousarray(np.stack(grids(5000, np.full((b, hkv, dk), 30.0), nf)))
+    gv = np.ascontiguousarray(np.stack(grids(5000, np.full((b, hkv, dv), 3.0), nf)))
+    sums = (np.zeros((nf, b, h, nrows, dk)), np.zeros((nf, b, hkv, nkeys, dk)),
+            np.zeros((nf, b, hkv, nkeys, dv)))  # fmt: skip
+    return (qs, q, do, lh, ll, dl, k, v), lo, hi, nrows, nkeys, kpos0, (gq, gk, gv), sums
+
+
+def _run_step(fn, case):
+    """fn on the case; (pmax, pairs, cells, the three fold-sum arrays)."""
+    *head, sums = case
+    return (*fn(*head, list(sums[0]), list(sums[1]), list(sums[2])), *sums)
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (456, 600), (64, 1), (1, 300)])
+def test_backward_step_on_every_isa_gives_the_numpy_bits(shape):
+    """Whole and partial tiles (rows and keys past the last chain's end padded), several
+    blocks, Dk = 24 and Dv = 40 (padded columns): each ISA path's fold sums, largest p,
+    pair and cell counts are the oracle's; the tiles and sub-tiles that no row sees are
+    skipped by both (the cells count fewer than rows x keys)."""
+    nr, nk = shape
+    want = None
+    for isa in host_isas():
+        kern = fused_reproducible_float32.load(isa)
+        if want is None:
+            want = _run_step(reproducible_float32.backward_step,
+                             _step_case(4, nr, nk, kern.backward_width))  # fmt: skip
+            assert want[1] > 0 and np.abs(want[3]).max() > 0, "the case sees nothing"
+        got = _run_step(kern.backward, _step_case(4, nr, nk, kern.backward_width))
+        assert got[:3] == want[:3], f"{isa}: pmax, pairs, cells {got[:3]} != {want[:3]}"
+        for name, a, b in zip(("dq", "dk", "dv"), got[3:], want[3:]):
+            assert np.array_equal(a, b), f"{isa} {shape}: {name} fold sums differ"
+    if shape == (456, 600):
+        assert want[2] < 456 * 600, "no tile was skipped"
+
+
+def test_backward_step_nan_and_a_wrong_lse():
+    """A NaN in one row's dO gives NaN in that row's sums on every path alike; an lse far
+    below the forward's gives p = 2^2 (u is clamped at 2), which the caller refuses."""
+    for isa in host_isas():
+        kern = fused_reproducible_float32.load(isa)
+        results = []
+        for fn in (reproducible_float32.backward_step, kern.backward):
+            case = _step_case(5, 256, 256, kern.backward_width)
+            arrays = list(case[0])
+            arrays[2][0, 1, 100, 3] = np.nan  # dO of one row
+            arrays[3][1, 2, 10] -= 40.0  # lh of one row: an lse far too small
+            results.append(_run_step(fn, (tuple(arrays),) + case[1:]))
+        want, got = results
+        assert want[0] == 4.0 and got[0] == 4.0, (want[0], got[0])
+        for a, b in zip(got[3:], want[3:]):
+            assert np.array_equal(a, b, equal_nan=True), f"{isa}: sums differ"
+        assert np.isnan(want[3][:, 0, 1, 100]).any(), "the NaN row's dq is not NaN"
+
+
+def test_backward_refuses_bad_arguments():
+    kern = fused_reproducible_float32.load(host_isas()[-1])
+    arrays, lo, hi, nr, nk, kpos0, gr, sums = _step_case(6, 64, 64, kern.backward_width)
+    dq, dk, dv = (list(x) for x in sums)
+    bad = list(arrays)
+    bad[0] = np.ascontiguousarray(bad[0][..., :-1])  # columns not a multiple of the width
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        kern.backward(tuple(bad), lo, hi, nr, nk, kpos0, gr, dq, dk, dv)
+    with pytest.raises(ValueError, match="sums of shape"):  # more rows than the sums hold
+        kern.backward(arrays, lo, hi, nr - 1, nk, kpos0, gr, dq, dk, dv)
+    with pytest.raises(ValueError, match="refused"):  # more rows than the arrays hold
+        wide = [np.zeros(x.shape[:3] + (65,) + x.shape[4:]) for x in sums[:1]][0]
+        kern.backward(arrays, lo, hi, 65, nk, kpos0, gr, list(wide), dk, dv)
+    with pytest.raises(ValueError, match="sums"):
+        kern.backward(arrays, lo, hi, nr, nk, kpos0, gr, dq[:2], dk, dv)
