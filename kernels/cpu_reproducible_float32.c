@@ -472,32 +472,57 @@ int64_t rmf_block(const float *qs, const float *kt, const float *v, const int64_
 
 int64_t rmf_backward_width(void) { return RMF_BW; }
 
-/* NR outputs from o: out[o + r][col] = fma chain over t < n of a[(o + r) ao + t at]
- * x[t ldx + col], from +0, col < nc (a multiple of RMF_BW) */
+/* acc[r][c] for NR outputs from a: the fma chain over t < n of a[r ao + t at] x[t ldx + col +
+ * c RMF_VN], from +0 (the body of the chains below) */
+#define RMF_CHAIN_BODY(NR)                                                                    \
+    vf acc[NR][RMF_BN];                                                                       \
+    _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                                     \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++) acc[r][c] = (vf){0};         \
+    for (int64_t t = 0; t < n; t++) {                                                         \
+        vf xv[RMF_BN];                                                                        \
+        _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                              \
+            xv[c] = ldf(x + t * ldx + col + c * RMF_VN);                                      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++) {                               \
+            const vf b = splat(a[r * ao + t * at]);                                           \
+            _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                          \
+                acc[r][c] = rmf_fmav(b, xv[c], acc[r][c]);                                    \
+        }                                                                                     \
+    }
+
+/* NR outputs from o: out[o + r][col] = the chain (float32), col < nc (a multiple of RMF_BW) */
 #define RMF_CHAIN_ROWS(NAME, NR)                                                              \
     static inline void NAME(const float *a, int64_t ao, int64_t at, const float *x,           \
                             int64_t ldx, int64_t n, int64_t nc, float *out, int64_t ldo) {    \
         for (int64_t col = 0; col < nc; col += RMF_BW) {                                      \
-            vf acc[NR][RMF_BN];                                                               \
-            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
-                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++) acc[r][c] = (vf){0}; \
-            for (int64_t t = 0; t < n; t++) {                                                 \
-                vf xv[RMF_BN];                                                                \
-                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                      \
-                    xv[c] = ldf(x + t * ldx + col + c * RMF_VN);                              \
-                _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++) {                       \
-                    const vf b = splat(a[r * ao + t * at]);                                   \
-                    _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                  \
-                        acc[r][c] = rmf_fmav(b, xv[c], acc[r][c]);                            \
-                }                                                                             \
-            }                                                                                 \
+            RMF_CHAIN_BODY(NR)                                                                \
             _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
                 _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                      \
                     stf(out + r * ldo + col + c * RMF_VN, acc[r][c]);                         \
         }                                                                                     \
     }
+
+/* The same chains added to float64 sums: out[o + r][col] = out[o + r][col] + (double)chain
+ * (one rounding-free conversion and one float64 addition per element, lane by lane) */
+#define RMF_CHAIN_ROWS_ADD(NAME, NR)                                                          \
+    static inline void NAME(const float *a, int64_t ao, int64_t at, const float *x,           \
+                            int64_t ldx, int64_t n, int64_t nc, double *out, int64_t ldo) {   \
+        for (int64_t col = 0; col < nc; col += RMF_BW) {                                      \
+            RMF_CHAIN_BODY(NR)                                                                \
+            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
+                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++) {                    \
+                    double *o64 = out + r * ldo + col + c * RMF_VN;                           \
+                    vfh half[2];                                                              \
+                    memcpy(half, &acc[r][c], sizeof half);                                    \
+                    *(vd *)o64 = *(vd *)o64 + __builtin_convertvector(half[0], vd);           \
+                    *(vd *)(o64 + RMF_DN) =                                                   \
+                        *(vd *)(o64 + RMF_DN) + __builtin_convertvector(half[1], vd);         \
+                }                                                                             \
+        }                                                                                     \
+    }
 RMF_CHAIN_ROWS(rmf_chain_main, RMF_BR)
 RMF_CHAIN_ROWS(rmf_chain_four, 4)
+RMF_CHAIN_ROWS_ADD(rmf_chain_add_main, RMF_BR)
+RMF_CHAIN_ROWS_ADD(rmf_chain_add_four, 4)
 
 /* out[o][col] for o < 64: RMF_BR outputs at a time, then 4 (64 = 4 mod RMF_BR) */
 static void rmf_chain(const float *a, int64_t ao, int64_t at, const float *x, int64_t ldx,
@@ -507,18 +532,48 @@ static void rmf_chain(const float *a, int64_t ao, int64_t at, const float *x, in
         rmf_chain_main(a + o * ao, ao, at, x, ldx, n, nc, out + o * ldo, ldo);
     for (; o < RMF_CH; o += 4) rmf_chain_four(a + o * ao, ao, at, x, ldx, n, nc, out + o * ldo, ldo);
 }
-_Static_assert(RMF_CH % RMF_BR % 4 == 0, "the chains' last outputs go 4 at a time");
 
-/* acc[i][d] += (double)x[i][d] for i < n, d < nc */
-static void rmf_widen_add(double *acc, int64_t lda, const float *x, int64_t ldx, int64_t n,
-                          int64_t nc) {
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < nc; d++) acc[i * lda + d] = acc[i * lda + d] + (double)x[i * ldx + d];
+/* out[o][col] += (double)chain for o < 64, the same tiling */
+static void rmf_chain_add(const float *a, int64_t ao, int64_t at, const float *x, int64_t ldx,
+                          int64_t n, int64_t nc, double *out, int64_t ldo) {
+    int64_t o = 0;
+    for (; o + RMF_BR <= RMF_CH; o += RMF_BR)
+        rmf_chain_add_main(a + o * ao, ao, at, x, ldx, n, nc, out + o * ldo, ldo);
+    for (; o < RMF_CH; o += 4)
+        rmf_chain_add_four(a + o * ao, ao, at, x, ldx, n, nc, out + o * ldo, ldo);
 }
+_Static_assert(RMF_CH % RMF_BR % 4 == 0, "the chains' last outputs go 4 at a time");
+_Static_assert(RMF_VN == 2 * RMF_DN, "a float32 vector converts to two float64 vectors");
 
-/* Fold x[0..n) into the sums s[f][0..n) on the grid rows g[f][0..n), f < F */
-static void rmf_fold_row(const double *x, int64_t n, int64_t F, double *const s[],
+/* Fold x[0..n) into the sums s[f][0..n) on the grid rows g[f][0..n), f < F: per column
+ * y = x, then for each level h = (y + g_f) - g_f, s_f += h, y = y - h (the last y unused);
+ * 2 and 3 levels written out (one pass over the columns), the same operations */
+static void rmf_fold_row(const double *restrict x, int64_t n, int64_t F, double *const s[],
                          const double *const g[]) {
+    if (F == 2) {
+        double *restrict s0 = s[0], *restrict s1 = s[1];
+        const double *restrict g0 = g[0], *restrict g1 = g[1];
+        for (int64_t d = 0; d < n; d++) {
+            const double y = x[d], h0 = (y + g0[d]) - g0[d];
+            const double y1 = y - h0, h1 = (y1 + g1[d]) - g1[d];
+            s0[d] = s0[d] + h0;
+            s1[d] = s1[d] + h1;
+        }
+        return;
+    }
+    if (F == 3) {
+        double *restrict s0 = s[0], *restrict s1 = s[1], *restrict s2 = s[2];
+        const double *restrict g0 = g[0], *restrict g1 = g[1], *restrict g2 = g[2];
+        for (int64_t d = 0; d < n; d++) {
+            const double y = x[d], h0 = (y + g0[d]) - g0[d];
+            const double y1 = y - h0, h1 = (y1 + g1[d]) - g1[d];
+            const double y2 = y1 - h1, h2 = (y2 + g2[d]) - g2[d];
+            s0[d] = s0[d] + h0;
+            s1[d] = s1[d] + h1;
+            s2[d] = s2[d] + h2;
+        }
+        return;
+    }
     double y[n];
     for (int64_t d = 0; d < n; d++) y[d] = x[d];
     for (int64_t f = 0; f < F; f++) {
@@ -562,9 +617,9 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
     *pmax = 0.0;
     *pairs = 0;
     if (B == 0 || nr == 0 || nk == 0) return 0;
-    const int64_t g = H / Hkv, dm = Dkp > Dvp ? Dkp : Dvp;
+    const int64_t g = H / Hkv;
     const size_t nvis = (size_t)RMF_BK * RMF_BK, nkt = (size_t)RMF_BK * (Dk + Dv);
-    const size_t n32 = nvis + nkt + 3 * RMF_CH * RMF_CH + (size_t)RMF_CH * dm;
+    const size_t n32 = nvis + nkt + 2 * RMF_CH * RMF_CH;
     const size_t n64 = (size_t)RMF_CH * Dkp + (size_t)RMF_BK * (Dkp + Dvp);
     /* scratch kept per thread between calls (fresh pages on every call cost ~6%) */
     static __thread double *buf64 = NULL;
@@ -583,7 +638,6 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
     int32_t *keep = (int32_t *)buf32;             /* (256, 256) lane masks: -1 row i sees key j */
     float *kT = buf32 + nvis, *vT = kT + (size_t)RMF_BK * Dk; /* per chain c: (D, 64) */
     float *sp = vT + (size_t)RMF_BK * Dv, *dpds = sp + RMF_CH * RMF_CH;
-    float *part = dpds + RMF_CH * RMF_CH;         /* (64, dm): one chain's products */
     double *dq64 = buf64, *dk64 = dq64 + RMF_CH * Dkp, *dv64 = dk64 + (size_t)RMF_BK * Dkp;
     /* visibility: every row of the tile against its keys (consecutive positions) */
     int sub[RMF_NC][RMF_NC] = {{0}};
@@ -650,12 +704,13 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
                                 pm = self(p > pm, p, pm);
                             }
                         }
-                        rmf_chain(dpds, RMF_CH, 1, kb + c * RMF_CH * Dkp, Dkp, RMF_CH, Dkp, part, dm);
-                        rmf_widen_add(dq64, Dkp, part, dm, RMF_CH, Dk);
-                        rmf_chain(dpds, 1, RMF_CH, qa, Dkp, RMF_CH, Dkp, part, dm);
-                        rmf_widen_add(dk64 + c * RMF_CH * Dkp, Dkp, part, dm, RMF_CH, Dk);
-                        rmf_chain(sp, 1, RMF_CH, doa, Dvp, RMF_CH, Dvp, part, dm);
-                        rmf_widen_add(dv64 + c * RMF_CH * Dvp, Dvp, part, dm, RMF_CH, Dv);
+                        /* the chains added to the block partials (padded columns: + 0) */
+                        rmf_chain_add(dpds, RMF_CH, 1, kb + c * RMF_CH * Dkp, Dkp, RMF_CH, Dkp,
+                                      dq64, Dkp);
+                        rmf_chain_add(dpds, 1, RMF_CH, qa, Dkp, RMF_CH, Dkp,
+                                      dk64 + c * RMF_CH * Dkp, Dkp);
+                        rmf_chain_add(sp, 1, RMF_CH, doa, Dvp, RMF_CH, Dvp,
+                                      dv64 + c * RMF_CH * Dvp, Dvp);
                     }
                     double *acc[RMF_MAXF];
                     for (int64_t i = 0; i < RMF_CH && a * RMF_CH + i < nr; i++) {

@@ -34,8 +34,15 @@ a value; no BLAS, no ``np.exp``/``np.log``/``np.tanh``. A tile runs in the C ker
 ``kernels/cpu_reproducible_backward.c`` (:mod:`ringmpi.cpu.fused_reproducible_backward`:
 the same operations in the same order, the same bits on every ISA path) or, with
 ``RINGMPI_CPU_KERNEL=numpy`` or where it cannot be built, in :func:`_tile`, its oracle
-(:func:`kernel`); both have the score modifiers. docs/reproducible.md has the
-argument and the limits.
+(:func:`kernel`); both have the score modifiers.
+
+Where the forward ran the float32 method (:func:`ringmpi.reproducible_float32.eligible`:
+float32 values, no softcap, no ALiBi), the backward is that method's too: the blocks are
+256 positions, the forward's float32 scores, P = exp2f of them against lse / ln 2, and
+float32 fused multiply-add chains of 64 rows or keys per sub-tile
+(:func:`ringmpi.reproducible_float32.backward_step`, the C kernel's ``rmf_backward``),
+their block partials folded on the same grids (2 levels: the results are float32).
+docs/reproducible.md has the argument and the limits.
 """
 
 from __future__ import annotations
@@ -258,12 +265,25 @@ def undeal_rows(comm, mine, back):
     """
     send_n, sd, recv_n, rd, order, idx = back
     width = mine.shape[1]
-    out = np.empty((len(order), width), dtype=mine.dtype)
-    sendbuf = np.ascontiguousarray(mine[idx])
-    comm.Alltoallv([sendbuf, (recv_n * width, rd * width)], [out, (send_n * width, sd * width)])
+    dtype = mine.dtype
+    # the permutations are often the identity (one rank, or rows already in block order)
+    sendbuf = np.ascontiguousarray(mine if _identity(idx) else mine[idx])
+    # the bits travel as unsigned integers of the item's size (float16, bfloat16 too)
+    raw = np.dtype(f"u{dtype.itemsize}")
+    out = np.empty((len(order), width), dtype=raw)
+    comm.Alltoallv([sendbuf.view(raw), (recv_n * width, rd * width)],
+                   [out, (send_n * width, sd * width)])  # fmt: skip
+    out = out.view(dtype)
+    if _identity(order):
+        return out
     res = np.empty_like(out)
     res[order] = out
     return res
+
+
+def _identity(perm) -> bool:
+    """Whether the index array ``perm`` is 0, 1, 2, ... (a permutation that moves nothing)."""
+    return bool(np.array_equal(perm, np.arange(len(perm))))
 
 
 def _chain(w, x, axis_rows: bool):
@@ -491,9 +511,10 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         )
 
     # each row: the fold sums in fold order, times the scale, rounded once; dealt back
-    dq = _total(dq_parts) * args.scale  # (B, H, cq, Dk)
+    # (rounded to the input dtype before they are dealt back: elementwise, the same bits)
+    dq = (_total(dq_parts) * args.scale).astype(dtype)  # (B, H, cq, Dk)
     dq = undeal_rows(comm, np.moveaxis(dq, 2, 0).reshape(cq, b * h * dk_w), back_q)
-    dq = np.moveaxis(dq.reshape(nql, b, h, dk_w), 0, 2).astype(dtype)
+    dq = np.moveaxis(dq.reshape(nql, b, h, dk_w), 0, 2)
     fk = pkg[nkv:].reshape(b, hkv, cmax, nf, dk_w + dv_w)
     if share is not None:  # the other members' heads' parts of the same keys: exact sums
         folds_here = np.ascontiguousarray(fk)
@@ -501,8 +522,9 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         fk = folds_here
     dkv = np.moveaxis(_total([fk[:, :, :ck, f] for f in range(nf)]), 2, 0)  # (ck, B, Hkv, .)
     dkv[..., :dk_w] *= args.scale
+    dkv = dkv.astype(dtype)
     dkv = undeal_rows(comm, dkv.reshape(ck, wk), back_k).reshape(nkl, b, hkv, dk_w + dv_w)
-    dkv = np.moveaxis(dkv, 0, 2).astype(dtype)
+    dkv = np.moveaxis(dkv, 0, 2)
     grads = []
     for x, n_here, full in ((dq, nql, sq), (dkv[..., :dk_w], nkl, sk), (dkv[..., dk_w:], nkl, sk)):
         if n_here < full:  # rows past the layout's positions (padding): no gradient

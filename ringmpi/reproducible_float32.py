@@ -37,8 +37,10 @@ At the end l = (L_0 + L_1) + L_2 and o likewise (float64), and
 :func:`ringmpi.reproducible.finish` makes out = o / l and lse = R ln 2 + log(l), the
 sinks joined as in the float64 method. The C kernel ``kernels/cpu_reproducible_float32.c``
 (:mod:`ringmpi.cpu.fused_reproducible_float32`) performs these operations; the numpy
-code here is its oracle (``RINGMPI_CPU_KERNEL=numpy``). docs/reproducible.md has the
-argument and the error bounds.
+code here is its oracle (``RINGMPI_CPU_KERNEL=numpy``). The backward of these calls
+(:func:`backward_step`, called by :mod:`ringmpi.reproducible_backward`) takes the same
+scores in float32 chains on 256-position blocks of rows and keys. docs/reproducible.md
+has the argument and the error bounds.
 """
 
 from __future__ import annotations
