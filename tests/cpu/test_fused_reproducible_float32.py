@@ -23,6 +23,7 @@ from tools.reprokernels import (
 from ringmpi import reproducible_float32
 from ringmpi.cpu import fused_reproducible_float32
 from ringmpi.cpu.isa import host_isas
+from ringmpi.cpu.loader import Loader
 from ringmpi.reference import attention
 from ringmpi.reproducible import grids
 from ringmpi.testing import assert_close, dense, random_qkv
@@ -235,3 +236,20 @@ def test_backward_refuses_bad_arguments():
         kern.backward(arrays, lo, hi, 65, nk, kpos0, gr, list(wide), dk, dv)
     with pytest.raises(ValueError, match="sums"):
         kern.backward(arrays, lo, hi, nr, nk, kpos0, gr, dq[:2], dk, dv)
+
+
+def test_backward_compiler_flags_from_the_environment_do_not_change_the_bits(monkeypatch, tmp_path):
+    """$RINGMPI_CFLAGS with -ffast-math and FMA contraction: a fresh build of the kernel (a
+    private cache) gives the backward step the oracle's bits on every ISA path."""
+    monkeypatch.setenv("RINGMPI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RINGMPI_CFLAGS", "-ffast-math -ffp-contract=fast")
+    fresh = Loader(fused_reproducible_float32.Float32Kernel, "test build", warn=False)
+    for isa in host_isas():
+        kern = fresh.load(isa)
+        assert str(tmp_path) in str(kern.path)
+        want = _run_step(
+            reproducible_float32.backward_step, _step_case(8, 300, 300, kern.backward_width)
+        )
+        got = _run_step(kern.backward, _step_case(8, 300, 300, kern.backward_width))
+        assert got[:3] == want[:3]
+        assert all(np.array_equal(a, b) for a, b in zip(got[3:], want[3:])), isa
