@@ -109,7 +109,7 @@ def main() -> None:
             extra = f" {med[2]:10.3f}" if mods else ""
             print(
                 f"{name:8} {causal!s:6} {med[0]:10.3f} {med[1]:10.3f}{extra}"
-                f" {med[1] / med[0]:7.1f} {diff:10.2e}"
+                f" {med[1] / med[0]:7.2f} {diff:10.2e}"
             )
 
 

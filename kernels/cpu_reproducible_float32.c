@@ -620,7 +620,7 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
     const int64_t g = H / Hkv;
     const size_t nvis = (size_t)RMF_BK * RMF_BK, nkt = (size_t)RMF_BK * (Dk + Dv);
     const size_t n32 = nvis + nkt + 2 * RMF_CH * RMF_CH;
-    const size_t n64 = (size_t)RMF_CH * Dkp + (size_t)RMF_BK * (Dkp + Dvp);
+    const size_t n64 = (size_t)RMF_BK * Dkp + (size_t)RMF_CH * (Dkp + Dvp);
     /* scratch kept per thread between calls (fresh pages on every call cost ~6%) */
     static __thread double *buf64 = NULL;
     static __thread float *buf32 = NULL;
@@ -638,7 +638,8 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
     int32_t *keep = (int32_t *)buf32;             /* (256, 256) lane masks: -1 row i sees key j */
     float *kT = buf32 + nvis, *vT = kT + (size_t)RMF_BK * Dk; /* per chain c: (D, 64) */
     float *sp = vT + (size_t)RMF_BK * Dv, *dpds = sp + RMF_CH * RMF_CH;
-    double *dq64 = buf64, *dk64 = dq64 + RMF_CH * Dkp, *dv64 = dk64 + (size_t)RMF_BK * Dkp;
+    /* the block partials: dq of the tile's rows (256, Dkp); dk, dv of one key chain */
+    double *dq64 = buf64, *dk64 = dq64 + (size_t)RMF_BK * Dkp, *dv64 = dk64 + RMF_CH * Dkp;
     /* visibility: every row of the tile against its keys (consecutive positions) */
     int sub[RMF_NC][RMF_NC] = {{0}};
     int64_t count = 0;
@@ -672,19 +673,25 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
                 }
             for (int64_t h = kh * g; h < (kh + 1) * g; h++) {
                 const int64_t hr = (bb * H + h) * Sq + row0;
-                for (size_t x = 0; x < (size_t)RMF_BK * (Dkp + Dvp); x++) dk64[x] = 0.0;
                 const double *gq[RMF_MAXF], *gk[RMF_MAXF], *gv[RMF_MAXF];
                 for (int64_t f = 0; f < F; f++) {
                     gq[f] = qgrid + ((f * B + bb) * H + h) * Dk;
                     gk[f] = kgrid + ((f * B + bb) * Hkv + kh) * Dk;
                     gv[f] = vgrid + ((f * B + bb) * Hkv + kh) * Dv;
                 }
-                for (int64_t a = 0; a < na; a++) {
-                    const int64_t ir = hr + a * RMF_CH; /* the chain's first row */
-                    const float *qsa = qs + ir * Dkp, *qa = q + ir * Dkp, *doa = dO + ir * Dvp;
-                    for (size_t x = 0; x < (size_t)RMF_CH * Dkp; x++) dq64[x] = 0.0;
-                    for (int64_t c = 0; c < nc; c++) {
+                double *acc[RMF_MAXF];
+                for (size_t x = 0; x < (size_t)na * RMF_CH * Dkp; x++) dq64[x] = 0.0;
+                /* key chains outer: a chain's dk, dv partials (64 keys) are complete after
+                 * the row chains and folded at once; the dq partials of the tile's rows
+                 * collect the key chains in order (the same sums in the same order) */
+                for (int64_t c = 0; c < nc; c++) {
+                    int any = 0;
+                    for (size_t x = 0; x < (size_t)RMF_CH * (Dkp + Dvp); x++) dk64[x] = 0.0;
+                    for (int64_t a = 0; a < na; a++) {
                         if (!sub[a][c]) continue;
+                        any = 1;
+                        const int64_t ir = hr + a * RMF_CH; /* the chain's first row */
+                        const float *qsa = qs + ir * Dkp, *qa = q + ir * Dkp, *doa = dO + ir * Dvp;
                         rmf_chain(qsa, Dkp, 1, kT + c * Dk * RMF_CH, RMF_CH, Dk, RMF_CH, sp, RMF_CH);
                         rmf_chain(doa, Dvp, 1, vT + c * Dv * RMF_CH, RMF_CH, Dv, RMF_CH, dpds,
                                   RMF_CH);
@@ -706,26 +713,25 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
                         }
                         /* the chains added to the block partials (padded columns: + 0) */
                         rmf_chain_add(dpds, RMF_CH, 1, kb + c * RMF_CH * Dkp, Dkp, RMF_CH, Dkp,
-                                      dq64, Dkp);
-                        rmf_chain_add(dpds, 1, RMF_CH, qa, Dkp, RMF_CH, Dkp,
-                                      dk64 + c * RMF_CH * Dkp, Dkp);
-                        rmf_chain_add(sp, 1, RMF_CH, doa, Dvp, RMF_CH, Dvp,
-                                      dv64 + c * RMF_CH * Dvp, Dvp);
+                                      dq64 + a * RMF_CH * Dkp, Dkp);
+                        rmf_chain_add(dpds, 1, RMF_CH, qa, Dkp, RMF_CH, Dkp, dk64, Dkp);
+                        rmf_chain_add(sp, 1, RMF_CH, doa, Dvp, RMF_CH, Dvp, dv64, Dvp);
                     }
-                    double *acc[RMF_MAXF];
-                    for (int64_t i = 0; i < RMF_CH && a * RMF_CH + i < nr; i++) {
-                        const int64_t il = a * RMF_CH + i;
+                    if (!any) continue; /* nothing added: the folds would add +0 */
+                    for (int64_t j = 0; j < RMF_CH && c * RMF_CH + j < nk; j++) {
+                        const int64_t jl = c * RMF_CH + j;
                         for (int64_t f = 0; f < F; f++)
-                            acc[f] = dq[f] + bb * dqs[0] + h * dqs[1] + il * dqs[2];
-                        rmf_fold_row(dq64 + i * Dkp, Dk, F, acc, gq);
+                            acc[f] = dk[f] + bb * dks[0] + kh * dks[1] + jl * dks[2];
+                        rmf_fold_row(dk64 + j * Dkp, Dk, F, acc, gk);
+                        for (int64_t f = 0; f < F; f++)
+                            acc[f] = dv[f] + bb * dvs[0] + kh * dvs[1] + jl * dvs[2];
+                        rmf_fold_row(dv64 + j * Dvp, Dv, F, acc, gv);
                     }
                 }
-                double *acc[RMF_MAXF];
-                for (int64_t j = 0; j < nk; j++) {
-                    for (int64_t f = 0; f < F; f++) acc[f] = dk[f] + bb * dks[0] + kh * dks[1] + j * dks[2];
-                    rmf_fold_row(dk64 + j * Dkp, Dk, F, acc, gk);
-                    for (int64_t f = 0; f < F; f++) acc[f] = dv[f] + bb * dvs[0] + kh * dvs[1] + j * dvs[2];
-                    rmf_fold_row(dv64 + j * Dvp, Dv, F, acc, gv);
+                for (int64_t i = 0; i < nr; i++) {
+                    for (int64_t f = 0; f < F; f++)
+                        acc[f] = dq[f] + bb * dqs[0] + h * dqs[1] + i * dqs[2];
+                    rmf_fold_row(dq64 + i * Dkp, Dk, F, acc, gq);
                 }
             }
         }
