@@ -439,7 +439,8 @@ int64_t rmf_block(const float *qs, const float *kt, const float *v, const int64_
 
 /* ===================================================================== the backward ====
  * One (query block, key block) tile of the float32 method's backward
- * (reproducible_float32.backward_tile, its numpy oracle), every batch and head. Rows and
+ * (reproducible_float32._backward_tile, its numpy oracle; rmf_backward runs the tiles of a
+ * ring step as reproducible_float32.backward_step does), every batch and head. Rows and
  * keys come in chains of 64 (a block's rows i0 + 64 a.., its keys 64 c..; past the block's
  * last row or key, zero padding that no row sees). Per (batch, head) and sub-tile (a, c)
  * in which some row sees some key (others are skipped: they would add +0):
@@ -455,8 +456,11 @@ int64_t rmf_block(const float *qs, const float *kt, const float *v, const int64_
  * The block partials are float64 sums from +0 in chain order: dQ_i = (0 + dq_i0) + dq_i1 ..
  * over c, dK_j, dV_j over a; each is folded on the caller's grids into its fold sums
  * (for f < F: hi = (x + g_f) - g_f, sum_f += hi, x = x - hi), whose every addition is exact.
- * All five products are one register-tiled pattern (rmf_chain), the same operations lane by
- * lane whatever the tiling or the vector width. */
+ * All five products are one register-tiled pattern (rmf_chain, rmf_chain_add), the same
+ * operations lane by lane whatever the tiling or the vector width. The key chains run outer,
+ * the row chains inner: a key chain's dk, dv partials are then complete and folded at once;
+ * the tile's dq partials collect the key chains in order (the sums and their orders are
+ * those above). */
 
 /* register tiles of the chains: RMF_BR outputs x RMF_BN vectors (RMF_BR x RMF_BN accumulators,
  * RMF_BN loads and a broadcast in the register file), the last 64 % RMF_BR outputs 4 at a time */
