@@ -561,25 +561,16 @@ def _float32_rows(args, qd, dk_w: int, dv_w: int, lo, hi, narrow: float) -> tupl
     kern = choose_kernel(fused_reproducible_float32, "reproducible float32 C kernel",
                          reproducible_float32.BLOCK)  # fmt: skip
     width = 1 if kern is None else kern.backward_width
-    b, h, cq = qd.shape[:3]
+    cq = qd.shape[2]
     chain = reproducible_float32.CHAIN
     cqp = -(-cq // chain) * chain
     dkp, dvp = -(-dk_w // width) * width, -(-dv_w // width) * width
 
-    def rows(x, w=None):  # zero rows past cq, zero columns past x's
-        if w is None:
-            out = np.zeros((b, h, cqp), dtype=np.float32)
-            out[:, :, :cq] = x
-        else:
-            out = np.zeros((b, h, cqp, w), dtype=np.float32)
-            out[:, :, :cq, : x.shape[-1]] = x
-        return out
-
-    q32 = rows(qd[..., :dk_w], dkp)
+    q32 = _pad32(qd[..., :dk_w], cqp, dkp)
     qs32 = q32 * np.float32(narrow)  # the forward's qs: a float32 product (0 stays 0)
     lh, ll = reproducible_float32.split_lse(qd[..., dk_w + dv_w])
-    arrays = (qs32, q32, rows(qd[..., dk_w : dk_w + dv_w], dvp), rows(lh), rows(ll),
-              rows(qd[..., dk_w + dv_w + 1]))  # fmt: skip
+    arrays = (qs32, q32, _pad32(qd[..., dk_w : dk_w + dv_w], cqp, dvp), _pad32(lh, cqp),
+              _pad32(ll, cqp), _pad32(qd[..., dk_w + dv_w + 1], cqp))  # fmt: skip
     lo_p = np.ones((len(lo), cqp), dtype=np.int64)
     hi_p = np.zeros((len(lo), cqp), dtype=np.int64)
     lo_p[:, :cq], hi_p[:, :cq] = lo, hi
@@ -637,13 +628,22 @@ def _step32(tile, rows, kt, vt, kstart: int, dk_f, dv_f, *, grids, dq_parts) -> 
     """
     arrays, lo, hi, cq, width = rows
     chain = reproducible_float32.CHAIN
-    b, hkv, cnt, dk_w = kt.shape
-    dv_w = vt.shape[-1]
+    cnt = kt.shape[2]
     ckp = -(-cnt // chain) * chain
-    k32 = np.zeros((b, hkv, ckp, -(-dk_w // width) * width), dtype=np.float32)
-    v32 = np.zeros((b, hkv, ckp, -(-dv_w // width) * width), dtype=np.float32)
-    k32[:, :, :cnt, :dk_w], v32[:, :, :cnt, :dv_w] = kt, vt
+    k32 = _pad32(kt, ckp, -(-kt.shape[-1] // width) * width)
+    v32 = _pad32(vt, ckp, -(-vt.shape[-1] // width) * width)
     return tile(arrays + (k32, v32), lo, hi, cq, cnt, kstart, grids, dq_parts, dk_f, dv_f)
+
+
+def _pad32(x, n: int, width=None):
+    """``x`` (B, H, m[, D]) as float32 (B, H, n[, width]): zero rows past m, zero columns
+    past D (the float32 kernel's padding; exact for float32 values)."""
+    out = np.zeros(x.shape[:2] + (n,) + (() if width is None else (width,)), dtype=np.float32)
+    if width is None:
+        out[:, :, : x.shape[2]] = x
+    else:
+        out[:, :, : x.shape[2], : x.shape[3]] = x
+    return out
 
 
 def kernel():
