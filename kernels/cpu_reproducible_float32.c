@@ -622,8 +622,8 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
     *pairs = 0;
     if (B == 0 || nr == 0 || nk == 0) return 0;
     const int64_t g = H / Hkv;
-    const size_t nvis = (size_t)RMF_BK * RMF_BK, nkt = (size_t)RMF_BK * (Dk + Dv);
-    const size_t n32 = nvis + nkt + 2 * RMF_CH * RMF_CH;
+    const size_t nkt = (size_t)RMF_BK * (Dk + Dv);
+    const size_t n32 = nkt + 2 * RMF_CH * RMF_CH;
     const size_t n64 = (size_t)RMF_BK * Dkp + (size_t)RMF_CH * (Dkp + Dvp);
     /* scratch kept per thread between calls (fresh pages on every call cost ~6%) */
     static __thread double *buf64 = NULL;
@@ -638,29 +638,38 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
         have32 = buf64 && buf32 ? n32 : 0;
         if (!have64) return -2;
     }
-    memset(buf32, 0, n32 * sizeof(float)); /* the masks, and finite values in every lane */
-    int32_t *keep = (int32_t *)buf32;             /* (256, 256) lane masks: -1 row i sees key j */
-    float *kT = buf32 + nvis, *vT = kT + (size_t)RMF_BK * Dk; /* per chain c: (D, 64) */
+    float *kT = buf32, *vT = kT + (size_t)RMF_BK * Dk; /* per chain c: (D, 64), all written */
     float *sp = vT + (size_t)RMF_BK * Dv, *dpds = sp + RMF_CH * RMF_CH;
     /* the block partials: dq of the tile's rows (256, Dkp); dk, dv of one key chain */
     double *dq64 = buf64, *dk64 = dq64 + (size_t)RMF_BK * Dkp, *dv64 = dk64 + RMF_CH * Dkp;
-    /* visibility: every row of the tile against its keys (consecutive positions) */
-    int sub[RMF_NC][RMF_NC] = {{0}};
+    /* visibility: bit j of seen[i][j / 64] when row i of the tile sees key j (consecutive
+     * positions); a sub-tile (a, c) is 0 (no row sees a key: skipped), 1 (every row of
+     * the 64 sees every key of the 64: no mask) or 2 (the lanes masked from the bits) */
+    uint64_t seen[RMF_BK][RMF_NC];
+    int sub[RMF_NC][RMF_NC];
     int64_t count = 0;
-    for (int64_t i = 0; i < nr; i++) {
-        int32_t *ki = keep + i * RMF_BK;
+    memset(seen, 0, sizeof seen);
+    for (int64_t i = 0; i < nr; i++)
         for (int64_t l = 0; l < nlay; l++) {
             int64_t a = lo[l * Sq + row0 + i] - kpos0, b = hi[l * Sq + row0 + i] - kpos0;
             a = a < 0 ? 0 : a;
             b = b > nk - 1 ? nk - 1 : b;
-            for (int64_t j = a; j <= b; j++) ki[j] = -1;
-        }
-        for (int64_t j = 0; j < nk; j++)
-            if (ki[j]) {
-                count++;
-                sub[i / RMF_CH][j / RMF_CH] = 1;
+            for (int64_t w = a / RMF_CH; a <= b && w <= b / RMF_CH; w++) {
+                const int64_t s0 = w * RMF_CH > a ? 0 : a - w * RMF_CH;
+                const int64_t s1 = (w + 1) * RMF_CH - 1 < b ? RMF_CH - 1 : b - w * RMF_CH;
+                seen[i][w] |= (~(uint64_t)0 >> (RMF_CH - 1 - s1 + s0)) << s0; /* bits s0..s1 */
             }
-    }
+        }
+    for (int64_t a = 0; a < RMF_NC; a++)
+        for (int64_t c = 0; c < RMF_NC; c++) {
+            uint64_t any = 0, all = ~(uint64_t)0;
+            for (int64_t i = a * RMF_CH; i < (a + 1) * RMF_CH; i++) {
+                any |= seen[i][c];
+                all &= seen[i][c];
+                count += __builtin_popcountll(seen[i][c]);
+            }
+            sub[a][c] = any == 0 ? 0 : all == ~(uint64_t)0 ? 1 : 2;
+        }
     *pairs = count;
     vf pm = {0};
     vi nanv = {0};
@@ -700,15 +709,20 @@ static int64_t rmf_backward_tile(const float *qs, const float *q, const float *d
                         rmf_chain(doa, Dvp, 1, vT + c * Dv * RMF_CH, RMF_CH, Dv, RMF_CH, dpds,
                                   RMF_CH);
                         const vf two = (vf){0} + 2.0f, zero = {0};
+                        vi lane_bit;
+                        for (int l = 0; l < RMF_VN; l++) lane_bit[l] = 1 << l;
                         for (int64_t i = 0; i < RMF_CH; i++) {
                             const vf lhi = splat(lh[ir + i]), lli = splat(ll[ir + i]);
                             const vf dli = splat(dl[ir + i]);
-                            const int32_t *ki = keep + (a * RMF_CH + i) * RMF_BK + c * RMF_CH;
+                            const uint64_t bits = seen[a * RMF_CH + i][c];
                             float *si = sp + i * RMF_CH, *di = dpds + i * RMF_CH;
                             for (int64_t j = 0; j < RMF_CH; j += RMF_VN) {
                                 vf u = (ldf(si + j) - lhi) - lli;
                                 u = self(u > two, two, u);
-                                const vf p = self(*(const vi *)(ki + j), rmf_exp2(u), zero);
+                                vf p = rmf_exp2(u);
+                                if (sub[a][c] == 2) /* lane l: key j + l seen */
+                                    p = self(((vi){0} + (int32_t)(bits >> j) & lane_bit) != 0,
+                                             p, zero);
                                 stf(si + j, p);
                                 stf(di + j, p * (ldf(di + j) - dli));
                                 nanv |= p != p;
