@@ -217,8 +217,8 @@ def deal_rows(comm, rows, pos, n: int, balanced: bool = False, block: int = KEY_
 
     Parameters
     ----------
-    rows : (len(pos), W) float64
-        This rank's rows, one per global position ``pos``.
+    rows : (len(pos), W) array
+        This rank's rows, one per global position ``pos`` (any dtype: its bits travel).
     pos : (len(rows),) int
         Their global positions (a partition of 0..n-1 over the ranks).
     n : int
@@ -228,7 +228,7 @@ def deal_rows(comm, rows, pos, n: int, balanced: bool = False, block: int = KEY_
 
     Returns
     -------
-    mine : (count, W) float64
+    mine : (count, W) of ``rows``' dtype
         The rows of this rank's blocks, in position order.
     mine_pos : (count,) int64
         Their positions: whole blocks, ascending (each starts at a multiple of ``block``).
@@ -247,14 +247,23 @@ def deal_rows(comm, rows, pos, n: int, balanced: bool = False, block: int = KEY_
     recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
     sd = np.concatenate([[0], np.cumsum(send_n)[:-1]]).astype(np.int64)
     rd = np.concatenate([[0], np.cumsum(recv_n)[:-1]]).astype(np.int64)
-    got = np.empty((int(recv_n.sum()), width), dtype=np.float64)
-    got_pos = np.empty(int(recv_n.sum()), dtype=np.int64)
-    sendbuf = np.ascontiguousarray(rows[order], dtype=np.float64)
-    comm.Alltoallv([sendbuf, (send_n * width, sd * width)], [got, (recv_n * width, rd * width)])
-    comm.Alltoallv([np.ascontiguousarray(pos[order]), (send_n, sd)], [got_pos, (recv_n, rd)])
+    # the permutations are often the identity (one rank, or rows already in block order)
+    sendbuf = np.ascontiguousarray(rows if _identity(order) else rows[order])
+    if size == 1:  # every row stays: no copy
+        got, got_pos = sendbuf, pos[order]
+    else:
+        raw = np.dtype(f"u{rows.dtype.itemsize}")  # the bits travel, whatever the dtype
+        got = np.empty((int(recv_n.sum()), width), dtype=rows.dtype)
+        got_pos = np.empty(int(recv_n.sum()), dtype=np.int64)
+        comm.Alltoallv([sendbuf.view(raw), (send_n * width, sd * width)],
+                       [got.view(raw), (recv_n * width, rd * width)])  # fmt: skip
+        comm.Alltoallv([np.ascontiguousarray(pos[order]), (send_n, sd)], [got_pos, (recv_n, rd)])
     idx = np.searchsorted(mine_pos, got_pos)
-    mine = np.empty((len(mine_pos), width), dtype=np.float64)
-    mine[idx] = got
+    if _identity(idx):
+        mine = got
+    else:
+        mine = np.empty((len(mine_pos), width), dtype=rows.dtype)
+        mine[idx] = got
     return mine, mine_pos, (send_n, sd, recv_n, rd, order, idx)
 
 
@@ -268,17 +277,33 @@ def undeal_rows(comm, mine, back):
     dtype = mine.dtype
     # the permutations are often the identity (one rank, or rows already in block order)
     sendbuf = np.ascontiguousarray(mine if _identity(idx) else mine[idx])
-    # the bits travel as unsigned integers of the item's size (float16, bfloat16 too)
-    raw = np.dtype(f"u{dtype.itemsize}")
-    out = np.empty((len(order), width), dtype=raw)
-    comm.Alltoallv([sendbuf.view(raw), (recv_n * width, rd * width)],
-                   [out, (send_n * width, sd * width)])  # fmt: skip
-    out = out.view(dtype)
+    if comm.Get_size() == 1:  # every row stays: no copy
+        out = sendbuf
+    else:
+        # the bits travel as unsigned integers of the item's size (float16, bfloat16 too)
+        raw = np.dtype(f"u{dtype.itemsize}")
+        out = np.empty((len(order), width), dtype=raw)
+        comm.Alltoallv([sendbuf.view(raw), (recv_n * width, rd * width)],
+                       [out, (send_n * width, sd * width)])  # fmt: skip
+        out = out.view(dtype)
     if _identity(order):
         return out
     res = np.empty_like(out)
     res[order] = out
     return res
+
+
+def _side_by_side(cols, n: int, dtype):
+    """(n, B, H, sum of widths) rows of ``dtype``: each (B, H, >= n, w) column group's first
+    ``n`` rows, converted once (one pass per group, no intermediate copies)."""
+    b, h = cols[0].shape[:2]
+    out = np.empty((n, b, h, sum(c.shape[-1] for c in cols)), dtype=dtype)
+    at = 0
+    for c in cols:
+        w = c.shape[-1]
+        out[..., at : at + w] = np.moveaxis(c[:, :, :n], 2, 0)
+        at += w
+    return out
 
 
 def _identity(perm) -> bool:
@@ -386,28 +411,26 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     do64 = np.asarray(dout, dtype=np.float64)[:, :, :nql]
     delta = _row_dot(do64, np.asarray(out, dtype=np.float64)[:, :, :nql])
 
-    # the query rows (q | dO | lse | delta) and the keys (k | v) dealt out in global blocks
-    wq = h * (dk_w + dv_w + 2)
-    qrows = np.concatenate(
-        [
-            np.asarray(q, dtype=np.float64)[:, :, :nql],
-            do64,
-            np.asarray(lse, dtype=np.float64)[:, :, :nql, None],
-            delta[..., None],
-        ],
-        axis=-1,
-    )  # (B, H, nql, Dk + Dv + 2)
-    qrows = np.moveaxis(qrows, 2, 0).reshape(nql, b * wq)
-    mine_q, q_mine, back_q = deal_rows(comm, qrows, q_pos, nq, balanced=True, block=blk)
+    # the query rows (q | dO | lse | delta) and the keys (k | v) dealt out in global blocks,
+    # each row's columns side by side: float64, or for the float32 method the float32
+    # columns its kernel takes (q | dO | lh | ll | float32(delta), made per row before the
+    # deal: the same numbers on whichever rank; half the bytes)
+    if narrow is None:
+        row_dtype = np.float64
+        cols = [q, do64, np.asarray(lse)[..., None], delta[..., None]]
+    else:
+        row_dtype = np.float32
+        lh, ll = reproducible_float32.split_lse(np.asarray(lse)[:, :, :nql])
+        cols = [q, dout, lh[..., None], ll[..., None], delta.astype(np.float32)[..., None]]
+    qrows = _side_by_side(cols, nql, row_dtype)  # (nql, B, H, W)
+    wq = h * qrows.shape[-1]
+    mine_q, q_mine, back_q = deal_rows(comm, qrows.reshape(nql, b * wq), q_pos, nq,
+                                       balanced=True, block=blk)  # fmt: skip
     cq = len(q_mine)
-    qd = np.moveaxis(mine_q.reshape(cq, b, h, dk_w + dv_w + 2), 0, 2)  # (B, H, cq, .)
+    qd = np.moveaxis(mine_q.reshape(cq, b, h, qrows.shape[-1]), 0, 2)  # (B, H, cq, W)
     qq, qdo = qd[..., :dk_w], qd[..., dk_w : dk_w + dv_w]
-    qlse, qdelta = qd[..., dk_w + dv_w], qd[..., dk_w + dv_w + 1]
-    krows = np.concatenate(
-        [np.asarray(k, dtype=np.float64)[:, :, :nkl], np.asarray(v, dtype=np.float64)[:, :, :nkl]],
-        axis=-1,
-    )
-    krows = np.moveaxis(krows, 2, 0).reshape(nkl, b * hkv * (dk_w + dv_w))
+    qlse, qdelta = qd[..., dk_w + dv_w], qd[..., -1]
+    krows = _side_by_side([k, v], nkl, row_dtype).reshape(nkl, b * hkv * (dk_w + dv_w))
     mine_k, k_mine, back_k = deal_rows(comm, krows, k_pos, nk, block=blk)
     ck = len(k_mine)
     k_starts = _starts(nk, size, blk)
@@ -472,7 +495,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         run_step = partial(_step64, tile, (qq, qdo, qlse, qdelta), lo, hi, kh, args.scale,
                            (q_grid, k_grid, v_grid), mods, dq_parts)  # fmt: skip
     else:
-        tile32, tile_name, rows32 = _float32_rows(args, qd, dk_w, dv_w, lo, hi, narrow)
+        tile32, tile_name, rows32 = _float32_rows(qd, dk_w, dv_w, lo, hi, narrow)
         grids32 = tuple(np.ascontiguousarray(np.stack([x.reshape(x.shape[:2] + x.shape[-1:])
                                                        for x in grid]))
                         for grid in (q_grid, k_grid, v_grid))  # fmt: skip
@@ -541,17 +564,17 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         steps_computed=size,
         steps_skipped=0,
         bytes_sent=(size - 1) * pkg.nbytes if size > 1 else 0,
-        alltoall_bytes=8 * (wq * b * nql + wk * nkl) * 2,
+        alltoall_bytes=np.dtype(row_dtype).itemsize * (wq * b * nql + wk * nkl) * 2,
         tile=tile_name,
     )
     return (*grads, stats)
 
 
-def _float32_rows(args, qd, dk_w: int, dv_w: int, lo, hi, narrow: float) -> tuple:
+def _float32_rows(qd, dk_w: int, dv_w: int, lo, hi, narrow: float) -> tuple:
     """The dealt rows as the float32 backward's tile takes them, and the tile function.
 
-    ``qd`` (B, H, cq, Dk + Dv + 2): q | dO | lse | delta per dealt row (float64 holding
-    float32 values, and the float64 delta); ``lo``, ``hi`` (L, cq) their visible ranges.
+    ``qd`` (B, H, cq, Dk + Dv + 3) float32: q | dO | lh | ll | float32(delta) per dealt
+    row; ``lo``, ``hi`` (L, cq) their visible ranges.
     Returns (the tile function: the float32 kernel's ``backward`` or its oracle
     :func:`ringmpi.reproducible_float32.backward_step`, its name for the stats, the rows:
     (qs, q, dO, lh, ll, dl) float32 with zero rows to a multiple of 64 and zero columns to
@@ -568,9 +591,9 @@ def _float32_rows(args, qd, dk_w: int, dv_w: int, lo, hi, narrow: float) -> tupl
 
     q32 = _pad32(qd[..., :dk_w], cqp, dkp)
     qs32 = q32 * np.float32(narrow)  # the forward's qs: a float32 product (0 stays 0)
-    lh, ll = reproducible_float32.split_lse(qd[..., dk_w + dv_w])
-    arrays = (qs32, q32, _pad32(qd[..., dk_w : dk_w + dv_w], cqp, dvp), _pad32(lh, cqp),
-              _pad32(ll, cqp), _pad32(qd[..., dk_w + dv_w + 1], cqp))  # fmt: skip
+    at = dk_w + dv_w
+    arrays = (qs32, q32, _pad32(qd[..., dk_w:at], cqp, dvp), _pad32(qd[..., at], cqp),
+              _pad32(qd[..., at + 1], cqp), _pad32(qd[..., at + 2], cqp))  # fmt: skip
     lo_p = np.ones((len(lo), cqp), dtype=np.int64)
     hi_p = np.zeros((len(lo), cqp), dtype=np.int64)
     lo_p[:, :cq], hi_p[:, :cq] = lo, hi
@@ -671,8 +694,10 @@ def _tile_function():
 
 def _total(parts):
     """(f_1 + f_2) + f_3 ...: the fold sums added in fold order (a fixed sequence)."""
-    acc = np.array(parts[0], dtype=np.float64)
-    for x in parts[1:]:
+    if len(parts) == 1:
+        return np.array(parts[0], dtype=np.float64)
+    acc = np.add(parts[0], parts[1], dtype=np.float64)  # one pass for the first two
+    for x in parts[2:]:
         acc += x
     return acc
 
