@@ -77,7 +77,11 @@ CHAIN = 64  # keys per float32 chain of a block's sums
 WINDOW = 32  # the windows of the row references, in powers of two
 FOLDS = 3  # levels kept: the dropped parts are at most 2^(2b - 71) of a row's l (b: bits of nb)
 MAX_BITS = 51 - WINDOW  # block counts below 2^MAX_BITS keep every level sum exact
-_ROWS = 96  # query rows per chunk: memory only, the bits do not depend on it
+# query rows per kernel call: the bits do not depend on it. Each call streams every K/V block
+# once per head, so a chunk of 96 rows cost 1.5 times the default mode's forward at N = 8,192
+# (D = 64 and 128); 192 to 768 rows, about 1.25 (their levels, 3 Dv float64 a row, still
+# mostly in L2 at 384)
+_ROWS = 384
 _E_MIN = -800  # lowest top-level exponent: every quantum, shifted, stays a normal float64
 LOG2E = float.fromhex("0x1.71547652b82fep+0")
 LN2 = float.fromhex("0x1.62e42fefa39efp-1")
