@@ -173,17 +173,17 @@ static const float rmf_c[8] = {
     0x1.3b2ab6p-7f, 0x1.5d87fep-10f, 0x1.430912p-13f, 0x1.ffcbfcp-17f,
 };
 static inline vf rmf_exp2(vf x) {
-    const vf zero = {0}, lowv = zero - 125.0f;
-    const vi low = x < lowv, nan = x != x;
-    const vf xc = self(low | nan, zero, x);
+    const vf zero = {0};
+    /* below -125: x = -127, so n = -127, f = 0, p = 1 and 2^n has the bits of +0: y = +0
+     * with no select at the end; a NaN x goes through (its lanes' y unused) */
+    const vf xc = self(x < zero - 125.0f, zero - 127.0f, x);
     const vf n = (xc + 12582912.0f) - 12582912.0f;
     const vf f = xc - n;
     vf p = rmf_fmav(zero + rmf_c[7], f, zero + rmf_c[6]);
     for (int i = 5; i >= 0; i--) p = rmf_fmav(p, f, zero + rmf_c[i]);
-    const vi ni = __builtin_convertvector(n, vi); /* an integer: exact */
+    const vi ni = __builtin_convertvector(n, vi); /* an integer: exact (NaN: unused) */
     const vf two_n = (vf)((ni + 127) << 23);
-    const vf y = p * two_n;
-    return self(low, zero, self(nan, x, y));
+    return self(x != x, x, p * two_n);
 }
 
 /* reproducible_float32.tree64: a = ((p[0:16] + p[16:32]) + p[32:48]) + p[48:64] lane by lane
