@@ -5,8 +5,10 @@
 For each mask (none, causal) and dtype: ring_attention of the same inputs with and
 without ``reproducible=True`` (the default CPU tile, ``RINGMPI_CPU_KERNEL``), time
 as the max over ranks, median of --repeat; the repeats alternate the two modes, so
-both see the same machine load. Prints both times and their ratio, and the max
-error of each against nothing but the other (a sanity figure, not an accuracy test).
+both see the same machine load. Prints both times and their ratio, the max
+error of each against nothing but the other (a sanity figure, not an accuracy test),
+and the ratio of the time in the tiles alone (``stats["compute_s"]``, medians: without
+the deals, paddings and the final sums around the ring loop).
 
 ``--softcap C``, ``--alibi`` (the standard slopes) and ``--sinks`` (one logit per head)
 give both modes those score modifiers; the reproducible mode without them is then timed
@@ -65,6 +67,7 @@ def main() -> None:
         dout = ringmpi.shard(rng.standard_normal(qkv[0].shape).astype(dtype), comm)
         for causal in (False, True):
             times = {i: [] for i in range(len(modes))}
+            inner = {i: [] for i in range(len(modes))}  # stats["compute_s"]: the tiles
             outs = {}
             fwd = {}
             if args.backward:  # each mode's own forward, untimed
@@ -90,10 +93,12 @@ def main() -> None:
                         )
                     kernels[rep] = st.get("reproducible_kernel", st.get("tile"))
                     times[i].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+                    inner[i].append(comm.allreduce(st.get("compute_s", 0.0), op=MPI.MAX))
             diff = max(float(np.abs(a - b).max(initial=0.0)) for a, b in zip(outs[1], outs[0]))
             diff = comm.allreduce(diff, op=MPI.MAX)
             med = [float(np.median(times[i])) for i in range(len(modes))]
-            rows.append((np.dtype(dtype).name, causal, med, diff))
+            tiles = [float(np.median(inner[i])) for i in range(2)]
+            rows.append((np.dtype(dtype).name, causal, med, diff, tiles))
     if comm.rank == 0:
         what = "backward" if args.backward else "forward"
         print(f"{what} P={comm.size} N={args.n} H={args.heads} Hkv={args.kv_heads} D={args.d}")
@@ -103,13 +108,14 @@ def main() -> None:
         plain = f" {'plain s':>10}" if mods else ""
         print(
             f"{'dtype':8} {'causal':6} {'default s':>10} {'reprod. s':>10}{plain} {'ratio':>7}"
-            f" {'max |diff|':>10}"
+            f" {'max |diff|':>10} {'tiles ratio':>11}"
         )
-        for name, causal, med, diff in rows:
+        for name, causal, med, diff, tiles in rows:
             extra = f" {med[2]:10.3f}" if mods else ""
+            inner = tiles[1] / tiles[0] if tiles[0] > 0 else float("nan")
             print(
                 f"{name:8} {causal!s:6} {med[0]:10.3f} {med[1]:10.3f}{extra}"
-                f" {med[1] / med[0]:7.2f} {diff:10.2e}"
+                f" {med[1] / med[0]:7.2f} {diff:10.2e} {inner:11.2f}"
             )
 
 
