@@ -77,15 +77,22 @@ def test_threads_and_numpy_cpu_dispatch_do_not_change_the_bits():
 
 
 def test_deal_rows_round_trip():
-    """deal_rows puts every row at its global position; undeal_rows brings it back."""
+    """deal_rows puts every row at its global position; undeal_rows brings it back. Any
+    dtype's bits (float32 rows of the float32 backward, float16), shuffled positions and
+    positions already in order (the identity permutations it skips)."""
     rng = np.random.default_rng(2)
-    pos = rng.permutation(150)
-    rows = rng.standard_normal((150, 3))
-    for balanced in (False, True):
-        mine, at, back = reproducible_backward.deal_rows(MPI.COMM_SELF, rows, pos, 150, balanced)
-        assert np.array_equal(at, np.arange(150))
-        assert np.array_equal(mine[pos], rows)
-        assert np.array_equal(reproducible_backward.undeal_rows(MPI.COMM_SELF, mine, back), rows)
+    for pos in (rng.permutation(150), np.arange(150)):
+        for dtype in (np.float64, np.float32, np.float16):
+            rows = (rng.standard_normal((150, 3)) * 100).astype(dtype)
+            rows[0, 0] = -0.0
+            for balanced in (False, True):
+                mine, at, back = reproducible_backward.deal_rows(MPI.COMM_SELF, rows, pos, 150,
+                                                                 balanced)  # fmt: skip
+                assert mine.dtype == dtype
+                assert np.array_equal(at, np.arange(150))
+                assert mine[pos].tobytes() == rows.tobytes()
+                again = reproducible_backward.undeal_rows(MPI.COMM_SELF, mine, back)
+                assert again.dtype == dtype and again.tobytes() == rows.tobytes()
 
 
 def test_block_owners():
