@@ -353,10 +353,28 @@ def _terms(a, b):
 
 
 def _row_dot(a, b):
-    """(...,) float64 chains ((a_0 b_0 + a_1 b_1) + ...) over the last axis, in index order."""
+    """(...,) float64 chains ((a_0 b_0 + a_1 b_1) + ...) over the last axis, in index order.
+
+    ``a`` (B, H, n, D), ``b`` broadcasting to it. Rows in chunks, so the column passes of a
+    chunk stay in the caches (the same operations per row)."""
+    a = np.asarray(a)
+    b = np.broadcast_to(b, a.shape)
+    n = a.shape[2] if a.ndim == 4 else None
+    if n is None:
+        return _row_dot_chunk(a, b)
+    out = np.empty(a.shape[:3])
+    for r0 in range(0, n, 2048):
+        out[:, :, r0 : r0 + 2048] = _row_dot_chunk(a[:, :, r0 : r0 + 2048], b[:, :, r0 : r0 + 2048])
+    return out
+
+
+def _row_dot_chunk(a, b):
+    """:func:`_row_dot` of one chunk: column by column, one product and one addition each."""
     s = a[..., 0] * b[..., 0]
+    tmp = np.empty_like(s)
     for j in range(1, a.shape[-1]):
-        s = s + a[..., j] * b[..., j]
+        np.multiply(a[..., j], b[..., j], out=tmp)
+        s += tmp
     return s
 
 
@@ -535,17 +553,19 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
 
     # each row: the fold sums in fold order, times the scale, rounded once; dealt back
     # (rounded to the input dtype before they are dealt back: elementwise, the same bits)
-    dq = (_total(dq_parts) * args.scale).astype(dtype)  # (B, H, cq, Dk)
-    dq = undeal_rows(comm, np.moveaxis(dq, 2, 0).reshape(cq, b * h * dk_w), back_q)
+    dq = _total_in_place(dq_parts)
+    dq *= args.scale
+    dq = np.moveaxis(dq, 2, 0).astype(dtype, order="C")  # (cq, B, H, Dk) rows, one pass
+    dq = undeal_rows(comm, dq.reshape(cq, b * h * dk_w), back_q)
     dq = np.moveaxis(dq.reshape(nql, b, h, dk_w), 0, 2)
     fk = pkg[nkv:].reshape(b, hkv, cmax, nf, dk_w + dv_w)
     if share is not None:  # the other members' heads' parts of the same keys: exact sums
         folds_here = np.ascontiguousarray(fk)
         share.Allreduce(MPI.IN_PLACE, folds_here, op=MPI.SUM)
         fk = folds_here
-    dkv = np.moveaxis(_total([fk[:, :, :ck, f] for f in range(nf)]), 2, 0)  # (ck, B, Hkv, .)
+    dkv = np.moveaxis(_total_in_place([fk[:, :, :ck, f] for f in range(nf)]), 2, 0)
     dkv[..., :dk_w] *= args.scale
-    dkv = dkv.astype(dtype)
+    dkv = dkv.astype(dtype, order="C")  # (ck, B, Hkv, .) rows: the reshape below is free
     dkv = undeal_rows(comm, dkv.reshape(ck, wk), back_k).reshape(nkl, b, hkv, dk_w + dv_w)
     dkv = np.moveaxis(dkv, 0, 2)
     grads = []
@@ -693,11 +713,21 @@ def _tile_function():
 
 
 def _total(parts):
-    """(f_1 + f_2) + f_3 ...: the fold sums added in fold order (a fixed sequence)."""
+    """(f_1 + f_2) + f_3 ...: the fold sums added in fold order (a fixed sequence), a new
+    float64 array."""
     if len(parts) == 1:
         return np.array(parts[0], dtype=np.float64)
     acc = np.add(parts[0], parts[1], dtype=np.float64)  # one pass for the first two
     for x in parts[2:]:
+        acc += x
+    return acc
+
+
+def _total_in_place(parts):
+    """:func:`_total` made in the first part (a float64 view, overwritten): the same
+    additions in the same order, without a new array of the largest size."""
+    acc = parts[0]
+    for x in parts[1:]:
         acc += x
     return acc
 
