@@ -476,52 +476,6 @@ int64_t rmf_block(const float *qs, const float *kt, const float *v, const int64_
 
 int64_t rmf_backward_width(void) { return RMF_BW; }
 
-/* acc[r][c] for NR outputs from a: the fma chain over t < n of a[r ao + t at] x[t ldx + col +
- * c RMF_VN], from +0 (the body of the chains below) */
-#define RMF_CHAIN_BODY(NR)                                                                    \
-    vf acc[NR][RMF_BN];                                                                       \
-    _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                                     \
-        _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++) acc[r][c] = (vf){0};         \
-    for (int64_t t = 0; t < n; t++) {                                                         \
-        vf xv[RMF_BN];                                                                        \
-        _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                              \
-            xv[c] = ldf(x + t * ldx + col + c * RMF_VN);                                      \
-        _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++) {                               \
-            const vf b = splat(a[r * ao + t * at]);                                           \
-            _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                          \
-                acc[r][c] = rmf_fmav(b, xv[c], acc[r][c]);                                    \
-        }                                                                                     \
-    }
-
-/* NR outputs from o: out[o + r][col] = the chain (float32), col < nc (a multiple of RMF_BW) */
-#define RMF_CHAIN_ROWS(NAME, NR)                                                              \
-    static inline void NAME(const float *a, int64_t ao, int64_t at, const float *x,           \
-                            int64_t ldx, int64_t n, int64_t nc, float *out, int64_t ldo) {    \
-        for (int64_t col = 0; col < nc; col += RMF_BW) {                                      \
-            RMF_CHAIN_BODY(NR)                                                                \
-            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
-                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                      \
-                    stf(out + r * ldo + col + c * RMF_VN, acc[r][c]);                         \
-        }                                                                                     \
-    }
-
-/* The same chains added to float64 sums: out[o + r][col] = out[o + r][col] + (double)chain
- * (one rounding-free conversion and one float64 addition per element, lane by lane) */
-#define RMF_CHAIN_ROWS_ADD(NAME, NR)                                                          \
-    static inline void NAME(const float *a, int64_t ao, int64_t at, const float *x,           \
-                            int64_t ldx, int64_t n, int64_t nc, double *out, int64_t ldo) {   \
-        for (int64_t col = 0; col < nc; col += RMF_BW) {                                      \
-            RMF_CHAIN_BODY(NR)                                                                \
-            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
-                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++) {                    \
-                    double *o64 = out + r * ldo + col + c * RMF_VN;                           \
-                    vd lo, hi;                                                                \
-                    rmf_widen(acc[r][c], &lo, &hi);                                           \
-                    *(vd *)o64 = *(vd *)o64 + lo;                                             \
-                    *(vd *)(o64 + RMF_DN) = *(vd *)(o64 + RMF_DN) + hi;                       \
-                }                                                                             \
-        }                                                                                     \
-    }
 /* x's lanes as float64 (exact): lo the first half, hi the second (in registers; a copy through
  * memory cost about a tenth of the added chains) */
 static inline void rmf_widen(vf x, vd *lo, vd *hi) {
@@ -539,10 +493,45 @@ static inline void rmf_widen(vf x, vd *lo, vd *hi) {
 #endif
 }
 
-RMF_CHAIN_ROWS(rmf_chain_main, RMF_BR)
-RMF_CHAIN_ROWS(rmf_chain_four, 4)
-RMF_CHAIN_ROWS_ADD(rmf_chain_add_main, RMF_BR)
-RMF_CHAIN_ROWS_ADD(rmf_chain_add_four, 4)
+/* How a chain's vector of results leaves: stored as float32, or added to float64 sums
+ * (o = o + (double)x: one rounding-free conversion and one float64 addition per lane) */
+static inline void rmf_put(float *o, vf x) { stf(o, x); }
+static inline void rmf_put_add(double *o, vf x) {
+    vd lo, hi;
+    rmf_widen(x, &lo, &hi);
+    *(vd *)o = *(vd *)o + lo;
+    *(vd *)(o + RMF_DN) = *(vd *)(o + RMF_DN) + hi;
+}
+
+/* NR outputs from a, columns col < nc (a multiple of RMF_BW): the fma chain over t < n of
+ * a[r ao + t at] x[t ldx + col + c RMF_VN], from +0, put (PUT: rmf_put or rmf_put_add) at
+ * out[r ldo + col + c RMF_VN] */
+#define RMF_CHAIN_ROWS(NAME, NR, OUT_T, PUT)                                                  \
+    static inline void NAME(const float *a, int64_t ao, int64_t at, const float *x,           \
+                            int64_t ldx, int64_t n, int64_t nc, OUT_T *out, int64_t ldo) {    \
+        for (int64_t col = 0; col < nc; col += RMF_BW) {                                      \
+            vf acc[NR][RMF_BN];                                                               \
+            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
+                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++) acc[r][c] = (vf){0}; \
+            for (int64_t t = 0; t < n; t++) {                                                 \
+                vf xv[RMF_BN];                                                                \
+                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                      \
+                    xv[c] = ldf(x + t * ldx + col + c * RMF_VN);                              \
+                _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++) {                       \
+                    const vf b = splat(a[r * ao + t * at]);                                   \
+                    _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                  \
+                        acc[r][c] = rmf_fmav(b, xv[c], acc[r][c]);                            \
+                }                                                                             \
+            }                                                                                 \
+            _Pragma("GCC unroll 16") for (int r = 0; r < NR; r++)                             \
+                _Pragma("GCC unroll 4") for (int c = 0; c < RMF_BN; c++)                      \
+                    PUT(out + r * ldo + col + c * RMF_VN, acc[r][c]);                         \
+        }                                                                                     \
+    }
+RMF_CHAIN_ROWS(rmf_chain_main, RMF_BR, float, rmf_put)
+RMF_CHAIN_ROWS(rmf_chain_four, 4, float, rmf_put)
+RMF_CHAIN_ROWS(rmf_chain_add_main, RMF_BR, double, rmf_put_add)
+RMF_CHAIN_ROWS(rmf_chain_add_four, 4, double, rmf_put_add)
 
 /* out[o][col] for o < 64: RMF_BR outputs at a time, then 4 (64 = 4 mod RMF_BR) */
 static void rmf_chain(const float *a, int64_t ao, int64_t at, const float *x, int64_t ldx,
