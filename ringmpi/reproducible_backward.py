@@ -249,15 +249,9 @@ def deal_rows(comm, rows, pos, n: int, balanced: bool = False, block: int = KEY_
     rd = np.concatenate([[0], np.cumsum(recv_n)[:-1]]).astype(np.int64)
     # the permutations are often the identity (one rank, or rows already in block order)
     sendbuf = np.ascontiguousarray(rows if _identity(order) else rows[order])
-    if size == 1:  # every row stays: no copy
-        got, got_pos = sendbuf, pos[order]
-    else:
-        raw = np.dtype(f"u{rows.dtype.itemsize}")  # the bits travel, whatever the dtype
-        got = np.empty((int(recv_n.sum()), width), dtype=rows.dtype)
-        got_pos = np.empty(int(recv_n.sum()), dtype=np.int64)
-        comm.Alltoallv([sendbuf.view(raw), (send_n * width, sd * width)],
-                       [got.view(raw), (recv_n * width, rd * width)])  # fmt: skip
-        comm.Alltoallv([np.ascontiguousarray(pos[order]), (send_n, sd)], [got_pos, (recv_n, rd)])
+    got = _exchange(comm, sendbuf, (send_n, sd), (recv_n, rd))
+    got_pos = _exchange(comm, np.ascontiguousarray(pos[order])[:, None], (send_n, sd),
+                        (recv_n, rd))[:, 0]  # fmt: skip
     idx = np.searchsorted(mine_pos, got_pos)
     if _identity(idx):
         mine = got
@@ -273,24 +267,29 @@ def undeal_rows(comm, mine, back):
     Returns (len(pos), W) rows in the order of the ``pos`` given to :func:`deal_rows`.
     """
     send_n, sd, recv_n, rd, order, idx = back
-    width = mine.shape[1]
-    dtype = mine.dtype
     # the permutations are often the identity (one rank, or rows already in block order)
     sendbuf = np.ascontiguousarray(mine if _identity(idx) else mine[idx])
-    if comm.Get_size() == 1:  # every row stays: no copy
-        out = sendbuf
-    else:
-        # the bits travel as unsigned integers of the item's size (float16, bfloat16 too)
-        raw = np.dtype(f"u{dtype.itemsize}")
-        out = np.empty((len(order), width), dtype=raw)
-        comm.Alltoallv([sendbuf.view(raw), (recv_n * width, rd * width)],
-                       [out, (send_n * width, sd * width)])  # fmt: skip
-        out = out.view(dtype)
+    out = _exchange(comm, sendbuf, (recv_n, rd), (send_n, sd))
     if _identity(order):
         return out
     res = np.empty_like(out)
     res[order] = out
     return res
+
+
+def _exchange(comm, rows, send, recv):
+    """``rows`` (C-contiguous (n, W)) to the ranks and rows from them: ``send`` = (counts,
+    first rows) per destination, ``recv`` likewise per source. The bits travel as unsigned
+    integers of the item's size (float16, bfloat16 too); on one rank every row stays (no
+    copy)."""
+    if comm.Get_size() == 1:
+        return rows
+    width = rows.shape[1]
+    raw = np.dtype(f"u{rows.dtype.itemsize}")
+    got = np.empty((int(recv[0].sum()), width), dtype=rows.dtype)
+    comm.Alltoallv([rows.view(raw), (send[0] * width, send[1] * width)],
+                   [got.view(raw), (recv[0] * width, recv[1] * width)])  # fmt: skip
+    return got
 
 
 def _side_by_side(cols, n: int, dtype):
@@ -359,11 +358,8 @@ def _row_dot(a, b):
     chunk stay in the caches (the same operations per row)."""
     a = np.asarray(a)
     b = np.broadcast_to(b, a.shape)
-    n = a.shape[2] if a.ndim == 4 else None
-    if n is None:
-        return _row_dot_chunk(a, b)
     out = np.empty(a.shape[:3])
-    for r0 in range(0, n, 2048):
+    for r0 in range(0, a.shape[2], 2048):
         out[:, :, r0 : r0 + 2048] = _row_dot_chunk(a[:, :, r0 : r0 + 2048], b[:, :, r0 : r0 + 2048])
     return out
 
@@ -715,12 +711,7 @@ def _tile_function():
 def _total(parts):
     """(f_1 + f_2) + f_3 ...: the fold sums added in fold order (a fixed sequence), a new
     float64 array."""
-    if len(parts) == 1:
-        return np.array(parts[0], dtype=np.float64)
-    acc = np.add(parts[0], parts[1], dtype=np.float64)  # one pass for the first two
-    for x in parts[2:]:
-        acc += x
-    return acc
+    return _total_in_place([np.array(parts[0], dtype=np.float64), *parts[1:]])
 
 
 def _total_in_place(parts):
