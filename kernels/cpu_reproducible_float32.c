@@ -437,6 +437,36 @@ int64_t rmf_block(const float *qs, const float *kt, const float *v, const int64_
     return 0;
 }
 
+/* The forward's end for float32 outputs (ringmpi.reproducible.finish's operations on o):
+ * out[bb][i][h][c] = (float)((((O_0 + O_1) + O_2) x a) / l) for the row (bb, h, i) where
+ * l > 0, else +0; the product only where a is given (the sinks). olev: (B, H, Sq, 3, Dv) the
+ * row's levels; l, a: (B, H, Sq) float64; out: (B, Sq, H, Dv) float32. One pass over the
+ * levels instead of numpy's five. */
+int64_t rmf_finish(const double *olev, const double *l, const double *a, int64_t B, int64_t H,
+                   int64_t Sq, int64_t Dv, float *out) {
+    if (B < 0 || H < 0 || Sq < 0 || Dv < 1) return -1;
+    for (int64_t bb = 0; bb < B; bb++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < Sq; i++) {
+                const int64_t row = (bb * H + h) * Sq + i;
+                const double *o = olev + row * RMF_F * Dv, lr = l[row];
+                float *y = out + ((bb * Sq + i) * H + h) * Dv;
+                if (!(lr > 0.0)) {
+                    for (int64_t c = 0; c < Dv; c++) y[c] = 0.0f;
+                    continue;
+                }
+                if (a) {
+                    const double ar = a[row];
+                    for (int64_t c = 0; c < Dv; c++)
+                        y[c] = (float)((((o[c] + o[Dv + c]) + o[2 * Dv + c]) * ar) / lr);
+                } else {
+                    for (int64_t c = 0; c < Dv; c++)
+                        y[c] = (float)(((o[c] + o[Dv + c]) + o[2 * Dv + c]) / lr);
+                }
+            }
+    return 0;
+}
+
 /* ===================================================================== the backward ====
  * One (query block, key block) tile of the float32 method's backward
  * (reproducible_float32._backward_tile, its numpy oracle; rmf_backward runs the tiles of a

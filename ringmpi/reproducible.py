@@ -57,7 +57,12 @@ __all__ = [
     "fold_into",
     "loop",
     "deal_keys",
+    "block_owners",
+    "deal_rows",
+    "undeal_rows",
     "finish",
+    "denominators",
+    "log_sum_exp",
     "visible_ranges",
     "sees",
 ]
@@ -398,10 +403,12 @@ def deal_keys(comm, k, v, pos, nk: int, block: int = KEY_BLOCK):
 
     Block c holds the keys at positions [block c, block c + block) (``block``: by default
     :data:`KEY_BLOCK`; :mod:`ringmpi.reproducible_float32` deals blocks of 256); rank r
-    gets the blocks [r nb / P, (r + 1) nb / P) (nb blocks), so every block lies whole on
-    one rank and a block's partial sums are computed by the same code on the same keys
-    in the same order for every P and layout. One ``Alltoallv`` (each key travels at
-    most once), before the ring.
+    gets the blocks [r nb / P, (r + 1) nb / P) (nb blocks, :func:`block_owners`), so every
+    block lies whole on one rank and a block's partial sums are computed by the same code
+    on the same keys in the same order for every P and layout. The rows travel by
+    :func:`deal_rows` (each key moves at most once), before the ring. Where every rank
+    already holds its blocks in position order (one rank; a contiguous layout on block
+    boundaries), nothing is copied: ``k`` and ``v`` come back as views.
 
     Parameters
     ----------
@@ -416,42 +423,146 @@ def deal_keys(comm, k, v, pos, nk: int, block: int = KEY_BLOCK):
     starts, counts: lists over ranks (rank r holds positions starts[r] + 0..counts[r]-1).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    nb = -(-nk // block)
-    starts = [min(r * nb // size * block, nk) for r in range(size + 1)]
+    starts = _starts(nk, size, block)
     counts = [starts[r + 1] - starts[r] for r in range(size)]
     pos = np.asarray(pos, dtype=np.int64)
     n = len(pos)
+    in_place = n == counts[rank] and _identity(pos - starts[rank])
+    if size > 1:  # every rank's answer: all skip the exchange, or none
+        in_place = comm.allreduce(in_place, op=MPI.LAND)
+    if in_place:
+        return k[:, :, :n], v[:, :, :n], starts[:-1], counts
     b, hkv, _, dk = k.shape
     dv = v.shape[-1]
-    dest = np.searchsorted(np.array(starts[:-1]), pos, side="right") - 1
+    rows = _side_by_side([k, v], n, np.result_type(k.dtype, v.dtype))
+    mine = deal_rows(comm, rows.reshape(n, b * hkv * (dk + dv)), pos, nk, block=block)[0]
+    mine = mine.reshape(counts[rank], b, hkv, dk + dv)  # each row: k (B, Hkv, Dk), then v
+    kd = np.ascontiguousarray(np.moveaxis(mine[..., :dk], 0, 2), dtype=k.dtype)  # exact
+    vd = np.ascontiguousarray(np.moveaxis(mine[..., dk:], 0, 2), dtype=v.dtype)
+    return kd, vd, starts[:-1], counts
+
+
+def _starts(n: int, size: int, block: int = KEY_BLOCK) -> list:
+    """Rank r holds the global blocks [r nb / P, (r + 1) nb / P): their first positions."""
+    nb = -(-n // block)
+    return [min(r * nb // size * block, n) for r in range(size + 1)]
+
+
+def block_owners(n: int, size: int, balanced: bool = False, block: int = KEY_BLOCK):
+    """(nb,) the rank that holds each global block of ``block`` positions (nb = ceil(n / block)).
+
+    Not balanced: rank r holds the blocks [r nb / P, (r + 1) nb / P) (as
+    :func:`ringmpi.reproducible.deal_keys`). Balanced: the blocks cut into 2P runs
+    [i nb / 2P, (i + 1) nb / 2P) and rank r holding runs r and 2P - 1 - r (a zigzag
+    of blocks: under a causal mask every rank gets early and late rows). The choice
+    moves work between ranks, never a bit.
+    """
+    nb = -(-n // block)
+    c = np.arange(nb, dtype=np.int64)
+    if not balanced:
+        return np.searchsorted(np.arange(size) * nb // size, c, side="right") - 1
+    run = np.searchsorted(np.arange(2 * size) * nb // (2 * size), c, side="right") - 1
+    return np.where(run < size, run, 2 * size - 1 - run)
+
+
+def deal_rows(comm, rows, pos, n: int, balanced: bool = False, block: int = KEY_BLOCK):
+    """Rows (one per global position) dealt out in whole global blocks of ``block`` positions.
+
+    Rank r gets the blocks :func:`block_owners` gives it, rows in position order.
+
+    Parameters
+    ----------
+    rows : (len(pos), W) array
+        This rank's rows, one per global position ``pos`` (any dtype: its bits travel).
+    pos : (len(rows),) int
+        Their global positions (a partition of 0..n-1 over the ranks).
+    n : int
+        The number of positions.
+    balanced : bool
+        :func:`block_owners`'s choice.
+
+    Returns
+    -------
+    mine : (count, W) of ``rows``' dtype
+        The rows of this rank's blocks, in position order.
+    mine_pos : (count,) int64
+        Their positions: whole blocks, ascending (each starts at a multiple of ``block``).
+    back : tuple
+        What :func:`undeal_rows` needs to send rows of ``mine``'s shape back.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    owner = block_owners(n, size, balanced, block)
+    blocks = np.flatnonzero(owner == rank)
+    mine_pos = np.arange(n, dtype=np.int64)[np.isin(np.arange(n) // block, blocks)]
+    pos = np.asarray(pos, dtype=np.int64)
+    width = rows.shape[1]
+    dest = owner[pos // block] if len(pos) else np.zeros(0, dtype=np.int64)
     order = np.argsort(dest, kind="stable")
     send_n = np.bincount(dest, minlength=size).astype(np.int64)
     recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
-    width = b * hkv * (dk + dv)
-    rows = np.concatenate(
-        [
-            np.moveaxis(x[:, :, :n][:, :, order], 2, 0).reshape(n, b * hkv * x.shape[-1])
-            for x in (k, v)
-        ],
-        axis=1,
-    )
-    rows = np.ascontiguousarray(rows)
-    got = np.empty((int(recv_n.sum()), width), dtype=rows.dtype)
-    got_pos = np.empty(int(recv_n.sum()), dtype=np.int64)
+    sd = np.concatenate([[0], np.cumsum(send_n)[:-1]]).astype(np.int64)
+    rd = np.concatenate([[0], np.cumsum(recv_n)[:-1]]).astype(np.int64)
+    # the permutations are often the identity (one rank, or rows already in block order)
+    sendbuf = np.ascontiguousarray(rows if _identity(order) else rows[order])
+    got = _exchange(comm, sendbuf, (send_n, sd), (recv_n, rd))
+    got_pos = _exchange(comm, np.ascontiguousarray(pos[order])[:, None], (send_n, sd),
+                        (recv_n, rd))[:, 0]  # fmt: skip
+    idx = np.searchsorted(mine_pos, got_pos)
+    if _identity(idx):
+        mine = got
+    else:
+        mine = np.empty((len(mine_pos), width), dtype=rows.dtype)
+        mine[idx] = got
+    return mine, mine_pos, (send_n, sd, recv_n, rd, order, idx)
 
-    def spans(cnt):
-        return cnt, np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
 
-    (sc, sd), (rc, rd) = spans(send_n), spans(recv_n)
-    comm.Alltoallv([rows, (sc * width, sd * width)], [got, (rc * width, rd * width)])
-    comm.Alltoallv([np.ascontiguousarray(pos[order]), (sc, sd)], [got_pos, (rc, rd)])
-    mine = np.empty_like(got)
-    mine[got_pos - starts[rank]] = got
-    cut = b * hkv * dk  # each row: k (B, Hkv, Dk), then v (B, Hkv, Dv)
-    kd = np.moveaxis(mine[:, :cut].reshape(counts[rank], b, hkv, dk), 0, 2)
-    vd = np.moveaxis(mine[:, cut:].reshape(counts[rank], b, hkv, dv), 0, 2)
-    kd, vd = np.ascontiguousarray(kd), np.ascontiguousarray(vd)
-    return kd, vd, starts[:-1], counts
+def undeal_rows(comm, mine, back):
+    """The inverse of :func:`deal_rows`: rows of this rank's blocks back to their owners.
+
+    Returns (len(pos), W) rows in the order of the ``pos`` given to :func:`deal_rows`.
+    """
+    send_n, sd, recv_n, rd, order, idx = back
+    # the permutations are often the identity (one rank, or rows already in block order)
+    sendbuf = np.ascontiguousarray(mine if _identity(idx) else mine[idx])
+    out = _exchange(comm, sendbuf, (recv_n, rd), (send_n, sd))
+    if _identity(order):
+        return out
+    res = np.empty_like(out)
+    res[order] = out
+    return res
+
+
+def _exchange(comm, rows, send, recv):
+    """``rows`` (C-contiguous (n, W)) to the ranks and rows from them: ``send`` = (counts,
+    first rows) per destination, ``recv`` likewise per source. The bits travel as unsigned
+    integers of the item's size (float16, bfloat16 too); on one rank every row stays (no
+    copy)."""
+    if comm.Get_size() == 1:
+        return rows
+    width = rows.shape[1]
+    raw = np.dtype(f"u{rows.dtype.itemsize}")
+    got = np.empty((int(recv[0].sum()), width), dtype=rows.dtype)
+    comm.Alltoallv([rows.view(raw), (send[0] * width, send[1] * width)],
+                   [got.view(raw), (recv[0] * width, recv[1] * width)])  # fmt: skip
+    return got
+
+
+def _side_by_side(cols, n: int, dtype):
+    """(n, B, H, sum of widths) rows of ``dtype``: each (B, H, >= n, w) column group's first
+    ``n`` rows, converted once (one pass per group, no intermediate copies)."""
+    b, h = cols[0].shape[:2]
+    out = np.empty((n, b, h, sum(c.shape[-1] for c in cols)), dtype=dtype)
+    at = 0
+    for c in cols:
+        w = c.shape[-1]
+        out[..., at : at + w] = np.moveaxis(c[:, :, :n], 2, 0)
+        at += w
+    return out
+
+
+def _identity(perm) -> bool:
+    """Whether the index array ``perm`` is 0, 1, 2, ... (a permutation that moves nothing)."""
+    return bool(np.array_equal(perm, np.arange(len(perm))))
 
 
 def kernel():
@@ -585,28 +696,44 @@ def finish(l_parts, o_parts, m, dtype, sinks=None):
     b = det_exp(sink_h - M') (one of them is 1), l' = l a + b, o' = o a, out = o' / l'
     and lse = M' + det_log(l'). Where the sink is not above M, a = 1 and o, l are
     used as they are (exact products). A row with no visible key gets out 0 and
-    lse = sink_h.
+    lse = sink_h. :func:`denominators` and :func:`log_sum_exp` are its row-wise steps.
     """
-    l = l_parts[0]  # (l_1 + l_2) + l_3 ...: a fixed order
-    o = o_parts[0]
-    for x, y in zip(l_parts[1:], o_parts[1:]):
-        l += x
+    l, a, m = denominators(l_parts, m, sinks)
+    o = o_parts[0]  # ((o_1 + o_2) + o_3) ...: a fixed order
+    for y in o_parts[1:]:
         o += y
-    if sinks is not None:
-        sink = np.broadcast_to(sinks[None, :, None], m.shape)
-        with np.errstate(invalid="ignore"):
-            top = np.maximum(m, sink)  # NaN propagates
-            a, b = det_exp(m - top), det_exp(sink - top)
-        l *= a  # l a + b: the product rounded, then the sum
-        l += b
+    if a is not None:
         o *= a[..., None]
-        m = top
     seen = l > 0
-    safe = np.where(seen, l, 1.0)
-    np.divide(o, safe[..., None], out=o)
+    np.divide(o, np.where(seen, l, 1.0)[..., None], out=o)
     o[~seen] = 0.0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(seen, m + det_log(safe), -np.inf)
-    lse = np.where(np.isnan(l), np.nan, lse)
     out = np.moveaxis(o, 1, 2).astype(dtype, order="C")
-    return out, lse.astype(dtype)
+    return out, log_sum_exp(l, m, dtype)
+
+
+def denominators(l_parts, m, sinks=None):
+    """(l, a, m) of :func:`finish`: each row's l = ((l_1 + l_2) + l_3) ... (in place in
+    ``l_parts[0]``), with the sink joined (l' = l a + b) where ``sinks`` is given; the
+    factor a of the row's o (None: no sinks) and the maximum M' (``m`` without sinks)."""
+    l = l_parts[0]
+    for x in l_parts[1:]:
+        l += x
+    if sinks is None:
+        return l, None, m
+    sink = np.broadcast_to(sinks[None, :, None], m.shape)
+    with np.errstate(invalid="ignore"):
+        top = np.maximum(m, sink)  # NaN propagates
+        a, b = det_exp(m - top), det_exp(sink - top)
+    l *= a  # l a + b: the product rounded, then the sum
+    l += b
+    return l, a, top
+
+
+def log_sum_exp(l, m, dtype):
+    """lse = M + det_log(l) in ``dtype`` (:func:`finish`): -inf where no key was seen, NaN
+    where l is NaN."""
+    seen = l > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(seen, m + det_log(np.where(seen, l, 1.0)), -np.inf)
+    lse = np.where(np.isnan(l), np.nan, lse)
+    return lse.astype(dtype)

@@ -60,13 +60,17 @@ from .layout import positions
 from .parallel import HeadGroups
 from .reproducible import (
     KEY_BLOCK,
+    _side_by_side,
+    _starts,
     choose_kernel,
+    deal_rows,
     det_exp,
     det_tanh,
     fold_into,
     folds,
     grids,
     score_modifiers,
+    undeal_rows,
     visible_ranges,
 )
 from .runtime.watchdog import watch
@@ -76,9 +80,6 @@ __all__ = [
     "loop",
     "sink_grad",
     "kernel",
-    "block_owners",
-    "deal_rows",
-    "undeal_rows",
     "P_BOUND",
 ]
 
@@ -185,129 +186,6 @@ def sink_grad(comm, args, dout, out, lse, heads=slice(None), world=None):
     fold_into(term, [c[:, None] for c in grids(n, top[1], nf)], list(parts), 1)
     comm.Allreduce(MPI.IN_PLACE, parts, op=MPI.SUM)  # exact: multiples of each fold's quantum
     return (-_total(list(parts))).astype(args.acc_dtype)
-
-
-def _starts(n: int, size: int, block: int = KEY_BLOCK) -> list:
-    """Rank r holds the global blocks [r nb / P, (r + 1) nb / P): their first positions."""
-    nb = -(-n // block)
-    return [min(r * nb // size * block, n) for r in range(size + 1)]
-
-
-def block_owners(n: int, size: int, balanced: bool = False, block: int = KEY_BLOCK):
-    """(nb,) the rank that holds each global block of ``block`` positions (nb = ceil(n / block)).
-
-    Not balanced: rank r holds the blocks [r nb / P, (r + 1) nb / P) (as
-    :func:`ringmpi.reproducible.deal_keys`). Balanced: the blocks cut into 2P runs
-    [i nb / 2P, (i + 1) nb / 2P) and rank r holding runs r and 2P - 1 - r (a zigzag
-    of blocks: under a causal mask every rank gets early and late rows). The choice
-    moves work between ranks, never a bit.
-    """
-    nb = -(-n // block)
-    c = np.arange(nb, dtype=np.int64)
-    if not balanced:
-        return np.searchsorted(np.arange(size) * nb // size, c, side="right") - 1
-    run = np.searchsorted(np.arange(2 * size) * nb // (2 * size), c, side="right") - 1
-    return np.where(run < size, run, 2 * size - 1 - run)
-
-
-def deal_rows(comm, rows, pos, n: int, balanced: bool = False, block: int = KEY_BLOCK):
-    """Rows (one per global position) dealt out in whole global blocks of ``block`` positions.
-
-    Rank r gets the blocks :func:`block_owners` gives it, rows in position order.
-
-    Parameters
-    ----------
-    rows : (len(pos), W) array
-        This rank's rows, one per global position ``pos`` (any dtype: its bits travel).
-    pos : (len(rows),) int
-        Their global positions (a partition of 0..n-1 over the ranks).
-    n : int
-        The number of positions.
-    balanced : bool
-        :func:`block_owners`'s choice.
-
-    Returns
-    -------
-    mine : (count, W) of ``rows``' dtype
-        The rows of this rank's blocks, in position order.
-    mine_pos : (count,) int64
-        Their positions: whole blocks, ascending (each starts at a multiple of ``block``).
-    back : tuple
-        What :func:`undeal_rows` needs to send rows of ``mine``'s shape back.
-    """
-    size, rank = comm.Get_size(), comm.Get_rank()
-    owner = block_owners(n, size, balanced, block)
-    blocks = np.flatnonzero(owner == rank)
-    mine_pos = np.arange(n, dtype=np.int64)[np.isin(np.arange(n) // block, blocks)]
-    pos = np.asarray(pos, dtype=np.int64)
-    width = rows.shape[1]
-    dest = owner[pos // block] if len(pos) else np.zeros(0, dtype=np.int64)
-    order = np.argsort(dest, kind="stable")
-    send_n = np.bincount(dest, minlength=size).astype(np.int64)
-    recv_n = np.array(comm.alltoall(send_n.tolist()), dtype=np.int64)
-    sd = np.concatenate([[0], np.cumsum(send_n)[:-1]]).astype(np.int64)
-    rd = np.concatenate([[0], np.cumsum(recv_n)[:-1]]).astype(np.int64)
-    # the permutations are often the identity (one rank, or rows already in block order)
-    sendbuf = np.ascontiguousarray(rows if _identity(order) else rows[order])
-    got = _exchange(comm, sendbuf, (send_n, sd), (recv_n, rd))
-    got_pos = _exchange(comm, np.ascontiguousarray(pos[order])[:, None], (send_n, sd),
-                        (recv_n, rd))[:, 0]  # fmt: skip
-    idx = np.searchsorted(mine_pos, got_pos)
-    if _identity(idx):
-        mine = got
-    else:
-        mine = np.empty((len(mine_pos), width), dtype=rows.dtype)
-        mine[idx] = got
-    return mine, mine_pos, (send_n, sd, recv_n, rd, order, idx)
-
-
-def undeal_rows(comm, mine, back):
-    """The inverse of :func:`deal_rows`: rows of this rank's blocks back to their owners.
-
-    Returns (len(pos), W) rows in the order of the ``pos`` given to :func:`deal_rows`.
-    """
-    send_n, sd, recv_n, rd, order, idx = back
-    # the permutations are often the identity (one rank, or rows already in block order)
-    sendbuf = np.ascontiguousarray(mine if _identity(idx) else mine[idx])
-    out = _exchange(comm, sendbuf, (recv_n, rd), (send_n, sd))
-    if _identity(order):
-        return out
-    res = np.empty_like(out)
-    res[order] = out
-    return res
-
-
-def _exchange(comm, rows, send, recv):
-    """``rows`` (C-contiguous (n, W)) to the ranks and rows from them: ``send`` = (counts,
-    first rows) per destination, ``recv`` likewise per source. The bits travel as unsigned
-    integers of the item's size (float16, bfloat16 too); on one rank every row stays (no
-    copy)."""
-    if comm.Get_size() == 1:
-        return rows
-    width = rows.shape[1]
-    raw = np.dtype(f"u{rows.dtype.itemsize}")
-    got = np.empty((int(recv[0].sum()), width), dtype=rows.dtype)
-    comm.Alltoallv([rows.view(raw), (send[0] * width, send[1] * width)],
-                   [got.view(raw), (recv[0] * width, recv[1] * width)])  # fmt: skip
-    return got
-
-
-def _side_by_side(cols, n: int, dtype):
-    """(n, B, H, sum of widths) rows of ``dtype``: each (B, H, >= n, w) column group's first
-    ``n`` rows, converted once (one pass per group, no intermediate copies)."""
-    b, h = cols[0].shape[:2]
-    out = np.empty((n, b, h, sum(c.shape[-1] for c in cols)), dtype=dtype)
-    at = 0
-    for c in cols:
-        w = c.shape[-1]
-        out[..., at : at + w] = np.moveaxis(c[:, :, :n], 2, 0)
-        at += w
-    return out
-
-
-def _identity(perm) -> bool:
-    """Whether the index array ``perm`` is 0, 1, 2, ... (a permutation that moves nothing)."""
-    return bool(np.array_equal(perm, np.arange(len(perm))))
 
 
 def _chain(w, x, axis_rows: bool):

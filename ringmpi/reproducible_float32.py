@@ -54,7 +54,16 @@ from . import cost
 from .cpu import fused_reproducible_float32
 from .layout import positions
 from .mask import plan_steps
-from .reproducible import choose_kernel, deal_keys, finish, fold_into, sees, visible_ranges
+from .reproducible import (
+    choose_kernel,
+    deal_keys,
+    denominators,
+    finish,
+    fold_into,
+    log_sum_exp,
+    sees,
+    visible_ranges,
+)
 from .ring import KVRing
 
 __all__ = [
@@ -252,7 +261,12 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     bad = ref == np.inf
     m = np.where(bad, np.nan, ref * LN2)
     l_lev[..., 0][bad] = np.nan
-    out, lse = finish(np.moveaxis(l_lev, 3, 0), np.moveaxis(o_lev, 3, 0), m, args.acc_dtype, sinks)
+    if kern is not None and np.dtype(args.acc_dtype) == np.float32:  # one pass, the same bits
+        l, a, m = denominators(np.moveaxis(l_lev, 3, 0), m, sinks)
+        out, lse = kern.finish(o_lev, np.ascontiguousarray(l), a), log_sum_exp(l, m, np.float32)
+    else:
+        out, lse = finish(np.moveaxis(l_lev, 3, 0), np.moveaxis(o_lev, 3, 0), m, args.acc_dtype,
+                          sinks)  # fmt: skip
     stats.update(
         steps=size,
         steps_computed=computed,

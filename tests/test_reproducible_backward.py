@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from ringmpi import reproducible, reproducible_backward
 
@@ -74,34 +73,6 @@ def test_threads_and_numpy_cpu_dispatch_do_not_change_the_bits():
     assert all(h == want for h in runs.values()), runs
     if not targets:
         pytest.skip("numpy dispatches no SIMD target above its baseline on this host")
-
-
-def test_deal_rows_round_trip():
-    """deal_rows puts every row at its global position; undeal_rows brings it back. Any
-    dtype's bits (float32 rows of the float32 backward, float16), shuffled positions and
-    positions already in order (the identity permutations it skips)."""
-    rng = np.random.default_rng(2)
-    for pos in (rng.permutation(150), np.arange(150)):
-        for dtype in (np.float64, np.float32, np.float16):
-            rows = (rng.standard_normal((150, 3)) * 100).astype(dtype)
-            rows[0, 0] = -0.0
-            for balanced in (False, True):
-                mine, at, back = reproducible_backward.deal_rows(MPI.COMM_SELF, rows, pos, 150,
-                                                                 balanced)  # fmt: skip
-                assert mine.dtype == dtype
-                assert np.array_equal(at, np.arange(150))
-                assert mine[pos].tobytes() == rows.tobytes()
-                again = reproducible_backward.undeal_rows(MPI.COMM_SELF, mine, back)
-                assert again.dtype == dtype and again.tobytes() == rows.tobytes()
-
-
-def test_block_owners():
-    """Contiguous runs of blocks, or a zigzag of runs; every rank's blocks in order."""
-    owners = reproducible_backward.block_owners
-    assert owners(64 * 10, 2).tolist() == [0] * 5 + [1] * 5
-    assert owners(64 * 8, 2, balanced=True).tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
-    assert owners(10, 3, balanced=True).tolist() == [0]  # one block, P = 3
-    assert owners(301, 5).tolist() == owners(301, 5, balanced=False).tolist()
 
 
 def test_chains_are_fixed_sequences():

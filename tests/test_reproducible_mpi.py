@@ -251,6 +251,30 @@ def test_ranks_holding_no_key_take_part(comm, n):
         assert_close(comm, out, ref[0], None, f"N={n} {layout} out")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_keys_already_on_their_blocks_stay_put(comm, dtype, monkeypatch):
+    """N = 256 P under a contiguous layout: every rank already holds its whole key blocks in
+    position order, so deal_keys moves nothing (no deal_rows, on every rank); zigzag deals.
+    Both give the P = 1 bits."""
+    q, k, v = _inputs(dtype, seed=4, n=256 * comm.size)
+    kw = dict(causal=True)
+    want = _single(comm, q, k, v, kw)
+    dealt = []
+
+    def spy(*args, **kwargs):
+        dealt.append(1)
+        return deal_rows(*args, **kwargs)
+
+    deal_rows = reproducible.deal_rows
+    monkeypatch.setattr(reproducible, "deal_rows", spy)
+    for layout in ("contiguous", "zigzag"):
+        dealt.clear()
+        out, lse = _run(comm, q, k, v, layout, kw)
+        _same_everywhere(comm, digest(out, lse), want, f"N=256 P {layout}")
+        moved = layout == "zigzag" and comm.size > 1
+        assert_all(comm, bool(dealt) == moved, f"{layout}: deal_rows called {len(dealt)} times")
+
+
 def test_head_parallel_keeps_the_bits(comm):
     """Heads x ring (head_parallel = U, every U > 1 dividing P): the P = 1 bits of out and lse,
     with GQA (K/V heads split across the group or shared), a mask and all three score

@@ -39,6 +39,8 @@ class Float32Kernel(Library):
         self.levels = int(lib.rmf_levels())
         lib.rmf_block.restype = i64
         lib.rmf_block.argtypes = [p] * 6 + [i64] * 12 + [p] * 5
+        lib.rmf_finish.restype = i64
+        lib.rmf_finish.argtypes = [p] * 3 + [i64] * 4 + [p]
         lib.rmf_backward_width.restype = i64
         self.backward_width = int(lib.rmf_backward_width())
         lib.rmf_backward.restype = i64
@@ -52,9 +54,13 @@ class Float32Kernel(Library):
         b, hkv, sk, d = k.shape
         w = self.panel_keys
         skp = -(-sk // self.tile_keys) * self.tile_keys
-        full = np.zeros((b, hkv, skp, d), dtype=np.float32)
-        full[:, :, :sk] = k
-        return np.ascontiguousarray(np.swapaxes(full.reshape(b, hkv, skp // w, w, d), 3, 4))
+        out = np.empty((b, hkv, skp // w, d, w), dtype=np.float32)
+        whole = sk // w  # panels of real keys only: one transposing copy each
+        out[:, :, :whole] = np.swapaxes(k[:, :, : whole * w].reshape(b, hkv, whole, w, d), 3, 4)
+        out[:, :, whole:] = 0.0  # the padding, and the last panel's real keys below
+        if sk > whole * w:
+            out[:, :, whole, :, : sk - whole * w] = np.swapaxes(k[:, :, whole * w : sk], 2, 3)
+        return out
 
     def pad_values(self, v: np.ndarray) -> np.ndarray:
         """v (B, Hkv, Sk, Dv) as float32 (B, Hkv, Skp, Dvp), zero padded to whole blocks and
@@ -62,8 +68,10 @@ class Float32Kernel(Library):
         b, hkv, sk, dv = v.shape
         skp = -(-sk // self.tile_keys) * self.tile_keys
         w = self.column_width
-        out = np.zeros((b, hkv, skp, -(-dv // w) * w), dtype=np.float32)
+        out = np.empty((b, hkv, skp, -(-dv // w) * w), dtype=np.float32)
         out[:, :, :sk, :dv] = v
+        out[:, :, :sk, dv:] = 0.0
+        out[:, :, sk:] = 0.0
         return out
 
     def block(self, qs, kt, vp, k_pos, lo, hi, state, *, sk: int, dv: int, rows: tuple) -> None:
@@ -101,6 +109,23 @@ class Float32Kernel(Library):
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"reproducible float32 kernel refused its arguments ({rc})")
+
+    def finish(self, o_lev, l, a=None) -> np.ndarray:
+        """out (B, Sq, H, Dv) float32 from the levels ``o_lev`` (B, H, Sq, F, Dv) and the rows'
+        ``l`` (and sink factors ``a``) of :func:`ringmpi.reproducible.denominators`: the bits
+        of :func:`ringmpi.reproducible.finish` for float32 outputs, in one pass."""
+        b, h, sq, nf, dv = o_lev.shape
+        rows = [x for x in (l, a) if x is not None]
+        if nf != self.levels or any(x.shape != (b, h, sq) for x in rows):
+            raise ValueError("reproducible float32 kernel: levels or rows of the wrong shape")
+        if any(x.dtype != np.float64 or not x.flags.c_contiguous for x in [o_lev, *rows]):
+            raise ValueError("reproducible float32 kernel: finish takes C-contiguous float64")
+        out = np.empty((b, sq, h, dv), dtype=np.float32)
+        rc = self._lib.rmf_finish(ptr(o_lev), ptr(l), None if a is None else ptr(a), b, h, sq,
+                                  dv, ptr(out))  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"reproducible float32 kernel refused its arguments ({rc})")
+        return out
 
     def backward(self, arrays, lo, hi, nrows: int, nkeys: int, kpos0: int, grids, dq_sums,
                  dk_sums, dv_sums) -> tuple:  # fmt: skip

@@ -13,6 +13,7 @@ huge keys, NaN, an lse that is not the forward's).
 import numpy as np
 import pytest
 from mpi4py import MPI
+from tools.fingerprint import digest
 from tools.reprokernels import (
     by_every_path,
     flags_keep_the_bits,
@@ -20,7 +21,7 @@ from tools.reprokernels import (
     isa_objects,
 )
 
-from ringmpi import reproducible_float32
+from ringmpi import reproducible, reproducible_float32
 from ringmpi.cpu import fused_reproducible_float32
 from ringmpi.cpu.isa import host_isas
 from ringmpi.cpu.loader import Loader
@@ -129,6 +130,32 @@ def test_kernel_refuses_keys_off_the_block_grid():
              np.ones(3), np.ones((1, 1, 3, 8)))  # fmt: skip
     with pytest.raises(ValueError, match="refused"):
         kern.block(q, kt, vp, pos, lo, hi, state, sk=10, dv=8, rows=(0, 4))
+
+
+@pytest.mark.parametrize("isa", host_isas())
+def test_finish_gives_the_numpy_bits(isa):
+    """The one-pass end (rmf_finish) against ringmpi.reproducible.finish on levels shaped like
+    real ones (a large level 0, small remainders, a column tail): rows that saw no key
+    (out 0), a NaN row, the sinks' factor, and lse from the same row totals."""
+    kern = fused_reproducible_float32.load(isa)
+    rng = np.random.default_rng(11)
+    b, h, sq, dv = 2, 3, 37, 13
+    lev = np.array([1.0, 2.0**-32, 2.0**-64])[:, None, None, None]
+    l_parts = (rng.uniform(1.0, 300.0, (3, b, h, sq)) * lev).round(20)
+    o_parts = (rng.uniform(-5.0, 80.0, (3, b, h, sq, dv)) * lev[..., None]).round(20)
+    l_parts[:, 0, 1, 4] = 0.0  # saw no key
+    l_parts[0, 1, 2, 9] = np.nan  # a NaN score
+    m = rng.uniform(-3.0, 40.0, (b, h, sq))
+    for sinks in (None, np.array([0.5, 60.0, -2.0])):
+        want = reproducible.finish(l_parts.copy(), o_parts.copy(), m, np.float32, sinks)
+        o_lev = np.ascontiguousarray(np.moveaxis(o_parts, 0, 3))  # (B, H, Sq, F, Dv)
+        l, a, top = reproducible.denominators(l_parts.copy(), m, sinks)
+        got = kern.finish(o_lev, l, a), reproducible.log_sum_exp(l, top, np.float32)
+        assert digest(*got) == digest(*want), f"{isa}, sinks {sinks is not None}"
+        assert not got[0][1, 9, 2].any() and np.isnan(got[1][1, 2, 9])
+        assert sinks is not None or (not got[0][0, 4, 1].any() and got[1][0, 1, 4] == -np.inf)
+    with pytest.raises(ValueError, match="wrong shape"):
+        kern.finish(o_lev, l[:, :, 1:])
 
 
 def _step_case(seed, nrows, nkeys, width, *, kpos0=1024, dk=24, dv=40):
