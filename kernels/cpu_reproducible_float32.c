@@ -186,17 +186,18 @@ static inline vf rmf_exp2(vf x) {
     return self(x != x, x, p * two_n);
 }
 
-/* reproducible_float32.tree64: a = ((p[0:16] + p[16:32]) + p[32:48]) + p[48:64] lane by lane
- * (RMF_VN lanes at a time), then halves added: 16 -> 8 -> 4 -> 2 -> 1 */
+/* reproducible_float32.tree64: a = ((p[0:16] + p[16:32]) + p[32:48]) + p[48:64] lane by lane,
+ * then halves added: 16 -> 8 -> 4 -> 2 -> 1. In vectors of 8 on every path (GCC splits them
+ * where the path is narrower): lo = a[0:8], hi = a[8:16], then the halves of each sum. */
+typedef float rmf_v8 __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float rmf_v4 __attribute__((vector_size(16)));
+typedef float rmf_v2 __attribute__((vector_size(8)));
 static inline float rmf_tree64(const float *p) {
-    float a[16], h8[8], h4[4], h2[2];
-    for (int o = 0; o < 16; o += RMF_VN) {
-        vf x = (ldf(p + o) + ldf(p + 16 + o)) + ldf(p + 32 + o);
-        stf(a + o, x + ldf(p + 48 + o));
-    }
-    for (int l = 0; l < 8; l++) h8[l] = a[l] + a[l + 8];
-    for (int l = 0; l < 4; l++) h4[l] = h8[l] + h8[l + 4];
-    for (int l = 0; l < 2; l++) h2[l] = h4[l] + h4[l + 2];
+    const rmf_v8 *x = (const rmf_v8 *)p; /* x[k]: p[8 k .. 8 k + 8) */
+    const rmf_v8 lo = ((x[0] + x[2]) + x[4]) + x[6], hi = ((x[1] + x[3]) + x[5]) + x[7];
+    const rmf_v8 h8 = lo + hi;
+    const rmf_v4 h4 = (rmf_v4){h8[0], h8[1], h8[2], h8[3]} + (rmf_v4){h8[4], h8[5], h8[6], h8[7]};
+    const rmf_v2 h2 = (rmf_v2){h4[0], h4[1]} + (rmf_v2){h4[2], h4[3]};
     return h2[0] + h2[1];
 }
 
