@@ -69,6 +69,7 @@ from .reproducible import (
     fold_into,
     folds,
     grids,
+    moves_nothing,
     score_modifiers,
     undeal_rows,
     visible_ranges,
@@ -429,26 +430,21 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     # (rounded to the input dtype before they are dealt back: elementwise, the same bits)
     dq = _total_in_place(dq_parts)
     dq *= args.scale
-    dq = np.moveaxis(dq, 2, 0).astype(dtype, order="C")  # (cq, B, H, Dk) rows, one pass
-    dq = undeal_rows(comm, dq.reshape(cq, b * h * dk_w), back_q)
-    dq = np.moveaxis(dq.reshape(nql, b, h, dk_w), 0, 2)
+    dq = _rows_back(comm, dq, back_q, dtype)  # (B, H, nql, Dk)
     fk = pkg[nkv:].reshape(b, hkv, cmax, nf, dk_w + dv_w)
     if share is not None:  # the other members' heads' parts of the same keys: exact sums
         folds_here = np.ascontiguousarray(fk)
         share.Allreduce(MPI.IN_PLACE, folds_here, op=MPI.SUM)
         fk = folds_here
-    dkv = np.moveaxis(_total_in_place([fk[:, :, :ck, f] for f in range(nf)]), 2, 0)
+    dkv = _total_in_place([fk[:, :, :ck, f] for f in range(nf)])
     dkv[..., :dk_w] *= args.scale
-    dkv = dkv.astype(dtype, order="C")  # (ck, B, Hkv, .) rows: the reshape below is free
-    dkv = undeal_rows(comm, dkv.reshape(ck, wk), back_k).reshape(nkl, b, hkv, dk_w + dv_w)
-    dkv = np.moveaxis(dkv, 0, 2)
+    dkv = _rows_back(comm, dkv, back_k, dtype)  # (B, Hkv, nkl, Dk + Dv)
     grads = []
-    for x, n_here, full in ((dq, nql, sq), (dkv[..., :dk_w], nkl, sk), (dkv[..., dk_w:], nkl, sk)):
-        if n_here < full:  # rows past the layout's positions (padding): no gradient
-            x = np.concatenate(
-                [x, np.zeros(x.shape[:2] + (full - n_here,) + x.shape[3:], dtype)], 2
-            )
-        grads.append(np.ascontiguousarray(x))
+    for x, full in ((dq, sq), (dkv[..., :dk_w], sk), (dkv[..., dk_w:], sk)):
+        out = np.empty(x.shape[:2] + (full,) + x.shape[3:], dtype)
+        out[:, :, : x.shape[2]] = x  # rounded to dtype here where no row travelled
+        out[:, :, x.shape[2] :] = 0  # rows past the layout's positions (padding): no gradient
+        grads.append(out)
     stats = dict(
         compute_s=compute_s,
         wait_s=t_wait,
@@ -462,6 +458,19 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         tile=tile_name,
     )
     return (*grads, stats)
+
+
+def _rows_back(comm, x, back, dtype):
+    """``x`` (B, H, c, W) float64, one row per dealt position, rounded to ``dtype`` and
+    dealt back (:func:`~ringmpi.reproducible.undeal_rows`): (B, H, n, W) in the order of
+    this rank's positions. Where nothing travels (:func:`~ringmpi.reproducible.moves_nothing`)
+    ``x`` comes back as it is (a view, rounded by whoever copies it): no row transposes."""
+    if moves_nothing(comm, back):
+        return x
+    b, h, c, w = x.shape
+    rows = np.moveaxis(x, 2, 0).astype(dtype, order="C")  # (c, B, H, W) rows, one pass
+    rows = undeal_rows(comm, rows.reshape(c, b * h * w), back)
+    return np.moveaxis(rows.reshape(-1, b, h, w), 0, 2)
 
 
 def _float32_rows(qd, dk_w: int, dv_w: int, lo, hi, narrow: float) -> tuple:
