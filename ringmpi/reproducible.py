@@ -60,6 +60,8 @@ __all__ = [
     "block_owners",
     "deal_rows",
     "undeal_rows",
+    "block_starts",
+    "side_by_side",
     "moves_nothing",
     "finish",
     "denominators",
@@ -72,9 +74,10 @@ FOLDS = 3  # each fold keeps about 51 - log2(nk) more bits of every summand
 
 # det_exp's constants: kernels/cpu_reproducible.c (RMR_*) holds the same doubles
 _EXP_SHIFT = float.fromhex("0x1.8p52")  # adding it rounds to an integer
-_EXP_INVLN2 = float.fromhex("0x1.71547652b82fep+0")
-_EXP_LN2HI = float.fromhex("0x1.62e42fee00000p-1")  # 32 significant bits
-_EXP_LN2LO = float.fromhex("0x1.a39ef35793c76p-33")
+EXP_INVLN2 = float.fromhex("0x1.71547652b82fep+0")  # 1 / ln 2 (the float32 method's float64
+# instance reduces its scores by the same three constants)
+EXP_LN2HI = float.fromhex("0x1.62e42fee00000p-1")  # 32 significant bits
+EXP_LN2LO = float.fromhex("0x1.a39ef35793c76p-33")
 _SQRT_HALF = float.fromhex("0x1.6a09e667f3bcdp-1")
 _EXP_TMIN = -345.0  # e^-345 < 2^-497: such a weight is 0 by definition (no subnormal p v)
 _EXP_C = [float.fromhex(x) for x in (
@@ -142,8 +145,8 @@ def det_exp(t):
     t = np.asarray(t, dtype=np.float64)
     tc = np.where(t < _EXP_TMIN, _EXP_TMIN, t)  # NaN stays NaN
     tc = np.where(tc == tc, tc, 0.0)
-    n = (tc * _EXP_INVLN2 + _EXP_SHIFT) - _EXP_SHIFT
-    r = (tc - n * _EXP_LN2HI) - n * _EXP_LN2LO
+    n = (tc * EXP_INVLN2 + _EXP_SHIFT) - _EXP_SHIFT
+    r = (tc - n * EXP_LN2HI) - n * EXP_LN2LO
     p = _EXP_C[12] * r + _EXP_C[11]
     for c in _EXP_C[10::-1]:
         p = p * r + c
@@ -171,8 +174,8 @@ def det_tanh(x):
         t = -2.0 * np.abs(x)
     tc = np.where(t < _EXP_TMIN, _EXP_TMIN, t)  # NaN stays NaN
     tc = np.where(tc == tc, tc, 0.0)
-    n = (tc * _EXP_INVLN2 + _EXP_SHIFT) - _EXP_SHIFT
-    r = (tc - n * _EXP_LN2HI) - n * _EXP_LN2LO
+    n = (tc * EXP_INVLN2 + _EXP_SHIFT) - _EXP_SHIFT
+    r = (tc - n * EXP_LN2HI) - n * EXP_LN2LO
     p = _EXP_C[12] * r + _EXP_C[11]
     for c in _EXP_C[10:0:-1]:
         p = p * r + c
@@ -224,7 +227,7 @@ def det_log(x):
     for k in range(19, 0, -2):
         acc = acc * s2 + 1.0 / k
     logm = 2.0 * (s * acc)
-    return e * _EXP_LN2HI + (e * _EXP_LN2LO + logm)
+    return e * EXP_LN2HI + (e * EXP_LN2LO + logm)
 
 
 def folds(nk: int, dtype) -> int:
@@ -424,7 +427,7 @@ def deal_keys(comm, k, v, pos, nk: int, block: int = KEY_BLOCK):
     starts, counts: lists over ranks (rank r holds positions starts[r] + 0..counts[r]-1).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    starts = _starts(nk, size, block)
+    starts = block_starts(nk, size, block)
     counts = [starts[r + 1] - starts[r] for r in range(size)]
     pos = np.asarray(pos, dtype=np.int64)
     n = len(pos)
@@ -435,7 +438,7 @@ def deal_keys(comm, k, v, pos, nk: int, block: int = KEY_BLOCK):
         return k[:, :, :n], v[:, :, :n], starts[:-1], counts
     b, hkv, _, dk = k.shape
     dv = v.shape[-1]
-    rows = _side_by_side([k, v], n, np.result_type(k.dtype, v.dtype))
+    rows = side_by_side([k, v], n, np.result_type(k.dtype, v.dtype))
     mine = deal_rows(comm, rows.reshape(n, b * hkv * (dk + dv)), pos, nk, block=block)[0]
     mine = mine.reshape(counts[rank], b, hkv, dk + dv)  # each row: k (B, Hkv, Dk), then v
     kd = np.ascontiguousarray(np.moveaxis(mine[..., :dk], 0, 2), dtype=k.dtype)  # exact
@@ -443,7 +446,7 @@ def deal_keys(comm, k, v, pos, nk: int, block: int = KEY_BLOCK):
     return kd, vd, starts[:-1], counts
 
 
-def _starts(n: int, size: int, block: int = KEY_BLOCK) -> list:
+def block_starts(n: int, size: int, block: int = KEY_BLOCK) -> list:
     """Rank r holds the global blocks [r nb / P, (r + 1) nb / P): their first positions."""
     nb = -(-n // block)
     return [min(r * nb // size * block, n) for r in range(size + 1)]
@@ -554,7 +557,7 @@ def _exchange(comm, rows, send, recv):
     return got
 
 
-def _side_by_side(cols, n: int, dtype):
+def side_by_side(cols, n: int, dtype):
     """(n, B, H, sum of widths) rows of ``dtype``: each (B, H, >= n, w) column group's first
     ``n`` rows, converted once (one pass per group, no intermediate copies)."""
     b, h = cols[0].shape[:2]

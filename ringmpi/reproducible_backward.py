@@ -60,8 +60,7 @@ from .layout import positions
 from .parallel import HeadGroups
 from .reproducible import (
     KEY_BLOCK,
-    _side_by_side,
-    _starts,
+    block_starts,
     choose_kernel,
     deal_rows,
     det_exp,
@@ -71,6 +70,7 @@ from .reproducible import (
     grids,
     moves_nothing,
     score_modifiers,
+    side_by_side,
     undeal_rows,
     visible_ranges,
 )
@@ -315,7 +315,7 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
         row_dtype = np.float32
         lh, ll = reproducible_float32.split_lse(np.asarray(lse)[:, :, :nql])
         cols = [q, dout, lh[..., None], ll[..., None], delta.astype(np.float32)[..., None]]
-    qrows = _side_by_side(cols, nql, row_dtype)  # (nql, B, H, W)
+    qrows = side_by_side(cols, nql, row_dtype)  # (nql, B, H, W)
     wq = h * qrows.shape[-1]
     mine_q, q_mine, back_q = deal_rows(comm, qrows.reshape(nql, b * wq), q_pos, nq,
                                        balanced=True, block=blk)  # fmt: skip
@@ -323,10 +323,10 @@ def loop(comm, args, q, k, v, dout, out, lse, heads=slice(None), share=None, g_a
     qd = np.moveaxis(mine_q.reshape(cq, b, h, qrows.shape[-1]), 0, 2)  # (B, H, cq, W)
     qq, qdo = qd[..., :dk_w], qd[..., dk_w : dk_w + dv_w]
     qlse, qdelta = qd[..., dk_w + dv_w], qd[..., -1]
-    krows = _side_by_side([k, v], nkl, row_dtype).reshape(nkl, b * hkv * (dk_w + dv_w))
+    krows = side_by_side([k, v], nkl, row_dtype).reshape(nkl, b * hkv * (dk_w + dv_w))
     mine_k, k_mine, back_k = deal_rows(comm, krows, k_pos, nk, block=blk)
     ck = len(k_mine)
-    k_starts = _starts(nk, size, blk)
+    k_starts = block_starts(nk, size, blk)
     k_counts = [k_starts[r + 1] - k_starts[r] for r in range(size)]
 
     # global bounds (exact maxima, the same for every P): |k|, |v| per (batch, kv head,
