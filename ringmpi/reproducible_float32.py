@@ -1,4 +1,9 @@
-"""Reproducible mode, float32 inputs (issue 40): one pass in float32, exact sums in float64.
+"""Reproducible mode, one pass (issue 40): float32 chains, exact sums in float64.
+
+Float64 inputs run the same pass in float64 (:func:`eligible_float64`: the float64
+method's scores s = chain x scale and ``det_exp``, p = det_exp(s - r ln 2) with
+r = ceil(max s / ln 2), multiply-then-add chains, :data:`FOLDS64` levels); what follows
+describes the float32 pass, the float64 one differs only there.
 
 :func:`ringmpi.reproducible.loop` hands a forward to :func:`loop` here when
 :func:`eligible` says so: float32 (or narrower) inputs, no softcap, no ALiBi. The
@@ -55,9 +60,13 @@ from .cpu import fused_reproducible_float32
 from .layout import positions
 from .mask import plan_steps
 from .reproducible import (
+    EXP_INVLN2,
+    EXP_LN2HI,
+    EXP_LN2LO,
     choose_kernel,
     deal_keys,
     denominators,
+    det_exp,
     finish,
     fold_into,
     log_sum_exp,
@@ -71,7 +80,9 @@ __all__ = [
     "CHAIN",
     "WINDOW",
     "FOLDS",
+    "FOLDS64",
     "eligible",
+    "eligible_float64",
     "fma32",
     "exp2f",
     "tree64",
@@ -102,6 +113,7 @@ _EXP2_C = [np.float32(float.fromhex(x)) for x in (
     "0x1.3b2ab6p-7", "0x1.5d87fep-10", "0x1.430912p-13", "0x1.ffcbfcp-17",
 )]  # fmt: skip
 _EXP2_MIN = np.float32(-125.0)  # below: 0 (a weight under 2^-125 of the block's largest)
+FOLDS64 = 4  # levels of the float64 inputs' sums: the dropped parts at most 2^(2b - 103) of l
 
 
 def eligible(spec, dtype, nk: int) -> bool:
@@ -112,6 +124,19 @@ def eligible(spec, dtype, nk: int) -> bool:
     shapes: the same on every rank for every P.
     """
     if np.dtype(dtype).itemsize > 4 or spec.softcap is not None:
+        return False
+    nb = -(-int(nk) // BLOCK)
+    return spec.alibi_slopes is None and nb.bit_length() <= MAX_BITS
+
+
+def eligible_float64(spec, dtype, nk: int) -> bool:
+    """Whether the forward of ``spec`` on ``dtype`` inputs runs this method in float64.
+
+    Float64 inputs, no softcap and no ALiBi (the sinks are fine), fewer than 2^MAX_BITS
+    global key blocks: the same pass with float64 chains and :data:`FOLDS64` levels.
+    Like :func:`eligible`, a function of the options and global shapes only.
+    """
+    if np.dtype(dtype) != np.float64 or spec.softcap is not None:
         return False
     nb = -(-int(nk) // BLOCK)
     return spec.alibi_slopes is None and nb.bit_length() <= MAX_BITS
@@ -176,8 +201,8 @@ def tree64(p):
     return a[..., 0]
 
 
-def window_grids(nb: int, bound):
-    """The FOLDS splitting constants of the block partials, relative to their window.
+def window_grids(nb: int, bound, nfolds: int = FOLDS):
+    """The ``nfolds`` splitting constants of the block partials, relative to their window.
 
     A block partial scaled to its window is at most 2^9 bound (256 weights <= 1, and a
     float32 chain's rounding); with 2^e > bound and b the bits of ``nb`` (the global
@@ -186,12 +211,12 @@ def window_grids(nb: int, bound):
     level f >= 1 is at most q_(f-1) / 2 = 2^31 q_f and a level holds at most ``nb``
     parts, so with b <= 19 every level sum is a multiple of q_f below 2^51 q_f: exact.
 
-    Returns a float64 array of shape (FOLDS,) + shape of ``bound``.
+    Returns a float64 array of shape (nfolds,) + shape of ``bound``.
     """
     bits = max(int(nb), 1).bit_length()
     _, e = np.frexp(np.asarray(bound, dtype=np.float64))
     e = np.maximum(e.astype(np.int64) + 9 + bits, _E_MIN)
-    return np.stack([np.ldexp(1.5, e + 2 - WINDOW * f) for f in range(FOLDS)])
+    return np.stack([np.ldexp(1.5, e + 2 - WINDOW * f) for f in range(nfolds)])
 
 
 def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=None, start=None):
@@ -211,24 +236,29 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     hkv, dv = ki.shape[1], vi.shape[-1]
     nk = int(args.nk)
     nb = -(-nk // BLOCK)
-    c32 = np.float32(float(args.scale) * LOG2E)  # scale x log2(e), rounded once
-    qs = np.ascontiguousarray(np.asarray(qi, dtype=np.float32) * c32)  # rounded: float32 mul
+    scale = float(args.scale)
+    wt = np.dtype(np.float64 if eligible_float64(args.spec, args.tile_dtype, nk) else np.float32)
+    nf = FOLDS64 if wt == np.float64 else FOLDS
+    if wt == np.float32:  # the chains are the scores in base 2: qs = q x C, rounded once
+        qs = np.ascontiguousarray(np.asarray(qi, dtype=np.float32) * np.float32(scale * LOG2E))
+    else:  # float64: the chains are of q itself, times the scale after (as reproducible.scores)
+        qs = np.ascontiguousarray(qi, dtype=np.float64)
     kern = choose_kernel(fused_reproducible_float32, "reproducible float32 C kernel", BLOCK)
     sinks = args.spec.sinks
     sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)[heads]
 
     k_mine = positions(nk, rank, size, layout, cu_seqlens=mask.cu_k, mask=mask)
     kd, vd, starts, counts = deal_keys(comm, ki, vi, k_mine, nk, block=BLOCK)
-    kd = np.asarray(kd, dtype=np.float32)
-    vd = np.ascontiguousarray(vd, dtype=np.float32)
+    kd = np.asarray(kd, dtype=wt)
+    vd = np.ascontiguousarray(vd, dtype=wt)
     vmax = np.abs(vd).max(axis=2).astype(np.float64) if vd.shape[2] else np.zeros((b, hkv, dv))
     comm.Allreduce(MPI.IN_PLACE, vmax, op=MPI.MAX)
-    l_grid = np.ascontiguousarray(window_grids(nb, np.float64(1.0)))  # (F,)
-    v_grid = np.ascontiguousarray(np.moveaxis(window_grids(nb, vmax), 0, 2))  # (B, Hkv, F, Dv)
+    l_grid = np.ascontiguousarray(window_grids(nb, np.float64(1.0), nf))  # (F,)
+    v_grid = np.ascontiguousarray(np.moveaxis(window_grids(nb, vmax, nf), 0, 2))  # (B, Hkv, F, Dv)
 
     ref = np.full((b, h, sq), -np.inf)  # each row's window (+inf: a NaN score was seen)
-    l_lev = np.zeros((b, h, sq, FOLDS))  # a row's levels side by side (the kernel's layout)
-    o_lev = np.zeros((b, h, sq, FOLDS, dv))
+    l_lev = np.zeros((b, h, sq, nf))  # a row's levels side by side (the kernel's layout)
+    o_lev = np.zeros((b, h, sq, nf, dv))
     state = (ref, l_lev, o_lev, l_grid, v_grid)
     stats = dict(compute_s=0.0, wait_s=0.0, flops=0, tile_flops=0, bytes_sent=0)
     computed = 0
@@ -239,16 +269,16 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
             if sees(span, k_pos):
                 t0 = time.perf_counter()
                 if kern is not None:
-                    kt, vp = kern.pad_keys(kb), kern.pad_values(vb)
+                    kt, vp = kern.pad_keys(kb, wt), kern.pad_values(vb, wt)
                 for r0 in range(0, sq, _ROWS):
                     if on_tick is not None:
                         on_tick(step)
                     rows = (r0, min(sq, r0 + _ROWS))
                     if kern is not None:
                         kern.block(qs, kt, vp, k_pos, lo, hi, state, sk=len(k_pos), dv=dv,
-                                   rows=rows)  # fmt: skip
+                                   rows=rows, scale=scale)  # fmt: skip
                     else:
-                        _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows)
+                        _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows, scale)
                 stats["compute_s"] += time.perf_counter() - t0
                 pairs = plan.pairs(step, k_pos, args.causal)
                 stats["flops"] += cost.flops(pairs, d, h, b, dv=dv)
@@ -261,7 +291,7 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     bad = ref == np.inf
     m = np.where(bad, np.nan, ref * LN2)
     l_lev[..., 0][bad] = np.nan
-    if kern is not None and np.dtype(args.acc_dtype) == np.float32:  # one pass, the same bits
+    if kern is not None and wt == np.float32 == np.dtype(args.acc_dtype):  # one pass, same bits
         l, a, m = denominators(np.moveaxis(l_lev, 3, 0), m, sinks)
         out, lse = kern.finish(o_lev, np.ascontiguousarray(l), a), log_sum_exp(l, m, np.float32)
     else:
@@ -272,13 +302,21 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
         steps_computed=computed,
         steps_skipped=0,
         steps_resumed=0,
-        reproducible_kernel=(f"C {kern.isa}" if kern is not None else "numpy") + " float32",
+        reproducible_kernel=(f"C {kern.isa}" if kern is not None else "numpy") + f" {wt.name}",
     )
     return out, lse, stats
 
 
-def _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows) -> None:
-    """One K/V block (whole global blocks) against the rows ``rows``: the kernel's oracle."""
+def _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows, scale: float = 1.0) -> None:
+    """One K/V block (whole global blocks) against the rows ``rows``: the kernel's oracle.
+
+    ``qs`` float32: q x C, the chains' steps :func:`fma32`, the scores in base 2. Or float64:
+    q itself, a multiply and then an add per step, s = chain x ``scale`` (the float64
+    method's :func:`~ringmpi.reproducible.scores`), r = ceil(max s / ln 2) and
+    p = det_exp((s - r ln2_hi) - r ln2_lo).
+    """
+    wt = qs.dtype.type
+    step = (lambda x, y, a: a + x * y) if wt == np.float64 else fma32
     b, h, _, d = qs.shape
     g = h // kb.shape[1]
     dv = vb.shape[-1]
@@ -294,29 +332,34 @@ def _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows) -> None:
         for bb in range(b):
             for hh in range(h):
                 kh = hh // g
-                kblk = np.zeros((BLOCK, d), dtype=np.float32)
+                kblk = np.zeros((BLOCK, d), dtype=wt)
                 kblk[: k1 - k0] = kb[bb, kh, k0:k1]
-                vblk = np.zeros((BLOCK, dv), dtype=np.float32)
+                vblk = np.zeros((BLOCK, dv), dtype=wt)
                 vblk[: k1 - k0] = vb[bb, kh, k0:k1]
-                t = np.zeros((r1 - r0, BLOCK), dtype=np.float32)
+                t = np.zeros((r1 - r0, BLOCK), dtype=wt)
                 for x in range(d):
-                    t = fma32(qs[bb, hh, r0:r1, x, None], kblk[None, :, x], t)
-                t = np.where(vis, t, np.float32(-np.inf))
+                    t = step(qs[bb, hh, r0:r1, x, None], kblk[None, :, x], t)
+                t = np.where(vis, t, wt(-np.inf))
                 m = t.max(axis=1)  # NaN propagates
                 live = m != -np.inf
                 if not live.any():
                     continue
-                r = np.ceil(m) + np.float32(0.0)  # -0 -> +0 (the maximum of +-0 is either)
                 with np.errstate(invalid="ignore"):
-                    p = exp2f(t - np.where(live, r, np.float32(0))[:, None])
-                p = np.where(live[:, None], p, np.float32(0))
+                    if wt == np.float64:
+                        r = np.ceil((m * scale) * EXP_INVLN2) + 0.0  # -0 -> +0
+                        rl = np.where(live, r, 0.0)[:, None]
+                        p = det_exp(((t * scale) - rl * EXP_LN2HI) - rl * EXP_LN2LO)
+                    else:
+                        r = np.ceil(m) + wt(0.0)  # -0 -> +0 (the maximum of +-0 is either)
+                        p = exp2f(t - np.where(live, r, wt(0))[:, None])
+                p = np.where(live[:, None], p, wt(0))
                 lsub = tree64(p.reshape(-1, BLOCK // CHAIN, CHAIN))  # (rows, 4)
                 lb = lsub[:, 0].astype(np.float64)
                 ob = None
                 for c in range(BLOCK // CHAIN):
-                    a = np.zeros((r1 - r0, dv), dtype=np.float32)
+                    a = np.zeros((r1 - r0, dv), dtype=wt)
                     for j in range(c * CHAIN, (c + 1) * CHAIN):
-                        a = fma32(p[:, j, None], vblk[None, j, :], a)
+                        a = step(p[:, j, None], vblk[None, j, :], a)
                     if c:
                         lb = lb + lsub[:, c].astype(np.float64)
                         ob = ob + a.astype(np.float64)
@@ -333,6 +376,7 @@ def fold_rows(state, bb, hh, kh, rows, r, lb, ob) -> None:
     The operations of the kernel's rmf_fold, row by row (the rows are independent).
     """
     ref, l_lev, o_lev, l_grid, v_grid = state
+    nf = l_lev.shape[-1]  # FOLDS, or FOLDS64 for float64 inputs
     R = ref[bb, hh, rows]
     L = np.moveaxis(l_lev[bb, hh, rows], 1, 0)  # (F, n): a copy (rows is an index array)
     O = np.moveaxis(o_lev[bb, hh, rows], 1, 0)  # (F, n, Dv)
@@ -342,9 +386,9 @@ def fold_rows(state, bb, hh, kh, rows, r, lb, ob) -> None:
     rs = np.where(ok, r, 0.0)
     rw = WINDOW * np.ceil(rs / WINDOW)
     up = ok & ~(R >= rw)  # a higher window: the row's levels move down
-    k = np.where(R == -np.inf, FOLDS, np.where(up, (rw - np.where(up, R, 0.0)) / WINDOW, 0))
-    k = np.minimum(k, FOLDS).astype(np.int64)
-    for f in range(FOLDS - 1, -1, -1):
+    k = np.where(R == -np.inf, nf, np.where(up, (rw - np.where(up, R, 0.0)) / WINDOW, 0))
+    k = np.minimum(k, nf).astype(np.int64)
+    for f in range(nf - 1, -1, -1):
         src = f - k
         take = up & (src >= 0)
         sc = np.ldexp(1.0, -WINDOW * k)
@@ -354,16 +398,16 @@ def fold_rows(state, bb, hh, kh, rows, r, lb, ob) -> None:
         L[f] = np.where(up, lv, L[f])
         O[f] = np.where(up[:, None], ov, O[f])
     R = np.where(up, rw, R)
-    kk = np.where(ok, (np.where(ok, R, 0.0) - rw) / WINDOW, FOLDS).astype(np.int64)
+    kk = np.where(ok, (np.where(ok, R, 0.0) - rw) / WINDOW, nf).astype(np.int64)
     sc = np.ldexp(1.0, (rs - rw).astype(np.int64))
     xl = lb * sc
     xo = ob * sc[:, None]
-    down = np.ldexp(1.0, -WINDOW * np.minimum(kk, FOLDS))
-    for f in range(FOLDS):
+    down = np.ldexp(1.0, -WINDOW * np.minimum(kk, nf))
+    for f in range(nf):
         hl = (xl + l_grid[f]) - l_grid[f]
         ho = (xo + v_grid[bb, kh, f]) - v_grid[bb, kh, f]
         lev = f + kk
-        for t in range(FOLDS):
+        for t in range(nf):
             at = ok & (lev == t)
             L[t] = np.where(at, L[t] + hl * down, L[t])
             O[t] = np.where(at[:, None], O[t] + ho * down[:, None], O[t])

@@ -29,7 +29,9 @@ class Float32Kernel(Library):
     EXTRA_FLAGS = ("-ffp-contract=off", "-fno-fast-math")
 
     def declare(self, lib: ctypes.CDLL) -> None:
-        """Declare ``rmf_block``; ``tile_keys``: keys per global block; ``levels``."""
+        """Declare ``rmf_block`` and ``rmd_block`` (float64 inputs); ``tile_keys``: keys per
+        global block; ``levels`` (``wide``: the float64 instance's panel keys, column width
+        and levels)."""
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for name in ("rmf_tile_keys", "rmf_panel_keys", "rmf_column_width", "rmf_levels"):
             getattr(lib, name).restype = i64
@@ -37,8 +39,17 @@ class Float32Kernel(Library):
         self.panel_keys = int(lib.rmf_panel_keys())
         self.column_width = int(lib.rmf_column_width())
         self.levels = int(lib.rmf_levels())
-        lib.rmf_block.restype = i64
-        lib.rmf_block.argtypes = [p] * 6 + [i64] * 12 + [p] * 5
+        for name in ("rmd_panel_keys", "rmd_column_width", "rmd_levels"):
+            getattr(lib, name).restype = i64
+        # the float64 instance of the pass (rmd_block): its panels, tiles and levels
+        self.wide = dict(
+            panel_keys=int(lib.rmd_panel_keys()),
+            column_width=int(lib.rmd_column_width()),
+            levels=int(lib.rmd_levels()),
+        )
+        for name in ("rmf_block", "rmd_block"):
+            getattr(lib, name).restype = i64
+            getattr(lib, name).argtypes = [p] * 6 + [i64] * 12 + [p] * 5 + [ctypes.c_double]
         lib.rmf_finish.restype = i64
         lib.rmf_finish.argtypes = [p] * 3 + [i64] * 4 + [p]
         lib.rmf_backward_width.restype = i64
@@ -46,15 +57,16 @@ class Float32Kernel(Library):
         lib.rmf_backward.restype = i64
         lib.rmf_backward.argtypes = [p] * 10 + [i64] * 14 + [p] * 12
 
-    def pad_keys(self, k: np.ndarray) -> np.ndarray:
-        """k (B, Hkv, Sk, D) as float32 k^T panels (B, Hkv, Skp / W, D, W), zero padded.
+    def pad_keys(self, k: np.ndarray, dtype=np.float32) -> np.ndarray:
+        """k (B, Hkv, Sk, D) as ``dtype`` k^T panels (B, Hkv, Skp / W, D, W), zero padded.
 
-        W = ``panel_keys``; Skp: Sk rounded up to whole blocks (``tile_keys``).
+        W = ``panel_keys`` (float64: ``wide["panel_keys"]``); Skp: Sk rounded up to whole
+        blocks (``tile_keys``).
         """
         b, hkv, sk, d = k.shape
-        w = self.panel_keys
+        w = self._sizes(dtype)["panel_keys"]
         skp = -(-sk // self.tile_keys) * self.tile_keys
-        out = np.empty((b, hkv, skp // w, d, w), dtype=np.float32)
+        out = np.empty((b, hkv, skp // w, d, w), dtype=dtype)
         whole = sk // w  # panels of real keys only: one transposing copy each
         out[:, :, :whole] = np.swapaxes(k[:, :, : whole * w].reshape(b, hkv, whole, w, d), 3, 4)
         out[:, :, whole:] = 0.0  # the padding, and the last panel's real keys below
@@ -62,24 +74,27 @@ class Float32Kernel(Library):
             out[:, :, whole, :, : sk - whole * w] = np.swapaxes(k[:, :, whole * w : sk], 2, 3)
         return out
 
-    def pad_values(self, v: np.ndarray) -> np.ndarray:
-        """v (B, Hkv, Sk, Dv) as float32 (B, Hkv, Skp, Dvp), zero padded to whole blocks and
-        to whole tiles of ``column_width`` columns."""
+    def pad_values(self, v: np.ndarray, dtype=np.float32) -> np.ndarray:
+        """v (B, Hkv, Sk, Dv) as ``dtype`` (B, Hkv, Skp, Dvp), zero padded to whole blocks and
+        to whole tiles of ``column_width`` columns (float64: ``wide["column_width"]``)."""
         b, hkv, sk, dv = v.shape
         skp = -(-sk // self.tile_keys) * self.tile_keys
-        w = self.column_width
-        out = np.empty((b, hkv, skp, -(-dv // w) * w), dtype=np.float32)
+        w = self._sizes(dtype)["column_width"]
+        out = np.empty((b, hkv, skp, -(-dv // w) * w), dtype=dtype)
         out[:, :, :sk, :dv] = v
         out[:, :, :sk, dv:] = 0.0
         out[:, :, sk:] = 0.0
         return out
 
-    def block(self, qs, kt, vp, k_pos, lo, hi, state, *, sk: int, dv: int, rows: tuple) -> None:
+    def block(self, qs, kt, vp, k_pos, lo, hi, state, *, sk: int, dv: int, rows: tuple,
+              scale: float = 1.0) -> None:  # fmt: skip
         """One K/V block against the rows ``[rows[0], rows[1])`` of ``qs``.
 
         Parameters
         ----------
-        qs : (B, H, Sq, D) float32, q x C rounded (:func:`ringmpi.reproducible_float32.loop`)
+        qs : (B, H, Sq, D) float32, q x C rounded (:func:`ringmpi.reproducible_float32.loop`);
+            or float64: q itself, for the float64 instance, whose scores are its chains
+            times ``scale``
         kt : from :meth:`pad_keys`;  vp : from :meth:`pad_values`
         k_pos : (sk,) int64 consecutive global positions from a multiple of ``tile_keys``
         lo, hi : (L, Sq) int64 visible key ranges
@@ -89,26 +104,37 @@ class Float32Kernel(Library):
         ref, l_lev, o_lev, l_grid, v_grid = state
         b, h, sq, d = qs.shape
         hkv, skp, dvp = vp.shape[1], vp.shape[2], vp.shape[3]
-        if ref.shape != (b, h, sq) or v_grid.shape != (b, hkv, self.levels, dv):
+        wide = qs.dtype == np.float64  # the float64 instance (rmd_block), else rmf_block
+        nf = self._sizes(qs.dtype)["levels"]
+        if ref.shape != (b, h, sq) or v_grid.shape != (b, hkv, nf, dv):
             raise ValueError("reproducible float32 kernel: windows or grids of the wrong shape")
         if lo.shape != hi.shape or lo.ndim != 2 or lo.shape[1] != sq:
             raise ValueError(f"reproducible float32 kernel: lo, hi of shape (L, {sq})")
-        if l_lev.shape != (b, h, sq, self.levels) or o_lev.shape != (b, h, sq, self.levels, dv):
+        if l_lev.shape != (b, h, sq, nf) or o_lev.shape != (b, h, sq, nf, dv):
             raise ValueError("reproducible float32 kernel: level sums of the wrong shape")
         arrays = (qs, kt, vp, k_pos, lo, hi, ref, l_lev, o_lev, l_grid, v_grid)
         for a in arrays:
             if not a.flags.c_contiguous:
                 raise ValueError("reproducible float32 kernel: arrays must be C-contiguous")
-        want = (np.float32,) * 3 + (np.int64,) * 3 + (np.float64,) * 5
-        if any(a.dtype != t for a, t in zip(arrays, want)):
+        want = (qs.dtype.type,) * 3 + (np.int64,) * 3 + (np.float64,) * 5
+        if qs.dtype not in (np.float32, np.float64) or any(
+            a.dtype != t for a, t in zip(arrays, want)
+        ):
             raise ValueError("reproducible float32 kernel: wrong dtypes")
-        rc = self._lib.rmf_block(
+        rc = (self._lib.rmd_block if wide else self._lib.rmf_block)(
             ptr(qs), ptr(kt), ptr(vp), ptr(k_pos), ptr(lo), ptr(hi),
             len(lo), b, h, hkv, sq, sk, skp, d, dvp, dv, rows[0], rows[1],
-            ptr(ref), ptr(l_lev), ptr(o_lev), ptr(l_grid), ptr(v_grid),
+            ptr(ref), ptr(l_lev), ptr(o_lev), ptr(l_grid), ptr(v_grid), float(scale),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"reproducible float32 kernel refused its arguments ({rc})")
+
+    def _sizes(self, dtype) -> dict:
+        """Panel keys, column width and levels of the instance for ``dtype`` inputs."""
+        if np.dtype(dtype) == np.float64:
+            return self.wide
+        return dict(panel_keys=self.panel_keys, column_width=self.column_width,
+                    levels=self.levels)  # fmt: skip
 
     def finish(self, o_lev, l, a=None) -> np.ndarray:
         """out (B, Sq, H, Dv) float32 from the levels ``o_lev`` (B, H, Sq, F, Dv) and the rows'

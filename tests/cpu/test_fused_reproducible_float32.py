@@ -21,6 +21,7 @@ from tools.reprokernels import (
     isa_objects,
 )
 
+import ringmpi
 from ringmpi import reproducible, reproducible_float32
 from ringmpi.cpu import fused_reproducible_float32
 from ringmpi.cpu.isa import host_isas
@@ -56,6 +57,27 @@ def test_kernel_on_every_isa_gives_the_numpy_bits(mask, monkeypatch):
     out, lse = got["numpy"]
     assert_close(SELF, out, ref[0], peer[0], f"{mask} out")
     assert_close(SELF, lse, ref[1], peer[1], f"{mask} lse")
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_float64_inputs_run_the_pass_in_float64(mask, monkeypatch):
+    """Float64 inputs run the same pass in float64 (the multiply-then-add chains, the float64
+    method's scores and det_exp, four levels): the kernel's bits on every ISA path are the
+    numpy code's, and out and lse meet the float64 rule against the dense float64 reference
+    (N = 283, D = 24, Dv = 40, GQA, real-shaped values)."""
+    rng = np.random.default_rng(17)
+    q, k, _ = random_qkv(rng, 283, 4, 2, 24, dtype=np.float64, realistic=True)
+    v = 0.5 + 0.1 * rng.standard_normal((283, 2, 40))
+    kw = MASKS[mask]
+    got = by_every_path(q, k, v, kw, monkeypatch)
+    ref = attention(q, k, v, **kw)
+    out, lse = got["numpy"]
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert_close(SELF, out, ref[0], None, f"{mask} float64 out")
+    assert_close(SELF, lse, ref[1], None, f"{mask} float64 lse")
+    st = {}
+    ringmpi.ring_attention(q, k, v, SELF, reproducible=True, stats=st, **kw)
+    assert st["reproducible_kernel"].endswith(" float64"), st["reproducible_kernel"]
 
 
 def test_cross_attention_gives_the_numpy_bits(monkeypatch):
