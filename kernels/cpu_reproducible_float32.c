@@ -183,27 +183,6 @@ static inline void rmf_weights(float *t, float r, double scale) {
     for (int64_t j = 0; j < RMF_BK; j += RMF_VN) stf(t + j, rmf_exp2(ldf(t + j) - r));
 }
 #include "cpu_reproducible_window.h"
-#undef W_T
-#undef W_V
-#undef W_VN
-#undef W_MASK_T
-#undef W_MASKV
-#undef W_R
-#undef W_NK
-#undef W_NV
-#undef W_K
-#undef W_CW
-#undef W_F
-#undef W_LD
-#undef W_ST
-#undef W_SEL
-#undef W_SPLAT
-#undef W_MAX
-#undef W_MADD
-#undef W_REF
-#undef W_TREE64
-#undef W_WIDE
-#undef FN
 
 /* ============================================================== float64 inputs ====
  * The same pass in float64 (float64 inputs, issue 40): the score and P V chains multiply and
@@ -272,27 +251,6 @@ static inline void rmd_weights(double *t, double r, double scale) {
     for (int64_t j = 0; j < RMF_BK; j += 8) st8(t + j, rmr_exp8(((ld8(t + j) * scale) - hi) - lo));
 }
 #include "cpu_reproducible_window.h"
-#undef W_T
-#undef W_V
-#undef W_VN
-#undef W_MASK_T
-#undef W_MASKV
-#undef W_R
-#undef W_NK
-#undef W_NV
-#undef W_K
-#undef W_CW
-#undef W_F
-#undef W_LD
-#undef W_ST
-#undef W_SEL
-#undef W_SPLAT
-#undef W_MAX
-#undef W_MADD
-#undef W_REF
-#undef W_TREE64
-#undef W_WIDE
-#undef FN
 
 /* The forward's end for float32 outputs (ringmpi.reproducible.finish's operations on o):
  * out[bb][i][h][c] = (float)((((O_0 + O_1) + O_2) x a) / l) for the row (bb, h, i) where

@@ -17,11 +17,12 @@
  *   W_TREE64             the fixed tree sum of 64 weights;
  *   W_WIDE(p)            RMF_DN values at p as a vector of doubles;
  *   FN(x)                the functions' names (rmf_x for float32, rmd_x for float64).
+ * They are undefined at the end, ready for the next instance.
  *
  * The bits do not depend on the blocking: every score and every chain is its own sequence
  * of operations (the file's header has the argument). */
 
-/* Scores of W_R rows x one panel: t[r][j] = fma chain over d (from +0, d in index order);
+/* Scores of W_R rows x one panel: t[r][j] = the W_MADD chain over d (from +0, d in index order);
  * mv (may be NULL): each row's running maximum vector, updated from the registers */
 static inline void FN(scores)(const W_T *const qr[W_R], const W_T *kp, int64_t D,
                               W_T *t, int64_t ldt, W_V *mv) {
@@ -52,8 +53,8 @@ static inline void FN(scores)(const W_T *const qr[W_R], const W_T *kp, int64_t D
             for (int c = 0; c < W_NK; c++) mv[r] = W_MAX(mv[r], a[r][c]);
 }
 
-/* One chain's P V for W_R rows x W_CW columns: o[r][c] = fma chain over its 64 keys in
- * key order, from +0 */
+/* One chain's P V for W_R rows x W_CW columns: o[r][c] = the W_MADD chain over its 64 keys
+ * in key order, from +0 */
 static inline void FN(pv)(const W_T *p, int64_t ldp, const W_T *vb, int64_t ldv, W_T *o,
                           int64_t ldo) {
     W_V a[W_R][W_NV];
@@ -78,9 +79,10 @@ static inline void FN(pv)(const W_T *p, int64_t ldp, const W_T *vb, int64_t ldv,
         for (int c = 0; c < W_NV; c++) W_ST(o + r * ldo + c * W_VN, a[r][c]);
 }
 
-/* reproducible_float32.fold_rows for one row (W_F levels): the block partial (lb, ob) x 2^r into the row's
- * window R and levels L[f], O[f * Dv + c] (grids lg[f], vg[f * Dv + c]); ob is made here from
- * the row's four chain sums os4[q][c]: ((o_0 + o_1) + o_2) + o_3 in float64. */
+/* reproducible_float32.fold_rows for one row (W_F levels): the block partial (lb, ob) x 2^r
+ * into the row's window R and levels L[f], O[f * Dv + c] (grids lg[f], vg[f * Dv + c]); ob
+ * is made here from the row's four chain sums os4[q][c]: ((o_0 + o_1) + o_2) + o_3 in
+ * float64. */
 static void FN(fold)(double r, double lb, const W_T *const os4[RMF_NC], int64_t Dv, double *R,
                      double *L, double *O, const double *lg, const double *vg) {
     if (r != r || *R == INFINITY) {
@@ -157,14 +159,14 @@ static void FN(fold)(double r, double lb, const W_T *const os4[RMF_NC], int64_t 
 
 /* One K/V block (whole global key blocks) against the query rows row0 <= i < row1.
  *
- * qs: (B, H, Sq, D) float32, q x C rounded (C = scale x log2 e rounded to float32)
- * kt: (B, Hkv, Skp / W_K, D, W_K) float32 k^T in panels; v: (B, Hkv, Skp, Dvp) float32
- *     (keys past Sk and columns past Dv zero); Skp a multiple of 256, Dvp of W_CW
+ * qs: (B, H, Sq, D) W_T: float32 q x C rounded (C = scale x log2 e rounded to float32), or
+ *     float64 q itself; kt: (B, Hkv, Skp / W_K, D, W_K) W_T k^T in panels; v: (B, Hkv, Skp,
+ *     Dvp) W_T (keys past Sk and columns past Dv zero); Skp a multiple of 256, Dvp of W_CW
  * kpos: (Sk,) int64 global positions, kpos[0] a multiple of 256, consecutive
  * lo, hi: (nlay, Sq) int64 visible key ranges (a row sees p when lo[t] <= p <= hi[t], some t)
- * ref: (B, H, Sq) windows; llev: (B, H, Sq, 3); olev: (B, H, Sq, 3, Dv) (a row's levels side
- * by side: far apart, at power-of-two strides, they thrashed the caches); lgrid (3,);
- * vgrid: (B, Hkv, 3, Dv); scale: the scores' factor where the chains are of q itself (the
+ * ref: (B, H, Sq) windows; llev: (B, H, Sq, W_F); olev: (B, H, Sq, W_F, Dv) (a row's levels
+ * side by side: far apart, at power-of-two strides, they thrashed the caches); lgrid (W_F,);
+ * vgrid: (B, Hkv, W_F, Dv); scale: the scores' factor where the chains are of q itself (the
  * float64 instance; the float32 one takes qs, already scaled). Returns 0, or -1 for a bad
  * argument. */
 int64_t FN(block)(const W_T *qs, const W_T *kt, const W_T *v, const int64_t *kpos,
@@ -304,3 +306,25 @@ int64_t FN(block)(const W_T *qs, const W_T *kt, const W_T *v, const int64_t *kpo
         }
     return 0;
 }
+
+#undef W_T
+#undef W_V
+#undef W_VN
+#undef W_MASK_T
+#undef W_MASKV
+#undef W_R
+#undef W_NK
+#undef W_NV
+#undef W_K
+#undef W_CW
+#undef W_F
+#undef W_LD
+#undef W_ST
+#undef W_SEL
+#undef W_SPLAT
+#undef W_MAX
+#undef W_MADD
+#undef W_REF
+#undef W_TREE64
+#undef W_WIDE
+#undef FN

@@ -123,23 +123,22 @@ def eligible(spec, dtype, nk: int) -> bool:
     than 2^MAX_BITS global key blocks. A function of the call's options and global
     shapes: the same on every rank for every P.
     """
-    if np.dtype(dtype).itemsize > 4 or spec.softcap is not None:
-        return False
-    nb = -(-int(nk) // BLOCK)
-    return spec.alibi_slopes is None and nb.bit_length() <= MAX_BITS
+    return np.dtype(dtype).itemsize <= 4 and _plain(spec, nk)
 
 
 def eligible_float64(spec, dtype, nk: int) -> bool:
     """Whether the forward of ``spec`` on ``dtype`` inputs runs this method in float64.
 
-    Float64 inputs, no softcap and no ALiBi (the sinks are fine), fewer than 2^MAX_BITS
-    global key blocks: the same pass with float64 chains and :data:`FOLDS64` levels.
-    Like :func:`eligible`, a function of the options and global shapes only.
+    Float64 inputs and the rest of :func:`eligible`'s conditions: the same pass with
+    float64 chains and :data:`FOLDS64` levels.
     """
-    if np.dtype(dtype) != np.float64 or spec.softcap is not None:
-        return False
+    return np.dtype(dtype) == np.float64 and _plain(spec, nk)
+
+
+def _plain(spec, nk: int) -> bool:
+    """No softcap, no ALiBi, and fewer than 2^MAX_BITS global key blocks."""
     nb = -(-int(nk) // BLOCK)
-    return spec.alibi_slopes is None and nb.bit_length() <= MAX_BITS
+    return spec.softcap is None and spec.alibi_slopes is None and nb.bit_length() <= MAX_BITS
 
 
 def fma32(a, b, c):
@@ -289,6 +288,8 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
     stats["wait_s"] += kv.ring.wait_s
     stats["bytes_sent"] += kv.bytes_sent
     bad = ref == np.inf
+    if wt == np.float64:
+        _near_one(ref, l_lev, o_lev)
     m = np.where(bad, np.nan, ref * LN2)
     l_lev[..., 0][bad] = np.nan
     if kern is not None and wt == np.float32 == np.dtype(args.acc_dtype):  # one pass, same bits
@@ -305,6 +306,27 @@ def loop(comm, args, qi, ki, vi, on_step, on_tick, heads=slice(None), on_state=N
         reproducible_kernel=(f"C {kern.isa}" if kern is not None else "numpy") + f" {wt.name}",
     )
     return out, lse, stats
+
+
+def _near_one(ref, l_lev, o_lev) -> None:
+    """Each row's sums rescaled by 2^-e, e the exponent of its l, and its reference R made
+    R + e (in place), so that lse = R ln 2 + log(l) adds two numbers of the row's own size.
+
+    After the ring R is a window (a multiple of 32) and l may be as small as 2^-33: then
+    R ln 2 and log(l) are large and opposite, and their sum lost float64 bits that the
+    backward's dv showed (7 times the default's error with masks of slices, P = 2). The
+    scaling is by a power of two, so o / l keeps its bits; l is the levels' sum in
+    :func:`~ringmpi.reproducible.finish`'s order, P-independent like them.
+    """
+    l_tot = l_lev[..., 0].copy()
+    for f in range(1, l_lev.shape[-1]):
+        l_tot += l_lev[..., f]
+    ok = np.isfinite(ref) & np.isfinite(l_tot) & (l_tot > 0)
+    e = np.where(ok, np.frexp(np.where(ok, l_tot, 1.0))[1], 0)
+    down = np.ldexp(1.0, -e)
+    l_lev *= down[..., None]
+    o_lev *= down[..., None, None]
+    ref += e
 
 
 def _numpy_block(qs, kb, vb, k_pos, lo, hi, state, rows, scale: float = 1.0) -> None:
